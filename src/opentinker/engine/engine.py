@@ -1,0 +1,431 @@
+"""The engine: one frozen base model, many LoRA adapters, fused training across adapters.
+
+Pure compute and state — no HTTP, no threads. Whoever owns an ``Engine`` (the scheduler) calls it
+from one thread at a time. The API, in the order an adapter's life uses it::
+
+    eng = Engine("opentinker/tiny")
+    aid = eng.create_adapter(LoRAConfig(rank=8, seed=0))          # any time; capacity is not fixed
+    [res] = eng.forward_backward_many([ForwardRequest(aid, examples, "cross_entropy")])
+    eng.optim_step(aid, AdamParams(learning_rate=1e-4))            # this adapter only
+    snap = eng.snapshot(aid)                                       # immutable policy version
+    eng.save_state(aid, path) / eng.load_state(path)               # weights + optimizer, checksummed
+    eng.export_peft(aid, out_dir)                                  # PEFT / vLLM format
+    with eng.routing([aid, snap.snapshot_id, None]): model(...)    # per-row policies, for samplers
+
+``forward_backward_many`` is the "clock cycle": all requests — any adapters, snapshots, losses,
+forward-only or not — share ONE forward pass over one padded batch and ONE backward. Each datum
+is self-contained (losses are sums; base weights are frozen), so batching changes nobody's
+gradient. Gradients are taken with ``torch.autograd.grad`` into per-adapter accumulators and
+checked for NaN/inf per adapter before they are added, so a bad request cannot poison state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opentinker.engine.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from opentinker.engine.export import export_peft
+from opentinker.engine.losses import LOSSES, resolve_config
+from opentinker.engine.optim import AdapterOptimizer
+from opentinker.engine.types import (
+    AdamParams,
+    EngineError,
+    ForwardRequest,
+    ForwardResult,
+    PolicyRef,
+    SnapshotInfo,
+    UnknownPolicyError,
+)
+from opentinker.engine.validate import validate_request
+from opentinker.lora import LoRAConfig, LoRAWeights, MultiLoRA, init_lora_weights
+from opentinker.models import BaseModel, load_base_model
+
+ADAPTER_FILE = "adapter.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass
+class _Adapter:
+    adapter_id: str
+    weights: LoRAWeights
+    optimizer: AdapterOptimizer
+    grads: dict[str, torch.Tensor] | None = None
+    step: int = 0  # optimizer steps taken
+    versions: int = 0  # snapshots taken
+    parent: str | None = None  # checkpoint this adapter was loaded from
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        base_model: str | BaseModel = "opentinker/tiny",
+        *,
+        max_rank: int = 128,
+        max_batch_tokens: int = 1 << 17,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.base = (
+            base_model
+            if isinstance(base_model, BaseModel)
+            else load_base_model(base_model, dtype=dtype, device=device)
+        )
+        self.device = torch.device(device)
+        self.max_rank = max_rank
+        self.max_batch_tokens = max_batch_tokens
+        self.lora = MultiLoRA.attach(self.base.model)
+        self._adapters: dict[str, _Adapter] = {}
+        self._snapshots: dict[str, tuple[LoRAWeights, SnapshotInfo]] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ adapters
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.base.max_context
+
+    def create_adapter(self, config: LoRAConfig, adapter_id: str | None = None) -> str:
+        self._check_config(config)
+        if adapter_id is None:
+            adapter_id = f"adapter-{next(self._ids)}"
+            while adapter_id in self._adapters:
+                adapter_id = f"adapter-{next(self._ids)}"
+        elif adapter_id in self._adapters or "@" in adapter_id:
+            raise EngineError(f"adapter id {adapter_id!r} is taken or contains '@'")
+        weights = init_lora_weights(config, self.lora.group_shapes(), device=self.device)
+        self._adapters[adapter_id] = _Adapter(adapter_id, weights, AdapterOptimizer(_named(weights)))
+        return adapter_id
+
+    def _check_config(self, config: LoRAConfig) -> None:
+        if not isinstance(config.rank, int) or not 1 <= config.rank <= self.max_rank:
+            raise EngineError(f"LoRA rank must be an integer in [1, {self.max_rank}], got {config.rank!r}")
+        if not (config.alpha > 0 and config.alpha < float("inf")):
+            raise EngineError(f"LoRA alpha must be positive and finite, got {config.alpha!r}")
+        if not (config.train_attn or config.train_mlp or config.train_unembed):
+            raise EngineError("an adapter must train at least one of attention, MLP or unembedding")
+        kinds = {g.kind for g in self.lora.groups.values()}
+        if not any(config.trains(k) for k in kinds):
+            raise EngineError(
+                f"this model has no layers of the kinds the config trains (has {sorted(kinds)})"
+            )
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        """Forget an adapter (its snapshots stay until released: pinned samplers keep working)."""
+        self._adapter(adapter_id)
+        del self._adapters[adapter_id]
+
+    def adapter_ids(self) -> list[str]:
+        return list(self._adapters)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self._adapters
+
+    def adapter_config(self, adapter_id: str) -> LoRAConfig:
+        return self._adapter(adapter_id).weights.config
+
+    def adapter_step(self, adapter_id: str) -> int:
+        return self._adapter(adapter_id).step
+
+    def adapter_weights(self, ref: PolicyRef) -> LoRAWeights:
+        """The live weights of an adapter, or a snapshot's. Treat as read-only."""
+        w = self._resolve(ref)
+        if w is None:
+            raise UnknownPolicyError("the base model has no LoRA weights")
+        return w
+
+    def optimizer_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        return self._adapter(adapter_id).optimizer.state_tensors()
+
+    def _adapter(self, adapter_id: str) -> _Adapter:
+        a = self._adapters.get(adapter_id)
+        if a is None:
+            raise UnknownPolicyError(f"unknown adapter {adapter_id!r}")
+        return a
+
+    def _resolve(self, ref: PolicyRef) -> LoRAWeights | None:
+        if ref is None:
+            return None
+        a = self._adapters.get(ref)
+        if a is not None:
+            return a.weights
+        s = self._snapshots.get(ref)
+        if s is not None:
+            return s[0]
+        raise UnknownPolicyError(f"unknown adapter or snapshot {ref!r}")
+
+    # ------------------------------------------------------------------ compute
+    @contextmanager
+    def routing(self, policies: list[PolicyRef]) -> Iterator[None]:
+        """Run the base model with row ``i`` going through ``policies[i]`` (for samplers)."""
+        order: dict[PolicyRef, int] = {}
+        for p in policies:
+            order.setdefault(p, len(order))
+        entries = [self._resolve(p) for p in order]
+        rows = torch.tensor([order[p] for p in policies], dtype=torch.long, device=self.device)
+        with self.lora.use(self.lora.make_batch(entries, rows)):
+            yield
+
+    def forward_backward(self, req: ForwardRequest) -> ForwardResult:
+        """One request on its own; raises :class:`EngineError` if it is refused."""
+        [res] = self.forward_backward_many([req])
+        if isinstance(res, Exception):
+            raise res
+        return res
+
+    def forward_backward_many(self, reqs: list[ForwardRequest]) -> list[ForwardResult | EngineError]:
+        """Run all requests in one fused forward (and one backward); a refused one fails alone."""
+        results: list[ForwardResult | EngineError | None] = [None] * len(reqs)
+        valid: list[int] = []
+        for i, req in enumerate(reqs):
+            try:
+                validate_request(
+                    req,
+                    vocab_size=self.vocab_size,
+                    max_context=self.max_context,
+                    max_batch_tokens=self.max_batch_tokens,
+                )
+                if req.backward and (req.policy is None or req.policy not in self._adapters):
+                    what = "the base model" if req.policy is None else repr(req.policy)
+                    raise UnknownPolicyError(f"cannot train {what}: forward_backward needs a live adapter")
+                self._resolve(req.policy)
+                valid.append(i)
+            except EngineError as e:
+                results[i] = e
+        if valid:
+            self._run_fused(reqs, valid, results)
+        return [r if r is not None else EngineError("request was not run") for r in results]
+
+    def _run_fused(
+        self, reqs: list[ForwardRequest], valid: list[int], results: list[ForwardResult | EngineError | None]
+    ) -> None:
+        policies: list[PolicyRef] = []
+        rows: list[tuple[int, int]] = []  # (request index, example index) per batch row
+        for i in valid:
+            for j in range(len(reqs[i].examples)):
+                policies.append(reqs[i].policy)
+                rows.append((i, j))
+        lengths = [int(reqs[i].examples[j].tokens_T.shape[0]) for i, j in rows]
+        # Right padding needs no attention mask: causal attention never lets a real token see a pad.
+        tokens_BT = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=self.device)
+        for b, (i, j) in enumerate(rows):
+            tokens_BT[b, : lengths[b]] = reqs[i].examples[j].tokens_T.to(self.device)
+        need_grad = any(reqs[i].backward for i in valid)
+        with torch.set_grad_enabled(need_grad), self.routing(policies):
+            logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False).logits.float()
+            lse_BT = torch.logsumexp(logits_BTV, dim=-1)
+            per_req_loss: dict[int, torch.Tensor] = {}
+            per_req_out: dict[int, list[dict[str, torch.Tensor]]] = {i: [] for i in valid}
+            for b, (i, j) in enumerate(rows):
+                req, ex, n = reqs[i], reqs[i].examples[j], lengths[b]
+                inputs = {k: v.to(self.device) for k, v in ex.inputs.items()}
+                targets = inputs["target_tokens"].long()
+                tgt_TK = targets.reshape(n, -1)
+                lp = logits_BTV[b, :n].gather(-1, tgt_TK) - lse_BT[b, :n, None]
+                lp = lp.reshape(targets.shape)
+                inputs = {k: (v if k == "target_tokens" else v.float()) for k, v in inputs.items()}
+                elementwise = LOSSES[req.loss_fn].fn(
+                    lp, inputs, resolve_config(req.loss_fn, req.loss_fn_config)
+                )
+                per_req_loss[i] = per_req_loss.get(i, lp.new_zeros(())) + elementwise.sum()
+                per_req_out[i].append({"logprobs": lp.detach(), "elementwise_loss": elementwise.detach()})
+        ok: list[int] = []
+        for i in valid:
+            if torch.isfinite(per_req_loss[i]).item():
+                ok.append(i)
+            else:
+                results[i] = EngineError("the loss is NaN or inf for this data; nothing was updated")
+        train = [i for i in ok if reqs[i].backward]
+        if train:
+            self._accumulate(reqs, train, per_req_loss, results)
+        for i in ok:
+            if results[i] is None:
+                results[i] = ForwardResult(per_req_out[i], {"loss:sum": float(per_req_loss[i].detach())})
+
+    def _accumulate(
+        self,
+        reqs: list[ForwardRequest],
+        train: list[int],
+        per_req_loss: dict[int, torch.Tensor],
+        results: list[ForwardResult | EngineError | None],
+    ) -> None:
+        adapters = list(dict.fromkeys(reqs[i].policy for i in train))
+        params: list[torch.Tensor] = []
+        owners: list[tuple[str, str]] = []
+        for aid in adapters:
+            assert aid is not None
+            for name, p in _named(self._adapters[aid].weights).items():
+                params.append(p)
+                owners.append((aid, name))
+        total = torch.stack([per_req_loss[i] for i in train]).sum()
+        grads = torch.autograd.grad(total, params, allow_unused=True)
+        by_adapter: dict[str, dict[str, torch.Tensor]] = {aid: {} for aid in adapters if aid is not None}
+        for (aid, name), p, g in zip(owners, params, grads, strict=True):
+            by_adapter[aid][name] = g if g is not None else torch.zeros_like(p)
+        for aid, new in by_adapter.items():
+            if not all(bool(torch.isfinite(g).all()) for g in new.values()):
+                for i in train:
+                    if reqs[i].policy == aid:
+                        results[i] = EngineError(
+                            "the gradient is NaN or inf for this data; nothing was updated"
+                        )
+                continue
+            a = self._adapters[aid]
+            if a.grads is None:
+                a.grads = new
+            else:
+                for name, g in new.items():
+                    a.grads[name] += g
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
+        """AdamW on one adapter with its accumulated gradients (zeros if none), then clear them."""
+        a = self._adapter(adapter_id)
+        params.validate()
+        grads = (
+            a.grads if a.grads is not None else {n: torch.zeros_like(p) for n, p in _named(a.weights).items()}
+        )
+        metrics = a.optimizer.step(grads, params)
+        a.grads = None
+        a.step += 1
+        return metrics
+
+    def pending_gradients(self, adapter_id: str) -> dict[str, torch.Tensor] | None:
+        """Gradients accumulated since the adapter's last ``optim_step`` (None if none). Read-only."""
+        return self._adapter(adapter_id).grads
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self, adapter_id: str) -> SnapshotInfo:
+        """Copy the adapter's current weights into an immutable, sampleable policy version."""
+        a = self._adapter(adapter_id)
+        a.versions += 1
+        weights = a.weights.clone(requires_grad=False)
+        info = SnapshotInfo(f"{adapter_id}@v{a.versions}", adapter_id, a.versions, a.step, weights.nbytes())
+        self._snapshots[info.snapshot_id] = (weights, info)
+        return info
+
+    def snapshot_info(self, snapshot_id: str) -> SnapshotInfo:
+        s = self._snapshots.get(snapshot_id)
+        if s is None:
+            raise UnknownPolicyError(f"unknown snapshot {snapshot_id!r}")
+        return s[1]
+
+    def release_snapshot(self, snapshot_id: str) -> None:
+        if self._snapshots.pop(snapshot_id, None) is None:
+            raise UnknownPolicyError(f"unknown snapshot {snapshot_id!r}")
+
+    def snapshot_ids(self) -> list[str]:
+        return list(self._snapshots)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(
+        self,
+        ref: PolicyRef,
+        path: str | Path,
+        *,
+        optimizer: bool = True,
+        meta: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> Path:
+        """Write weights (and, for a live adapter, optimizer state) as a checksummed checkpoint."""
+        weights = self.adapter_weights(ref)
+        files = {ADAPTER_FILE: weights.state_dict()}
+        record: dict[str, Any] = {"base_model": self.base.name, "lora": _config_dict(weights.config)}
+        live = self._adapters.get(ref) if ref is not None else None
+        if live is not None:
+            record.update(step=live.step, parent=live.parent, source=ref)
+            if optimizer:
+                files[OPTIMIZER_FILE] = live.optimizer.state_tensors()
+        else:
+            info = self.snapshot_info(str(ref))
+            record.update(
+                step=info.step,
+                parent=self._adapters[info.adapter_id].parent if info.adapter_id in self._adapters else None,
+                source=ref,
+            )
+        record["has_optimizer"] = OPTIMIZER_FILE in files
+        record.update(meta or {})
+        return write_checkpoint(path, files, record, overwrite=overwrite)
+
+    def load_state(
+        self,
+        path: str | Path,
+        *,
+        adapter_id: str | None = None,
+        optimizer: bool = True,
+        into: str | None = None,
+    ) -> str:
+        """Create an adapter from a checkpoint (or overwrite adapter ``into``); returns its id.
+
+        Everything is read and checked before any state changes; a mismatch leaves all as it was.
+        """
+        files, meta = read_checkpoint(path)
+        if meta.get("base_model") != self.base.name:
+            raise CheckpointError(
+                f"checkpoint {path} was trained on {meta.get('base_model')!r}, not on this engine's {self.base.name!r}"
+            )
+        config = LoRAConfig(**meta["lora"])
+        self._check_config(config)
+        shapes = self.lora.group_shapes()
+        tensors = files[ADAPTER_FILE]
+        loaded = LoRAWeights(config)
+        for key, t in tensors.items():
+            group, _, kind = key.rpartition(".")
+            if group not in shapes:
+                raise CheckpointError(f"checkpoint {path} has weights for {group!r}, which this model lacks")
+            n_layers, d_in, d_out, _ = shapes[group]
+            want = (n_layers, config.rank, d_in) if kind == "lora_A" else (n_layers, d_out, config.rank)
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(t.shape)}, expected {want}")
+            target = loaded.a if kind == "lora_A" else loaded.b
+            target[group] = t.to(self.device).clone().requires_grad_(True)
+        wanted = {g for g, (_, _, _, kind) in shapes.items() if config.trains(kind)}
+        if set(loaded.a) != wanted or set(loaded.b) != wanted:
+            raise CheckpointError(f"checkpoint {path} does not hold every LoRA group its config trains")
+        opt_tensors = files.get(OPTIMIZER_FILE) if optimizer else None
+        if optimizer and meta.get("has_optimizer") and opt_tensors is None:
+            raise CheckpointError(f"checkpoint {path} lists an optimizer state but it could not be read")
+        new_opt = AdapterOptimizer(_named(loaded))
+        if opt_tensors:
+            new_opt.load_state_tensors(opt_tensors)
+        if into is not None:
+            target_adapter = self._adapter(into)
+            if target_adapter.weights.config != config:
+                raise CheckpointError(
+                    f"checkpoint {path} has LoRA config {config}, adapter {into!r} has {target_adapter.weights.config}"
+                )
+            target_adapter.weights, target_adapter.optimizer = loaded, new_opt
+            target_adapter.grads, target_adapter.parent = None, str(path)
+            target_adapter.step = int(meta.get("step", 0))
+            return into
+        aid = self.create_adapter(config, adapter_id)
+        a = self._adapters[aid]
+        a.weights, a.optimizer, a.parent, a.step = loaded, new_opt, str(path), int(meta.get("step", 0))
+        return aid
+
+    def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
+        return export_peft(self.adapter_weights(ref), self.lora.groups, out_dir, base_model=self.base.path)
+
+
+def _named(weights: LoRAWeights) -> dict[str, torch.Tensor]:
+    return weights.state_dict()
+
+
+def _config_dict(config: LoRAConfig) -> dict[str, Any]:
+    return {
+        "rank": config.rank,
+        "alpha": config.alpha,
+        "seed": config.seed,
+        "train_attn": config.train_attn,
+        "train_mlp": config.train_mlp,
+        "train_unembed": config.train_unembed,
+    }

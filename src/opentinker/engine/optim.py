@@ -1,0 +1,67 @@
+"""Per-adapter AdamW: each adapter owns its optimizer and state; a step touches nothing else.
+
+We drive ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments) with Tinker's
+per-step ``AdamParams``; gradients live in the engine's per-adapter accumulators and are handed to
+the optimizer only for the step, so no other adapter's tensors are ever visited.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from opentinker.engine.types import AdamParams
+
+
+class AdapterOptimizer:
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+        self.opt = torch.optim.AdamW(list(params.values()), lr=0.0, foreach=False)
+
+    def step(self, grads: dict[str, torch.Tensor], hp: AdamParams) -> dict[str, float]:
+        """One AdamW step with ``grads`` (name -> tensor like the param); returns metrics."""
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+        clip = 1.0
+        if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
+            clip = hp.grad_clip_norm / (norm + 1e-6)
+        group = self.opt.param_groups[0]
+        group.update(
+            lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay
+        )
+        for name, p in self.params.items():
+            g = grads[name]
+            p.grad = g * clip if clip != 1.0 else g
+        with torch.no_grad():
+            self.opt.step()
+        for p in self.params.values():
+            p.grad = None
+        return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}
+
+    @property
+    def steps(self) -> int:
+        states = [self.opt.state.get(p) for p in self.params.values()]
+        return int(states[0]["step"]) if states and states[0] else 0
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The moments and step count as flat named tensors (for safetensors)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.params.items():
+            st = self.opt.state.get(p)
+            if not st:
+                continue
+            out[f"{name}.exp_avg"] = st["exp_avg"]
+            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
+            out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.opt.state.clear()
+        for name, p in self.params.items():
+            if f"{name}.exp_avg" not in tensors:
+                continue
+            self.opt.state[p] = {
+                "step": tensors[f"{name}.step"].reshape(()).clone().to(torch.float32),
+                "exp_avg": tensors[f"{name}.exp_avg"].clone().to(p.device, p.dtype),
+                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone().to(p.device, p.dtype),
+            }

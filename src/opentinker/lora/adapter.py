@@ -1,0 +1,97 @@
+"""One adapter's LoRA weights, stored per *target group* rather than per layer.
+
+A target group is one kind of projection across all layers (``self_attn.q_proj`` of every decoder
+layer, say). An adapter holds, for each group ``g`` it trains,
+
+    A[g]: [L_g, r, in_g]     B[g]: [L_g, out_g, r]     scale = alpha / r
+
+so that stacking K adapters for a batch is one ``torch.stack`` per group, not one per layer.
+Its tensors have exactly its own rank: nothing is stored "above the rank" that could drift.
+Initialisation follows PEFT/LoRA: A ~ kaiming-uniform(a=√5) from the adapter's seed, B = 0, so a
+fresh adapter leaves the base model's function unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """What ``create_lora_training_client`` asks for (Tinker's ``LoraConfig``, plus ``alpha``)."""
+
+    rank: int
+    alpha: float = 32.0
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def trains(self, kind: str) -> bool:
+        return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[kind]
+
+
+@dataclass
+class LoRAWeights:
+    """The tensors of one adapter (or one immutable snapshot of it)."""
+
+    config: LoRAConfig
+    a: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> [L, r, in]
+    b: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> [L, out, r]
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def scale(self) -> float:
+        return self.config.scale
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.a.values(), *self.b.values()]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {f"{g}.lora_A": t for g, t in self.a.items()}
+        out.update({f"{g}.lora_B": t for g, t in self.b.items()})
+        return out
+
+    def clone(self, *, requires_grad: bool = False) -> LoRAWeights:
+        """A detached copy (a snapshot when ``requires_grad`` is False)."""
+        a = {g: t.detach().clone().requires_grad_(requires_grad) for g, t in self.a.items()}
+        b = {g: t.detach().clone().requires_grad_(requires_grad) for g, t in self.b.items()}
+        return LoRAWeights(self.config, a, b)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def init_lora_weights(
+    config: LoRAConfig,
+    groups: dict[str, tuple[int, int, int, str]],
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoRAWeights:
+    """Fresh trainable weights for every group (``name -> (L, in, out, kind)``) the config trains."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(config.seed if config.seed is not None else torch.seed() % (2**63))
+    r = config.rank
+    weights = LoRAWeights(config)
+    for name in sorted(groups):
+        n_layers, d_in, d_out, kind = groups[name]
+        if not config.trains(kind):
+            continue
+        # kaiming_uniform_(a=sqrt(5)) on a [r, in] matrix has bound 1/sqrt(in); drawn on CPU from
+        # the adapter's own generator so the same seed gives the same adapter on any device.
+        bound = 1.0 / math.sqrt(d_in)
+        a = (torch.rand(n_layers, r, d_in, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        weights.a[name] = a.to(device=device, dtype=dtype).requires_grad_(True)
+        weights.b[name] = torch.zeros(n_layers, d_out, r, device=device, dtype=dtype, requires_grad=True)
+    return weights

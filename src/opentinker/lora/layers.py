@@ -1,0 +1,221 @@
+"""Multi-LoRA layers: each row of a batch may use a different adapter, of any rank.
+
+Semantics of a wrapped projection, for every row ``i`` of the batch::
+
+    y[i] = base(x[i]) + scale[e] * (x[i] @ A[e][layer].T) @ B[e][layer].T      with e = row_index[i]
+
+where ``entries`` (index ``e``) are the distinct adapters or snapshots of this batch (``None`` = bare
+base model: no delta). Rows are not regrouped: the delta is one gather of each row's A and B plus two
+batched matmuls, so the cost of a forward does not depend on how many distinct adapters it mixes.
+When every row uses the same entry we skip the gather (two plain matmuls).
+
+Adapters that do not share a rank are zero-padded to the batch's largest rank when stacked; padding
+only ever appears in the per-batch stack (gradients of the padding are dropped), never in storage.
+
+Adapter ids are not known here: the engine maps ids to entries for each batch, so ids stay stable
+while entry positions are reused batch to batch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opentinker.lora.adapter import LoRAWeights
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TargetGroup:
+    """One kind of projection across all layers, e.g. ``self_attn.q_proj`` (``L`` modules)."""
+
+    name: str
+    kind: str  # "attn" | "mlp" | "unembed"
+    d_in: int
+    d_out: int
+    paths: tuple[str, ...]  # module path of each layer's instance, in layer order (for PEFT export)
+    fan_in_fan_out: bool  # GPT-2's Conv1D stores weight as [in, out]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.paths)
+
+    def shape_info(self) -> tuple[int, int, int, str]:
+        return (self.n_layers, self.d_in, self.d_out, self.kind)
+
+
+class LoRABatch:
+    """Routing for one forward: the batch's entries stacked per group, and each row's entry index."""
+
+    def __init__(
+        self, entries: list[LoRAWeights | None], row_index: torch.Tensor, groups: dict[str, TargetGroup]
+    ) -> None:
+        self.entries = entries
+        self.row_index = row_index  # [B] int64, values in [0, K)
+        self.single = len(entries) == 1
+        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
+        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
+        self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
+        self.row_scale: dict[str, torch.Tensor] = {}  # group -> [B]
+        for name, group in groups.items():
+            present = [e for e in entries if e is not None and name in e.a]
+            if not present:
+                continue
+            r_max = max(e.rank for e in present)
+            ref = present[0].a[name]
+            a_list, b_list, scales = [], [], []
+            for e in entries:
+                if e is None or name not in e.a:
+                    a_list.append(ref.new_zeros(group.n_layers, r_max, group.d_in))
+                    b_list.append(ref.new_zeros(group.n_layers, group.d_out, r_max))
+                    scales.append(0.0)
+                    continue
+                pad = r_max - e.rank
+                a_list.append(F.pad(e.a[name], (0, 0, 0, pad)) if pad else e.a[name])
+                b_list.append(F.pad(e.b[name], (0, pad)) if pad else e.b[name])
+                scales.append(e.scale)
+            self.a[name] = torch.stack(a_list)
+            self.b[name] = torch.stack(b_list)
+            scale = torch.tensor(scales, dtype=ref.dtype, device=ref.device)
+            self.scale[name] = scale
+            self.row_scale[name] = scale[row_index]
+
+    def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        """The LoRA term for ``x`` ([B, T, in]) at ``layer`` of ``group``, or None if no entry has it."""
+        a = self.a.get(group)
+        if a is None:
+            return None
+        b = self.b[group]
+        if self.single:
+            a_l = a[0, layer].to(x.dtype)  # [r, in]
+            b_l = b[0, layer].to(x.dtype)  # [out, r]
+            return (x @ a_l.T) @ (b_l.T * self.scale[group][0].to(x.dtype))
+        a_rows = a[:, layer][self.row_index].to(x.dtype)  # [B, r, in]
+        b_rows = b[:, layer][self.row_index].to(x.dtype)  # [B, out, r]
+        shape = x.shape
+        x3 = x.reshape(shape[0], -1, shape[-1])  # [B, T, in]
+        xa = torch.bmm(x3, a_rows.transpose(1, 2)) * self.row_scale[group].to(x.dtype)[:, None, None]
+        return torch.bmm(xa, b_rows.transpose(1, 2)).reshape(*shape[:-1], -1)
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen base projection (``nn.Linear`` or GPT-2 ``Conv1D``) plus the current batch's LoRA."""
+
+    def __init__(self, base: nn.Module, owner: MultiLoRA, group: str, layer: int) -> None:
+        super().__init__()
+        self.base = base
+        self.group = group
+        self.layer = layer
+        # A plain attribute, not a submodule: the owner is not part of the model's module tree.
+        object.__setattr__(self, "_owner", owner)
+
+    @property
+    def weight(self) -> torch.Tensor:  # some HF code (tied embeddings, dtype checks) reads .weight
+        return self.base.weight  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch: LoRABatch | None = self._owner.batch  # type: ignore[attr-defined]
+        if batch is None:
+            return y
+        d = batch.delta(self.group, self.layer, x)
+        return y if d is None else y + d
+
+
+def _kind_of(path: str, is_unembed: bool) -> str | None:
+    if is_unembed:
+        return "unembed"
+    parts = path.lower().split(".")
+    if any("attn" in p or "attention" in p for p in parts):
+        return "attn"
+    if any(p in ("mlp", "feed_forward", "ffn") or "mlp" in p for p in parts):
+        return "mlp"
+    return None
+
+
+def _dims(module: nn.Module) -> tuple[int, int, bool] | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D (GPT-2)
+        w = module.weight
+        return int(w.shape[0]), int(w.shape[1]), True
+    return None
+
+
+class MultiLoRA:
+    """Wraps a model's attention, MLP and unembedding projections with :class:`MultiLoRALinear`.
+
+    The model is changed in place; ``batch`` is the routing every wrapped layer reads during a
+    forward (set it with :meth:`use`). ``groups`` describes every wrapped projection kind.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.batch: LoRABatch | None = None
+        out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        found: dict[str, list[tuple[int, str, nn.Module, int, int, bool, str]]] = {}
+        for path, module in list(model.named_modules()):
+            dims = _dims(module)
+            if dims is None:
+                continue
+            kind = _kind_of(path, module is out_emb)
+            if kind is None:
+                continue
+            m = _LAYER_INDEX.search(f".{path}.")
+            if kind == "unembed" or m is None:
+                name, layer = path, 0
+            else:
+                name, layer = path[m.end() - 1 :], int(m.group(1))
+            found.setdefault(name, []).append((layer, path, module, *dims, kind))
+        self.groups: dict[str, TargetGroup] = {}
+        for name, items in sorted(found.items()):
+            items.sort(key=lambda t: t[0])
+            if [t[0] for t in items] != list(range(len(items))):
+                raise ValueError(f"layers of {name!r} are not numbered 0..L-1: cannot stack them")
+            shapes = {(t[3], t[4]) for t in items}
+            if len(shapes) != 1:
+                raise ValueError(f"projections named {name!r} have different shapes {sorted(shapes)}")
+            _, _, _, d_in, d_out, fifo, kind = items[0]
+            self.groups[name] = TargetGroup(name, kind, d_in, d_out, tuple(t[1] for t in items), fifo)
+            for layer, path, module, *_ in items:
+                _replace_module(model, path, MultiLoRALinear(module, self, name, layer))
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> MultiLoRA:
+        """Wrap ``model`` once; later calls return the same wrapper (engines may share a base)."""
+        existing = getattr(model, "_opentinker_lora", None)
+        if isinstance(existing, MultiLoRA):
+            return existing
+        wrapper = cls(model)
+        object.__setattr__(model, "_opentinker_lora", wrapper)
+        return wrapper
+
+    def group_shapes(self) -> dict[str, tuple[int, int, int, str]]:
+        return {name: g.shape_info() for name, g in self.groups.items()}
+
+    @contextmanager
+    def use(self, batch: LoRABatch | None) -> Iterator[None]:
+        """Route the wrapped layers through ``batch`` for the duration of the block."""
+        previous, self.batch = self.batch, batch
+        try:
+            yield
+        finally:
+            self.batch = previous
+
+    def make_batch(self, entries: list[LoRAWeights | None], row_index: torch.Tensor) -> LoRABatch | None:
+        if all(e is None for e in entries):
+            return None
+        return LoRABatch(entries, row_index, self.groups)
+
+
+def _replace_module(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, attr, new)

@@ -1,0 +1,45 @@
+"""Shared fixtures: the tiny model (loaded once per session) and small helpers to build data."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from opentinker.engine import Engine, Example
+from opentinker.models import BaseModel, load_base_model
+
+TEST_MODEL = os.environ.get("OPENTINKER_TEST_MODEL", "opentinker/tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_base() -> BaseModel:
+    torch.manual_seed(0)
+    return load_base_model(TEST_MODEL)
+
+
+@pytest.fixture
+def engine(tiny_base: BaseModel) -> Engine:
+    """A fresh engine (no adapters) over the shared, frozen tiny base model."""
+    return Engine(tiny_base, max_rank=64)
+
+
+def make_examples(
+    n: int, vocab: int, *, seed: int, min_len: int = 5, max_len: int = 17, rl: bool = False
+) -> list[Example]:
+    """Random datums of varied lengths; ``rl`` adds sampler logprobs and advantages."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len, (1,), generator=g))
+        seq = torch.randint(3, vocab, (length + 1,), generator=g)
+        inputs: dict[str, torch.Tensor] = {"target_tokens": seq[1:].clone()}
+        if rl:
+            inputs["logprobs"] = -torch.rand(length, generator=g) * 3 - 2
+            inputs["advantages"] = torch.randn(length, generator=g)
+        else:
+            w = (torch.rand(length, generator=g) > 0.3).float()
+            inputs["weights"] = w
+        out.append(Example(seq[:-1].clone(), inputs))
+    return out
