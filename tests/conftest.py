@@ -43,3 +43,11 @@ def make_examples(
             inputs["weights"] = w
         out.append(Example(seq[:-1].clone(), inputs))
     return out
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+    """Relative error in norm: ||actual - expected|| <= rel * ||expected|| (fp32 batching noise is
+    per element tiny but not relative to elements that are themselves ~0)."""
+    err = float((actual.double() - expected.double()).norm())
+    scale = float(expected.double().norm())
+    assert err <= rel * max(scale, 1e-12), f"relative error {err / max(scale, 1e-30):.3g} > {rel}"

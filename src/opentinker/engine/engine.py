@@ -237,7 +237,8 @@ class Engine:
                 elementwise = LOSSES[req.loss_fn].fn(
                     lp, inputs, resolve_config(req.loss_fn, req.loss_fn_config)
                 )
-                per_req_loss[i] = per_req_loss.get(i, lp.new_zeros(())) + elementwise.sum()
+                prev = per_req_loss.get(i)
+                per_req_loss[i] = elementwise.sum() if prev is None else prev + elementwise.sum()
                 per_req_out[i].append({"logprobs": lp.detach(), "elementwise_loss": elementwise.detach()})
         ok: list[int] = []
         for i in valid:
@@ -281,11 +282,12 @@ class Engine:
                         )
                 continue
             a = self._adapters[aid]
-            if a.grads is None:
+            acc = a.grads
+            if acc is None:
                 a.grads = new
             else:
                 for name, g in new.items():
-                    a.grads[name] += g
+                    acc[name] += g
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         """AdamW on one adapter with its accumulated gradients (zeros if none), then clear them."""

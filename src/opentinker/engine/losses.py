@@ -34,12 +34,10 @@ class LossSpec:
     config: dict[str, float]  # loss_fn_config keys and their defaults
 
 
-def _clip_bounds(
-    inputs: dict[str, Tensor], config: dict[str, float]
-) -> tuple[Tensor | float, Tensor | float]:
-    lo = inputs.get("clip_low_threshold", config["clip_low_threshold"])
-    hi = inputs.get("clip_high_threshold", config["clip_high_threshold"])
-    return lo, hi
+def _clip_bounds(like: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> tuple[Tensor, Tensor]:
+    lo = inputs.get("clip_low_threshold", torch.tensor(config["clip_low_threshold"]))
+    hi = inputs.get("clip_high_threshold", torch.tensor(config["clip_high_threshold"]))
+    return lo.to(like), hi.to(like)
 
 
 def cross_entropy(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
@@ -58,14 +56,14 @@ def importance_sampling(lp: Tensor, inputs: dict[str, Tensor], config: dict[str,
 def ppo(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     adv = inputs["advantages"]
     ratio = torch.exp(lp - inputs["logprobs"])
-    lo, hi = _clip_bounds(inputs, config)
+    lo, hi = _clip_bounds(lp, inputs, config)
     clipped = torch.clamp(ratio, lo, hi)
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
 def cispo(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
     ratio = torch.exp(lp - inputs["logprobs"])
-    lo, hi = _clip_bounds(inputs, config)
+    lo, hi = _clip_bounds(lp, inputs, config)
     return -(torch.clamp(ratio, lo, hi).detach() * lp * inputs["advantages"])
 
 
@@ -84,7 +82,7 @@ def gspo(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Ten
     else:
         log_ratio = lp.new_zeros(())
     ratio = torch.exp(log_ratio + lp - lp.detach())  # value s, gradient of each token's own lp
-    lo, hi = _clip_bounds(inputs, config)
+    lo, hi = _clip_bounds(lp, inputs, config)
     clipped = torch.clamp(ratio, lo, hi)
     return -torch.minimum(ratio * adv, clipped * adv)
 

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +145,7 @@ def _dims(module: nn.Module) -> tuple[int, int, bool] | None:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
     if type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D (GPT-2)
-        w = module.weight
+        w: torch.Tensor = module.weight  # type: ignore[assignment]
         return int(w.shape[0]), int(w.shape[1]), True
     return None
 
@@ -156,7 +157,7 @@ class MultiLoRA:
     forward (set it with :meth:`use`). ``groups`` describes every wrapped projection kind.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
         self.batch: LoRABatch | None = None
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from opentinker.models.registry import canonical_name, resolve_model_path
 
@@ -16,8 +16,8 @@ class BaseModel:
 
     name: str
     path: str
-    model: nn.Module
-    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    model: Any  # a transformers PreTrainedModel (typed loosely: its stubs are incomplete)
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
     vocab_size: int
     max_context: int
 
@@ -39,7 +39,7 @@ def load_base_model(
     canonical = canonical_name(name)
     path = resolve_model_path(canonical)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
     model.eval()
     for p in model.parameters():

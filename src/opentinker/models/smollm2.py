@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from opentinker.models.registry import cache_dir
 
@@ -48,7 +49,7 @@ def ensure_smollm2() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The dequantized weights are plain fp32; drop the GGUF "quantization" marks so that
     # save_pretrained writes an ordinary checkpoint.
     if hasattr(model.config, "quantization_config"):

