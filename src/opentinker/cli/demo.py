@@ -22,8 +22,9 @@ def _chat_example(tokenizer, question: str, answer: str) -> tuple[Example, list[
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
     )["input_ids"]
-    completion = tokenizer.encode(answer, add_special_tokens=False) + [
-        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    completion = [
+        *tokenizer.encode(answer, add_special_tokens=False),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
     ]
     tokens = list(prompt) + completion
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)  # train only on the answer
