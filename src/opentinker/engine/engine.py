@@ -44,7 +44,7 @@ from opentinker.engine.types import (
     UnknownPolicyError,
 )
 from opentinker.engine.validate import validate_request
-from opentinker.lora import LoRAConfig, LoRAWeights, MultiLoRA, init_lora_weights
+from opentinker.lora import LoRABatch, LoRAConfig, LoRAWeights, MultiLoRA, init_lora_weights
 from opentinker.models import BaseModel, load_base_model
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -165,15 +165,21 @@ class Engine:
         raise UnknownPolicyError(f"unknown adapter or snapshot {ref!r}")
 
     # ------------------------------------------------------------------ compute
-    @contextmanager
-    def routing(self, policies: list[PolicyRef]) -> Iterator[None]:
-        """Run the base model with row ``i`` going through ``policies[i]`` (for samplers)."""
+    def plan_routing(self, policies: list[PolicyRef]) -> LoRABatch | None:
+        """Stack the distinct policies of a batch once; reuse (and ``.select`` rows of) the plan
+        across many forwards, e.g. every decode step of a sampling batch."""
         order: dict[PolicyRef, int] = {}
         for p in policies:
             order.setdefault(p, len(order))
         entries = [self._resolve(p) for p in order]
         rows = torch.tensor([order[p] for p in policies], dtype=torch.long, device=self.device)
-        with self.lora.use(self.lora.make_batch(entries, rows)):
+        return self.lora.make_batch(entries, rows)
+
+    @contextmanager
+    def routing(self, policies: list[PolicyRef] | LoRABatch | None) -> Iterator[None]:
+        """Run the base model with row ``i`` going through ``policies[i]`` (or a prepared plan)."""
+        plan = self.plan_routing(policies) if isinstance(policies, list) else policies
+        with self.lora.use(plan):
             yield
 
     def forward_backward(self, req: ForwardRequest) -> ForwardResult:
@@ -358,6 +364,34 @@ class Engine:
         record.update(meta or {})
         return write_checkpoint(path, files, record, overwrite=overwrite)
 
+    def _read_weights(
+        self, path: str | Path
+    ) -> tuple[LoRAWeights, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+        """Read and check a checkpoint's weights against this engine; changes no state."""
+        files, meta = read_checkpoint(path)
+        if meta.get("base_model") != self.base.name:
+            raise CheckpointError(
+                f"checkpoint {path} was trained on {meta.get('base_model')!r}, not on this engine's {self.base.name!r}"
+            )
+        config = LoRAConfig(**meta["lora"])
+        self._check_config(config)
+        shapes = self.lora.group_shapes()
+        loaded = LoRAWeights(config)
+        for key, t in files[ADAPTER_FILE].items():
+            group, _, kind = key.rpartition(".")
+            if group not in shapes or kind not in ("lora_A", "lora_B"):
+                raise CheckpointError(f"checkpoint {path} has weights {key!r}, which this model lacks")
+            n_layers, d_in, d_out, _ = shapes[group]
+            want = (n_layers, config.rank, d_in) if kind == "lora_A" else (n_layers, d_out, config.rank)
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(t.shape)}, expected {want}")
+            target = loaded.a if kind == "lora_A" else loaded.b
+            target[group] = t.to(self.device).clone().requires_grad_(True)
+        wanted = {g for g, (_, _, _, kind) in shapes.items() if config.trains(kind)}
+        if set(loaded.a) != wanted or set(loaded.b) != wanted:
+            raise CheckpointError(f"checkpoint {path} does not hold every LoRA group its config trains")
+        return loaded, meta, files
+
     def load_state(
         self,
         path: str | Path,
@@ -370,49 +404,52 @@ class Engine:
 
         Everything is read and checked before any state changes; a mismatch leaves all as it was.
         """
-        files, meta = read_checkpoint(path)
-        if meta.get("base_model") != self.base.name:
-            raise CheckpointError(
-                f"checkpoint {path} was trained on {meta.get('base_model')!r}, not on this engine's {self.base.name!r}"
-            )
-        config = LoRAConfig(**meta["lora"])
-        self._check_config(config)
-        shapes = self.lora.group_shapes()
-        tensors = files[ADAPTER_FILE]
-        loaded = LoRAWeights(config)
-        for key, t in tensors.items():
-            group, _, kind = key.rpartition(".")
-            if group not in shapes:
-                raise CheckpointError(f"checkpoint {path} has weights for {group!r}, which this model lacks")
-            n_layers, d_in, d_out, _ = shapes[group]
-            want = (n_layers, config.rank, d_in) if kind == "lora_A" else (n_layers, d_out, config.rank)
-            if tuple(t.shape) != want:
-                raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(t.shape)}, expected {want}")
-            target = loaded.a if kind == "lora_A" else loaded.b
-            target[group] = t.to(self.device).clone().requires_grad_(True)
-        wanted = {g for g, (_, _, _, kind) in shapes.items() if config.trains(kind)}
-        if set(loaded.a) != wanted or set(loaded.b) != wanted:
-            raise CheckpointError(f"checkpoint {path} does not hold every LoRA group its config trains")
+        loaded, meta, files = self._read_weights(path)
+        config = loaded.config
         opt_tensors = files.get(OPTIMIZER_FILE) if optimizer else None
-        if optimizer and meta.get("has_optimizer") and opt_tensors is None:
-            raise CheckpointError(f"checkpoint {path} lists an optimizer state but it could not be read")
         new_opt = AdapterOptimizer(_named(loaded))
         if opt_tensors:
             new_opt.load_state_tensors(opt_tensors)
         if into is not None:
-            target_adapter = self._adapter(into)
-            if target_adapter.weights.config != config:
+            target = self._adapter(into)
+            if target.weights.config != config:
                 raise CheckpointError(
-                    f"checkpoint {path} has LoRA config {config}, adapter {into!r} has {target_adapter.weights.config}"
+                    f"checkpoint {path} has LoRA config {config}, adapter {into!r} has {target.weights.config}"
                 )
-            target_adapter.weights, target_adapter.optimizer = loaded, new_opt
-            target_adapter.grads, target_adapter.parent = None, str(path)
-            target_adapter.step = int(meta.get("step", 0))
+            target.weights, target.optimizer = loaded, new_opt
+            target.grads, target.parent = None, str(path)
+            target.step = int(meta.get("step", 0))
             return into
         aid = self.create_adapter(config, adapter_id)
         a = self._adapters[aid]
         a.weights, a.optimizer, a.parent, a.step = loaded, new_opt, str(path), int(meta.get("step", 0))
         return aid
+
+    def load_snapshot(self, path: str | Path, snapshot_id: str) -> SnapshotInfo:
+        """Serve a saved checkpoint's weights as an immutable snapshot (named sampler weights)."""
+        loaded, meta, _ = self._read_weights(path)
+        return self.add_snapshot(
+            snapshot_id, loaded, adapter_id=str(meta.get("source") or ""), step=int(meta.get("step", 0))
+        )
+
+    def add_snapshot(
+        self, snapshot_id: str, weights: LoRAWeights, *, adapter_id: str = "", step: int = 0
+    ) -> SnapshotInfo:
+        """Register ``weights`` (copied) as an immutable, sampleable snapshot ``snapshot_id``."""
+        if snapshot_id in self._snapshots or snapshot_id in self._adapters:
+            raise EngineError(f"policy id {snapshot_id!r} is already in use")
+        shapes = self.lora.group_shapes()
+        for group, t in weights.a.items():
+            if group not in shapes or t.shape[0] != shapes[group][0] or t.shape[2] != shapes[group][1]:
+                raise EngineError(f"snapshot weights for {group!r} do not fit this base model")
+        frozen = weights.clone(requires_grad=False)
+        info = SnapshotInfo(snapshot_id, adapter_id, 0, step, frozen.nbytes())
+        self._snapshots[snapshot_id] = (frozen, info)
+        return info
+
+    def check_policy(self, ref: PolicyRef) -> None:
+        """Raise ``UnknownPolicyError`` unless ``ref`` is None, a live adapter or a snapshot."""
+        self._resolve(ref)
 
     def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         return export_peft(self.adapter_weights(ref), self.lora.groups, out_dir, base_model=self.base.path)

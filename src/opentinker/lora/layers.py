@@ -18,6 +18,7 @@ while entry positions are reused batch to batch.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,12 +60,9 @@ class LoRABatch:
         self, entries: list[LoRAWeights | None], row_index: torch.Tensor, groups: dict[str, TargetGroup]
     ) -> None:
         self.entries = entries
-        self.row_index = row_index  # [B] int64, values in [0, K)
-        self.single = len(entries) == 1
         self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
         self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
         self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
-        self.row_scale: dict[str, torch.Tensor] = {}  # group -> [B]
         for name, group in groups.items():
             present = [e for e in entries if e is not None and name in e.a]
             if not present:
@@ -84,9 +82,21 @@ class LoRABatch:
                 scales.append(e.scale)
             self.a[name] = torch.stack(a_list)
             self.b[name] = torch.stack(b_list)
-            scale = torch.tensor(scales, dtype=ref.dtype, device=ref.device)
-            self.scale[name] = scale
-            self.row_scale[name] = scale[row_index]
+            self.scale[name] = torch.tensor(scales, dtype=ref.dtype, device=ref.device)
+        self._set_rows(row_index)
+
+    def _set_rows(self, row_index: torch.Tensor) -> None:
+        self.row_index = row_index  # [B] int64, values in [0, K)
+        first = int(row_index[0]) if row_index.numel() else 0
+        # every row on one entry: plain matmuls, no per-row gather
+        self.single: int | None = first if bool((row_index == first).all()) else None
+        self.row_scale = {g: s[row_index] for g, s in self.scale.items()}  # group -> [B]
+
+    def select(self, rows: torch.Tensor) -> LoRABatch:
+        """The same stacked adapters for a subset of rows (decoding drops finished rows)."""
+        sub = copy.copy(self)
+        sub._set_rows(self.row_index[rows])
+        return sub
 
     def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA term for ``x`` ([B, T, in]) at ``layer`` of ``group``, or None if no entry has it."""
@@ -94,10 +104,11 @@ class LoRABatch:
         if a is None:
             return None
         b = self.b[group]
-        if self.single:
-            a_l = a[0, layer].to(x.dtype)  # [r, in]
-            b_l = b[0, layer].to(x.dtype)  # [out, r]
-            return (x @ a_l.T) @ (b_l.T * self.scale[group][0].to(x.dtype))
+        if self.single is not None:
+            e = self.single
+            a_l = a[e, layer].to(x.dtype)  # [r, in]
+            b_l = b[e, layer].to(x.dtype)  # [out, r]
+            return (x @ a_l.T) @ (b_l.T * self.scale[group][e].to(x.dtype))
         a_rows = a[:, layer][self.row_index].to(x.dtype)  # [B, r, in]
         b_rows = b[:, layer][self.row_index].to(x.dtype)  # [B, out, r]
         shape = x.shape

@@ -1,0 +1,14 @@
+"""Rollout sampling: the backend contract and the native KV-cache backend (mixed policies per batch)."""
+
+from opentinker.sampling.backend import RolloutBackend
+from opentinker.sampling.native import NativeBackend
+from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams
+
+__all__ = [
+    "NativeBackend",
+    "RolloutBackend",
+    "SampleRequest",
+    "SampleResult",
+    "SampledSequence",
+    "SamplingParams",
+]

@@ -1,0 +1,274 @@
+"""The native PyTorch rollout backend: KV-cache decoding of batches that mix policies and lengths.
+
+One ``generate`` call is one batch:
+
+1. **Prefill** every request's prompt once (left-padded; ``position_ids`` count real tokens only),
+   each row routed through its own policy by the engine's multi-LoRA layers. Prompt logprobs and
+   top-k prompt logprobs come from these logits.
+2. **Fan out** ``num_samples`` rows per request by selecting KV-cache rows (no second prefill).
+3. **Decode** one token per live row per step, every row with its own policy, sampling parameters
+   and seeded generator; rows leave the batch (and the KV cache) as soon as they stop.
+
+Requests that arrive while a batch decodes wait for the next ``generate`` call (the scheduler
+gathers every waiting request into that next batch); joining a running batch mid-decode is not
+done here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from opentinker.engine import Engine, EngineError
+from opentinker.lora import LoRAWeights
+from opentinker.sampling.backend import RolloutBackend
+from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams, StopReason
+
+
+@dataclass
+class _Row:
+    """One sequence being decoded."""
+
+    req: int  # index into the batch's requests
+    policy: str | None
+    params: SamplingParams
+    prompt_len: int
+    gen: torch.Generator
+    stop_ids: frozenset[int]
+    stop_strs: tuple[str, ...]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: StopReason | None = None
+
+
+class NativeBackend(RolloutBackend):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.base.tokenizer
+        self.eos_ids = _eos_ids(engine)
+        # transformers 5.x renamed forward's ``past_key_values`` to ``cache``; accept either.
+        params = inspect.signature(engine.base.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---------------------------------------------------------------- policies
+    def publish(self, policy_id: str, weights: LoRAWeights) -> None:
+        if policy_id in self.engine.snapshot_ids():
+            return
+        self.engine.add_snapshot(policy_id, weights)
+
+    def retire(self, policy_id: str) -> None:
+        self.engine.release_snapshot(policy_id)
+
+    # ---------------------------------------------------------------- sampling
+    def validate(self, req: SampleRequest) -> None:
+        """Raise :class:`EngineError` naming the problem with ``req``."""
+        p = req.params
+        vocab, ctx = self.engine.vocab_size, self.engine.max_context
+        if not req.prompt:
+            raise EngineError("the prompt is empty")
+        if len(req.prompt) >= ctx:
+            raise EngineError(f"the prompt has {len(req.prompt)} tokens; the context length is {ctx}")
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"the prompt has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if not isinstance(p.max_tokens, int) or p.max_tokens <= 0:
+            raise EngineError(f"max_tokens must be a positive integer, got {p.max_tokens!r}")
+        if not math.isfinite(p.temperature) or p.temperature < 0:
+            raise EngineError(f"temperature must be >= 0 and finite, got {p.temperature!r}")
+        if not (0 < p.top_p <= 1):
+            raise EngineError(f"top_p must be in (0, 1], got {p.top_p!r}")
+        if p.top_k == 0 or p.top_k < -1:
+            raise EngineError(f"top_k must be -1 (off) or positive, got {p.top_k!r}")
+        if req.num_samples < 1:
+            raise EngineError(f"num_samples must be at least 1, got {req.num_samples!r}")
+        if req.topk_prompt_logprobs < 0:
+            raise EngineError("topk_prompt_logprobs must be >= 0")
+        if p.stop is not None:
+            kinds = {type(s) for s in p.stop}
+            if len(kinds) > 1 or not kinds <= {str, int}:
+                raise EngineError("stop must be a list of strings or a list of token ids, not a mix")
+            if kinds == {str} and any(s == "" for s in p.stop):
+                raise EngineError("stop strings must not be empty")
+        self.engine.check_policy(req.policy)
+
+    def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
+        results: list[SampleResult | EngineError | None] = [None] * len(requests)
+        valid = []
+        for i, req in enumerate(requests):
+            try:
+                self.validate(req)
+                valid.append(i)
+            except EngineError as e:
+                results[i] = e
+        if valid:
+            for i, res in zip(valid, self._run([requests[i] for i in valid]), strict=True):
+                results[i] = res
+        return [r if r is not None else EngineError("request was not run") for r in results]
+
+    @torch.no_grad()
+    def _run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
+        eng, model, dev = self.engine, self.engine.base.model, self.engine.device
+        lens = [len(r.prompt) for r in reqs]
+        width = max(lens)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
+        for i, r in enumerate(reqs):
+            ids[i, width - lens[i] :] = torch.tensor(r.prompt, device=dev)
+            mask[i, width - lens[i] :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
+        cache = DynamicCache()
+        with eng.routing([r.policy for r in reqs]):
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=0 if want_prompt else 1,
+                **{self._cache_kw: cache},
+            )
+        logits = out.logits.float()
+        results = [SampleResult(sequences=[]) for _ in reqs]
+        for i, r in enumerate(reqs):
+            if r.prompt_logprobs or r.topk_prompt_logprobs:
+                _prompt_logprobs(results[i], logits[i, width - lens[i] :], r)
+
+        rows: list[_Row] = []
+        for i, r in enumerate(reqs):
+            for k in range(r.num_samples):
+                rows.append(self._new_row(i, r, k, lens[i]))
+        select = torch.tensor([row.req for row in rows], device=dev)
+        cache.batch_select_indices(select)
+        mask = mask[select]
+        plan = eng.plan_routing([row.policy for row in rows])  # stacked once for the whole decode
+        last = logits[select, -1]  # [S, V]
+        active = list(range(len(rows)))
+        ctx = eng.max_context
+        while True:
+            for j, s in enumerate(active):
+                row = rows[s]
+                tok, lp = _choose(last[j], row.params, row.gen)
+                row.tokens.append(tok)
+                row.logprobs.append(lp)
+                row.reason = self._stop_reason(row, ctx)
+            keep = [j for j, s in enumerate(active) if rows[s].reason is None]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(idx)
+                mask = mask[idx]
+                plan = plan.select(idx) if plan is not None else None
+                active = [active[j] for j in keep]
+            step_ids = torch.tensor([[rows[s].tokens[-1]] for s in active], device=dev)
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            step_pos = torch.tensor(
+                [[rows[s].prompt_len + len(rows[s].tokens) - 1] for s in active], device=dev
+            )
+            with eng.routing(plan):
+                out = model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    use_cache=True,
+                    **{self._cache_kw: cache},
+                )
+            last = out.logits[:, -1].float()
+        for row in rows:
+            assert row.reason is not None
+            results[row.req].sequences.append(SampledSequence(row.tokens, row.logprobs, row.reason))
+        return results
+
+    def _new_row(self, i: int, r: SampleRequest, k: int, prompt_len: int) -> _Row:
+        seed = r.params.seed
+        gen = torch.Generator(device="cpu")
+        if seed is None:
+            gen.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        else:
+            gen.manual_seed((int(seed) * 1_000_003 + k) % (1 << 63))
+        stop = r.params.stop
+        if stop is None:
+            ids, strs = frozenset(self.eos_ids), ()
+        elif all(isinstance(s, int) for s in stop):
+            ids, strs = frozenset(int(s) for s in stop), ()
+        else:
+            ids, strs = frozenset(), tuple(str(s) for s in stop)
+        return _Row(i, r.policy, r.params, prompt_len, gen, ids, strs)
+
+    def _stop_reason(self, row: _Row, ctx: int) -> StopReason | None:
+        if row.tokens[-1] in row.stop_ids:
+            return "stop"
+        if row.stop_strs:
+            # decode the whole completion: a stop string may span several tokens
+            text = self.tokenizer.decode(row.tokens, skip_special_tokens=False)
+            if any(s in text for s in row.stop_strs):
+                return "stop"
+        if len(row.tokens) >= row.params.max_tokens or row.prompt_len + len(row.tokens) >= ctx:
+            return "length"
+        return None
+
+    def compute_logprobs(self, policy: str | None, tokens: list[int]) -> list[float | None]:
+        """Logprob of each token given the ones before it under ``policy`` (the first is None)."""
+        req = SampleRequest(
+            policy, tokens, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True
+        )
+        [res] = self.generate([req])
+        if isinstance(res, Exception):
+            raise res
+        assert res.prompt_logprobs is not None
+        return res.prompt_logprobs
+
+
+def _choose(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
+    """Pick one token; return it with its logprob under softmax(logits / T) (T = 1 when greedy)."""
+    if p.temperature == 0:
+        tok = int(torch.argmax(logits_V))
+        return tok, float(torch.log_softmax(logits_V, -1)[tok])
+    logp = torch.log_softmax(logits_V / p.temperature, -1)
+    filtered = logp
+    if p.top_k > 0 and p.top_k < logp.shape[0]:
+        kth = torch.topk(logp, p.top_k).values[-1]
+        filtered = filtered.masked_fill(filtered < kth, -math.inf)
+    if p.top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, descending=True)
+        probs = sorted_lp.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        drop = before >= p.top_p  # keeps the smallest prefix reaching top_p (always >= 1 token)
+        filtered = filtered.scatter(0, order[drop], -math.inf)
+    probs = filtered.softmax(-1)
+    tok = int(torch.multinomial(probs, 1, generator=gen))
+    return tok, float(logp[tok])
+
+
+def _prompt_logprobs(res: SampleResult, logits_PV: torch.Tensor, r: SampleRequest) -> None:
+    """Fill ``res`` from the prefill logits of one prompt (row p predicts prompt token p + 1)."""
+    logp = torch.log_softmax(logits_PV, -1)  # [P, V]
+    prompt = torch.tensor(r.prompt, device=logits_PV.device)
+    if r.prompt_logprobs:
+        lps = logp[:-1].gather(-1, prompt[1:, None]).squeeze(-1).tolist()
+        res.prompt_logprobs = [None, *lps]
+    if r.topk_prompt_logprobs:
+        k = min(r.topk_prompt_logprobs, logp.shape[-1])
+        values, indices = torch.topk(logp[:-1], k, dim=-1)
+        res.topk_prompt_logprobs = [None] + [
+            list(zip(ix, vs, strict=True)) for ix, vs in zip(indices.tolist(), values.tolist(), strict=True)
+        ]
+
+
+def _eos_ids(engine: Engine) -> set[int]:
+    ids: set[int] = set()
+    tok_eos = engine.base.tokenizer.eos_token_id
+    if tok_eos is not None:
+        ids.add(int(tok_eos))
+    gen_cfg = getattr(engine.base.model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(int(e) for e in eos)
+    return ids

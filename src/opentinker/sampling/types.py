@@ -1,0 +1,54 @@
+"""Lean types of the rollout (sampling) API: what a request asks for and what comes back.
+
+``SamplingParams`` mirrors ``tinker.types.SamplingParams`` field for field, so the client layer
+copies one into the other. Logprob convention: every sampled token comes with
+``log softmax(logits / T)[token]`` — the log-probability under the temperature-scaled policy,
+*before* top-k / top-p truncation (T = 1 for greedy, T = 0). At T = 1 that is exactly the
+trainer's ``forward`` logprob of the same token under the same weights (invariant 3), which is what
+importance-sampling losses need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from opentinker.engine.types import PolicyRef
+
+StopReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 20
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    seed: int | None = None  # same seed and request -> same tokens
+    stop: list[str] | list[int] | None = None  # None = stop at EOS; [] = never stop at EOS
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    policy: PolicyRef  # adapter id, snapshot id, or None for the bare base model
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    # one per prompt token; the first is None (nothing predicts it)
+    prompt_logprobs: list[float | None] | None = None
+    # one per prompt token: the k most likely (token, logprob) at that position; first is None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
