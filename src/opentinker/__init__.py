@@ -2,7 +2,21 @@
 
 Layers, bottom-up (each imports only the ones before it): ``models`` (load a base causal LM),
 ``lora`` (multi-adapter layers), ``engine`` (fused training, losses, optimizer, snapshots,
-checkpoints, export). See the README's file map.
+checkpoints, export), ``sampling`` (rollout backends), ``scheduler`` (ticks, ordering, fairness),
+``client`` (the SDK-shaped ``ServiceClient`` / ``TrainingClient`` / ``SamplingClient``, embedded).
+See the README's file map.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["RestClient", "SamplingClient", "ServiceClient", "TrainingClient", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: ``import opentinker.engine`` must not pull in the client layer (and the SDK).
+    if name in ("RestClient", "SamplingClient", "ServiceClient", "TrainingClient"):
+        from opentinker import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

@@ -1,0 +1,49 @@
+"""Futures shaped like the SDK's: ``.result(timeout)``, ``await``, ``.result_async()``.
+
+We reuse the SDK's own ``AwaitableConcurrentFuture`` for results, and give clients the SDK 0.38
+"future of a client that is also the client" behaviour with :class:`ReadyClient`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from typing import Any, Self, TypeVar
+
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+def mapped(fut: Future, fn: Callable[[Any], U]) -> AwaitableConcurrentFuture[U]:
+    """A future of ``fn(result)``; exceptions pass through unchanged."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return AwaitableConcurrentFuture(out)
+
+
+def ready(value: T) -> AwaitableConcurrentFuture[T]:
+    f: Future = Future()
+    f.set_result(value)
+    return AwaitableConcurrentFuture(f)
+
+
+class ReadyClient:
+    """Mixin: a client usable directly, or as the (already finished) future the SDK returns."""
+
+    def result(self, timeout: float | None = None) -> Self:
+        return self
+
+    async def result_async(self, timeout: float | None = None) -> Self:
+        return self
+
+    def __await__(self) -> Generator[Any, None, Self]:
+        return self.result_async().__await__()

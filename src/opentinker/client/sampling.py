@@ -1,0 +1,95 @@
+"""``SamplingClient``: the SDK's sampling client, embedded. Pinned to one policy version."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinker import types
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from opentinker.client.convert import sample_response
+from opentinker.client.convert import sampling_params as to_sampling_params
+from opentinker.client.futures import ReadyClient, mapped
+from opentinker.client.runtime import Runtime
+from opentinker.sampling import SampleRequest, SampleResult
+
+
+class SamplingClient(ReadyClient):
+    """Samples from one immutable policy: a snapshot id, or None for the bare base model."""
+
+    def __init__(
+        self, runtime: Runtime, base_model: str, policy: str | None, model_path: str | None = None
+    ) -> None:
+        self._runtime = runtime
+        self._backend = runtime.backend(base_model)
+        self.base_model = self._backend.engine.base.name
+        self.policy = policy
+        self.model_path = model_path
+
+    def sample(
+        self,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        **unsupported: Any,
+    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        for key, value in unsupported.items():
+            if value not in (None, 0, False):
+                raise ValueError(f"sample(): {key} is not supported by OpenTinker yet")
+        req = SampleRequest(
+            self.policy,
+            prompt.to_ints(),
+            to_sampling_params(sampling_params),
+            num_samples=num_samples,
+            prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+        )
+        self._note_use()
+        return mapped(self._backend.scheduler.submit_sample(req), sample_response)
+
+    async def sample_async(
+        self, *args: Any, **kwargs: Any
+    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        return self.sample(*args, **kwargs)
+
+    def compute_logprobs(self, prompt: types.ModelInput) -> AwaitableConcurrentFuture[list[float | None]]:
+        req = SampleRequest(
+            self.policy,
+            prompt.to_ints(),
+            to_sampling_params(types.SamplingParams(max_tokens=1)),
+            prompt_logprobs=True,
+        )
+
+        def logprobs(res: SampleResult) -> list[float | None]:
+            assert res.prompt_logprobs is not None
+            return res.prompt_logprobs
+
+        return mapped(self._backend.scheduler.submit_sample(req), logprobs)
+
+    async def compute_logprobs_async(
+        self, prompt: types.ModelInput
+    ) -> AwaitableConcurrentFuture[list[float | None]]:
+        return self.compute_logprobs(prompt)
+
+    def get_tokenizer(self) -> Any:
+        return self._backend.engine.base.tokenizer
+
+    def get_base_model(self) -> str:
+        return self.base_model
+
+    async def get_base_model_async(self) -> str:
+        return self.base_model
+
+    def _note_use(self) -> None:
+        """Lineage: remember that data may now come from this policy version."""
+        if self.policy is None:
+            return
+        try:
+            owner = self._backend.engine.snapshot_info(self.policy).adapter_id
+        except KeyError:
+            return
+        rec = self._runtime.models.get(owner)
+        if rec is not None:
+            rec.sampled_versions.add(self.model_path or self.policy)

@@ -1,0 +1,228 @@
+"""``ServiceClient``: the entry point. No URL → the engine runs embedded, in this process.
+
+A program written for the ``tinker`` SDK runs embedded by changing only how the client is built::
+
+    service = opentinker.ServiceClient()                   # embedded
+    service = opentinker.ServiceClient(base_url=URL, api_key=KEY)   # -> the official tinker SDK client
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tinker import types
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from opentinker.client.checkpoints import CheckpointRecord, parse_tinker_path
+from opentinker.client.futures import ready
+from opentinker.client.runtime import ModelRecord, Runtime, default_runtime
+from opentinker.client.sampling import SamplingClient
+from opentinker.client.training import TrainingClient
+from opentinker.engine import EngineError, UnknownPolicyError
+from opentinker.engine.checkpoint import CheckpointError, read_manifest
+from opentinker.lora import LoRAConfig
+from opentinker.models import BUILTIN_MODELS
+from opentinker.models.registry import canonical_name
+
+LOCAL_TENANT = "local"
+
+
+class ServiceClient:
+    def __new__(cls, base_url: str | None = None, api_key: str | None = None, **kwargs: Any) -> Any:
+        if base_url is not None:
+            import tinker
+
+            return tinker.ServiceClient(base_url=base_url, api_key=api_key, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        runtime: Runtime | None = None,
+        tenant: str = LOCAL_TENANT,
+        user_metadata: dict[str, str] | None = None,
+        **_: Any,
+    ) -> None:
+        self.runtime = runtime or default_runtime()
+        self.tenant = tenant
+        self.session_id = self.runtime.new_session()
+
+    # ---------------------------------------------------------------- training clients
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+        optimizer: Any = None,
+    ) -> TrainingClient:
+        if optimizer is not None and getattr(optimizer, "type", "adamw") != "adamw":
+            raise EngineError(f"optimizer {optimizer.type!r} is not supported; only adamw")
+        config = LoRAConfig(
+            rank=rank, seed=seed, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
+        )
+        backend = self.runtime.backend(base_model)
+        model_id = self.runtime.new_model_id(self.session_id)
+        backend.scheduler.submit_call(model_id, lambda eng: eng.create_adapter(config, model_id)).result()
+        base = backend.engine.base.name
+        self.runtime.models[model_id] = ModelRecord(model_id, base, config, self.tenant)
+        return TrainingClient(self.runtime, model_id)
+
+    def create_training_client_from_state(
+        self, path: str, base_model: str | None = None, user_metadata: Any = None, **_: Any
+    ) -> TrainingClient:
+        return self._from_state(path, base_model, optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, base_model: str | None = None, user_metadata: Any = None, **_: Any
+    ) -> TrainingClient:
+        return self._from_state(path, base_model, optimizer=True)
+
+    def _from_state(self, path: str, base_model: str | None, *, optimizer: bool) -> TrainingClient:
+        ref = parse_tinker_path(path)
+        folder = self.runtime.store.folder(ref)
+        meta = self._checkpoint_meta(ref.tinker_path, folder)
+        ckpt_base = meta.get("base_model", "")
+        if base_model is not None and canonical_name(base_model) != ckpt_base:
+            raise CheckpointError(f"checkpoint {path} was trained on {ckpt_base!r}, not on {base_model!r}")
+        backend = self.runtime.backend(ckpt_base)
+        model_id = self.runtime.new_model_id(self.session_id)
+        backend.scheduler.submit_call(
+            model_id, lambda eng: eng.load_state(folder, adapter_id=model_id, optimizer=optimizer)
+        ).result()
+        self.runtime.models[model_id] = ModelRecord(
+            model_id, ckpt_base, LoRAConfig(**meta["lora"]), self.tenant, parent=ref.tinker_path
+        )
+        return TrainingClient(self.runtime, model_id)
+
+    def _checkpoint_meta(self, tinker_path: str, folder: Any) -> dict[str, Any]:
+        try:
+            meta = read_manifest(folder)["meta"]
+        except CheckpointError as e:
+            raise CheckpointError(f"no usable checkpoint at {tinker_path}: {e}") from e
+        if meta.get("tenant", LOCAL_TENANT) != self.tenant:
+            raise UnknownPolicyError(f"unknown checkpoint {tinker_path!r}")
+        return meta
+
+    def delete_model(self, model_id: str) -> None:
+        """Drop a training model (OpenTinker extension): its adapter is freed; checkpoints stay."""
+        rec = self.runtime.model(model_id, self.tenant)
+        self.runtime.backend(rec.base_model).scheduler.submit_call(
+            model_id, lambda eng: eng.delete_adapter(model_id)
+        ).result()
+        rec.deleted = True
+
+    # ---------------------------------------------------------------- sampling clients
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None, **_: Any
+    ) -> SamplingClient:
+        if model_path is not None:
+            return sampling_client_for_path(self.runtime, model_path, tenant=self.tenant)
+        if base_model is None:
+            raise EngineError("create_sampling_client needs model_path or base_model")
+        return SamplingClient(self.runtime, base_model, None)
+
+    # ---------------------------------------------------------------- misc
+    def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
+        names = dict.fromkeys([*self.runtime.loaded_base_models(), *BUILTIN_MODELS])
+        models = [types.SupportedModel(model_name=n, trainable=True, sampleable=True) for n in names]
+        return types.GetServerCapabilitiesResponse(supported_models=models)
+
+    def create_rest_client(self) -> RestClient:
+        return RestClient(self.runtime, self.tenant)
+
+    def close(self, *_: Any, **__: Any) -> None:
+        """Nothing to release: the embedded runtime outlives its clients."""
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def create_lora_training_client_async(self, *a: Any, **k: Any) -> TrainingClient:
+        return self.create_lora_training_client(*a, **k)
+
+    async def create_training_client_from_state_async(self, *a: Any, **k: Any) -> TrainingClient:
+        return self.create_training_client_from_state(*a, **k)
+
+    async def create_training_client_from_state_with_optimizer_async(
+        self, *a: Any, **k: Any
+    ) -> TrainingClient:
+        return self.create_training_client_from_state_with_optimizer(*a, **k)
+
+    async def create_sampling_client_async(self, *a: Any, **k: Any) -> SamplingClient:
+        return self.create_sampling_client(*a, **k)
+
+    async def get_server_capabilities_async(self) -> types.GetServerCapabilitiesResponse:
+        return self.get_server_capabilities()
+
+
+def sampling_client_for_path(runtime: Runtime, model_path: str, *, tenant: str) -> SamplingClient:
+    """Serve a saved checkpoint (weights or sampler_weights) as an immutable policy version."""
+    ref = parse_tinker_path(model_path)
+    folder = runtime.store.folder(ref)
+    try:
+        meta = read_manifest(folder)["meta"]
+    except CheckpointError as e:
+        raise CheckpointError(f"no usable checkpoint at {model_path}: {e}") from e
+    if meta.get("tenant", LOCAL_TENANT) != tenant:
+        raise UnknownPolicyError(f"unknown checkpoint {model_path!r}")
+    backend = runtime.backend(meta["base_model"])
+
+    def load(eng: Any) -> None:
+        if ref.tinker_path not in eng.snapshot_ids():
+            eng.load_snapshot(folder, ref.tinker_path)
+
+    # queued on the owning model's order when it is live here, else on its own queue
+    backend.scheduler.submit_call(ref.model_id, load).result()
+    return SamplingClient(runtime, meta["base_model"], ref.tinker_path, model_path=ref.tinker_path)
+
+
+class RestClient:
+    """The checkpoint REST calls of the SDK's ``RestClient``, embedded."""
+
+    def __init__(self, runtime: Runtime, tenant: str) -> None:
+        self.runtime = runtime
+        self.tenant = tenant
+
+    def _mine(self, rec: CheckpointRecord) -> bool:
+        return rec.meta.get("tenant", LOCAL_TENANT) == self.tenant
+
+    def list_checkpoints(
+        self, training_run_id: str
+    ) -> AwaitableConcurrentFuture[types.CheckpointsListResponse]:
+        recs = [r for r in self.runtime.store.list(training_run_id) if self._mine(r)]
+        return ready(types.CheckpointsListResponse(checkpoints=[_checkpoint(r) for r in recs]))
+
+    def list_user_checkpoints(
+        self, *_: Any, **__: Any
+    ) -> AwaitableConcurrentFuture[types.CheckpointsListResponse]:
+        recs = [r for r in self.runtime.store.list() if self._mine(r)]
+        return ready(types.CheckpointsListResponse(checkpoints=[_checkpoint(r) for r in recs]))
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> AwaitableConcurrentFuture[None]:
+        ref = parse_tinker_path(tinker_path)
+        rec = self.runtime.store.record(ref)
+        if not self._mine(rec):
+            raise UnknownPolicyError(f"unknown checkpoint {tinker_path!r}")
+        self.runtime.store.delete(ref)
+        return ready(None)
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> AwaitableConcurrentFuture[None]:
+        return self.delete_checkpoint_from_tinker_path(f"tinker://{training_run_id}/{checkpoint_id}")
+
+
+def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
+    return types.Checkpoint(
+        checkpoint_id=f"{rec.ref.kind}/{rec.ref.name}",
+        checkpoint_type="training" if rec.ref.kind == "weights" else "sampler",
+        time=rec.time,
+        tinker_path=rec.ref.tinker_path,
+        size_bytes=rec.size_bytes,
+    )

@@ -1,0 +1,237 @@
+"""``TrainingClient``: the SDK's training client, embedded. One LoRA adapter = one model id.
+
+Every call is queued on the scheduler in call order and returns at once with a future, so a
+program can submit ``forward_backward`` then ``optim_step`` before waiting (both run in one tick).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tinker import types
+from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
+
+from opentinker.client.checkpoints import CheckpointRef, check_name, parse_tinker_path
+from opentinker.client.convert import datum_to_example, forward_output
+from opentinker.client.futures import ReadyClient, mapped
+from opentinker.client.runtime import ModelRecord, Runtime
+from opentinker.client.sampling import SamplingClient
+from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
+from opentinker.engine.checkpoint import CheckpointError
+
+CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainingClient(ReadyClient):
+    def __init__(self, runtime: Runtime, model_id: str) -> None:
+        self._runtime = runtime
+        self.model_id = model_id
+        rec = runtime.model(model_id)
+        self._backend = runtime.backend(rec.base_model)
+
+    # ---------------------------------------------------------------- helpers
+    def _record(self) -> ModelRecord:
+        return self._runtime.model(self.model_id)
+
+    def _request(
+        self, data: Sequence[types.Datum], loss_fn: str, config: Any, backward: bool
+    ) -> ForwardRequest:
+        self._record()
+        examples = [datum_to_example(d, i) for i, d in enumerate(data)]
+        cfg = {k: v for k, v in (config or {}).items()}
+        return ForwardRequest(self.model_id, examples, loss_fn, cfg, backward)
+
+    def _call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Queue ``fn`` in this model's order; returns the concurrent future."""
+        self._record()
+        return self._backend.scheduler.submit_call(self.model_id, fn)
+
+    # ---------------------------------------------------------------- compute
+    def forward(
+        self,
+        data: list[types.Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        req = self._request(data, loss_fn, loss_fn_config, backward=False)
+        return mapped(self._backend.scheduler.submit_forward(self.model_id, req), forward_output)
+
+    def forward_backward(
+        self,
+        data: list[types.Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        req = self._request(data, loss_fn, loss_fn_config, backward=True)
+        return mapped(self._backend.scheduler.submit_forward(self.model_id, req), forward_output)
+
+    def forward_backward_custom(
+        self, data: list[types.Datum], loss_fn: CustomLoss, **_: Any
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        """Any differentiable loss of the logprobs, as Tinker does it: a forward for the logprobs,
+        the loss and its gradient g = dL/dlogprobs on the client, then a ``cross_entropy``
+        forward_backward with weights -g (same gradient as the loss). Runs as one queued step."""
+        examples = [datum_to_example(d, i) for i, d in enumerate(data)]
+        self._record()
+        plain = [
+            type(ex)(ex.tokens_T, {"target_tokens": ex.inputs["target_tokens"]})
+            if "target_tokens" in ex.inputs
+            else ex
+            for ex in examples
+        ]
+
+        def run(engine: Engine) -> types.ForwardBackwardOutput:
+            fwd = engine.forward_backward(ForwardRequest(self.model_id, plain, backward=False))
+            logprobs = [o["logprobs"].clone().requires_grad_(True) for o in fwd.outputs]
+            loss, metrics = loss_fn(data, logprobs)
+            loss.backward()
+            weighted = []
+            for ex, lp in zip(plain, logprobs, strict=True):
+                grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
+                weighted.append(
+                    type(ex)(ex.tokens_T, {"target_tokens": ex.inputs["target_tokens"], "weights": -grad})
+                )
+            res = engine.forward_backward(ForwardRequest(self.model_id, weighted, "cross_entropy"))
+            out = forward_output(ForwardResult(fwd.outputs, {**res.metrics, **metrics}))
+            out.metrics["loss:sum"] = float(loss.detach())
+            return out
+
+        return mapped(self._call(run), lambda x: x)
+
+    def optim_step(
+        self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None
+    ) -> AwaitableConcurrentFuture[types.OptimStepResponse]:
+        p = adam_params or optim_params
+        if p is None:
+            raise ValueError("optim_step needs AdamParams")
+        params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
+        params.validate()  # refuse here, before queuing: the model is untouched
+        self._record()
+        fut = self._backend.scheduler.submit_optim(self.model_id, params)
+        return mapped(fut, lambda m: types.OptimStepResponse(metrics=m))
+
+    # ---------------------------------------------------------------- state
+    def save_state(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False, user_metadata: Any = None
+    ) -> AwaitableConcurrentFuture[types.SaveWeightsResponse]:
+        ref = CheckpointRef(self.model_id, "weights", check_name(name))
+        fut = self._call(lambda eng: self._save(eng, ref, optimizer=True, overwrite=overwrite))
+        return mapped(fut, lambda path: types.SaveWeightsResponse(path=path))
+
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None, user_metadata: Any = None
+    ) -> AwaitableConcurrentFuture[types.SaveWeightsForSamplerResponse]:
+        ref = CheckpointRef(self.model_id, "sampler_weights", check_name(name))
+        fut = self._call(lambda eng: self._save(eng, ref, optimizer=False, overwrite=True))
+        return mapped(fut, lambda path: types.SaveWeightsForSamplerResponse(path=path))
+
+    def _save(self, engine: Engine, ref: CheckpointRef, *, optimizer: bool, overwrite: bool) -> str:
+        rec = self._record()
+        meta = {
+            "tenant": rec.tenant,
+            "tinker_path": ref.tinker_path,
+            "model_id": self.model_id,
+            "parent": rec.parent,
+            "sampler_versions": sorted(rec.sampled_versions),
+        }
+        store = self._runtime.store
+        if store.exists(ref) and not overwrite:
+            raise CheckpointError(f"checkpoint {ref.tinker_path} already exists (pass overwrite=True)")
+        engine.save_state(self.model_id, store.folder(ref), optimizer=optimizer, meta=meta, overwrite=True)
+        if optimizer:
+            rec.sampled_versions.clear()
+        return ref.tinker_path
+
+    def load_state(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        return self._load(path, optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        return self._load(path, optimizer=True)
+
+    def _load(self, path: str, *, optimizer: bool) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        ref = parse_tinker_path(path)
+        folder = self._runtime.store.folder(ref)
+
+        def run(engine: Engine) -> types.LoadWeightsResponse:
+            engine.load_state(folder, optimizer=optimizer, into=self.model_id)
+            self._record().parent = path
+            return types.LoadWeightsResponse(path=path, model_id=self.model_id)
+
+        return mapped(self._call(run), lambda x: x)
+
+    # ---------------------------------------------------------------- sampling
+    def save_weights_and_get_sampling_client(self, name: str | None = None, **_: Any) -> SamplingClient:
+        snap = self._call(lambda eng: eng.snapshot(self.model_id)).result()
+        return SamplingClient(self._runtime, self._record().base_model, snap.snapshot_id)
+
+    async def save_weights_and_get_sampling_client_async(
+        self, name: str | None = None, **kw: Any
+    ) -> SamplingClient:
+        return self.save_weights_and_get_sampling_client(name, **kw)
+
+    def create_sampling_client(self, model_path: str, **_: Any) -> SamplingClient:
+        from opentinker.client.service import sampling_client_for_path
+
+        return sampling_client_for_path(self._runtime, model_path, tenant=self._record().tenant)
+
+    # ---------------------------------------------------------------- info
+    def get_info(self) -> types.GetInfoResponse:
+        rec = self._record()
+        engine = self._backend.engine
+        return types.GetInfoResponse(
+            model_id=self.model_id,
+            model_data=types.ModelData(
+                arch=engine.base.model_type, model_name=rec.base_model, tokenizer_id=rec.base_model
+            ),
+            is_lora=True,
+            lora_rank=rec.lora.rank,
+            model_name=rec.base_model,
+        )
+
+    def get_tokenizer(self) -> Any:
+        return self._backend.engine.base.tokenizer
+
+    # ---------------------------------------------------------------- *_async forms
+    async def forward_async(
+        self, *a: Any, **k: Any
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        return self.forward(*a, **k)
+
+    async def forward_backward_async(
+        self, *a: Any, **k: Any
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        return self.forward_backward(*a, **k)
+
+    async def forward_backward_custom_async(
+        self, *a: Any, **k: Any
+    ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
+        return self.forward_backward_custom(*a, **k)
+
+    async def optim_step_async(self, *a: Any, **k: Any) -> AwaitableConcurrentFuture[types.OptimStepResponse]:
+        return self.optim_step(*a, **k)
+
+    async def save_state_async(
+        self, *a: Any, **k: Any
+    ) -> AwaitableConcurrentFuture[types.SaveWeightsResponse]:
+        return self.save_state(*a, **k)
+
+    async def load_state_async(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(
+        self, path: str
+    ) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path)
+
+    async def save_weights_for_sampler_async(
+        self, *a: Any, **k: Any
+    ) -> AwaitableConcurrentFuture[types.SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(*a, **k)
+
+    async def get_info_async(self) -> types.GetInfoResponse:
+        return self.get_info()
+
+
+__all__ = ["EngineError", "TrainingClient"]

@@ -1,0 +1,208 @@
+"""One scheduler thread per engine: per-model FIFO queues, fused ticks, fair admission.
+
+Clients (any number, any threads) submit operations and get ``concurrent.futures.Future``s back.
+A model's operations run strictly in submission order. One **tick** is:
+
+1. every model at the head of its queue with a *call* (save, load, snapshot, ...) runs it;
+2. every model at the head of its queue with a ``forward``/``forward_backward`` contributes that
+   ONE request to a single fused ``Engine.forward_backward_many`` (one forward, one backward);
+3. every model whose next operation (after that request, or at the head) is ``optim_step`` takes
+   the step — so a client that pipelines ``forward_backward`` + ``optim_step`` before waiting
+   gets both in the same tick;
+4. all waiting sample requests (up to ``max_sample_rows`` sequences, oldest first) decode as one
+   mixed-policy batch.
+
+**Fairness.** Each model gets at most one forward/backward request and one optimizer step per
+tick, whatever its queue holds. A tenant with huge batches (the SDK splits them into several
+requests) therefore advances one request per tick, exactly like a tenant with tiny ones: it cannot
+starve anybody, and every waiting model is served in every tick. Sampling is served
+first-come-first-served within a per-tick row budget.
+
+The tick number is reported in each result's metrics as ``clock_cycle:unique``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from opentinker.engine import AdamParams, Engine, ForwardRequest
+from opentinker.sampling import RolloutBackend, SampleRequest
+
+OpKind = Literal["forward", "optim", "call"]
+
+
+@dataclass
+class _Op:
+    kind: OpKind
+    payload: Any
+    future: Future
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class TickStats:
+    ticks: int = 0
+    fused_requests: int = 0
+    optim_steps: int = 0
+    sample_requests: int = 0
+    last_tick_seconds: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, sampler: RolloutBackend, *, max_sample_rows: int = 256) -> None:
+        self.engine = engine
+        self.sampler = sampler
+        self.max_sample_rows = max_sample_rows
+        self.stats = TickStats()
+        self._queues: dict[str, deque[_Op]] = {}
+        self._samples: deque[tuple[SampleRequest, Future]] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="opentinker-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submission
+    def submit_forward(self, model_id: str, req: ForwardRequest) -> Future:
+        return self._submit(model_id, _Op("forward", req, Future()))
+
+    def submit_optim(self, model_id: str, params: AdamParams) -> Future:
+        return self._submit(model_id, _Op("optim", params, Future()))
+
+    def submit_call(self, model_id: str, fn: Callable[[Engine], Any]) -> Future:
+        """Run ``fn(engine)`` in this model's order (saves, loads, snapshots, deletes)."""
+        return self._submit(model_id, _Op("call", fn, Future()))
+
+    def submit_sample(self, req: SampleRequest) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            self._check_open()
+            self._samples.append((req, fut))
+            self._cv.notify()
+        return fut
+
+    def _submit(self, model_id: str, op: _Op) -> Future:
+        with self._cv:
+            self._check_open()
+            self._queues.setdefault(model_id, deque()).append(op)
+            self._cv.notify()
+        return op.future
+
+    def _check_open(self) -> None:
+        if self._stopped:
+            raise RuntimeError("the scheduler is shut down")
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self._samples and not any(self._queues.values()):
+                    self._cv.wait()
+                if self._stopped:
+                    self._fail_pending(RuntimeError("the scheduler was shut down"))
+                    return
+                calls, forwards, optims, samples = self._take_tick()
+            self._run_tick(calls, forwards, optims, samples)
+
+    def _take_tick(
+        self,
+    ) -> tuple[list[_Op], list[_Op], list[tuple[str, _Op]], list[tuple[SampleRequest, Future]]]:
+        """Pop this tick's work from the queues (caller holds the lock)."""
+        calls: list[_Op] = []
+        forwards: list[_Op] = []
+        optims: list[tuple[str, _Op]] = []
+        for model_id, q in self._queues.items():
+            if not q:
+                continue
+            head = q[0]
+            if head.kind == "call":
+                calls.append(q.popleft())
+                continue
+            if head.kind == "forward":
+                forwards.append(q.popleft())
+            if q and q[0].kind == "optim":
+                optims.append((model_id, q.popleft()))
+        for model_id in [m for m, q in self._queues.items() if not q]:
+            del self._queues[model_id]
+        samples: list[tuple[SampleRequest, Future]] = []
+        rows = 0
+        while self._samples and (
+            not samples or rows + self._samples[0][0].num_samples <= self.max_sample_rows
+        ):
+            req, fut = self._samples.popleft()
+            samples.append((req, fut))
+            rows += req.num_samples
+        return calls, forwards, optims, samples
+
+    def _run_tick(
+        self,
+        calls: list[_Op],
+        forwards: list[_Op],
+        optims: list[tuple[str, _Op]],
+        samples: list[tuple[SampleRequest, Future]],
+    ) -> None:
+        t0 = time.perf_counter()
+        tick = self.stats.ticks + 1
+        for op in calls:
+            _settle(op.future, lambda op=op: op.payload(self.engine))
+        if forwards:
+            try:
+                results: list[Any] = self.engine.forward_backward_many([op.payload for op in forwards])
+            except Exception as e:  # an engine bug must fail the requests, never the thread
+                results = [e] * len(forwards)
+            for op, res in zip(forwards, results, strict=True):
+                if isinstance(res, BaseException):
+                    op.future.set_exception(res)
+                else:
+                    res.metrics["clock_cycle:unique"] = float(tick)
+                    op.future.set_result(res)
+        for model_id, op in optims:
+            _settle(
+                op.future,
+                lambda m=model_id, p=op.payload: {
+                    **self.engine.optim_step(m, p),
+                    "clock_cycle:unique": float(tick),
+                },
+            )
+        if samples:
+            try:
+                outs: list[Any] = self.sampler.generate([r for r, _ in samples])
+            except Exception as e:
+                outs = [e] * len(samples)
+            for (_, fut), out in zip(samples, outs, strict=True):
+                if isinstance(out, BaseException):
+                    fut.set_exception(out)
+                else:
+                    fut.set_result(out)
+        self.stats.ticks = tick
+        self.stats.fused_requests += len(forwards)
+        self.stats.optim_steps += len(optims)
+        self.stats.sample_requests += len(samples)
+        self.stats.last_tick_seconds = time.perf_counter() - t0
+
+    def _fail_pending(self, err: BaseException) -> None:
+        for q in self._queues.values():
+            for op in q:
+                op.future.set_exception(err)
+        for _, fut in self._samples:
+            fut.set_exception(err)
+        self._queues.clear()
+        self._samples.clear()
+
+
+def _settle(fut: Future, fn: Callable[[], Any]) -> None:
+    try:
+        fut.set_result(fn())
+    except Exception as e:  # reported to the caller through its future, never kills the loop
+        fut.set_exception(e)
