@@ -7,7 +7,10 @@ checkpoints, export), ``sampling`` (rollout backends), ``scheduler`` (ticks, ord
 See the README's file map.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opentinker.client import RestClient, SamplingClient, ServiceClient, TrainingClient
 
 __version__ = "0.1.0"
 __all__ = ["RestClient", "SamplingClient", "ServiceClient", "TrainingClient", "__version__"]
