@@ -150,9 +150,9 @@ class NativeBackend(RolloutBackend):
         active = list(range(len(rows)))
         ctx = eng.max_context
         while True:
-            for j, s in enumerate(active):
+            picked = _choose_batch(last, [rows[s] for s in active])
+            for s, (tok, lp) in zip(active, picked, strict=True):
                 row = rows[s]
-                tok, lp = _choose(last[j], row.params, row.gen)
                 row.tokens.append(tok)
                 row.logprobs.append(lp)
                 row.reason = self._stop_reason(row, ctx)
@@ -224,25 +224,41 @@ class NativeBackend(RolloutBackend):
         return res.prompt_logprobs
 
 
-def _choose(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
-    """Pick one token; return it with its logprob under softmax(logits / T) (T = 1 when greedy)."""
-    if p.temperature == 0:
-        tok = int(torch.argmax(logits_V))
-        return tok, float(torch.log_softmax(logits_V, -1)[tok])
-    logp = torch.log_softmax(logits_V / p.temperature, -1)
-    filtered = logp
-    if p.top_k > 0 and p.top_k < logp.shape[0]:
-        kth = torch.topk(logp, p.top_k).values[-1]
-        filtered = filtered.masked_fill(filtered < kth, -math.inf)
-    if p.top_p < 1.0:
-        sorted_lp, order = torch.sort(filtered, descending=True)
-        probs = sorted_lp.softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass strictly before each token
-        drop = before >= p.top_p  # keeps the smallest prefix reaching top_p (always >= 1 token)
-        filtered = filtered.scatter(0, order[drop], -math.inf)
-    probs = filtered.softmax(-1)
-    tok = int(torch.multinomial(probs, 1, generator=gen))
-    return tok, float(logp[tok])
+def _choose_batch(logits_SV: torch.Tensor, rows: list[_Row]) -> list[tuple[int, float]]:
+    """Pick one token per row (rows sharing sampling parameters are processed together); return
+    each with its logprob under softmax(logits / T) (T = 1 when greedy)."""
+    out: list[tuple[int, float]] = [(0, 0.0)] * len(rows)
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for j, row in enumerate(rows):
+        p = row.params
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
+    for (temp, top_k, top_p), idx in groups.items():
+        logits = logits_SV[idx]  # [n, V]
+        if temp == 0:
+            toks = logits.argmax(-1)
+            lps = torch.log_softmax(logits, -1).gather(-1, toks[:, None]).squeeze(-1)
+        else:
+            logp = torch.log_softmax(logits / temp, -1)
+            filtered = logp
+            if 0 < top_k < logp.shape[-1]:
+                kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+                filtered = filtered.masked_fill(filtered < kth, -math.inf)
+            if top_p < 1.0:
+                sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+                probs = sorted_lp.softmax(-1)
+                before = probs.cumsum(-1) - probs  # mass strictly before each token
+                drop_sorted = before >= top_p  # keeps the smallest prefix reaching top_p (>= 1 token)
+                drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # vocab order
+                filtered = filtered.masked_fill(drop, -math.inf)
+            cdf = filtered.softmax(-1).cumsum(-1)  # [n, V]
+            # one uniform per row from the row's own generator: a row's draws do not depend on
+            # which other rows share the batch (same seed and request -> same tokens)
+            u = torch.stack([torch.rand((), generator=rows[j].gen) for j in idx]).to(cdf)
+            toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+            lps = logp.gather(-1, toks[:, None]).squeeze(-1)
+        for j, t, lp in zip(idx, toks.tolist(), lps.tolist(), strict=True):
+            out[j] = (int(t), float(lp))
+    return out
 
 
 def _prompt_logprobs(res: SampleResult, logits_PV: torch.Tensor, r: SampleRequest) -> None:

@@ -1,0 +1,99 @@
+"""P4: snapshot handoff — trained weights to the first token sampled from them.
+
+``save_weights_and_get_sampling_client`` in OpenTinker is an in-memory copy of one adapter's LoRA
+tensors (an immutable snapshot) that the sampler reads directly. We time snapshot → first sampled
+token, and compare it with (a) one decode step of a batch (target: the handoff's copy costs no
+more than one decode step) and (b) what a stack without shared-base LoRA handoff must do: reload
+full model weights from disk, then sample the first token (target ≥ 10× slower than ours).
+Interleaved repeats, medians. Last line ``P4 <snapshot copy time ÷ one batch decode step>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
+from opentinker.lora import LoRAConfig
+from opentinker.models import load_base_model
+from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="opentinker/tiny")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    base = load_base_model(args.model)
+    engine = Engine(base)
+    sampler = NativeBackend(engine)
+    aid = engine.create_adapter(LoRAConfig(rank=args.rank, seed=0))
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(3, base.vocab_size, (65,), generator=g)
+    engine.forward_backward(ForwardRequest(aid, [Example(seq[:-1], {"target_tokens": seq[1:]})]))
+    engine.optim_step(aid, AdamParams(learning_rate=1e-3))
+    prompt = seq[:16].tolist()
+    one = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+
+    def handoff() -> tuple[float, float]:
+        t = time.perf_counter()
+        snap = engine.snapshot(aid)
+        copied = time.perf_counter() - t
+        [res] = sampler.generate([SampleRequest(snap.snapshot_id, prompt, one)])
+        first = time.perf_counter() - t
+        assert not isinstance(res, Exception)
+        sampler.retire(snap.snapshot_id)
+        return copied, first
+
+    batch = [
+        SampleRequest(aid, prompt, SamplingParams(max_tokens=9, temperature=1.0, seed=0, stop=[]))
+    ] * args.batch
+    short = [
+        SampleRequest(aid, prompt, SamplingParams(max_tokens=1, temperature=1.0, seed=0, stop=[]))
+    ] * args.batch
+
+    def decode_step() -> float:
+        # (time for 9 tokens - time for 1 token) / 8 = one decode step of the batch
+        t = time.perf_counter()
+        sampler.generate(short)
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        sampler.generate(batch)
+        t9 = time.perf_counter() - t
+        return max(t9 - t1, 1e-9) / 8
+
+    @torch.no_grad()
+    def reload() -> float:
+        t = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32).eval()
+        model(input_ids=torch.tensor([prompt])).logits[:, -1].softmax(-1).multinomial(1)
+        return time.perf_counter() - t
+
+    handoff(), decode_step(), reload()
+    copies, firsts, steps, reloads = [], [], [], []
+    for _ in range(args.repeats):
+        c, f = handoff()
+        copies.append(c)
+        firsts.append(f)
+        steps.append(decode_step())
+        reloads.append(reload())
+    c, f, s, r = (statistics.median(x) for x in (copies, firsts, steps, reloads))
+    nbytes = engine.adapter_weights(aid).nbytes()
+    print(f"model {args.model}, adapter rank {args.rank} ({nbytes / 1e6:.2f} MB of LoRA weights)")
+    print(f"  snapshot copy:                         {c * 1e3:8.2f} ms")
+    print(f"  snapshot -> first sampled token:       {f * 1e3:8.2f} ms")
+    print(f"  one decode step, batch of {args.batch}:          {s * 1e3:8.2f} ms")
+    print(f"  reload full weights -> first token:    {r * 1e3:8.2f} ms")
+    print(f"P4reload {r / f:.1f}")
+    print(f"P4 {c / s:.3f}")
+
+
+if __name__ == "__main__":
+    main()
