@@ -201,9 +201,12 @@ class Engine:
                     max_context=self.max_context,
                     max_batch_tokens=self.max_batch_tokens,
                 )
-                if req.backward and (req.policy is None or req.policy not in self._adapters):
-                    what = "the base model" if req.policy is None else repr(req.policy)
-                    raise UnknownPolicyError(f"cannot train {what}: forward_backward needs a live adapter")
+                if req.backward and req.policy is None:
+                    raise EngineError("cannot train the base model: forward_backward needs a live adapter")
+                if req.backward and req.policy not in self._adapters:
+                    raise UnknownPolicyError(
+                        f"unknown adapter {req.policy!r}: forward_backward needs a live adapter, not a snapshot"
+                    )
                 self._resolve(req.policy)
                 valid.append(i)
             except EngineError as e:
