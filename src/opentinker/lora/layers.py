@@ -86,6 +86,7 @@ class LoRABatch:
         self._set_rows(row_index)
 
     def _set_rows(self, row_index: torch.Tensor) -> None:
+        self._cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.row_index = row_index  # [B] int64, values in [0, K)
         first = int(row_index[0]) if row_index.numel() else 0
         # every row on one entry: plain matmuls, no per-row gather
@@ -100,21 +101,34 @@ class LoRABatch:
 
     def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
         """The LoRA term for ``x`` ([B, T, in]) at ``layer`` of ``group``, or None if no entry has it."""
-        a = self.a.get(group)
-        if a is None:
+        if group not in self.a:
             return None
-        b = self.b[group]
-        if self.single is not None:
-            e = self.single
-            a_l = a[e, layer].to(x.dtype)  # [r, in]
-            b_l = b[e, layer].to(x.dtype)  # [out, r]
-            return (x @ a_l.T) @ (b_l.T * self.scale[group][e].to(x.dtype))
-        a_rows = a[:, layer][self.row_index].to(x.dtype)  # [B, r, in]
-        b_rows = b[:, layer][self.row_index].to(x.dtype)  # [B, out, r]
+        a_t, b_t = self._weights(group, layer, x.dtype)
+        if a_t.dim() == 2:  # one entry for every row: plain matmuls
+            return (x @ a_t) @ b_t
         shape = x.shape
         x3 = x.reshape(shape[0], -1, shape[-1])  # [B, T, in]
-        xa = torch.bmm(x3, a_rows.transpose(1, 2)) * self.row_scale[group].to(x.dtype)[:, None, None]
-        return torch.bmm(xa, b_rows.transpose(1, 2)).reshape(*shape[:-1], -1)
+        return torch.bmm(torch.bmm(x3, a_t), b_t).reshape(*shape[:-1], -1)
+
+    def _weights(self, group: str, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A^T, scale·B^T) for this layer: [in, r], [r, out] if one entry serves every row, else per
+        row [B, in, r], [B, r, out]. Without autograd (sampling) they are cached for the life of this
+        routing plan, so decode steps after the first gather nothing."""
+        key = (group, layer)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        a, b, scale = self.a[group][:, layer], self.b[group][:, layer], self.scale[group]
+        if self.single is not None:
+            e = self.single
+            out = (a[e].T.to(dtype), (b[e].T * scale[e]).to(dtype))
+        else:
+            a_rows = a[self.row_index].transpose(1, 2)  # [B, in, r]
+            b_rows = b[self.row_index].transpose(1, 2) * self.row_scale[group][:, None, None]  # [B, r, out]
+            out = (a_rows.to(dtype), b_rows.to(dtype))
+        if not torch.is_grad_enabled():
+            self._cache[key] = out
+        return out
 
 
 class MultiLoRALinear(nn.Module):
