@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 BIN=.venv/bin
 "$BIN/ruff" check src tests benchmarks scripts
 "$BIN/ruff" format --check src tests benchmarks scripts
-"$BIN/pyright" src
+"$BIN/pyright" --pythonpath "$BIN/python" src
 "$BIN/python" -m pytest "$@"
