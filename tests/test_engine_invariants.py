@@ -204,3 +204,26 @@ def _adam_state_for(
             "exp_avg_sq": state[f"{k}.exp_avg_sq"].clone(),
         }
     return sd
+
+
+def test_soft_targets_in_a_mixed_batch_match_their_hard_target_parts(engine: Engine) -> None:
+    """2-D targets [T, K] with weights [T, K]: logprobs of each column equal the 1-D runs."""
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    _bump(engine, a, 1)
+    from opentinker.engine import Example
+
+    tokens = torch.randint(3, engine.vocab_size, (9,), generator=torch.Generator().manual_seed(0))
+    alt = torch.randint(3, engine.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    soft = Example(
+        tokens, {"target_tokens": torch.stack([tokens.roll(-1), alt], 1), "weights": torch.full((9, 2), 0.5)}
+    )
+    hard = [Example(tokens, {"target_tokens": t}) for t in (tokens.roll(-1), alt)]
+    res_soft, res_hard = engine.forward_backward_many(
+        [ForwardRequest(a, [soft], backward=False), ForwardRequest(a, hard, backward=False)]
+    )
+    assert not isinstance(res_soft, Exception) and not isinstance(res_hard, Exception)
+    lp = res_soft.outputs[0]["logprobs"]
+    assert lp.shape == (9, 2)
+    for col in range(2):
+        assert_rel_close(lp[:, col], res_hard.outputs[col]["logprobs"])
+    assert res_soft.metrics["loss:sum"] == pytest.approx(0.5 * res_hard.metrics["loss:sum"], rel=1e-5)

@@ -233,15 +233,25 @@ class Engine:
         with torch.set_grad_enabled(need_grad), self.routing(policies):
             logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False).logits.float()
             lse_BT = torch.logsumexp(logits_BTV, dim=-1)
+            # One batched gather of every row's targets (K > 1 for soft targets), padded with token
+            # 0: a per-row gather would give each row a full [B, T, V] zero gradient in backward.
+            width = max(
+                int(reqs[i].examples[j].inputs["target_tokens"].reshape(lengths[b], -1).shape[1])
+                for b, (i, j) in enumerate(rows)
+            )
+            tgt_BTK = torch.zeros(len(rows), tokens_BT.shape[1], width, dtype=torch.long, device=self.device)
+            for b, (i, j) in enumerate(rows):
+                t = reqs[i].examples[j].inputs["target_tokens"].long().reshape(lengths[b], -1)
+                tgt_BTK[b, : lengths[b], : t.shape[1]] = t.to(self.device)
+            lp_BTK = logits_BTV.gather(-1, tgt_BTK) - lse_BT[..., None]
             per_req_loss: dict[int, torch.Tensor] = {}
             per_req_out: dict[int, list[dict[str, torch.Tensor]]] = {i: [] for i in valid}
             for b, (i, j) in enumerate(rows):
                 req, ex, n = reqs[i], reqs[i].examples[j], lengths[b]
                 inputs = {k: v.to(self.device) for k, v in ex.inputs.items()}
-                targets = inputs["target_tokens"].long()
-                tgt_TK = targets.reshape(n, -1)
-                lp = logits_BTV[b, :n].gather(-1, tgt_TK) - lse_BT[b, :n, None]
-                lp = lp.reshape(targets.shape)
+                targets = inputs["target_tokens"]
+                k = 1 if targets.dim() == 1 else int(targets.shape[1])
+                lp = lp_BTK[b, :n, :k].reshape(targets.shape)
                 inputs = {k: (v if k == "target_tokens" else v.float()) for k, v in inputs.items()}
                 elementwise = LOSSES[req.loss_fn].fn(
                     lp, inputs, resolve_config(req.loss_fn, req.loss_fn_config)
