@@ -277,3 +277,6 @@ def test_bad_calls_are_refused_and_change_nothing(runtime: Runtime, tmp_path) ->
     with pytest.raises(UnknownPolicyError):
         stranger.create_training_client_from_state(foreign)
     assert stranger.create_rest_client().list_checkpoints(other.model_id).result().checkpoints == []
+    theirs = stranger.create_lora_training_client(str(other_dir), rank=4, seed=0)
+    with pytest.raises(UnknownPolicyError):
+        theirs.load_state(foreign)

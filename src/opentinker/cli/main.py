@@ -7,6 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["serve"], ["keys"]):  # the server's own parsers own their flags
+        from opentinker.server import keys_main, serve
+
+        return int((serve if argv[0] == "serve" else keys_main)(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -14,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
         "prepare", help="convert SmolLM2-135M-Instruct from its PyPI GGUF into the cache (once)"
     )
     prep.set_defaults(run=_prepare)
+
+    sub.add_parser(
+        "serve", help="run the Tinker-compatible HTTP server (opentinker serve -h)", add_help=False
+    )
+    sub.add_parser("keys", help="create | list | revoke API keys (opentinker keys -h)", add_help=False)
 
     demo = sub.add_parser(
         "demo", help="train several LoRA adapters at once in one fused batch, then sample each"

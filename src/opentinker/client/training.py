@@ -18,8 +18,15 @@ from opentinker.client.convert import datum_to_example, forward_output
 from opentinker.client.futures import ReadyClient, mapped
 from opentinker.client.runtime import ModelRecord, Runtime
 from opentinker.client.sampling import SamplingClient
-from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
-from opentinker.engine.checkpoint import CheckpointError
+from opentinker.engine import (
+    AdamParams,
+    Engine,
+    EngineError,
+    ForwardRequest,
+    ForwardResult,
+    UnknownPolicyError,
+)
+from opentinker.engine.checkpoint import CheckpointError, read_manifest
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -153,6 +160,12 @@ class TrainingClient(ReadyClient):
     def _load(self, path: str, *, optimizer: bool) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
         ref = parse_tinker_path(path)
         folder = self._runtime.store.folder(ref)
+        try:
+            owner = read_manifest(folder)["meta"].get("tenant", "local")
+        except CheckpointError as e:
+            raise CheckpointError(f"no usable checkpoint at {path}: {e}") from e
+        if owner != self._record().tenant:  # another tenant's checkpoint does not exist for us
+            raise UnknownPolicyError(f"unknown checkpoint {path!r}")
 
         def run(engine: Engine) -> types.LoadWeightsResponse:
             engine.load_state(folder, optimizer=optimizer, into=self.model_id)
@@ -183,7 +196,7 @@ class TrainingClient(ReadyClient):
         return types.GetInfoResponse(
             model_id=self.model_id,
             model_data=types.ModelData(
-                arch=engine.base.model_type, model_name=rec.base_model, tokenizer_id=rec.base_model
+                arch=engine.base.model_type, model_name=rec.base_model, tokenizer_id=engine.base.path
             ),
             is_lora=True,
             lora_rank=rec.lora.rank,

@@ -1,0 +1,26 @@
+"""The Tinker-compatible HTTP service: the official ``tinker`` SDK is its client.
+
+A thin layer above the embedded client API (:mod:`opentinker.client`): requests are decoded
+(protobuf through the SDK's own schema, or JSON), mapped onto one shared runtime's
+``ServiceClient`` / ``TrainingClient`` / ``SamplingClient`` objects, and their futures answered by
+request id. Files, in the order a request meets them:
+
+- ``main.py``        ``serve(argv)``: flags → :class:`ServerConfig` → uvicorn
+- ``limits.py``      body-size limit (413) and zstd decoding, before any route
+- ``app.py``         the FastAPI app and every ``/api/v1`` route
+- ``auth.py``        ``X-API-Key`` → tenant; ``keys_main`` (``opentinker keys …``)
+- ``schemas.py``     JSON request bodies; ``wire.py`` protobuf bodies and results
+- ``ops.py``         each operation mapped onto the embedded clients
+- ``ordering.py``    per-model ``seq_id`` reorder buffer and idempotency
+- ``registry.py``    live sessions, models and samplers per tenant (404 for others' ids)
+- ``futures.py``     request id → future of the encoded result; long-poll; pending limits
+- ``checkpoints.py`` the REST checkpoint routes; re-indexing checkpoints at start-up
+- ``store.py``       SQLite (WAL): tenants, keys, sessions, models, samplers, checkpoints
+- ``local.py``       run a server in a child process (tests, benchmarks)
+"""
+
+from opentinker.server.auth import keys_main
+from opentinker.server.config import ServerConfig
+from opentinker.server.main import serve
+
+__all__ = ["ServerConfig", "keys_main", "serve"]

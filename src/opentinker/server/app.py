@@ -1,0 +1,268 @@
+"""The FastAPI app: every route of the Tinker wire protocol under ``/api/v1`` (see PROTOCOL.md).
+
+Routes only authenticate, parse and delegate: :mod:`ops` maps requests onto the embedded clients,
+:mod:`checkpoints` serves the REST checkpoint routes, :mod:`futures` answers ``/retrieve_future``.
+A pure-ASGI middleware in front enforces the body-size limit (413) and undoes
+``Content-Encoding: zstd`` before any route sees a body. OpenAPI docs are at ``/docs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import APIKeyHeader
+
+from opentinker.client import Runtime
+from opentinker.engine import EngineError
+from opentinker.server import schemas as S
+from opentinker.server.auth import Authenticator
+from opentinker.server.checkpoints import CheckpointApi, reconcile
+from opentinker.server.config import ServerConfig
+from opentinker.server.errors import ApiError, error_category, error_message
+from opentinker.server.futures import FutureStore
+from opentinker.server.limits import BodyLimit
+from opentinker.server.ops import Operations
+from opentinker.server.ordering import Sequencer
+from opentinker.server.registry import Registry, SamplerNotLoaded
+from opentinker.server.store import Store
+
+log = logging.getLogger(__name__)
+PROTO = "application/x-protobuf"
+_api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="a tml-… API key")
+
+
+async def _tenant(request: Request, key: Annotated[str | None, Depends(_api_key)]) -> str:
+    """The tenant of the request's API key (401 without a valid one)."""
+    return request.app.state.server.auth.tenant(key)
+
+
+Tenant = Annotated[str, Depends(_tenant)]
+
+
+class Server:
+    """Everything one server process holds, built from its config (and an optional runtime)."""
+
+    def __init__(self, config: ServerConfig, runtime: Runtime | None = None) -> None:
+        self.config = config
+        self.runtime = runtime or Runtime(config.data_dir, device=config.device)
+        self.store = Store(config.data_dir)
+        self.auth = Authenticator(self.store, dev=config.dev)
+        self.futures = FutureStore(
+            max_pending=config.max_pending_per_tenant, result_ttl_s=config.result_ttl_s
+        )
+        self.sequencer = Sequencer()
+        self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
+        self.ops = Operations(config, self.registry, self.futures, self.sequencer)
+        self.checkpoints = CheckpointApi(self.runtime.store, self.store)
+        reconcile(self.runtime.store, self.store)
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+        self.store.close()
+
+
+def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
+    server = Server(config, runtime)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_watch_gaps(server))
+        try:
+            yield
+        finally:
+            task.cancel()
+            server.close()
+
+    app = FastAPI(
+        title="OpenTinker",
+        version="0.1.0",
+        description="A self-hosted Tinker-compatible training and sampling service (the `tinker` SDK is its client).",
+        lifespan=lifespan,
+    )
+    app.state.server = server
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": exc.message}, status_code=exc.status)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return JSONResponse({"detail": error_message(exc)}, status_code=400)
+
+    _routes(app, server)
+    return app
+
+
+async def _watch_gaps(server: Server) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        server.sequencer.skip_gaps(server.config.gap_timeout_s)
+
+
+def _routes(app: FastAPI, server: Server) -> None:
+    ops, ckpts, reg = server.ops, server.checkpoints, server.registry
+
+    api = "/api/v1"
+
+    # ---------------------------------------------------------------- service
+    @app.get(f"{api}/healthz", tags=["service"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(f"{api}/client/config", tags=["service"])
+    async def client_config(req: S.ClientConfigRequest, t: Tenant) -> dict[str, Any]:
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False}
+
+    @app.post(f"{api}/client/dynamic_config", tags=["service"])
+    async def client_dynamic_config(req: S.ClientConfigRequest, t: Tenant) -> dict[str, Any]:
+        return {}
+
+    @app.get(f"{api}/get_server_capabilities", tags=["service"])
+    async def capabilities(t: Tenant) -> dict[str, Any]:
+        models = []
+        for name, base in reg.served.items():
+            ctx = reg.engine(base).max_context
+            models.append(
+                {"model_name": name, "max_context_length": ctx, "trainable": True, "sampleable": True}
+            )
+        return {"supported_models": models}
+
+    @app.post(f"{api}/telemetry", tags=["service"])
+    async def telemetry(t: Tenant) -> dict[str, str]:
+        return {"status": "accepted"}
+
+    # ---------------------------------------------------------------- sessions
+    @app.post(f"{api}/create_session", tags=["sessions"])
+    async def create_session(req: S.CreateSessionRequest, t: Tenant) -> dict[str, Any]:
+        sess = reg.create_session(t, req.model_dump(mode="json"))
+        return {"session_id": sess.id, "type": "create_session"}
+
+    @app.post(f"{api}/session_heartbeat", tags=["sessions"])
+    async def heartbeat(req: S.SessionHeartbeatRequest, t: Tenant) -> dict[str, Any]:
+        sess = reg.session(t, req.session_id)
+        reg.touch(sess.id, server.store.touch_session, sess.id)
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{api}/sessions/{{session_id}}/finish", tags=["sessions"])
+    async def finish(session_id: str, req: S.FinishSessionRequest, t: Tenant) -> dict[str, Any]:
+        sess = reg.session(t, session_id, live=False)
+        if not sess.finished:
+            reg.finish_session(sess, str((req.reason or {}).get("type", "unknown")))
+        return {}
+
+    # ---------------------------------------------------------------- training
+    @app.post(f"{api}/create_model", tags=["training"])
+    async def create_model(req: S.CreateModelRequest, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.create_model(t, req)}
+
+    @app.post(f"{api}/get_info", tags=["training"])
+    async def get_info(req: S.GetInfoRequest, t: Tenant) -> dict[str, Any]:
+        return ops.get_info(t, req.model_id)
+
+    @app.post(
+        f"{api}/forward_backward",
+        tags=["training"],
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {PROTO: {"schema": {"type": "string", "format": "binary"}}},
+            }
+        },
+        summary="forward_backward / forward (protobuf ForwardBackwardRequest; forward_only=true for forward)",
+    )
+    async def forward_backward(request: Request, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.forward_backward(t, await request.body())}
+
+    @app.post(f"{api}/optim_step", tags=["training"])
+    async def optim_step(req: S.OptimStepRequest, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.optim_step(t, req)}
+
+    @app.post(f"{api}/save_weights", tags=["checkpoints"])
+    async def save_weights(req: S.SaveWeightsRequest, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.save_weights(t, req)}
+
+    @app.post(f"{api}/save_weights_for_sampler", tags=["checkpoints"])
+    async def save_weights_for_sampler(req: S.SaveWeightsForSamplerRequest, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.save_weights_for_sampler(t, req)}
+
+    @app.post(f"{api}/load_weights", tags=["checkpoints"])
+    async def load_weights(req: S.LoadWeightsRequest, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.load_weights(t, req)}
+
+    # ---------------------------------------------------------------- sampling
+    @app.post(f"{api}/create_sampling_session", tags=["sampling"])
+    async def create_sampling_session(req: S.CreateSamplingSessionRequest, t: Tenant) -> dict[str, Any]:
+        make = ops.create_sampling_session(t, req)
+        return {"sampling_session_id": await asyncio.to_thread(make), "type": "create_sampling_session"}
+
+    @app.get(f"{api}/samplers/{{sampler_id}}", tags=["sampling"])
+    async def get_sampler(sampler_id: str, t: Tenant) -> dict[str, Any]:
+        return ops.get_sampler(t, sampler_id)
+
+    @app.post(f"{api}/asample", tags=["sampling"])
+    async def asample(req: S.SampleRequest, t: Tenant) -> dict[str, Any]:
+        try:
+            return ops.asample(t, req)
+        except SamplerNotLoaded as e:  # a sampler of an earlier server process: load it once
+            await asyncio.to_thread(reg.reload_sampler, e.row)
+            return ops.asample(t, req)
+
+    # ---------------------------------------------------------------- futures
+    @app.post(f"{api}/retrieve_future", tags=["futures"])
+    async def retrieve_future(req: S.FutureRetrieveRequest, t: Tenant) -> Response:
+        state, fut = await server.futures.wait(req.request_id, t, server.config.poll_timeout_s)
+        if state == "unknown":
+            msg = f"request {req.request_id!r} is unknown or lost (server restarted?)"
+            return JSONResponse({"error": msg, "category": "user"})
+        if state == "pending" or fut is None:
+            return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
+        exc = fut.exception()
+        if exc is not None:
+            if error_category(exc) == "server":
+                log.error("request %s failed", req.request_id, exc_info=exc)
+            return JSONResponse({"error": error_message(exc), "category": error_category(exc)})
+        result = fut.result()
+        if isinstance(result, bytes):
+            return Response(result, media_type=PROTO)
+        return JSONResponse(result)
+
+    @app.post(f"{api}/cancel_future", tags=["futures"])
+    async def cancel_future(t: Tenant) -> dict[str, Any]:
+        return {}  # best effort: queued work runs to completion
+
+    # ---------------------------------------------------------------- checkpoints (REST)
+    @app.get(f"{api}/training_runs", tags=["checkpoints"])
+    async def training_runs(
+        t: Tenant, limit: Annotated[int, Query(ge=1, le=1000)] = 20, offset: Annotated[int, Query(ge=0)] = 0
+    ) -> dict[str, Any]:
+        return ckpts.training_runs(t, limit, offset)
+
+    @app.get(f"{api}/training_runs/{{model_id}}", tags=["checkpoints"])
+    async def training_run(model_id: str, t: Tenant) -> dict[str, Any]:
+        return ckpts.training_run(t, model_id)
+
+    @app.get(f"{api}/training_runs/{{model_id}}/checkpoints", tags=["checkpoints"])
+    async def list_checkpoints(model_id: str, t: Tenant) -> dict[str, Any]:
+        return ckpts.checkpoints(t, model_id)
+
+    @app.delete(f"{api}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}", tags=["checkpoints"])
+    async def delete_checkpoint(model_id: str, kind: str, name: str, t: Tenant) -> dict[str, Any]:
+        ckpts.delete(t, model_id, kind, name)
+        return {}
+
+    @app.post(f"{api}/weights_info", tags=["checkpoints"])
+    async def weights_info(req: S.WeightsInfoRequest, t: Tenant) -> dict[str, Any]:
+        return ckpts.weights_info(t, req.tinker_path)
+
+    @app.get(f"{api}/checkpoints", tags=["checkpoints"])
+    async def user_checkpoints(
+        t: Tenant, limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Annotated[int, Query(ge=0)] = 0
+    ) -> dict[str, Any]:
+        return ckpts.user_checkpoints(t, limit, offset)

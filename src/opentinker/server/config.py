@@ -1,0 +1,24 @@
+"""Server settings: what ``opentinker serve`` is started with (one frozen object, passed down)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    data_dir: Path
+    base_models: tuple[str, ...] = ()
+    # any well-formed ``tml-…`` key is accepted; its tenant is derived from the key's hash
+    dev: bool = False
+    device: str = "cpu"
+    max_body_bytes: int = 64 << 20
+    max_pending_per_tenant: int = 2048
+    # a long-poll of /retrieve_future answers try_again after this long (the SDK gives up at 45 s)
+    poll_timeout_s: float = 25.0
+    # a model's request waiting this long for a lower seq_id that never came runs anyway
+    gap_timeout_s: float = 120.0
+    # a finished result stays retrievable this long
+    result_ttl_s: float = 1800.0
+    max_num_samples: int = 256

@@ -1,0 +1,84 @@
+"""``opentinker serve``: run the HTTP service (uvicorn) over one shared embedded runtime.
+
+    opentinker serve --base-model opentinker/tiny --data-dir ./data --port 8000 [--dev]
+
+Every ``--base-model`` is loaded before the port opens (and only those are served). Clients use
+the official SDK: ``tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-…")``.
+Without ``--dev``, keys come from ``opentinker keys create --tenant NAME --data-dir ./data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from opentinker.server.config import ServerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="opentinker serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--base-model", action="append", required=True, help="a base model to serve (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="checkpoints and the server database (default $OPENTINKER_HOME)",
+    )
+    p.add_argument("--dev", action="store_true", help="accept any well-formed tml-… key (tenant = its hash)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-pending", type=int, default=2048, help="unfinished requests per tenant before 429")
+    p.add_argument(
+        "--poll-timeout", type=float, default=25.0, help="seconds a /retrieve_future long-poll waits"
+    )
+    p.add_argument(
+        "--gap-timeout", type=float, default=120.0, help="seconds a request waits for a missing seq_id"
+    )
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    from opentinker.client.runtime import default_data_dir
+
+    return ServerConfig(
+        data_dir=args.data_dir or default_data_dir(),
+        base_models=tuple(args.base_model),
+        dev=args.dev,
+        device=args.device,
+        max_body_bytes=args.max_body_bytes,
+        max_pending_per_tenant=args.max_pending,
+        poll_timeout_s=args.poll_timeout,
+        gap_timeout_s=args.gap_timeout,
+    )
+
+
+def serve(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from opentinker.server.app import create_app
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config_from_args(args))
+    print(f"opentinker: serving {', '.join(args.base_model)} on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve())

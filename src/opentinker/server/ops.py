@@ -1,0 +1,342 @@
+"""The operations behind the routes: each maps one decoded request onto the embedded clients.
+
+An operation that takes time returns a request id at once; its result — encoded for the wire —
+lands in the :class:`~opentinker.server.futures.FutureStore` under that id. Training requests are
+submitted in their model's ``seq_id`` order through the :class:`~opentinker.server.ordering.Sequencer`;
+requests with ids the SDK may retry (``(session, model_seq_id)``, ``(sampler, seq_id)``, …) are
+idempotent. Everything here runs on the event loop and never blocks on the engine: the embedded
+clients queue work on the scheduler and hand back futures.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from tinker import types
+
+from opentinker.client import SamplingClient, TrainingClient
+from opentinker.engine import Engine
+from opentinker.lora import LoRAConfig
+from opentinker.server import schemas as S
+from opentinker.server.config import ServerConfig
+from opentinker.server.errors import BadRequest, UserError
+from opentinker.server.futures import FutureStore, chain, fail
+from opentinker.server.ordering import Idempotency, Sequencer
+from opentinker.server.registry import Registry, SamplerNotLoaded, Session
+from opentinker.server.wire import (
+    decode_forward_backward,
+    digest_json,
+    encode_forward_output,
+    encode_sample_response,
+)
+
+Submit = Callable[[], Future]
+Encode = Callable[[Any], Any]
+
+
+class Operations:
+    def __init__(
+        self, config: ServerConfig, registry: Registry, futures: FutureStore, sequencer: Sequencer
+    ) -> None:
+        self.config = config
+        self.reg = registry
+        self.futures = futures
+        self.seq = sequencer
+        self.once = Idempotency()
+
+    # ------------------------------------------------------------------ plumbing
+    def _run(self, tenant: str, submit: Submit, encode: Encode) -> str:
+        """An unordered operation: submit now; a request id for its encoded result."""
+        request_id, out = self.futures.create(tenant)
+        try:
+            chain(submit(), out, encode)
+        except BaseException as e:
+            fail(out, e)
+        return request_id
+
+    def _ordered(
+        self, tenant: str, model_id: str, seq_id: int | None, digest: str, submit: Submit, encode: Encode
+    ) -> str:
+        """A training operation, run in its model's ``seq_id`` order; retries get the same id."""
+        if seq_id is None:
+            return self._run(tenant, submit, encode)
+        hit = self.seq.lookup(model_id, seq_id, digest)
+        if hit is not None:
+            return hit
+        request_id, out = self.futures.create(tenant)
+        try:
+            self.seq.submit(model_id, seq_id, digest, request_id, out, lambda: chain(submit(), out, encode))
+        except BaseException as e:
+            fail(out, e)
+            raise
+        return request_id
+
+    def _once(self, key: tuple[Any, ...], digest: str, what: str, make: Callable[[], Any]) -> Any:
+        hit = self.once.check(key, digest, what)
+        if hit is None:
+            hit = make()
+            self.once.remember(key, digest, hit)
+        return hit
+
+    # ------------------------------------------------------------------ models
+    def create_model(self, tenant: str, req: S.CreateModelRequest) -> str:
+        sess = self.reg.session(tenant, req.session_id)
+        digest = digest_json("create_model", req.model_dump(mode="json"))
+
+        def make() -> str:
+            def submit() -> Future:
+                if req.optimizer_config and req.optimizer_config.get("type", "adamw") != "adamw":
+                    raise UserError(
+                        f"optimizer {req.optimizer_config.get('type')!r} is not supported; only adamw"
+                    )
+                lora = req.lora_config or S.LoraConfig(rank=32)
+                config = LoRAConfig(
+                    rank=lora.rank,
+                    seed=lora.seed,
+                    train_attn=lora.train_attn,
+                    train_mlp=lora.train_mlp,
+                    train_unembed=lora.train_unembed,
+                )
+                base = self.reg.base_model(req.base_model)
+                return self.reg.new_model(
+                    sess, req.model_seq_id, base, config=config, user_metadata=req.user_metadata
+                )
+
+            return self._run(tenant, submit, lambda model_id: {"model_id": model_id, "type": "create_model"})
+
+        return self._once(
+            ("model", sess.id, req.model_seq_id), digest, f"model_seq_id {req.model_seq_id}", make
+        )
+
+    def get_info(self, tenant: str, model_id: str) -> dict[str, Any]:
+        tc = self.reg.model(tenant, model_id)
+        info = tc.get_info().model_dump(mode="json", exclude_none=True)
+        # a local folder, so the SDK's get_tokenizer() works offline on this machine
+        info["model_data"]["tokenizer_id"] = self.reg.engine(info["model_data"]["model_name"]).base.path
+        return info
+
+    def load_weights(self, tenant: str, req: S.LoadWeightsRequest) -> str:
+        digest = digest_json("load_weights", req.model_dump(mode="json"))
+        if req.session_id is not None and req.model_seq_id is not None:  # create-from-state
+            sess = self.reg.session(tenant, req.session_id)
+            ref, meta = self.reg.checkpoint(tenant, req.path)
+
+            def make() -> str:
+                def submit() -> Future:
+                    base = self.reg.base_model(meta.get("base_model", ""))
+                    if req.base_model is not None and self.reg.base_model(req.base_model) != base:
+                        raise UserError(
+                            f"checkpoint {req.path} was trained on {base!r}, not {req.base_model!r}"
+                        )
+                    return self.reg.new_model(
+                        sess,
+                        req.model_seq_id or 0,
+                        base,
+                        checkpoint=ref,
+                        optimizer=req.optimizer,
+                        user_metadata=req.user_metadata,
+                    )
+
+                return self._run(
+                    tenant, submit, lambda mid: {"path": req.path, "model_id": mid, "type": "load_weights"}
+                )
+
+            return self._once(
+                ("model", sess.id, req.model_seq_id), digest, f"model_seq_id {req.model_seq_id}", make
+            )
+        if req.model_id is None:
+            raise BadRequest("load_weights needs model_id (+ seq_id), or session_id + model_seq_id")
+        tc = self.reg.model(tenant, req.model_id)
+        load = tc.load_state_with_optimizer if req.optimizer else tc.load_state
+
+        def submit() -> Future:
+            ref, _ = self.reg.checkpoint(tenant, req.path)  # another tenant's checkpoint is unknown
+            return load(ref.tinker_path).future()
+
+        return self._ordered(
+            tenant,
+            req.model_id,
+            req.seq_id,
+            digest,
+            submit,
+            lambda r: r.model_dump(mode="json", exclude_none=True),
+        )
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, tenant: str, body: bytes) -> str:
+        call = decode_forward_backward(body)
+        tc = self.reg.model(tenant, call.model_id)
+        op = tc.forward if call.forward_only else tc.forward_backward
+
+        def submit() -> Future:
+            if call.error is not None:
+                raise call.error
+            return op(call.data, call.loss_fn, call.loss_fn_config).future()
+
+        return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode_forward_output)
+
+    def optim_step(self, tenant: str, req: S.OptimStepRequest) -> str:
+        tc = self.reg.model(tenant, req.model_id)
+        digest = digest_json("optim_step", req.model_dump(mode="json"))
+
+        def submit() -> Future:
+            if req.optimizer_params is not None and req.optimizer_params.get("type", "adamw") != "adamw":
+                raise UserError(
+                    f"optimizer {req.optimizer_params.get('type')!r} is not supported; only adamw"
+                )
+            params = req.adam_params or S.AdamParams()
+            return tc.optim_step(types.AdamParams(**params.model_dump())).future()
+
+        return self._ordered(
+            tenant,
+            req.model_id,
+            req.seq_id,
+            digest,
+            submit,
+            lambda r: r.model_dump(mode="json", exclude_none=True),
+        )
+
+    def save_weights(self, tenant: str, req: S.SaveWeightsRequest) -> str:
+        tc = self.reg.model(tenant, req.model_id)
+        digest = digest_json("save_weights", req.model_dump(mode="json"))
+        name = req.path or f"seq-{req.seq_id or uuid.uuid4().hex[:8]}"
+
+        def saved(res: types.SaveWeightsResponse) -> dict[str, Any]:
+            self.reg.record_checkpoint(tenant, res.path)
+            return {"path": res.path, "type": "save_weights"}
+
+        return self._ordered(
+            tenant,
+            req.model_id,
+            req.seq_id,
+            digest,
+            lambda: tc.save_state(name, overwrite=req.overwrite).future(),
+            saved,
+        )
+
+    def save_weights_for_sampler(self, tenant: str, req: S.SaveWeightsForSamplerRequest) -> str:
+        tc = self.reg.model(tenant, req.model_id)
+        digest = digest_json("save_weights_for_sampler", req.model_dump(mode="json"))
+        if req.path is not None:  # named, durable sampler weights
+
+            def saved(res: types.SaveWeightsForSamplerResponse) -> dict[str, Any]:
+                self.reg.record_checkpoint(tenant, res.path)
+                return {"path": res.path, "type": "save_weights_for_sampler"}
+
+            return self._ordered(
+                tenant,
+                req.model_id,
+                req.seq_id,
+                digest,
+                lambda: tc.save_weights_for_sampler(req.path or "").future(),
+                saved,
+            )
+        # ephemeral: an in-memory snapshot served by a new sampler session (kind "inflight" is
+        # served as a snapshot too: a fixed version at least as new as the one asked for)
+        if req.sampling_session_seq_id is None:
+            raise BadRequest("save_weights_for_sampler needs a path, or a sampling_session_seq_id")
+        sess = self._session_of(tenant, req.model_id)
+        sampler_id = f"{sess.id}:sample:{req.sampling_session_seq_id}"
+        base = self.reg.runtime.model(req.model_id).base_model
+
+        def snapshot() -> Future:
+            return self._engine_call(tc, lambda eng: eng.snapshot(req.model_id))
+
+        def served(snap: Any) -> dict[str, Any]:
+            self.reg.snapshot_sampler(sess, sampler_id, snap, base)
+            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, snapshot, served)
+
+    def _engine_call(self, tc: TrainingClient, fn: Callable[[Engine], Any]) -> Future:
+        """Queue ``fn`` in ``tc``'s model order (for the snapshot the embedded client only offers
+        as a blocking call)."""
+        rec = self.reg.runtime.model(tc.model_id)
+        return self.reg.runtime.backend(rec.base_model).scheduler.submit_call(tc.model_id, fn)
+
+    def _session_of(self, tenant: str, model_id: str) -> Session:
+        return self.reg.session(tenant, model_id.split(":train:", 1)[0], live=False)
+
+    # ------------------------------------------------------------------ sampling
+    def create_sampling_session(self, tenant: str, req: S.CreateSamplingSessionRequest) -> Callable[[], str]:
+        """Checks now; returns the (blocking: it may load weights) part to run in a worker thread."""
+        sess = self.reg.session(tenant, req.session_id)
+        sampler_id = f"{sess.id}:sample:{req.sampling_session_seq_id}"
+        digest = digest_json("create_sampling_session", req.model_dump(mode="json"))
+        if self.once.check(
+            ("sampler", sampler_id), digest, f"sampling_session_seq_id {req.sampling_session_seq_id}"
+        ):
+            return lambda: sampler_id
+        if req.model_path is not None:
+            _, meta = self.reg.checkpoint(tenant, req.model_path)
+            self.reg.base_model(str(meta.get("base_model", "")))  # never load an unserved base model
+        elif req.base_model is None:
+            raise BadRequest("create_sampling_session needs model_path or base_model")
+        else:
+            base = self.reg.base_model(req.base_model)
+
+        def make() -> str:
+            if req.model_path is not None:
+                client = sess.service.create_sampling_client(model_path=req.model_path)
+            else:
+                client = sess.service.create_sampling_client(base_model=base)
+            self.reg.add_sampler(sess, sampler_id, client)
+            self.once.remember(("sampler", sampler_id), digest, sampler_id)
+            return sampler_id
+
+        return make
+
+    def get_sampler(self, tenant: str, sampler_id: str) -> dict[str, Any]:
+        try:
+            s = self.reg.sampler(tenant, sampler_id)
+        except SamplerNotLoaded as e:  # known, just not loaded yet: the record says it all
+            return {"sampler_id": e.row.id, "base_model": e.row.base_model, "model_path": e.row.model_path}
+        return {"sampler_id": s.id, "base_model": s.client.base_model, "model_path": s.model_path}
+
+    def asample(self, tenant: str, req: S.SampleRequest) -> dict[str, Any]:
+        if req.sampling_session_id is not None:
+            client = self.reg.sampler(tenant, req.sampling_session_id).client
+        elif req.base_model is not None and req.model_path is None:  # the session-less legacy form
+            client = SamplingClient(self.reg.runtime, self.reg.base_model(req.base_model), None)
+        else:
+            raise BadRequest("asample needs a sampling_session_id (or a base_model)")
+        digest = digest_json("asample", req.model_dump(mode="json"))
+
+        def make() -> dict[str, Any]:
+            ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
+            rid = self._run(tenant, lambda: self._sample(client, req), self._encode_sample(req))
+            return {"request_id": rid, "sample_sequence_ids": ids}
+
+        if req.seq_id is None or req.sampling_session_id is None:
+            return make()
+        key = ("sample", req.sampling_session_id, req.seq_id)
+        return self._once(key, digest, f"seq_id {req.seq_id} of sampler {req.sampling_session_id}", make)
+
+    def _sample(self, client: Any, req: S.SampleRequest) -> Future:
+        unsupported = {
+            "topk_sample_logprobs": req.topk_sample_logprobs,
+            "target_prompt_logprobs": req.target_prompt_logprobs,
+            "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
+            "record_stability_info": req.record_stability_info,
+        }
+        for key, value in unsupported.items():
+            if value not in (None, 0, False):
+                raise UserError(f"{key} is not supported by this server")
+        if not 1 <= req.num_samples <= self.config.max_num_samples:
+            raise UserError(
+                f"num_samples must be in [1, {self.config.max_num_samples}], got {req.num_samples}"
+            )
+        return client.sample(
+            req.prompt,
+            req.num_samples,
+            req.sampling_params,
+            include_prompt_logprobs=bool(req.prompt_logprobs),
+            topk_prompt_logprobs=req.topk_prompt_logprobs,
+        ).future()
+
+    @staticmethod
+    def _encode_sample(req: S.SampleRequest) -> Encode:
+        return lambda res: encode_sample_response(res, prompt_logprobs_last_n=req.prompt_logprobs_last_n)

@@ -1,0 +1,307 @@
+"""What the server holds live, per tenant: sessions, training models, sampler sessions.
+
+Each SDK session gets one embedded ``ServiceClient(runtime=shared, tenant=<its key's tenant>)``;
+its models are embedded ``TrainingClient``s and its sampler sessions embedded ``SamplingClient``s,
+all over the one shared :class:`~opentinker.client.Runtime` (one engine and one scheduler per base
+model). This module resolves the ids the SDK sends to those objects — refusing with 404 any id
+that is unknown *or another tenant's* — and records them in the store.
+
+Model ids are ``<session_id>:train:<model_seq_id>`` (the SDK derives them itself after
+create-from-state), sampler ids ``<session_id>:sample:<sampling_session_seq_id>``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentinker.client import Runtime, SamplingClient, ServiceClient, TrainingClient
+from opentinker.client.checkpoints import CheckpointRef, parse_tinker_path
+from opentinker.client.runtime import ModelRecord
+from opentinker.client.service import LOCAL_TENANT, sampling_client_for_path
+from opentinker.engine import Engine, EngineError, SnapshotInfo
+from opentinker.engine.checkpoint import CheckpointError, read_manifest
+from opentinker.lora import LoRAConfig
+from opentinker.models.registry import canonical_name
+from opentinker.server.errors import Gone, NotFound, UserError
+from opentinker.server.ordering import Sequencer
+from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
+
+
+@dataclass
+class Session:
+    id: str
+    tenant: str
+    service: ServiceClient
+    models: set[str] = field(default_factory=set)
+    samplers: set[str] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass
+class Sampler:
+    id: str
+    tenant: str
+    client: SamplingClient
+    model_path: str | None
+    owner: str | None = None  # the model an ephemeral snapshot was taken from
+
+
+class Registry:
+    def __init__(self, runtime: Runtime, store: Store, sequencer: Sequencer, base_models: list[str]) -> None:
+        self.runtime = runtime
+        self.store = store
+        self.seq = sequencer
+        self.served: dict[str, str] = {}  # canonical name -> the engine's base model name
+        for name in base_models:
+            self.served[canonical_name(name)] = runtime.backend(name).engine.base.name
+        self.sessions: dict[str, Session] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.trainers: dict[str, TrainingClient] = {}
+        self._lock = threading.Lock()
+        self._touched: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ base models
+    def base_model(self, name: str) -> str:
+        base = self.served.get(canonical_name(name))
+        if base is None:
+            raise UserError(
+                f"base model {name!r} is not served here; served: {', '.join(self.served) or 'none'}"
+            )
+        return base
+
+    def engine(self, base_model: str) -> Engine:
+        return self.runtime.backend(base_model).engine
+
+    # ------------------------------------------------------------------ sessions
+    def create_session(self, tenant: str, meta: dict[str, Any]) -> Session:
+        sess = Session(self.runtime.new_session(), tenant, ServiceClient(runtime=self.runtime, tenant=tenant))
+        self.store.add_session(sess.id, tenant, meta)
+        with self._lock:
+            self.sessions[sess.id] = sess
+        return sess
+
+    def session(self, tenant: str, session_id: str, *, live: bool = True) -> Session:
+        with self._lock:
+            sess = self.sessions.get(session_id)
+        if sess is None:
+            row = self.store.session(session_id)
+            if row is None or row.tenant != tenant:
+                raise NotFound(f"unknown session {session_id!r}")
+            # a session of an earlier server process: usable for new models and samplers
+            sess = Session(
+                row.id,
+                tenant,
+                ServiceClient(runtime=self.runtime, tenant=tenant),
+                finished=row.finished is not None,
+            )
+            with self._lock:
+                sess = self.sessions.setdefault(session_id, sess)
+        if sess.tenant != tenant:
+            raise NotFound(f"unknown session {session_id!r}")
+        if live and sess.finished:
+            raise Gone(f"session {session_id!r} is finished")
+        return sess
+
+    def touch(self, key: str, fn: Any, *args: Any) -> None:
+        """Write a last-seen time at most every few seconds per id."""
+        now = time.monotonic()
+        if now - self._touched.get(key, 0.0) > 5.0:
+            self._touched[key] = now
+            fn(*args)
+
+    def finish_session(self, sess: Session, reason: str) -> None:
+        """Mark it finished and free what it held: its adapters and its ephemeral snapshots."""
+        sess.finished = True
+        self.store.finish_session(sess.id, reason)
+        with self._lock:
+            models, samplers = list(sess.models), list(sess.samplers)
+        for model_id in models:
+            self.seq.close(model_id, f"session {sess.id} is finished")
+            rec = self.runtime.models.get(model_id)
+            if rec is not None and not rec.deleted:
+                rec.deleted = True
+                self.runtime.backend(rec.base_model).scheduler.submit_call(
+                    model_id, lambda eng, m=model_id: eng.delete_adapter(m)
+                )
+            self.trainers.pop(model_id, None)
+        for sampler_id in samplers:
+            sampler = self.samplers.pop(sampler_id, None)
+            if sampler is not None and sampler.owner is not None and sampler.client.policy is not None:
+                backend = self.runtime.backend(sampler.client.base_model)
+                backend.scheduler.submit_call(
+                    sampler.owner, lambda eng, p=sampler.client.policy: eng.release_snapshot(p)
+                )
+
+    # ------------------------------------------------------------------ models
+    def model(self, tenant: str, model_id: str) -> TrainingClient:
+        rec = self.runtime.models.get(model_id)
+        if rec is None or rec.tenant != tenant:
+            row = self.store.model(model_id)
+            if row is not None and row.tenant == tenant:
+                raise NotFound(
+                    f"model {model_id!r} is not loaded: it was live in an earlier server process. "
+                    "Create a training client from one of its checkpoints."
+                )
+            raise NotFound(f"unknown model {model_id!r}")
+        if rec.deleted:
+            raise NotFound(f"model {model_id!r} is closed (its session finished)")
+        tc = self.trainers.get(model_id)
+        if tc is None:
+            tc = self.trainers[model_id] = TrainingClient(self.runtime, model_id)
+        self.touch(model_id, self.store.touch_model, model_id)
+        return tc
+
+    def new_model(
+        self,
+        sess: Session,
+        model_seq_id: int,
+        base_model: str,
+        *,
+        config: LoRAConfig | None = None,
+        checkpoint: CheckpointRef | None = None,
+        optimizer: bool = False,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> Future:
+        """Create ``<session>:train:<seq>`` fresh (``config``) or from ``checkpoint``; a future of its id.
+
+        The model is registered on the scheduler thread, right after the engine made its adapter.
+        """
+        model_id = f"{sess.id}:train:{model_seq_id}"
+        if model_id in self.runtime.models or self.store.model(model_id) is not None:
+            raise UserError(f"model {model_id!r} already exists (model_seq_id {model_seq_id} was used)")
+        backend = self.runtime.backend(base_model)
+        folder = self.runtime.store.folder(checkpoint) if checkpoint is not None else None
+
+        def make(eng: Engine) -> str:
+            if folder is not None:
+                eng.load_state(folder, adapter_id=model_id, optimizer=optimizer)
+                lora = eng.adapter_config(model_id)
+            else:
+                assert config is not None
+                eng.create_adapter(config, model_id)
+                lora = config
+            parent = checkpoint.tinker_path if checkpoint is not None else None
+            self.runtime.models[model_id] = ModelRecord(
+                model_id, base_model, lora, sess.tenant, parent=parent
+            )
+            now = time.time()
+            row = ModelRow(
+                model_id,
+                sess.tenant,
+                sess.id,
+                base_model,
+                _lora_dict(lora),
+                parent,
+                now,
+                now,
+                _str_dict(user_metadata),
+            )
+            self.store.add_model(row)
+            with self._lock:
+                sess.models.add(model_id)
+            self.seq.open(model_id)
+            return model_id
+
+        return backend.scheduler.submit_call(model_id, make)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, tenant: str, path: str) -> tuple[CheckpointRef, dict[str, Any]]:
+        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` owns it (else 404)."""
+        try:
+            ref = parse_tinker_path(path)
+        except EngineError as e:
+            raise NotFound(str(e)) from e
+        try:
+            meta = read_manifest(self.runtime.store.folder(ref))["meta"]
+        except CheckpointError as e:
+            raise NotFound(f"unknown checkpoint {path!r}") from e
+        if meta.get("tenant", LOCAL_TENANT) != tenant:
+            raise NotFound(f"unknown checkpoint {path!r}")
+        return ref, meta
+
+    def record_checkpoint(self, tenant: str, path: str) -> None:
+        rec = self.runtime.store.record(parse_tinker_path(path))
+        row = CheckpointRow(
+            rec.ref.tinker_path,
+            tenant,
+            rec.ref.model_id,
+            rec.ref.kind,
+            rec.ref.name,
+            rec.time.timestamp(),
+            rec.size_bytes,
+            rec.meta,
+        )
+        self.store.add_checkpoint(row)
+
+    # ------------------------------------------------------------------ samplers
+    def add_sampler(
+        self, sess: Session, sampler_id: str, client: SamplingClient, *, owner: str | None = None
+    ) -> Sampler:
+        sampler = Sampler(sampler_id, sess.tenant, client, client.model_path, owner)
+        self.store.add_sampler(
+            SamplerRow(
+                sampler_id, sess.tenant, sess.id, client.base_model, client.model_path, owner is not None
+            )
+        )
+        with self._lock:
+            self.samplers[sampler_id] = sampler
+            sess.samplers.add(sampler_id)
+        return sampler
+
+    def snapshot_sampler(
+        self, sess: Session, sampler_id: str, snap: SnapshotInfo, base_model: str
+    ) -> Sampler:
+        client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
+        return self.add_sampler(sess, sampler_id, client, owner=snap.adapter_id)
+
+    def sampler(self, tenant: str, sampler_id: str) -> Sampler:
+        with self._lock:
+            sampler = self.samplers.get(sampler_id)
+        if sampler is not None and sampler.tenant == tenant:
+            return sampler
+        row = self.store.sampler(sampler_id)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"unknown sampler {sampler_id!r}")
+        if row.ephemeral or row.model_path is None:
+            if row.model_path is None and not row.ephemeral:  # a base-model sampler: recreate it
+                sess = self.session(tenant, row.session_id, live=False)
+                return self.add_sampler(sess, sampler_id, SamplingClient(self.runtime, row.base_model, None))
+            raise NotFound(
+                f"sampler {sampler_id!r} served an in-memory snapshot that is gone (the server restarted "
+                "or its session finished); save weights for the sampler again"
+            )
+        raise SamplerNotLoaded(row)
+
+    def reload_sampler(self, row: SamplerRow) -> Sampler:
+        """Serve a durable sampler of an earlier process again (blocking: it loads weights)."""
+        assert row.model_path is not None
+        sess = self.session(row.tenant, row.session_id, live=False)
+        client = sampling_client_for_path(self.runtime, row.model_path, tenant=row.tenant)
+        return self.add_sampler(sess, row.id, client)
+
+
+class SamplerNotLoaded(NotFound):
+    """A sampler over saved weights, known from an earlier process: load it, then retry."""
+
+    def __init__(self, row: SamplerRow) -> None:
+        super().__init__(f"sampler {row.id!r} is not loaded (its weights are at {row.model_path})")
+        self.row = row
+
+
+def _lora_dict(c: LoRAConfig) -> dict[str, Any]:
+    return {
+        "rank": c.rank,
+        "alpha": c.alpha,
+        "seed": c.seed,
+        "train_attn": c.train_attn,
+        "train_mlp": c.train_mlp,
+        "train_unembed": c.train_unembed,
+    }
+
+
+def _str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
+    return None if d is None else {str(k): str(v) for k, v in d.items()}

@@ -1,0 +1,286 @@
+"""Durable server state in SQLite (WAL): tenants, API keys, sessions, models, samplers, checkpoints.
+
+Why SQLite: one file under ``--data-dir``, safe for the server and the ``opentinker keys`` command to
+use at the same time (WAL lets readers and one writer proceed together), and it survives a
+``kill -9``. What is *not* here: adapter weights (the engine's checkpoints on disk hold those) and
+futures (a request in flight at a crash is lost; its id answers a clear error after a restart).
+
+The checkpoint folders are the truth about checkpoints; the ``checkpoints`` table is an index of
+them with their tenant, rebuilt from the folders' manifests at start-up
+(:func:`opentinker.server.checkpoints.reconcile`),
+so a checkpoint written just before a crash is still listed.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (id TEXT PRIMARY KEY, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_hash TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL, revoked REAL);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created REAL NOT NULL, last_seen REAL NOT NULL,
+    finished TEXT, meta TEXT NOT NULL DEFAULT '{}');
+CREATE TABLE IF NOT EXISTS models (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
+    lora TEXT NOT NULL, parent TEXT, created REAL NOT NULL, last_request REAL NOT NULL,
+    user_metadata TEXT);
+CREATE TABLE IF NOT EXISTS samplers (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, session_id TEXT NOT NULL, base_model TEXT NOT NULL,
+    model_path TEXT, ephemeral INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    tinker_path TEXT PRIMARY KEY, tenant TEXT NOT NULL, model_id TEXT NOT NULL, kind TEXT NOT NULL,
+    name TEXT NOT NULL, created REAL NOT NULL, size_bytes INTEGER NOT NULL, meta TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS checkpoints_by_model ON checkpoints (model_id);
+CREATE INDEX IF NOT EXISTS models_by_tenant ON models (tenant);
+"""
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    key_hash: str
+    tenant: str
+    name: str
+    created: float
+    revoked: float | None
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    id: str
+    tenant: str
+    created: float
+    last_seen: float
+    finished: str | None
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    lora: dict[str, Any]
+    parent: str | None
+    created: float
+    last_request: float
+    user_metadata: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    model_path: str | None
+    ephemeral: bool
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    tinker_path: str
+    tenant: str
+    model_id: str
+    kind: str
+    name: str
+    created: float
+    size_bytes: int
+    meta: dict[str, Any]
+
+
+class Store:
+    def __init__(self, data_dir: str | Path) -> None:
+        path = Path(data_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / "server.sqlite3"
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: Iterable[Any] = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, tuple(args))
+
+    def _all(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    # ------------------------------------------------------------------ tenants and keys
+    def ensure_tenant(self, tenant: str) -> None:
+        self._exec("INSERT OR IGNORE INTO tenants (id, created) VALUES (?, ?)", (tenant, time.time()))
+
+    def add_key(self, key_hash: str, tenant: str, name: str = "") -> None:
+        self.ensure_tenant(tenant)
+        self._exec(
+            "INSERT INTO api_keys (key_hash, tenant, name, created) VALUES (?, ?, ?, ?)",
+            (key_hash, tenant, name, time.time()),
+        )
+
+    def key(self, key_hash: str) -> KeyRow | None:
+        rows = self._all(
+            "SELECT key_hash, tenant, name, created, revoked FROM api_keys WHERE key_hash=?", (key_hash,)
+        )
+        return KeyRow(*rows[0]) if rows else None
+
+    def api_keys(self) -> list[KeyRow]:
+        rows = self._all("SELECT key_hash, tenant, name, created, revoked FROM api_keys ORDER BY created")
+        return [KeyRow(*r) for r in rows]
+
+    def revoke_keys(self, prefix: str) -> int:
+        """Revoke every live key whose hash starts with ``prefix`` (as ``keys list`` shows it)."""
+        cur = self._exec(
+            "UPDATE api_keys SET revoked=? WHERE key_hash LIKE ? AND revoked IS NULL",
+            (time.time(), prefix + "%"),
+        )
+        return cur.rowcount
+
+    # ------------------------------------------------------------------ sessions
+    def add_session(self, session_id: str, tenant: str, meta: dict[str, Any]) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT OR IGNORE INTO sessions (id, tenant, created, last_seen, meta) VALUES (?, ?, ?, ?, ?)",
+            (session_id, tenant, now, now, json.dumps(meta)),
+        )
+
+    def session(self, session_id: str) -> SessionRow | None:
+        rows = self._all(
+            "SELECT id, tenant, created, last_seen, finished FROM sessions WHERE id=?", (session_id,)
+        )
+        return SessionRow(*rows[0]) if rows else None
+
+    def touch_session(self, session_id: str) -> None:
+        self._exec("UPDATE sessions SET last_seen=? WHERE id=?", (time.time(), session_id))
+
+    def finish_session(self, session_id: str, reason: str) -> None:
+        self._exec("UPDATE sessions SET finished=? WHERE id=? AND finished IS NULL", (reason, session_id))
+
+    # ------------------------------------------------------------------ models
+    def add_model(self, row: ModelRow) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO models (id, tenant, session_id, base_model, lora, parent, created, "
+            "last_request, user_metadata) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.id,
+                row.tenant,
+                row.session_id,
+                row.base_model,
+                json.dumps(row.lora),
+                row.parent,
+                row.created,
+                row.last_request,
+                None if row.user_metadata is None else json.dumps(row.user_metadata),
+            ),
+        )
+
+    def touch_model(self, model_id: str) -> None:
+        self._exec("UPDATE models SET last_request=? WHERE id=?", (time.time(), model_id))
+
+    def model(self, model_id: str) -> ModelRow | None:
+        rows = self._all(f"SELECT {_MODEL_COLS} FROM models WHERE id=?", (model_id,))
+        return _model_row(rows[0]) if rows else None
+
+    def models(self, tenant: str, limit: int, offset: int) -> tuple[list[ModelRow], int]:
+        rows = self._all(
+            f"SELECT {_MODEL_COLS} FROM models WHERE tenant=? ORDER BY created DESC LIMIT ? OFFSET ?",
+            (tenant, limit, offset),
+        )
+        total = self._all("SELECT COUNT(*) FROM models WHERE tenant=?", (tenant,))[0][0]
+        return [_model_row(r) for r in rows], int(total)
+
+    # ------------------------------------------------------------------ samplers
+    def add_sampler(self, row: SamplerRow) -> None:
+        self._exec(
+            "INSERT OR IGNORE INTO samplers (id, tenant, session_id, base_model, model_path, ephemeral, "
+            "created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.id,
+                row.tenant,
+                row.session_id,
+                row.base_model,
+                row.model_path,
+                int(row.ephemeral),
+                time.time(),
+            ),
+        )
+
+    def sampler(self, sampler_id: str) -> SamplerRow | None:
+        rows = self._all(
+            "SELECT id, tenant, session_id, base_model, model_path, ephemeral FROM samplers WHERE id=?",
+            (sampler_id,),
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return SamplerRow(r[0], r[1], r[2], r[3], r[4], bool(r[5]))
+
+    # ------------------------------------------------------------------ checkpoints
+    def add_checkpoint(self, row: CheckpointRow) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO checkpoints (tinker_path, tenant, model_id, kind, name, created, "
+            "size_bytes, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.tinker_path,
+                row.tenant,
+                row.model_id,
+                row.kind,
+                row.name,
+                row.created,
+                row.size_bytes,
+                json.dumps(row.meta),
+            ),
+        )
+
+    def delete_checkpoint(self, tinker_path: str) -> None:
+        self._exec("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))
+
+    def checkpoint(self, tinker_path: str) -> CheckpointRow | None:
+        rows = self._all(f"SELECT {_CKPT_COLS} FROM checkpoints WHERE tinker_path=?", (tinker_path,))
+        return _ckpt_row(rows[0]) if rows else None
+
+    def checkpoints(
+        self, tenant: str, model_id: str | None = None, limit: int = -1, offset: int = 0
+    ) -> tuple[list[CheckpointRow], int]:
+        where, args = "tenant=?", [tenant]
+        if model_id is not None:
+            where += " AND model_id=?"
+            args.append(model_id)
+        rows = self._all(
+            f"SELECT {_CKPT_COLS} FROM checkpoints WHERE {where} ORDER BY created DESC LIMIT ? OFFSET ?",
+            (*args, limit, offset),
+        )
+        total = self._all(f"SELECT COUNT(*) FROM checkpoints WHERE {where}", args)[0][0]
+        return [_ckpt_row(r) for r in rows], int(total)
+
+    def all_checkpoint_paths(self) -> set[str]:
+        return {r[0] for r in self._all("SELECT tinker_path FROM checkpoints")}
+
+
+_MODEL_COLS = "id, tenant, session_id, base_model, lora, parent, created, last_request, user_metadata"
+_CKPT_COLS = "tinker_path, tenant, model_id, kind, name, created, size_bytes, meta"
+
+
+def _model_row(r: tuple[Any, ...]) -> ModelRow:
+    return ModelRow(
+        r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], r[6], r[7], json.loads(r[8]) if r[8] else None
+    )
+
+
+def _ckpt_row(r: tuple[Any, ...]) -> CheckpointRow:
+    return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]))
