@@ -280,3 +280,26 @@ def test_bad_calls_are_refused_and_change_nothing(runtime: Runtime, tmp_path) ->
     theirs = stranger.create_lora_training_client(str(other_dir), rank=4, seed=0)
     with pytest.raises(UnknownPolicyError):
         theirs.load_state(foreign)
+
+
+def test_ephemeral_snapshots_are_released_with_their_sampling_client(runtime: Runtime) -> None:
+    import gc
+
+    service = opentinker.ServiceClient(runtime=runtime)
+    tc = service.create_lora_training_client(TEST_MODEL, rank=4, seed=0)
+    engine = runtime.backend(TEST_MODEL).engine
+    before = len(engine.snapshot_ids())
+    for _ in range(5):  # an RL loop: a fresh sampler every step, the old one dropped
+        sampler = tc.save_weights_and_get_sampling_client()
+        sampler.sample(types.ModelInput.from_ints([1, 5, 6]), 1, types.SamplingParams(max_tokens=2)).result()
+    kept = sampler.policy
+    # a temporary sampler stays alive until its queued request has run
+    fut = tc.save_weights_and_get_sampling_client().sample(
+        types.ModelInput.from_ints([1, 5]), 1, types.SamplingParams(max_tokens=2)
+    )
+    gc.collect()
+    assert len(fut.result().sequences) == 1
+    gc.collect()
+    tc.get_info()  # a later op of the same model runs after the queued releases
+    tc.forward_backward(_sft_data(tc.get_tokenizer(), 0, n=1)).result()
+    assert engine.snapshot_ids()[before:] == [kept]

@@ -47,7 +47,7 @@ class SamplingClient(ReadyClient):
             topk_prompt_logprobs=topk_prompt_logprobs,
         )
         self._note_use()
-        return mapped(self._backend.scheduler.submit_sample(req), sample_response)
+        return mapped(self._submit(req), sample_response)
 
     async def sample_async(
         self, *args: Any, **kwargs: Any
@@ -66,7 +66,14 @@ class SamplingClient(ReadyClient):
             assert res.prompt_logprobs is not None
             return res.prompt_logprobs
 
-        return mapped(self._backend.scheduler.submit_sample(req), logprobs)
+        return mapped(self._submit(req), logprobs)
+
+    def _submit(self, req: SampleRequest) -> Any:
+        fut = self._backend.scheduler.submit_sample(req)
+        # The queued request keeps this client (and so its ephemeral snapshot) alive until it has
+        # run, even for ``tc.save_weights_and_get_sampling_client().sample(...)``.
+        fut._opentinker_client = self  # type: ignore[attr-defined]
+        return fut
 
     async def compute_logprobs_async(
         self, prompt: types.ModelInput

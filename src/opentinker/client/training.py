@@ -6,6 +6,8 @@ program can submit ``forward_backward`` then ``optim_step`` before waiting (both
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -177,7 +179,11 @@ class TrainingClient(ReadyClient):
     # ---------------------------------------------------------------- sampling
     def save_weights_and_get_sampling_client(self, name: str | None = None, **_: Any) -> SamplingClient:
         snap = self._call(lambda eng: eng.snapshot(self.model_id)).result()
-        return SamplingClient(self._runtime, self._record().base_model, snap.snapshot_id)
+        client = SamplingClient(self._runtime, self._record().base_model, snap.snapshot_id)
+        # An ephemeral policy version lives as long as a client can sample it: release its
+        # weights (queued, in order) once the last reference to the SamplingClient is gone.
+        weakref.finalize(client, _release_snapshot, self._backend.scheduler, snap.snapshot_id)
+        return client
 
     async def save_weights_and_get_sampling_client_async(
         self, name: str | None = None, **kw: Any
@@ -245,6 +251,11 @@ class TrainingClient(ReadyClient):
 
     async def get_info_async(self) -> types.GetInfoResponse:
         return self.get_info()
+
+
+def _release_snapshot(scheduler: Any, snapshot_id: str) -> None:
+    with contextlib.suppress(RuntimeError):  # a shut-down scheduler has nothing left to free
+        scheduler.submit_call(snapshot_id, lambda eng: eng.release_snapshot(snapshot_id))
 
 
 __all__ = ["EngineError", "TrainingClient"]

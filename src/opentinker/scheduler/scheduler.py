@@ -114,6 +114,8 @@ class Scheduler:
                     return
                 calls, forwards, optims, samples = self._take_tick()
             self._run_tick(calls, forwards, optims, samples)
+            # drop this tick's work before waiting: finished requests must not pin their clients
+            del calls, forwards, optims, samples
 
     def _take_tick(
         self,
