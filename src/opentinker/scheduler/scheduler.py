@@ -55,8 +55,19 @@ class TickStats:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, sampler: RolloutBackend, *, max_sample_rows: int = 256) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        sampler: RolloutBackend,
+        *,
+        max_sample_rows: int = 256,
+        gather_s: float = 0.002,
+        max_gather_s: float = 0.02,
+    ) -> None:
         self.engine = engine
+        self.gather_s = gather_s
+        self.max_gather_s = max_gather_s
+        self._submissions = 0
         self.sampler = sampler
         self.max_sample_rows = max_sample_rows
         self.stats = TickStats()
@@ -83,6 +94,7 @@ class Scheduler:
         with self._cv:
             self._check_open()
             self._samples.append((req, fut))
+            self._submissions += 1
             self._cv.notify()
         return fut
 
@@ -90,6 +102,7 @@ class Scheduler:
         with self._cv:
             self._check_open()
             self._queues.setdefault(model_id, deque()).append(op)
+            self._submissions += 1
             self._cv.notify()
         return op.future
 
@@ -112,10 +125,28 @@ class Scheduler:
                 if self._stopped:
                     self._fail_pending(RuntimeError("the scheduler was shut down"))
                     return
+                self._gather()
                 calls, forwards, optims, samples = self._take_tick()
             self._run_tick(calls, forwards, optims, samples)
             # drop this tick's work before waiting: finished requests must not pin their clients
             del calls, forwards, optims, samples
+
+    def _gather(self) -> None:
+        """Batching window (caller holds the lock): while submissions keep arriving, wait a little
+        (``gather_s`` after the latest one, ``max_gather_s`` in all) so that clients finishing their
+        previous step at nearly the same moment share this tick instead of trailing into the next."""
+        if self.gather_s <= 0:
+            return
+        deadline = time.perf_counter() + self.max_gather_s
+        seen = self._submissions
+        while not self._stopped:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._cv.wait(min(self.gather_s, remaining))
+            if self._submissions == seen:
+                return  # quiet for gather_s: go
+            seen = self._submissions
 
     def _take_tick(
         self,
