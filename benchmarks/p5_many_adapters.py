@@ -14,6 +14,9 @@ so the only difference between them is the registry. Steps alternate between the
 adapters of the big engine are spread over its registry (first, last and in between), not just
 the first 8 created.
 
+The sampler is measured the same way: one mixed batch of one request per active adapter in each
+engine, printed as ``P5sample <time with 8 registered / time with N registered>``.
+
 Process-wide effects (allocator, garbage collector) would slow BOTH engines once the big registry
 exists and so cancel in that ratio; the small engine's step is therefore also timed before the big
 registry is created (not interleaved with the rest), printed as ``P5before <thr_N / thr_8_before>``.
@@ -49,6 +52,7 @@ from opentinker.engine import Engine
 from opentinker.engine.types import AdamParams, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
+from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 
 
 def interleaved(
@@ -194,7 +198,29 @@ def main() -> None:
         f"create+delete of 10 more (steady state): {churn_small * 1e3:.2f} ms/adapter with {k} registered, "
         f"{churn_big * 1e3:.2f} ms/adapter with {n} registered"
     )
+    # The sampler too: one mixed batch, a request per active adapter, same in both engines.
+    prompt = tokens[0, :16].tolist()
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=0, stop=[])
+
+    def sample(engine: Engine, ids: list[str]) -> Callable[[], None]:
+        backend = NativeBackend(engine)
+        reqs = [SampleRequest(aid, prompt, params) for aid in ids]
+
+        def run() -> None:
+            check(backend.generate(reqs))
+
+        return run
+
+    sample_s = interleaved(
+        {name_small: sample(small, small_ids), name_big: sample(big, active_big)}, args.repeats, args.warmup
+    )
+    sample_small, sample_big = (statistics.median(sample_s[name]) for name in (name_small, name_big))
+    print(
+        f"sampling {k} x 8 tokens, one request per active adapter: {sample_small * 1e3:.1f} ms with {k} "
+        f"registered, {sample_big * 1e3:.1f} ms with {n} registered"
+    )
     throughput = {name: tokens_per_step / statistics.median(ts) for name, ts in times.items()}
+    print(f"P5sample {sample_small / sample_big:.2f}")
     print(f"P5churn {churn_big / churn_small:.2f}")
     print(f"P5create {last / first:.2f}")
     print(f"P5before {throughput[name_big] / throughput[name_before]:.2f}")
