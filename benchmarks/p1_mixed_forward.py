@@ -42,37 +42,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import interleaved, print_table
 
 from opentinker.engine import Engine
 from opentinker.engine.types import Example, ForwardRequest
 from opentinker.lora import LoRAConfig
-
-
-def interleaved(
-    alternatives: dict[str, Callable[[], object]], repeats: int, warmup: int
-) -> dict[str, list[float]]:
-    """Warm each alternative up, then time them in rounds (A B C, C B A, ...); seconds per run."""
-    for _ in range(warmup):
-        for fn in alternatives.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in alternatives}
-    names = list(alternatives)
-    for rep in range(repeats):
-        for name in names if rep % 2 == 0 else reversed(names):
-            t0 = time.perf_counter()
-            alternatives[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def print_table(times: dict[str, list[float]], baseline: str) -> None:
-    base = statistics.median(times[baseline])
-    print(f"{'run':<34} {'median ms':>10} {'min ms':>9} {'max ms':>9} {'÷ ' + baseline:>22}")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(
-            f"{name:<34} {med * 1e3:>10.1f} {min(ts) * 1e3:>9.1f} {max(ts) * 1e3:>9.1f} {med / base:>22.3f}"
-        )
 
 
 def randomize_b(engine: Engine, adapter_id: str, gen: torch.Generator, std: float) -> None:

@@ -47,35 +47,13 @@ import time
 from collections.abc import Callable
 
 import torch
+from timing import check, interleaved
 
 from opentinker.engine import Engine
 from opentinker.engine.types import AdamParams, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
-
-
-def interleaved(
-    alternatives: dict[str, Callable[[], object]], repeats: int, warmup: int
-) -> dict[str, list[float]]:
-    """Warm each alternative up, then time them in rounds (A B, B A, ...); seconds per run."""
-    for _ in range(warmup):
-        for fn in alternatives.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in alternatives}
-    names = list(alternatives)
-    for rep in range(repeats):
-        for name in names if rep % 2 == 0 else reversed(names):
-            t0 = time.perf_counter()
-            alternatives[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def check(results: list[object]) -> None:
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
 
 
 def main() -> None:

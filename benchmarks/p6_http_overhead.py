@@ -31,12 +31,12 @@ import logging
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from timing import interleaved
 from tinker import types
 
 import opentinker
@@ -65,22 +65,6 @@ def sft_step(client: Any, data: list[types.Datum], lr: float) -> float:
     loss = fb.result().metrics["loss:sum"]
     opt.result()
     return float(loss)
-
-
-def interleaved(
-    alternatives: dict[str, Callable[[], object]], repeats: int, warmup: int
-) -> dict[str, list[float]]:
-    for _ in range(warmup):
-        for fn in alternatives.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in alternatives}
-    names = list(alternatives)
-    for rep in range(repeats):
-        for name in names if rep % 2 == 0 else reversed(names):
-            t0 = time.perf_counter()
-            alternatives[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def main(argv: list[str] | None = None) -> int:
