@@ -21,6 +21,7 @@ checked for NaN/inf per adapter before they are added, so a bad request cannot p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -360,7 +361,7 @@ class Engine:
         """Write weights (and, for a live adapter, optimizer state) as a checksummed checkpoint."""
         weights = self.adapter_weights(ref)
         files = {ADAPTER_FILE: weights.state_dict()}
-        record: dict[str, Any] = {"base_model": self.base.name, "lora": _config_dict(weights.config)}
+        record: dict[str, Any] = {"base_model": self.base.name, "lora": dataclasses.asdict(weights.config)}
         live = self._adapters.get(ref) if ref is not None else None
         if live is not None:
             record.update(step=live.step, parent=live.parent, source=ref)
@@ -470,14 +471,3 @@ class Engine:
 
 def _named(weights: LoRAWeights) -> dict[str, torch.Tensor]:
     return weights.state_dict()
-
-
-def _config_dict(config: LoRAConfig) -> dict[str, Any]:
-    return {
-        "rank": config.rank,
-        "alpha": config.alpha,
-        "seed": config.seed,
-        "train_attn": config.train_attn,
-        "train_mlp": config.train_mlp,
-        "train_unembed": config.train_unembed,
-    }

@@ -12,6 +12,7 @@ create-from-state), sampler ids ``<session_id>:sample:<sampling_session_seq_id>`
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -194,7 +195,7 @@ class Registry:
                 sess.tenant,
                 sess.id,
                 base_model,
-                _lora_dict(lora),
+                dataclasses.asdict(lora),
                 parent,
                 now,
                 now,
@@ -290,17 +291,6 @@ class SamplerNotLoaded(NotFound):
     def __init__(self, row: SamplerRow) -> None:
         super().__init__(f"sampler {row.id!r} is not loaded (its weights are at {row.model_path})")
         self.row = row
-
-
-def _lora_dict(c: LoRAConfig) -> dict[str, Any]:
-    return {
-        "rank": c.rank,
-        "alpha": c.alpha,
-        "seed": c.seed,
-        "train_attn": c.train_attn,
-        "train_mlp": c.train_mlp,
-        "train_unembed": c.train_unembed,
-    }
 
 
 def _str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
