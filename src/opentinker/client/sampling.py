@@ -49,10 +49,9 @@ class SamplingClient(ReadyClient):
         self._note_use()
         return mapped(self._submit(req), sample_response)
 
-    async def sample_async(
-        self, *args: Any, **kwargs: Any
-    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
-        return self.sample(*args, **kwargs)
+    async def sample_async(self, *args: Any, **kwargs: Any) -> types.SampleResponse:
+        # the SDK's deprecated form: the result itself (``await client.sample(...)`` is the new one)
+        return await self.sample(*args, **kwargs)
 
     def compute_logprobs(self, prompt: types.ModelInput) -> AwaitableConcurrentFuture[list[float | None]]:
         req = SampleRequest(
@@ -75,10 +74,8 @@ class SamplingClient(ReadyClient):
         fut._opentinker_client = self  # type: ignore[attr-defined]
         return fut
 
-    async def compute_logprobs_async(
-        self, prompt: types.ModelInput
-    ) -> AwaitableConcurrentFuture[list[float | None]]:
-        return self.compute_logprobs(prompt)
+    async def compute_logprobs_async(self, prompt: types.ModelInput) -> list[float | None]:
+        return await self.compute_logprobs(prompt)
 
     def get_tokenizer(self) -> Any:
         return self._backend.engine.base.tokenizer

@@ -1,0 +1,324 @@
+"""The RL loop: rollouts -> group-relative advantages -> one ``forward_backward`` + ``optim_step``
+per step, with the policy version refreshed every step.
+
+It uses only the Tinker client API (any ``ServiceClient``: embedded or the SDK against a server).
+
+* **sync** mode: step *n* samples with the policy after *n* updates, then trains on that data.
+* **async** mode: rollouts for the next steps are sampled while the trainer trains (a bounded
+  queue between them); a batch sampled with policy version *v* is trained at version *t* only if
+  ``t - v <= max_staleness`` (else dropped and counted). The loss's importance ratio uses the
+  sampler's logprobs, which corrects for the lag.
+
+Several runs (adapters) train concurrently in one process with :func:`run_rl_many`: their
+requests meet in the scheduler and share its fused batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from opentinker.data import rl_datums, trajectory_segments
+from opentinker.rl.advantages import group_advantages, is_constant
+from opentinker.rl.env import RLDataset
+from opentinker.rl.rollout import TrajectoryGroup, rollout_group
+from opentinker.tracking import RunLogger, plot_metrics
+
+log = logging.getLogger(__name__)
+
+LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
+Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
+
+
+@dataclass
+class RLConfig:
+    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    log_dir: str = "runs/rl"
+    steps: int = 20
+    groups_per_step: int = 4
+    group_size: int = 8
+    lora_rank: int = 8
+    train_attn: bool = True
+    train_mlp: bool = False
+    train_unembed: bool = False
+    learning_rate: float = 1e-4
+    loss_fn: str = "importance_sampling"
+    loss_fn_config: dict[str, float] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    normalize_std: bool = False
+    drop_constant_groups: bool = True
+    kl_coef: float = 0.0  # KL penalty to the base model (per action token), via compute_logprobs
+    mode: str = "sync"  # or "async"
+    max_staleness: int = 1
+    eval_every: int = 10  # 0 = never (always at the start and the end when an evaluator is given)
+    save_every: int = 0  # save_state every n steps (0 = only at the end)
+    seed: int = 0
+    episode_timeout_s: float | None = 60.0
+    progress: bool = True
+    plot_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "loss/per_token")
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.loss_fn not in LOSSES:
+            raise ValueError(f"loss_fn must be one of {LOSSES}, got {self.loss_fn!r}")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        for k in ("steps", "groups_per_step", "group_size", "lora_rank", "max_tokens"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+
+@dataclass
+class RLResult:
+    training_client: Any
+    metrics: list[dict[str, Any]]
+    final_path: str | None
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def group_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    trajs = [t for g in groups for t in g.trajectories]
+    m: dict[str, float] = {
+        "reward/mean": _mean([t.total_reward for t in trajs]),
+        "env/episodes": float(len(trajs)),
+        "env/errors": float(sum(g.errors for g in groups)),
+        "tokens/action_mean": _mean([float(t.num_action_tokens) for t in trajs]),
+        "env/turns_mean": _mean([float(len(t.transitions)) for t in trajs]),
+    }
+    keys = {k for t in trajs for tr in t.transitions for k in tr.metrics}
+    for k in sorted(keys):
+        vals = [float(tr.metrics[k]) for t in trajs for tr in t.transitions if k in tr.metrics]
+        m[f"env/{k}"] = _mean(vals)
+    return m
+
+
+async def build_datums(
+    groups: list[TrajectoryGroup], cfg: RLConfig, base_policy: Any | None
+) -> tuple[list[types.Datum], dict[str, float]]:
+    """Advantages per group (constant groups dropped on request), optional KL shaping, datums."""
+    datums: list[types.Datum] = []
+    kept = dropped = 0
+    kls: list[float] = []
+    for g in groups:
+        rewards = g.rewards
+        if len(rewards) == 0:
+            continue
+        if cfg.drop_constant_groups and is_constant(rewards):
+            dropped += 1
+            continue
+        kept += 1
+        advs = group_advantages(rewards, normalize_std=cfg.normalize_std)
+        for traj, a in zip(g.trajectories, advs, strict=True):
+            shaping = None
+            if cfg.kl_coef > 0 and base_policy is not None:
+                shaping = []
+                for tokens, lps, act in trajectory_segments(traj):
+                    base_lp = await base_policy.compute_logprobs(types.ModelInput.from_ints(tokens))
+                    seg = []
+                    for i, is_act in enumerate(act):
+                        if is_act and i > 0 and base_lp[i] is not None:
+                            kl = lps[i] - float(base_lp[i])
+                            kls.append(kl)
+                            seg.append(-cfg.kl_coef * kl)
+                        else:
+                            seg.append(0.0)
+                    shaping.append(seg)
+            datums += rl_datums(traj, a, shaping)
+    n_tok = sum(t.num_action_tokens for g in groups for t in g.trajectories) if datums else 0
+    m = {
+        "groups/kept": float(kept),
+        "groups/dropped_constant": float(dropped),
+        "train/action_tokens": float(n_tok),
+    }
+    if kls:
+        m["kl/sampler_vs_base"] = _mean(kls)
+    return datums, m
+
+
+async def run_rl(
+    cfg: RLConfig,
+    service: Any,
+    dataset: RLDataset,
+    evaluator: Evaluator | None = None,
+    *,
+    training_client: Any | None = None,
+    resume: bool = False,
+) -> RLResult:
+    """Train one adapter with RL; write ``cfg.log_dir/{config.json, metrics.jsonl, curves.png}``."""
+    cfg.check()
+    log_dir = Path(cfg.log_dir)
+    ckpt_index = log_dir / "checkpoints.jsonl"
+    start = 0
+    if resume and ckpt_index.exists():
+        last = json.loads(ckpt_index.read_text().splitlines()[-1])
+        tc = await service.create_training_client_from_state_with_optimizer_async(last["path"])
+        start = int(last["step"])
+    elif training_client is not None:
+        tc = training_client
+    else:
+        tc = await service.create_lora_training_client_async(
+            base_model=cfg.base_model,
+            rank=cfg.lora_rank,
+            seed=cfg.seed,
+            train_attn=cfg.train_attn,
+            train_mlp=cfg.train_mlp,
+            train_unembed=cfg.train_unembed,
+        )
+    base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
+    logger = RunLogger(
+        log_dir, cfg, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
+        show=("reward/mean", "eval/accuracy", "loss/per_token"),
+    )  # fmt: skip
+    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+    adam = types.AdamParams(learning_rate=cfg.learning_rate)
+    rows: list[dict[str, Any]] = []
+    final_path: str | None = None
+
+    async def rollouts(step: int, policy: Any, version: int) -> list[TrajectoryGroup]:
+        builders = dataset.batch(step)
+        seed = cfg.seed * 1_000_003 + step * 10_007
+        return list(
+            await asyncio.gather(
+                *(
+                    rollout_group(b, policy, params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version)
+                    for k, b in enumerate(builders)
+                )
+            )
+        )  # fmt: skip
+
+    async def evaluate(policy: Any, step: int) -> dict[str, float]:
+        if evaluator is None:
+            return {}
+        t = time.monotonic()
+        out = {f"eval/{k}": v for k, v in (await evaluator(policy, step)).items()}
+        out["time/eval_s"] = time.monotonic() - t
+        return out
+
+    async def train_on(groups: list[TrajectoryGroup]) -> dict[str, float]:
+        datums, m = await build_datums(groups, cfg, base_policy)
+        if not datums:
+            return {**m, "train/datums": 0.0}
+        fb = await tc.forward_backward_async(datums, cfg.loss_fn, cfg.loss_fn_config)
+        opt = await tc.optim_step_async(adam)
+        out = await fb
+        await opt
+        loss = float(out.metrics.get("loss:sum", float("nan")))
+        per_tok = loss / max(1.0, m["train/action_tokens"])
+        return {**m, "train/datums": float(len(datums)), "loss/sum": loss, "loss/per_token": per_tok}
+
+    policy = await tc.save_weights_and_get_sampling_client_async()
+    version = start
+    pending_eval = await evaluate(policy, start) if evaluator is not None else {}
+    try:
+        if cfg.mode == "sync":
+            for step in range(start, cfg.steps):
+                t0 = time.monotonic()
+                groups = await rollouts(step, policy, version)
+                t1 = time.monotonic()
+                m = {**group_metrics(groups), **await train_on(groups)}
+                t2 = time.monotonic()
+                policy = await tc.save_weights_and_get_sampling_client_async()
+                version += 1
+                m.update(
+                    {"time/sample_s": t1 - t0, "time/train_s": t2 - t1, "policy/version": float(version)}
+                )
+                final_path = await _maybe_save(tc, cfg, step + 1, ckpt_index, final_path)
+                if evaluator is not None and (
+                    step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                ):
+                    m.update(await evaluate(policy, step + 1))
+                rows.append(logger.log(step, {**pending_eval, **m}))
+                pending_eval = {}
+        else:
+            queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, cfg.max_staleness))
+            current = {"policy": policy, "version": version}
+
+            async def producer() -> None:
+                for step in range(start, cfg.steps):
+                    pol, ver = current["policy"], current["version"]
+                    t0 = time.monotonic()
+                    groups = await rollouts(step, pol, ver)
+                    await queue.put((step, ver, groups, time.monotonic() - t0))
+
+            prod = asyncio.create_task(producer())
+            try:
+                for _ in range(start, cfg.steps):
+                    step, ver, groups, t_sample = await queue.get()
+                    stale = current["version"] - ver
+                    t1 = time.monotonic()
+                    m = group_metrics(groups)
+                    if stale > cfg.max_staleness:
+                        m.update({"train/dropped_stale": 1.0})
+                    else:
+                        m.update(await train_on(groups))
+                        current["policy"] = await tc.save_weights_and_get_sampling_client_async()
+                        current["version"] += 1
+                    m.update({
+                        "time/sample_s": t_sample, "time/train_s": time.monotonic() - t1,
+                        "policy/version": float(current["version"]), "policy/staleness": float(stale),
+                    })  # fmt: skip
+                    final_path = await _maybe_save(tc, cfg, step + 1, ckpt_index, final_path)
+                    if evaluator is not None and (
+                        step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                    ):
+                        m.update(await evaluate(current["policy"], step + 1))
+                    rows.append(logger.log(step, {**pending_eval, **m}))
+                    pending_eval = {}
+                await prod
+            finally:
+                prod.cancel()
+        if cfg.save_every == 0 or cfg.steps % cfg.save_every:
+            final_path = await _save(tc, cfg.steps, ckpt_index)
+    finally:
+        logger.close()
+        if rows or (log_dir / "metrics.jsonl").exists():
+            try:
+                plot_metrics({cfg.name or log_dir.name: log_dir}, list(cfg.plot_keys), log_dir / "curves.png")
+            except Exception as e:
+                log.warning("plotting failed: %r", e)
+    return RLResult(tc, rows, final_path)
+
+
+async def _save(tc: Any, step: int, index: Path) -> str:
+    path = (await (await tc.save_state_async(f"step-{step:06d}"))).path
+    with index.open("a") as f:
+        f.write(json.dumps({"step": step, "path": path}) + "\n")
+    return path
+
+
+async def _maybe_save(tc: Any, cfg: RLConfig, step: int, index: Path, last: str | None) -> str | None:
+    if cfg.save_every and step % cfg.save_every == 0:
+        return await _save(tc, step, index)
+    return last
+
+
+def train_rl(
+    cfg: RLConfig, service: Any, dataset: RLDataset, evaluator: Evaluator | None = None, **kw: Any
+) -> RLResult:
+    """Synchronous entry point for :func:`run_rl`."""
+    return asyncio.run(run_rl(cfg, service, dataset, evaluator, **kw))
+
+
+async def run_rl_many(
+    jobs: list[tuple[RLConfig, RLDataset, Evaluator | None]], service: Any
+) -> list[RLResult]:
+    """Several RL runs (one adapter each) at once over one service: a multi-LoRA run."""
+    return list(await asyncio.gather(*(run_rl(c, service, d, e) for c, d, e in jobs)))

@@ -1,0 +1,5 @@
+"""Validation tasks (DESIGN.md §7): environments and datasets, looked up by name."""
+
+from opentinker.tasks.registry import TASKS, TaskSpec, get_task
+
+__all__ = ["TASKS", "TaskSpec", "get_task"]

@@ -1,0 +1,68 @@
+"""Task registry: a name -> how to build its environments/data, with the settings it wants.
+
+A task module exposes one builder; the registry imports it lazily by name:
+
+* ``kind="rl"``: ``build(renderer, cfg: RLConfig) -> (RLDataset, evaluator | None)``, trained by
+  :func:`opentinker.rl.loop.run_rl`;
+* ``kind="multiagent"``: ``build(renderer, cfg: RLConfig) -> MultiAgentTask``, trained by
+  :func:`opentinker.rl.multiagent.run_multiagent`;
+* ``kind="sft"``: ``build(renderer, cfg: SFTConfig) -> (train examples, eval examples)``, trained by
+  :func:`opentinker.sft.loop.run_sft`.
+
+``defaults`` are config fields the task sets unless the user overrides them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["rl", "multiagent", "sft"]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    kind: Kind
+    module: str
+    builder: str
+    description: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), self.builder)
+
+
+TASKS: dict[str, TaskSpec] = {
+    t.name: t
+    for t in [
+        TaskSpec(
+            "addition", "rl", "opentinker.tasks.arithmetic", "build",
+            "2-digit addition, exact-match reward on the first integer (single-turn)",
+            {"max_tokens": 8, "group_size": 8, "groups_per_step": 4, "eval_every": 10},
+        ),
+        TaskSpec(
+            "guess_number", "rl", "opentinker.tasks.guess_number", "build",
+            "guess a number in 1..100 with higher/lower feedback (multi-turn)",
+            {"max_tokens": 12, "group_size": 8, "groups_per_step": 4, "eval_every": 10},
+        ),
+        TaskSpec(
+            "tictactoe", "multiagent", "opentinker.tasks.tictactoe", "build",
+            "tic-tac-toe between two policies (two adapters), each trained on its own moves",
+            {"max_tokens": 4, "group_size": 8, "groups_per_step": 4, "eval_every": 10},
+        ),
+        TaskSpec(
+            "chat_sft", "sft", "opentinker.tasks.chat", "build",
+            "supervised fine-tuning on a chat JSONL (default: the bundled arithmetic-chat set)",
+            {},
+        ),
+    ]
+}  # fmt: skip
+
+
+def get_task(name: str) -> TaskSpec:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]

@@ -1,0 +1,41 @@
+"""A PNG of a run's curves (reward, accuracy, loss, …) from its ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from opentinker.tracking.logger import read_metrics
+
+
+def plot_metrics(
+    runs: dict[str, str | Path | list[dict[str, Any]]], keys: list[str], out: str | Path, *, title: str = ""
+) -> Path:
+    """One panel per metric key, one line per run; x is the step. Returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = {name: (rows if isinstance(rows, list) else read_metrics(rows)) for name, rows in runs.items()}
+    keys = [k for k in keys if any(k in r for rows in data.values() for r in rows)] or keys[:1]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for name, rows in data.items():
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="." if len(pts) < 40 else None, label=name)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if len(data) > 1:
+        axes[0][-1].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
