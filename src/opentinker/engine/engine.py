@@ -35,6 +35,7 @@ from opentinker.engine.checkpoint import CheckpointError, read_checkpoint, write
 from opentinker.engine.export import export_peft
 from opentinker.engine.losses import LOSSES, resolve_config
 from opentinker.engine.optim import AdapterOptimizer
+from opentinker.engine.prefix import plan_shared_prefixes, shared_prefix_logprobs
 from opentinker.engine.types import (
     AdamParams,
     EngineError,
@@ -73,7 +74,9 @@ class Engine:
         max_batch_tokens: int = 1 << 17,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        share_prefixes: bool = True,
     ) -> None:
+        self.share_prefixes = share_prefixes  # compute prefixes shared by rows once (engine/prefix.py)
         self.base = (
             base_model
             if isinstance(base_model, BaseModel)
@@ -226,33 +229,16 @@ class Engine:
                 policies.append(reqs[i].policy)
                 rows.append((i, j))
         lengths = [int(reqs[i].examples[j].tokens_T.shape[0]) for i, j in rows]
-        # Right padding needs no attention mask: causal attention never lets a real token see a pad.
-        tokens_BT = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=self.device)
-        for b, (i, j) in enumerate(rows):
-            tokens_BT[b, : lengths[b]] = reqs[i].examples[j].tokens_T.to(self.device)
         need_grad = any(reqs[i].backward for i in valid)
-        with torch.set_grad_enabled(need_grad), self.routing(policies):
-            logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False).logits.float()
-            lse_BT = torch.logsumexp(logits_BTV, dim=-1)
-            # One batched gather of every row's targets (K > 1 for soft targets), padded with token
-            # 0: a per-row gather would give each row a full [B, T, V] zero gradient in backward.
-            width = max(
-                int(reqs[i].examples[j].inputs["target_tokens"].reshape(lengths[b], -1).shape[1])
-                for b, (i, j) in enumerate(rows)
-            )
-            tgt_BTK = torch.zeros(len(rows), tokens_BT.shape[1], width, dtype=torch.long, device=self.device)
-            for b, (i, j) in enumerate(rows):
-                t = reqs[i].examples[j].inputs["target_tokens"].long().reshape(lengths[b], -1)
-                tgt_BTK[b, : lengths[b], : t.shape[1]] = t.to(self.device)
-            lp_BTK = logits_BTV.gather(-1, tgt_BTK) - lse_BT[..., None]
+        with torch.set_grad_enabled(need_grad):
+            lp_rows = self._row_logprobs(reqs, rows, policies, lengths)
             per_req_loss: dict[int, torch.Tensor] = {}
             per_req_out: dict[int, list[dict[str, torch.Tensor]]] = {i: [] for i in valid}
             for b, (i, j) in enumerate(rows):
-                req, ex, n = reqs[i], reqs[i].examples[j], lengths[b]
+                req, ex = reqs[i], reqs[i].examples[j]
                 inputs = {k: v.to(self.device) for k, v in ex.inputs.items()}
                 targets = inputs["target_tokens"]
-                k = 1 if targets.dim() == 1 else int(targets.shape[1])
-                lp = lp_BTK[b, :n, :k].reshape(targets.shape)
+                lp = lp_rows[b].reshape(targets.shape)
                 inputs = {k: (v if k == "target_tokens" else v.float()) for k, v in inputs.items()}
                 elementwise = LOSSES[req.loss_fn].fn(
                     lp, inputs, resolve_config(req.loss_fn, req.loss_fn_config)
@@ -272,6 +258,42 @@ class Engine:
         for i in ok:
             if results[i] is None:
                 results[i] = ForwardResult(per_req_out[i], {"loss:sum": float(per_req_loss[i].detach())})
+
+    def _row_logprobs(
+        self,
+        reqs: list[ForwardRequest],
+        rows: list[tuple[int, int]],
+        policies: list[PolicyRef],
+        lengths: list[int],
+    ) -> list[torch.Tensor]:
+        """Each row's logprobs of its targets, ``[T, K]``: with shared prefixes computed once when
+        that saves enough (see ``engine/prefix.py``), else in one right-padded forward."""
+        examples = [reqs[i].examples[j] for i, j in rows]
+        targets = [
+            ex.inputs["target_tokens"].long().reshape(n, -1).to(self.device)
+            for ex, n in zip(examples, lengths, strict=False)
+        ]
+        plan = None
+        if self.share_prefixes and len(rows) > 1:
+            plan = plan_shared_prefixes([ex.tokens_T.tolist() for ex in examples], list(policies))
+        if plan is not None:
+            toks = [ex.tokens_T.to(self.device) for ex in examples]
+            return shared_prefix_logprobs(self.base.model, self.routing, list(policies), toks, targets, plan)
+        # Right padding needs no attention mask: causal attention never lets a real token see a pad.
+        tokens_BT = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=self.device)
+        for b, ex in enumerate(examples):
+            tokens_BT[b, : lengths[b]] = ex.tokens_T.to(self.device)
+        with self.routing(policies):
+            logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False).logits.float()
+        lse_BT = torch.logsumexp(logits_BTV, dim=-1)
+        # One batched gather of every row's targets (K > 1 for soft targets), padded with token
+        # 0: a per-row gather would give each row a full [B, T, V] zero gradient in backward.
+        width = max(int(t.shape[1]) for t in targets)
+        tgt_BTK = torch.zeros(len(rows), tokens_BT.shape[1], width, dtype=torch.long, device=self.device)
+        for b, t in enumerate(targets):
+            tgt_BTK[b, : lengths[b], : t.shape[1]] = t
+        lp_BTK = logits_BTV.gather(-1, tgt_BTK) - lse_BT[..., None]
+        return [lp_BTK[b, : lengths[b], : int(t.shape[1])] for b, t in enumerate(targets)]
 
     def _accumulate(
         self,
