@@ -1,0 +1,138 @@
+"""Multi-turn RL: the guess-the-number task, its token layout and datums, a short run on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+from tinker import types
+
+import opentinker
+from opentinker.client import Runtime
+from opentinker.data import rl_datums, trajectory_segments
+from opentinker.renderers import get_renderer
+from opentinker.rl import RLConfig, rollout_group, run_rl
+from opentinker.tasks.guess_number import (
+    PROMPT,
+    GuessNumberEnv,
+    GuessNumberGroup,
+    build,
+    held_out_secrets,
+    parse_guess,
+)
+from tests.conftest import TEST_MODEL
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory):
+    rt = Runtime(tmp_path_factory.mktemp("data"))
+    yield rt
+    rt.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service(runtime: Runtime):
+    return opentinker.ServiceClient(runtime=runtime)
+
+
+@pytest.fixture(scope="module")
+def renderer(service):
+    policy = service.create_sampling_client(base_model=TEST_MODEL)
+    return get_renderer("auto", policy.get_tokenizer())
+
+
+def _say(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def test_guess_number_rules(renderer) -> None:
+    async def play(secret: int, guesses: list[str], **kw) -> list:
+        env = GuessNumberEnv(renderer, secret, **kw)
+        assert env.initial_messages() == [{"role": "user", "content": PROMPT}]
+        return [await env.respond(_say(g), True) for g in guesses]
+
+    out = asyncio.run(play(30, ["Is it 50?", "Is it 25?", "Is it 30?"]))
+    assert [r.messages for r in out[:2]] == [[{"role": "user", "content": "Lower."}], [{"role": "user", "content": "Higher."}]]  # fmt: skip
+    assert [r.done for r in out] == [False, False, True]
+    assert out[-1].reward == pytest.approx(0.8)  # 1 - 0.1 * (3 - 1)
+    assert out[-1].metrics == {"success": 1.0, "turns": 3.0, "invalid": 0.0}
+    assert all(r.reward == 0 and not r.metrics for r in out[:2])  # metrics only at the end
+
+    first = asyncio.run(play(7, ["Is it 7?"]))[0]
+    assert (first.reward, first.done, first.metrics["turns"]) == (1.0, True, 1.0)
+    out = asyncio.run(play(7, ["Is it 50?", "Is it 40?"], max_turns=2))
+    assert out[-1].done and out[-1].reward == 0 and out[-1].metrics["success"] == 0
+    bad = asyncio.run(play(7, ["no idea"]))[0]
+    assert bad.done and bad.reward == 0 and bad.metrics["invalid"] == 1.0
+    assert parse_guess("Is it -3? or 5") == -3 and parse_guess("none") is None
+
+
+def test_guess_number_dataset_and_held_out(renderer) -> None:
+    held = held_out_secrets()
+    cfg = RLConfig(groups_per_step=6, group_size=3)
+    ds, _ = build(renderer, cfg)
+    for step in range(20):
+        for g in ds.batch(step):
+            envs = asyncio.run(g.make_envs())
+            secrets = {e.secret for e in envs}  # type: ignore[attr-defined]
+            assert len(envs) == 3 and len(secrets) == 1 and not secrets & set(held)
+    assert [g.secrets for g in ds.batch(3)] == [g.secrets for g in ds.batch(3)]  # type: ignore[attr-defined]
+
+
+def test_multiturn_token_layout_and_one_datum(service, renderer) -> None:
+    """Turn t+1's observation = turn t's observation + action + the env reply's tokens; the episode
+    is ONE datum: advantage and the sampler's logprob on action tokens only; and those logprobs
+    are the policy's own in that context (so the layout is the one the sampler saw)."""
+    policy = service.create_sampling_client(base_model=TEST_MODEL)
+    group = GuessNumberGroup(renderer, [37] * 4, max_turns=7, shaping=0.1)
+    params = types.SamplingParams(max_tokens=12, temperature=1.0)
+    g = asyncio.run(rollout_group(group, policy, params, seed=5))
+    assert g.errors == 0 and len(g.trajectories) == 4
+    multi = [t for t in g.trajectories if len(t.transitions) >= 3]
+    assert multi, "expected multi-turn episodes"
+    for traj in multi:
+        trs = traj.transitions
+        for t in range(len(trs) - 1):
+            guess = parse_guess(renderer.parse_response(trs[t].ac)[0]["content"])
+            assert guess is not None and guess != 37
+            hint = {"role": "user", "content": "Higher." if guess < 37 else "Lower."}
+            reply = renderer.next_turn_tokens(True, [hint])
+            assert trs[t + 1].ob == trs[t].ob + trs[t].ac + reply
+            assert not trs[t].done
+        assert trs[-1].done
+
+        (datum,) = rl_datums(traj, 0.25)
+        ((tokens, _, act),) = trajectory_segments(traj)
+        assert tokens == trs[-1].ob + trs[-1].ac
+        assert datum.model_input.to_ints() == tokens[:-1]
+        adv = datum.loss_fn_inputs["advantages"].tolist()
+        lps = datum.loss_fn_inputs["logprobs"].tolist()
+        is_act = act[1:]
+        assert sum(is_act) == traj.num_action_tokens
+        assert all((a == 0.25) if m else (a == 0.0) for a, m in zip(adv, is_act, strict=True))
+        sampled = [x for tr in trs for x in tr.ac_logprobs]
+        assert [lp for lp, m in zip(lps, is_act, strict=True) if m] == pytest.approx(sampled, abs=1e-6)
+        assert all(lp == 0.0 for lp, m in zip(lps, is_act, strict=True) if not m)
+        teacher = policy.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        forced = [float(x) for x, m in zip(teacher, act, strict=True) if m and x is not None]
+        assert forced == pytest.approx(sampled, abs=2e-3)
+
+
+def test_guess_number_rl_smoke_writes_metrics(service, renderer, tmp_path) -> None:
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "run"), steps=3, groups_per_step=2, group_size=4,
+        max_tokens=12, learning_rate=2e-3, eval_every=2, progress=False, extra={"eval_secrets": 6},
+    )  # fmt: skip
+    dataset, evaluator = build(renderer, cfg)
+    res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and len(res.metrics) == 3
+    for r in rows:
+        assert 0 <= r["env/success"] <= 1 and 1 <= r["env/turns"] <= 7
+        assert r["env/errors"] == 0 and r["env/episodes"] == 8
+    assert {"eval/success", "eval/turns", "eval/accuracy"} <= rows[0].keys()  # step 0 evaluation
+    assert "eval/success" in rows[1] and "eval/success" in rows[2]
+    assert all(math.isfinite(r["eval/turns"]) for r in rows if "eval/turns" in r)
+    assert (tmp_path / "run" / "curves.png").exists() and res.final_path
