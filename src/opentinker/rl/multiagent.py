@@ -1,0 +1,433 @@
+"""Multi-agent RL: several named agents, one LoRA adapter (one policy) each, trained on their own moves.
+
+**The game** (:class:`MultiAgentEnv`): a coordinator (:meth:`~MultiAgentEnv.current_agent`) says whose
+turn it is; that agent sees its own observation (:meth:`~MultiAgentEnv.observe`, chat messages rendered
+by the renderer: each agent may see the game differently), answers with one message
+(:meth:`~MultiAgentEnv.act`), and so on until the coordinator says the game is over; then
+:meth:`~MultiAgentEnv.rewards` gives each agent its reward. By default every turn's prompt is
+rendered afresh (a board game: each move's prompt is the position); with ``continue_chat = True`` an
+agent's turns form one conversation (its previous prompt + its reply + the new messages), so its
+whole game is one token sequence, as in :class:`~opentinker.rl.env.MessageEnv`.
+
+**Rollouts** (:func:`play_game`, :func:`play_group`): each agent's turn is sampled from *its own*
+policy (a Tinker ``SamplingClient``), or answered by a :class:`ScriptedPolicy` (e.g. a random
+opponent, never trained). A game yields one :class:`~opentinker.data.Trajectory` per agent (its own
+prompts and actions, the game's reward for it as ``final_reward``). All games of a step run
+concurrently, so the sample requests of all agents reach the sampler together and share its
+batches. A game whose environment raises (or times out) is counted (``game/errors``) and skipped.
+
+**Training** (:func:`run_multiagent`): one training client per agent. Each step: a sampling client
+per agent from its current weights, ``groups_per_step`` groups of ``group_size`` games (a group's
+games start from the same position), group-relative advantages *per agent* (an agent's trajectories
+in a group are compared with each other; an agent that did not move in a game has no trajectory
+there), datums per agent (:func:`opentinker.rl.loop.build_datums`), then every agent's
+``forward_backward`` and ``optim_step`` are submitted before any is awaited, so the agents'
+updates fuse into one scheduler tick. Metrics go to ``cfg.log_dir/metrics.jsonl`` with per-agent keys
+``<agent>/reward/mean``, ``<agent>/loss/per_token``, ... and game keys ``game/<metric>``; the
+evaluator's keys under ``eval/``; ``curves.png`` has one line per agent.
+
+Only the sync mode is implemented (``cfg.mode == "sync"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from opentinker.data import Trajectory, Transition
+from opentinker.renderers import Message, Renderer
+from opentinker.rl.loop import RLConfig, build_datums, group_metrics
+from opentinker.rl.rollout import TrajectoryGroup, _sample
+from opentinker.tracking import RunLogger, plot_metrics
+
+log = logging.getLogger(__name__)
+
+# (policies by agent name, step) -> metrics; keys naming an agent are best written "<agent>/<metric>"
+MultiAgentEvaluator = Callable[[dict[str, Any], int], Awaitable[dict[str, float]]]
+
+
+class MultiAgentEnv(ABC):
+    """One game between named agents (see the module docstring). Subclasses implement the game at
+    the message level; the token level (:meth:`observation`, :meth:`step`) is built on it."""
+
+    agents: tuple[str, ...] = ()
+    continue_chat: bool = False
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+        self.stop = renderer.stop
+        self._ctx: dict[str, list[int]] = {}
+        self._ended: dict[str, bool] = {}
+
+    # -- the game ---------------------------------------------------------------------------------
+    async def reset(self) -> None:
+        """Start the game (called once, before the first turn)."""
+        self._ctx.clear()
+        self._ended.clear()
+
+    @abstractmethod
+    def current_agent(self) -> str | None:
+        """The coordinator: the agent to move now, or None when the game is over."""
+
+    @abstractmethod
+    def observe(self, agent: str) -> list[Message]:
+        """What ``agent`` is prompted with now: the whole prompt, or with ``continue_chat`` only the
+        messages that are new to it since its last reply."""
+
+    @abstractmethod
+    async def act(self, agent: str, reply: Message, ended: bool) -> dict[str, float]:
+        """Apply ``agent``'s reply (``ended``: False when cut by the token limit); per-move metrics."""
+
+    @abstractmethod
+    def rewards(self) -> dict[str, float]:
+        """Each agent's reward, once the game is over."""
+
+    def metrics(self) -> dict[str, float]:
+        """Game-level metrics, once the game is over (logged as ``game/<key>``, mean over games)."""
+        return {}
+
+    # -- tokens -----------------------------------------------------------------------------------
+    def observation(self, agent: str) -> list[int]:
+        """The token prompt of ``agent``'s turn."""
+        msgs = self.observe(agent)
+        prev = self._ctx.get(agent)
+        if self.continue_chat and prev is not None:
+            ob = prev + self.renderer.next_turn_tokens(self._ended[agent], msgs)
+        else:
+            ob = self.renderer.build_generation_prompt(msgs)
+        self._ctx[agent] = ob
+        return ob
+
+    async def step(self, agent: str, action: list[int]) -> dict[str, float]:
+        """Apply sampled tokens as ``agent``'s reply."""
+        reply, ended = self.renderer.parse_response(action)
+        if self.continue_chat:
+            self._ctx[agent] = self._ctx.get(agent, []) + list(action)
+            self._ended[agent] = ended
+        return await self.act(agent, reply, ended)
+
+
+class ScriptedPolicy(ABC):
+    """A policy that is not a model (a random or rule-based opponent): it answers from the game's
+    state. Its moves are not recorded and never trained on."""
+
+    @abstractmethod
+    async def reply(self, env: MultiAgentEnv, agent: str) -> str: ...
+
+
+class GameGroupBuilder(ABC):
+    """Makes the games of one group (their per-agent rewards are compared for advantages)."""
+
+    @abstractmethod
+    async def make_games(self) -> Sequence[MultiAgentEnv]: ...
+
+    def tags(self) -> list[str]:
+        return []
+
+
+class MultiAgentDataset(ABC):
+    """``batch(step)``: the game groups of one step, deterministic in ``step``."""
+
+    @abstractmethod
+    def batch(self, step: int) -> list[GameGroupBuilder]: ...
+
+
+@dataclass
+class MultiAgentTask:
+    """What a ``kind="multiagent"`` task's ``build(renderer, cfg)`` returns."""
+
+    agents: tuple[str, ...]
+    dataset: MultiAgentDataset
+    evaluator: MultiAgentEvaluator | None = None
+    plot_keys: tuple[str, ...] = ()  # per-agent keys without the agent prefix, e.g. "eval/win_rate"
+    show_keys: tuple[str, ...] = ()  # progress-bar keys, e.g. "game/draws"
+
+
+@dataclass
+class GameResult:
+    trajectories: dict[str, Trajectory]  # one per agent (empty when the agent never moved)
+    rewards: dict[str, float]
+    metrics: dict[str, float]
+
+
+@dataclass
+class GameGroup:
+    games: list[GameResult]
+    tags: list[str] = field(default_factory=list)
+    errors: int = 0
+
+    def trajectory_group(self, agent: str) -> TrajectoryGroup:
+        """``agent``'s trajectories in this group's games (games where it never moved left out)."""
+        trajs = [g.trajectories[agent] for g in self.games if g.trajectories[agent].transitions]
+        return TrajectoryGroup(trajs, list(self.tags))
+
+
+async def play_game(
+    env: MultiAgentEnv,
+    policies: Mapping[str, Any],
+    params: types.SamplingParams,
+    *,
+    seed: int | None = None,
+    max_moves: int = 1000,
+    policy_versions: Mapping[str, int] | None = None,
+) -> GameResult:
+    """Play one game to its end: each agent's turns are sampled from ``policies[agent]`` (a
+    ``SamplingClient``) or answered by a :class:`ScriptedPolicy`."""
+    await env.reset()
+    trajs = {a: Trajectory(policy_version=(policy_versions or {}).get(a, 0)) for a in env.agents}
+    moves = 0
+    while (agent := env.current_agent()) is not None:
+        if agent not in trajs or agent not in policies:
+            raise KeyError(f"the coordinator named {agent!r}, not one of the agents {sorted(policies)}")
+        moves += 1
+        if moves > max_moves:
+            raise RuntimeError(f"the game did not end within {max_moves} moves")
+        policy = policies[agent]
+        if isinstance(policy, ScriptedPolicy):
+            await env.act(agent, {"role": "assistant", "content": await policy.reply(env, agent)}, True)
+            continue
+        ob = list(env.observation(agent))
+        s = None if seed is None else seed + 7919 * moves
+        (sampled,) = await _sample(policy, ob, 1, params.model_copy(update={"stop": env.stop, "seed": s}))
+        if any(not math.isfinite(x) for x in sampled.logprobs):
+            raise RuntimeError("non-finite sampler logprob")
+        m = await env.step(agent, sampled.tokens)
+        trajs[agent].transitions.append(
+            Transition(ob, sampled.tokens, sampled.logprobs, 0.0, False, dict(m or {}))
+        )
+    rewards = {a: float(r) for a, r in env.rewards().items()}
+    for a, t in trajs.items():
+        if a not in rewards or not math.isfinite(rewards[a]):
+            raise ValueError(f"no finite reward for agent {a!r}: {rewards}")
+        t.final_reward = rewards[a]
+        if t.transitions:
+            t.transitions[-1].done = True
+    return GameResult(trajs, rewards, {k: float(v) for k, v in env.metrics().items()})
+
+
+async def play_group(
+    builder: GameGroupBuilder,
+    policies: Mapping[str, Any],
+    params: types.SamplingParams,
+    *,
+    seed: int | None = None,
+    timeout_s: float | None = None,
+    policy_versions: Mapping[str, int] | None = None,
+) -> GameGroup:
+    """All games of one group, concurrently; a game that raises or times out is counted and skipped."""
+    try:
+        games = list(await builder.make_games())
+    except Exception as e:
+        log.warning("making a group's games failed: %r", e)
+        return GameGroup([], builder.tags(), 1)
+    errors = 0
+
+    async def one(i: int, env: MultiAgentEnv) -> GameResult | None:
+        nonlocal errors
+        s = None if seed is None else seed + 15485863 * (i + 1)
+        try:
+            coro = play_game(env, policies, params, seed=s, policy_versions=policy_versions)
+            return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+        except Exception as e:
+            errors += 1
+            log.warning("game %s failed: %r", type(env).__name__, e)
+            return None
+
+    results = await asyncio.gather(*(one(i, g) for i, g in enumerate(games)))
+    return GameGroup([r for r in results if r is not None], builder.tags(), errors)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def game_metrics(groups: list[GameGroup]) -> dict[str, float]:
+    games = [g for grp in groups for g in grp.games]
+    m = {
+        "game/count": float(len(games)),
+        "game/errors": float(sum(grp.errors for grp in groups)),
+        "game/moves_mean": _mean([float(sum(len(t.transitions) for t in g.trajectories.values())) for g in games]),
+    }  # fmt: skip
+    for k in sorted({k for g in games for k in g.metrics}):
+        m[f"game/{k}"] = _mean([g.metrics[k] for g in games if k in g.metrics])
+    return m
+
+
+@dataclass
+class MultiAgentResult:
+    training_clients: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    final_paths: dict[str, str]
+
+
+async def train_agents(
+    tcs: Mapping[str, Any], datums: Mapping[str, list[types.Datum]], cfg: RLConfig
+) -> dict[str, dict[str, float]]:
+    """One update per agent that has datums: every ``forward_backward`` then every ``optim_step`` is
+    submitted before anything is awaited (one fused tick). Returns loss metrics per agent."""
+    adam = types.AdamParams(learning_rate=cfg.learning_rate)
+    todo = [a for a in tcs if datums.get(a)]
+    fbs = {a: await tcs[a].forward_backward_async(datums[a], cfg.loss_fn, cfg.loss_fn_config) for a in todo}
+    opts = {a: await tcs[a].optim_step_async(adam) for a in todo}
+    out: dict[str, dict[str, float]] = {}
+    for a in todo:
+        res = await fbs[a]
+        await opts[a]
+        out[a] = {"loss/sum": float(res.metrics.get("loss:sum", float("nan")))}
+    return out
+
+
+async def run_multiagent(
+    cfg: RLConfig, service: Any, task: MultiAgentTask, *, training_clients: Mapping[str, Any] | None = None
+) -> MultiAgentResult:
+    """Train one adapter per agent of ``task``; see the module docstring. Agent *k*'s adapter is
+    created with seed ``cfg.seed + k`` (unless ``training_clients`` are given)."""
+    cfg.check()
+    if cfg.mode != "sync":
+        raise ValueError(f"run_multiagent supports mode='sync' only, got {cfg.mode!r}")
+    agents = tuple(task.agents)
+    if not agents or len(set(agents)) != len(agents):
+        raise ValueError(f"a multi-agent task needs distinct agent names, got {agents}")
+    log_dir = Path(cfg.log_dir)
+    ckpt_index = log_dir / "checkpoints.jsonl"
+    if training_clients is not None:
+        tcs = {a: training_clients[a] for a in agents}
+    else:
+        created = await asyncio.gather(
+            *(
+                service.create_lora_training_client_async(
+                    base_model=cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed + k,
+                    train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
+                )
+                for k in range(len(agents))
+            )
+        )  # fmt: skip
+        tcs = dict(zip(agents, created, strict=True))
+    base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
+    logger = RunLogger(
+        log_dir, cfg, total_steps=cfg.steps, progress=cfg.progress, name=cfg.name,
+        show=tuple(task.show_keys) or tuple(f"{a}/reward/mean" for a in agents[:1]),
+    )  # fmt: skip
+    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+    rows: list[dict[str, Any]] = []
+    paths: dict[str, str] = {}
+
+    async def policies_now() -> dict[str, Any]:
+        return {a: await tcs[a].save_weights_and_get_sampling_client_async() for a in agents}
+
+    async def evaluate(pols: dict[str, Any], step: int) -> dict[str, float]:
+        if task.evaluator is None:
+            return {}
+        t = time.monotonic()
+        out = {f"eval/{k}": float(v) for k, v in (await task.evaluator(pols, step)).items()}
+        out["time/eval_s"] = time.monotonic() - t
+        return out
+
+    async def save(step: int) -> None:
+        futs = {a: await tcs[a].save_state_async(f"{a}-step-{step:06d}") for a in agents}
+        with ckpt_index.open("a") as f:
+            for a, fut in futs.items():
+                paths[a] = (await fut).path
+                f.write(json.dumps({"step": step, "agent": a, "path": paths[a]}) + "\n")
+
+    policies = await policies_now()
+    version = 0
+    pending_eval = await evaluate(policies, 0)
+    try:
+        for step in range(cfg.steps):
+            t0 = time.monotonic()
+            seed = cfg.seed * 1_000_003 + step * 10_007
+            versions = dict.fromkeys(agents, version)
+            groups = list(
+                await asyncio.gather(
+                    *(
+                        play_group(b, policies, params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_versions=versions)
+                        for k, b in enumerate(task.dataset.batch(step))
+                    )
+                )
+            )  # fmt: skip
+            t1 = time.monotonic()
+            m: dict[str, float] = game_metrics(groups)
+            datums: dict[str, list[types.Datum]] = {}
+            for a in agents:
+                tgroups = [g.trajectory_group(a) for g in groups]
+                am = group_metrics(tgroups)
+                am.pop("env/errors", None)  # game errors are counted once, in game/errors
+                datums[a], dm = await build_datums(tgroups, cfg, base_policy)
+                am.update(dm)
+                am["train/datums"] = float(len(datums[a]))
+                m.update({f"{a}/{k}": v for k, v in am.items()})
+            for a, lm in (await train_agents(tcs, datums, cfg)).items():
+                lm["loss/per_token"] = lm["loss/sum"] / max(1.0, m[f"{a}/train/action_tokens"])
+                m.update({f"{a}/{k}": v for k, v in lm.items()})
+            t2 = time.monotonic()
+            policies = await policies_now()
+            version += 1
+            m.update({"time/sample_s": t1 - t0, "time/train_s": t2 - t1, "policy/version": float(version)})
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                await save(step + 1)
+            if task.evaluator is not None and (
+                step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+            ):
+                m.update(await evaluate(policies, step + 1))
+            rows.append(logger.log(step, {**pending_eval, **m}))
+            pending_eval = {}
+        if cfg.save_every == 0 or cfg.steps % cfg.save_every:
+            await save(cfg.steps)
+    finally:
+        logger.close()
+        if rows:
+            try:
+                plot_agents(
+                    rows, agents, log_dir / "curves.png", task.plot_keys, title=cfg.name or log_dir.name
+                )
+            except Exception as e:
+                log.warning("plotting failed: %r", e)
+    return MultiAgentResult(dict(tcs), rows, paths)
+
+
+def agent_rows(rows: list[dict[str, Any]], agent: str) -> list[dict[str, Any]]:
+    """``agent``'s metrics with its prefix removed (``X/reward/mean`` -> ``reward/mean``,
+    ``eval/X/win_rate`` -> ``eval/win_rate``); game-level keys are kept as they are."""
+    out = []
+    for r in rows:
+        row: dict[str, Any] = {"step": r["step"]}
+        for k, v in r.items():
+            if k.startswith(f"{agent}/"):
+                row[k[len(agent) + 1 :]] = v
+            elif k.startswith(f"eval/{agent}/"):
+                row["eval/" + k[len(agent) + 6 :]] = v
+            elif k.startswith("game/"):
+                row[k] = v
+        out.append(row)
+    return out
+
+
+def plot_agents(
+    rows: list[dict[str, Any]],
+    agents: Sequence[str],
+    out: str | Path,
+    keys: Sequence[str] = (),
+    *,
+    title: str = "",
+) -> Path:
+    """One panel per metric, one line per agent."""
+    panels = ["reward/mean", *keys, "loss/per_token"]
+    return plot_metrics(
+        {a: agent_rows(rows, a) for a in agents}, list(dict.fromkeys(panels)), out, title=title
+    )
+
+
+def train_multiagent(cfg: RLConfig, service: Any, task: MultiAgentTask, **kw: Any) -> MultiAgentResult:
+    """Synchronous entry point for :func:`run_multiagent`."""
+    return asyncio.run(run_multiagent(cfg, service, task, **kw))

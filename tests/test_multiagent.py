@@ -1,0 +1,308 @@
+"""Multi-agent RL: games between agents with their own adapters (rl/multiagent.py, tasks/tictactoe.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from tinker import types
+
+import opentinker
+from opentinker.client import Runtime
+from opentinker.data import trajectory_segments
+from opentinker.renderers import Message, get_renderer
+from opentinker.rl import RLConfig
+from opentinker.rl.multiagent import (
+    GameGroupBuilder,
+    MultiAgentDataset,
+    MultiAgentEnv,
+    MultiAgentTask,
+    ScriptedPolicy,
+    play_game,
+    run_multiagent,
+)
+from opentinker.tasks.tictactoe import (
+    RandomMover,
+    TicTacToeDataset,
+    TicTacToeEnv,
+    board_prompt,
+    build,
+    parse_move,
+    random_opening,
+    winner,
+)
+from tests.conftest import TEST_MODEL, assert_rel_close
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory):
+    rt = Runtime(tmp_path_factory.mktemp("data"))
+    yield rt
+    rt.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service(runtime: Runtime):
+    return opentinker.ServiceClient(runtime=runtime)
+
+
+@pytest.fixture(scope="module")
+def renderer(service):
+    return get_renderer("auto", service.create_sampling_client(base_model=TEST_MODEL).get_tokenizer())
+
+
+def _weights(runtime: Runtime, model_id: str) -> dict[str, torch.Tensor]:
+    engine = runtime.backend(TEST_MODEL).engine
+    return {k: v.detach().clone() for k, v in engine.adapter_weights(model_id).state_dict().items()}
+
+
+def _delta(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(after[k] - before[k]).flatten() for k in sorted(before)])
+
+
+class Moves(ScriptedPolicy):
+    """Plays the given replies in order."""
+
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = list(replies)
+
+    async def reply(self, env: MultiAgentEnv, agent: str) -> str:
+        return self.replies.pop(0)
+
+
+def _game(renderer, x: list[str], o: list[str], opening: str = "." * 9) -> TicTacToeEnv:
+    env = TicTacToeEnv(renderer, opening)
+    asyncio.run(play_game(env, {"X": Moves(x), "O": Moves(o)}, types.SamplingParams(max_tokens=4)))
+    return env
+
+
+def test_tictactoe_rules_and_views(renderer) -> None:
+    env = _game(renderer, ["5", "1", "9"], ["2", "3"])  # X: 5, 1, 9 (diagonal)
+    assert env.result == "X" and env.rewards() == {"X": 1.0, "O": -1.0}
+    assert env.metrics()["X_wins"] == 1 and env.metrics()["moves"] == 5
+    env = _game(renderer, ["5", "5"], ["1"])  # X plays an occupied cell
+    assert env.rewards() == {"X": -1.0, "O": 0.0} and env.metrics()["X_illegal"] == 1
+    assert env.metrics()["O_wins"] == 0 and env.metrics()["illegal"] == 1
+    env = _game(renderer, ["5"], ["I pass"])
+    assert env.rewards() == {"X": 0.0, "O": -1.0} and env.metrics()["O_illegal"] == 1
+    env = _game(renderer, ["1", "3", "4", "8", "9"], ["2", "5", "6", "7"])
+    assert env.result == "draw" and env.rewards() == {"X": 0.0, "O": 0.0}
+    assert parse_move("cell 10") is None and parse_move("7") == 6
+
+    board = list("X.O.X....")
+    assert board_prompt(board, "X").startswith("X.O\n.X.\n...\nYour move as X.")
+    assert board_prompt(board, "O").startswith("O.X\n.O.\n...\nYour move as X.")
+    env = TicTacToeEnv(renderer, "X.O.X..O.")  # O must see itself as X
+    asyncio.run(env.reset())
+    assert env.current_agent() == "X"
+    assert env.observe("O")[0]["content"].startswith("O.X\n.O.\n.X.")
+    rng = random.Random(0)
+    for _ in range(50):
+        op = random_opening(rng, 2)
+        assert op.count("X") == op.count("O") <= 2 and winner(op) is None
+
+
+def test_random_mover_plays_legal_games(renderer) -> None:
+    params = types.SamplingParams(max_tokens=4)
+    for i in range(30):
+        env = TicTacToeEnv(renderer)
+        pols = {"X": RandomMover(random.Random(i)), "O": RandomMover(random.Random(100 + i))}
+        res = asyncio.run(play_game(env, pols, params))
+        assert env.illegal_by is None and env.result in ("X", "O", "draw")
+        assert all(not t.transitions for t in res.trajectories.values())  # scripted moves: not trained
+
+
+class _Spy:
+    """Wraps a ServiceClient: records the datums each training client (by model id) is sent."""
+
+    def __init__(self, service: Any) -> None:
+        self._service = service
+        self.sent: dict[str, list[list[types.Datum]]] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._service, name)
+
+    async def create_lora_training_client_async(self, **kw: Any) -> Any:
+        return _SpyTC(await self._service.create_lora_training_client_async(**kw), self)
+
+
+class _SpyTC:
+    def __init__(self, tc: Any, spy: _Spy) -> None:
+        self._tc, self._spy = tc, spy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tc, name)
+
+    async def forward_backward_async(self, data, loss_fn, config=None):
+        self._spy.sent.setdefault(self._tc.model_id, []).append(list(data))
+        self._spy.calls.append(("fb", self._tc.model_id))
+        return await self._tc.forward_backward_async(data, loss_fn, config)
+
+    async def optim_step_async(self, params):
+        self._spy.calls.append(("optim", self._tc.model_id))
+        return await self._tc.optim_step_async(params)
+
+
+def test_agents_train_their_own_adapters(runtime, service, renderer, tmp_path) -> None:
+    """After one step, X's adapter moved exactly as X's datums dictate (same datums sent by hand to
+    a fresh adapter with X's seed), O's as O's, and an unrelated adapter not at all."""
+    lr = 1e-2
+    bystander = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=99)
+    by_before = _weights(runtime, bystander.model_id)
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "run"), steps=1, groups_per_step=2, group_size=6,
+        max_tokens=4, lora_rank=4, learning_rate=lr, seed=3, eval_every=0, progress=False,
+    )  # fmt: skip
+    task = build(renderer, cfg)
+    task.evaluator = None
+    spy = _Spy(service)
+    res = asyncio.run(run_multiagent(cfg, spy, task))
+    ids = {a: res.training_clients[a].model_id for a in ("X", "O")}
+    assert set(spy.sent) == set(ids.values()) and all(len(v) == 1 for v in spy.sent.values())
+    # every forward_backward is submitted before any optim_step (so the agents share one tick)
+    assert [c for c, _ in spy.calls] == ["fb", "fb", "optim", "optim"]
+    row = res.metrics[0]
+    for a in ("X", "O"):
+        assert row[f"{a}/train/datums"] == len(spy.sent[ids[a]][0]) > 0
+    sent = {a: spy.sent[ids[a]][0] for a in ("X", "O")}
+    # routing, independently of the spy: X's datums are X's moves (it moves when the marks are equal),
+    # O's are O's (shown swapped, so its own "X" marks are one fewer than the opponent's)
+    for a, diff in (("X", 0), ("O", 1)):
+        for d in sent[a]:
+            board = re.findall(
+                r"([XO.]{3})\n([XO.]{3})\n([XO.]{3})\nYour move as X",
+                renderer.decode(d.model_input.to_ints()),
+            )
+            cells = "".join(board[-1])
+            assert cells.count("O") - cells.count("X") == diff, (a, cells)
+    adam = types.AdamParams(learning_rate=lr)
+
+    def reference(seed: int, data: list[types.Datum]) -> tuple[dict, dict]:
+        tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=seed, train_mlp=False, train_unembed=False)  # fmt: skip
+        before = _weights(runtime, tc.model_id)
+        tc.forward_backward(data, "importance_sampling")
+        tc.optim_step(adam).result()
+        return before, _weights(runtime, tc.model_id)
+
+    for k, a in enumerate(("X", "O")):
+        before, ref = reference(cfg.seed + k, sent[a])
+        got = _weights(runtime, ids[a])
+        d_ref = _delta(ref, before)
+        assert float(d_ref.norm()) > 0
+        assert_rel_close(_delta(got, before), d_ref, rel=1e-4)
+        # the other agent's datums would have moved it elsewhere
+        _, swapped = reference(cfg.seed + k, sent["O" if a == "X" else "X"])
+        assert float((_delta(got, before) - _delta(swapped, before)).norm()) > 0.1 * float(d_ref.norm())
+    assert float(_delta(_weights(runtime, bystander.model_id), by_before).norm()) == 0.0
+    paths = [json.loads(x) for x in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()]
+    assert sorted(p["agent"] for p in paths) == ["O", "X"] and set(res.final_paths) == {"X", "O"}
+
+
+class _Boom(TicTacToeEnv):
+    async def act(self, agent: str, reply: Message, ended: bool) -> dict[str, float]:
+        if self.moves >= 1:
+            raise RuntimeError("boom")
+        return await super().act(agent, reply, ended)
+
+
+class _BoomGroup(GameGroupBuilder):
+    def __init__(self, renderer, n_ok: int, n_boom: int) -> None:
+        self.renderer, self.n_ok, self.n_boom = renderer, n_ok, n_boom
+
+    async def make_games(self) -> Sequence[MultiAgentEnv]:
+        return [TicTacToeEnv(self.renderer) for _ in range(self.n_ok)] + [
+            _Boom(self.renderer) for _ in range(self.n_boom)
+        ]
+
+
+class _BoomData(MultiAgentDataset):
+    def __init__(self, renderer) -> None:
+        self.renderer = renderer
+
+    def batch(self, step: int) -> list[GameGroupBuilder]:
+        return [_BoomGroup(self.renderer, 4, 2), _BoomGroup(self.renderer, 3, 1)]
+
+
+def test_a_raising_game_is_counted_and_skipped(service, renderer, tmp_path) -> None:
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "run"), steps=2, max_tokens=4, lora_rank=4,
+        learning_rate=1e-3, eval_every=0, progress=False, episode_timeout_s=30,
+    )  # fmt: skip
+    task = MultiAgentTask(("X", "O"), _BoomData(renderer))
+    res = asyncio.run(run_multiagent(cfg, service, task))
+    assert len(res.metrics) == 2
+    for row in res.metrics:
+        assert row["game/errors"] == 3 and row["game/count"] == 7
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["game/errors"] for r in rows] == [3, 3]
+
+
+class _Chat(MultiAgentEnv):
+    """Two agents take turns in a running chat; each sees the other's last message as a user turn."""
+
+    agents = ("A", "B")
+    continue_chat = True
+
+    def __init__(self, renderer) -> None:
+        super().__init__(renderer)
+        self.said: list[str] = []
+
+    async def reset(self) -> None:
+        await super().reset()
+        self.said = []
+
+    def current_agent(self) -> str | None:
+        return None if len(self.said) >= 4 else "AB"[len(self.said) % 2]
+
+    def observe(self, agent: str) -> list[Message]:
+        last = self.said[-1] if self.said else "I'm thinking of a number between 1 and 100. Guess it."
+        return [{"role": "user", "content": f"{last}"}]
+
+    async def act(self, agent: str, reply: Message, ended: bool) -> dict[str, float]:
+        self.said.append(reply["content"] or "?")
+        return {}
+
+    def rewards(self) -> dict[str, float]:
+        return {"A": 1.0, "B": 0.0}
+
+
+def test_continue_chat_makes_each_agent_one_sequence(service, renderer) -> None:
+    policy = service.create_sampling_client(base_model=TEST_MODEL)
+    env = _Chat(renderer)
+    res = asyncio.run(play_game(env, {"A": policy, "B": policy}, types.SamplingParams(max_tokens=8), seed=1))
+    for a in ("A", "B"):
+        trs = res.trajectories[a].transitions
+        assert len(trs) == 2 and trs[-1].done and not trs[0].done
+        assert trs[1].ob[: len(trs[0].ob) + len(trs[0].ac)] == trs[0].ob + trs[0].ac
+        assert len(trajectory_segments(res.trajectories[a])) == 1
+    assert res.rewards == {"A": 1.0, "B": 0.0} and res.trajectories["A"].total_reward == 1.0
+
+
+def test_tictactoe_smoke_with_eval_vs_random(service, renderer, tmp_path) -> None:
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "ttt"), steps=3, groups_per_step=2, group_size=4,
+        max_tokens=4, lora_rank=4, learning_rate=2e-3, eval_every=2, progress=False,
+        extra={"eval_games": 8},
+    )  # fmt: skip
+    task = build(renderer, cfg)
+    assert isinstance(task.dataset, TicTacToeDataset) and task.agents == ("X", "O")
+    res = asyncio.run(run_multiagent(cfg, service, task))
+    rows = [json.loads(x) for x in (tmp_path / "ttt" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and len(res.metrics) == 3
+    for r in rows:
+        assert r["game/count"] == 8 and r["game/errors"] == 0
+        assert r["game/X_wins"] + r["game/O_wins"] + r["game/draws"] + r["game/illegal"] == pytest.approx(1.0)
+        for a in ("X", "O"):
+            assert -1 <= r[f"{a}/reward/mean"] <= 1 and f"{a}/groups/kept" in r
+    for r in rows:  # evaluated before step 0, after 2 steps (eval_every) and at the end
+        for a in ("X", "O"):
+            rates = [r[f"eval/{a}/{k}"] for k in ("win_rate", "loss_rate", "draw_rate")]
+            assert sum(rates) == pytest.approx(1.0) and 0 <= r[f"eval/{a}/illegal_rate"] <= rates[1]
+    assert (tmp_path / "ttt" / "curves.png").exists()
