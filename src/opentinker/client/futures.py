@@ -6,8 +6,9 @@ We reuse the SDK's own ``AwaitableConcurrentFuture`` for results, and give clien
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Self, TypeVar
 
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
@@ -22,9 +23,13 @@ def mapped(fut: Future, fn: Callable[[Any], U]) -> AwaitableConcurrentFuture[U]:
 
     def done(f: Future) -> None:
         try:
-            out.set_result(fn(f.result()))
+            value = fn(f.result())
         except BaseException as e:
-            out.set_exception(e)
+            with contextlib.suppress(InvalidStateError):  # the caller cancelled ``out`` meanwhile
+                out.set_exception(e)
+            return
+        with contextlib.suppress(InvalidStateError):
+            out.set_result(value)
 
     fut.add_done_callback(done)
     return AwaitableConcurrentFuture(out)

@@ -62,6 +62,8 @@ class RLConfig:
     max_staleness: int = 1
     eval_every: int = 10  # 0 = never (always at the start and the end when an evaluator is given)
     save_every: int = 0  # save_state every n steps (0 = only at the end)
+    stop_when: tuple[str, float] | None = None  # e.g. ("eval/accuracy", 0.8): stop once reached
+    max_train_s: float | None = None  # stop after this much wall clock, evaluations excluded
     seed: int = 0
     episode_timeout_s: float | None = 60.0
     progress: bool = True
@@ -225,69 +227,67 @@ async def run_rl(
         return {**m, "train/datums": float(len(datums)), "loss/sum": loss, "loss/per_token": per_tok}
 
     policy = await tc.save_weights_and_get_sampling_client_async()
-    version = start
+    current: dict[str, Any] = {"policy": policy, "version": start}
+    t_start = time.monotonic()
+    eval_total = 0.0
     pending_eval = await evaluate(policy, start) if evaluator is not None else {}
+    eval_total += float(pending_eval.get("time/eval_s", 0.0))
+    queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, cfg.max_staleness))
+    prod: asyncio.Task | None = None
+
+    async def producer() -> None:  # async mode: sampling runs ahead of training
+        for step in range(start, cfg.steps):
+            pol, ver = current["policy"], current["version"]
+            t0 = time.monotonic()
+            groups = await rollouts(step, pol, ver)
+            await queue.put((groups, ver, time.monotonic() - t0))
+
+    async def next_batch(step: int) -> tuple[list[TrajectoryGroup], int, float]:
+        if prod is not None:
+            return await queue.get()
+        t0 = time.monotonic()
+        groups = await rollouts(step, current["policy"], current["version"])
+        return groups, current["version"], time.monotonic() - t0
+
+    last_step = start
     try:
-        if cfg.mode == "sync":
-            for step in range(start, cfg.steps):
-                t0 = time.monotonic()
-                groups = await rollouts(step, policy, version)
-                t1 = time.monotonic()
-                m = {**group_metrics(groups), **await train_on(groups)}
-                t2 = time.monotonic()
-                policy = await tc.save_weights_and_get_sampling_client_async()
-                version += 1
-                m.update(
-                    {"time/sample_s": t1 - t0, "time/train_s": t2 - t1, "policy/version": float(version)}
-                )
-                final_path = await _maybe_save(tc, cfg, step + 1, ckpt_index, final_path)
-                if evaluator is not None and (
-                    step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-                ):
-                    m.update(await evaluate(policy, step + 1))
-                rows.append(logger.log(step, {**pending_eval, **m}))
-                pending_eval = {}
-        else:
-            queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, cfg.max_staleness))
-            current = {"policy": policy, "version": version}
-
-            async def producer() -> None:
-                for step in range(start, cfg.steps):
-                    pol, ver = current["policy"], current["version"]
-                    t0 = time.monotonic()
-                    groups = await rollouts(step, pol, ver)
-                    await queue.put((step, ver, groups, time.monotonic() - t0))
-
+        if cfg.mode == "async":
             prod = asyncio.create_task(producer())
-            try:
-                for _ in range(start, cfg.steps):
-                    step, ver, groups, t_sample = await queue.get()
-                    stale = current["version"] - ver
-                    t1 = time.monotonic()
-                    m = group_metrics(groups)
-                    if stale > cfg.max_staleness:
-                        m.update({"train/dropped_stale": 1.0})
-                    else:
-                        m.update(await train_on(groups))
-                        current["policy"] = await tc.save_weights_and_get_sampling_client_async()
-                        current["version"] += 1
-                    m.update({
-                        "time/sample_s": t_sample, "time/train_s": time.monotonic() - t1,
-                        "policy/version": float(current["version"]), "policy/staleness": float(stale),
-                    })  # fmt: skip
-                    final_path = await _maybe_save(tc, cfg, step + 1, ckpt_index, final_path)
-                    if evaluator is not None and (
-                        step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-                    ):
-                        m.update(await evaluate(current["policy"], step + 1))
-                    rows.append(logger.log(step, {**pending_eval, **m}))
-                    pending_eval = {}
-                await prod
-            finally:
-                prod.cancel()
-        if cfg.save_every == 0 or cfg.steps % cfg.save_every:
-            final_path = await _save(tc, cfg.steps, ckpt_index)
+        for step in range(start, cfg.steps):
+            groups, ver, t_sample = await next_batch(step)
+            stale = current["version"] - ver
+            t1 = time.monotonic()
+            m = group_metrics(groups)
+            if stale > cfg.max_staleness:  # cannot happen with the queue bound; kept as a guard
+                m["train/dropped_stale"] = 1.0
+            else:
+                m.update(await train_on(groups))
+                current["policy"] = await tc.save_weights_and_get_sampling_client_async()
+                current["version"] += 1
+            m.update({
+                "time/sample_s": t_sample, "time/train_s": time.monotonic() - t1,
+                "policy/version": float(current["version"]), "policy/staleness": float(stale),
+            })  # fmt: skip
+            last_step = step + 1
+            final_path = await _maybe_save(tc, cfg, step + 1, ckpt_index, final_path)
+            if evaluator is not None and (
+                step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+            ):
+                ev = await evaluate(current["policy"], step + 1)
+                eval_total += ev["time/eval_s"]
+                m.update(ev)
+            m["time/train_clock_s"] = time.monotonic() - t_start - eval_total  # wall clock minus evals
+            rows.append(logger.log(step, {**pending_eval, **m}))
+            pending_eval = {}
+            if _should_stop(cfg, m):
+                break
+        if prod is not None:
+            prod.cancel()
+        if cfg.save_every == 0 or last_step % cfg.save_every:
+            final_path = await _save(tc, last_step, ckpt_index)
     finally:
+        if prod is not None:
+            prod.cancel()
         logger.close()
         if rows or (log_dir / "metrics.jsonl").exists():
             try:
@@ -295,6 +295,14 @@ async def run_rl(
             except Exception as e:
                 log.warning("plotting failed: %r", e)
     return RLResult(tc, rows, final_path)
+
+
+def _should_stop(cfg: RLConfig, m: dict[str, Any]) -> bool:
+    if cfg.stop_when is not None:
+        key, target = cfg.stop_when
+        if isinstance(m.get(key), float) and m[key] >= target:
+            return True
+    return cfg.max_train_s is not None and m["time/train_clock_s"] >= cfg.max_train_s
 
 
 async def _save(tc: Any, step: int, index: Path) -> str:
