@@ -1,0 +1,234 @@
+"""The SFT loop: per step one ``forward_backward("cross_entropy")`` + ``optim_step``, submitted
+together; an eval hook; periodic checkpoints; exact resume.
+
+It uses only the Tinker client API (any ``ServiceClient``: embedded or the SDK against a server).
+
+Metrics (one ``metrics.jsonl`` row per step *s*, for the update from *s* to *s + 1* updates):
+
+* ``loss/nll_per_token``: Tinker's ``cross_entropy`` is a SUM of weighted token NLLs, so the
+  loop divides ``loss/sum`` by the batch's trained tokens (``train/tokens``, the sum of weights);
+* ``optim/lr`` (the schedule: ``constant``, ``linear`` decay to 0, or ``cosine`` to 0),
+  ``train/epoch``, ``train/datums``, ``time/step_s``;
+* ``eval/nll_per_token`` (a ``forward`` over the eval set) and, when an ``evaluator`` is given,
+  its metrics as ``eval/<name>``: measured on the weights *before* step *s* when
+  ``s % eval_every == 0`` (always at step 0), and after the last step in an extra row
+  ``step == steps`` that holds only eval metrics;
+* at step 0 (or the resume step): the data counts ``data/train_examples``,
+  ``data/train_truncated``, ``data/train_dropped`` (and ``data/eval_*``).
+
+Resume (``resume=True``) reloads the last checkpoint in ``log_dir/checkpoints.jsonl`` with its
+optimizer state; batches and learning rates depend only on ``(seed, step)``, so the resumed
+run's metrics equal the uninterrupted run's (tested).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from opentinker.sft.data import Batcher, SupervisedData, trained_tokens
+from opentinker.tracking import RunLogger, plot_metrics
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("constant", "linear", "cosine")
+Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
+Data = SupervisedData | Sequence[types.Datum]
+
+
+@dataclass
+class SFTConfig:
+    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    log_dir: str = "runs/sft"
+    data: str = ""  # chat JSONL for tasks that read one (``chat_sft``: "" = the bundled set)
+    eval_data: str = ""
+    epochs: int = 1
+    steps: int = 0  # > 0 overrides epochs
+    batch_size: int = 16
+    learning_rate: float = 1e-4
+    lr_schedule: str = "linear"  # constant | linear | cosine (decay to 0 at the last step)
+    lora_rank: int = 8
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    train_on: str = "all_assistant"  # or "last_assistant"
+    max_length: int = 1024
+    overlong: str = "raise"  # raise | truncate | skip (see opentinker.sft.data)
+    eval_every: int = 10  # 0 = only at the start and the end
+    eval_batch_size: int = 64
+    save_every: int = 0  # save_state every n steps (0 = only at the end)
+    seed: int = 0
+    progress: bool = True
+    plot_keys: tuple[str, ...] = ("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy")
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        if self.train_on not in ("all_assistant", "last_assistant"):
+            raise ValueError(f"train_on must be 'all_assistant' or 'last_assistant', got {self.train_on!r}")
+        if self.overlong not in ("raise", "truncate", "skip"):
+            raise ValueError(f"overlong must be 'raise', 'truncate' or 'skip', got {self.overlong!r}")
+        for k in ("epochs", "batch_size", "lora_rank", "max_length", "eval_batch_size"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        for k in ("steps", "eval_every", "save_every"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+
+    def total_steps(self, n_train: int) -> int:
+        return self.steps or self.epochs * math.ceil(n_train / self.batch_size)
+
+
+def lr_at(cfg: SFTConfig, step: int, total: int) -> float:
+    """The learning rate of update ``step`` (0-based) out of ``total``."""
+    frac = step / max(1, total)
+    if cfg.lr_schedule == "linear":
+        return cfg.learning_rate * (1.0 - frac)
+    if cfg.lr_schedule == "cosine":
+        return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return cfg.learning_rate
+
+
+@dataclass
+class SFTResult:
+    training_client: Any
+    metrics: list[dict[str, Any]]
+    final_path: str | None
+
+
+def _datums(data: Data | None) -> list[types.Datum]:
+    if data is None:
+        return []
+    return list(data.datums) if isinstance(data, SupervisedData) else list(data)
+
+
+async def eval_nll(tc: Any, data: Sequence[types.Datum], batch_size: int = 64) -> dict[str, float]:
+    """Mean NLL per trained token of ``data`` under ``tc``'s current weights (``forward`` only)."""
+    chunks = [list(data[i : i + batch_size]) for i in range(0, len(data), batch_size)]
+    futures = [await tc.forward_async(c, "cross_entropy") for c in chunks]
+    total = sum([float((await f).metrics["loss:sum"]) for f in futures])
+    tokens = trained_tokens(data)
+    return {"eval/nll_per_token": total / max(1.0, tokens), "eval/tokens": tokens}
+
+
+async def run_sft(
+    cfg: SFTConfig,
+    service: Any,
+    train: Data,
+    eval: Data | None = None,
+    *,
+    evaluator: Evaluator | None = None,
+    training_client: Any | None = None,
+    resume: bool = False,
+) -> SFTResult:
+    """Train one adapter by SFT on ``train`` (rendered ``Datum`` s, see :mod:`opentinker.sft.data`);
+    write ``cfg.log_dir/{config.json, metrics.jsonl, checkpoints.jsonl, curves.png}``."""
+    cfg.check()
+    train_d, eval_d = _datums(train), _datums(eval)
+    batcher = Batcher(len(train_d), cfg.batch_size, cfg.seed)
+    total = cfg.total_steps(len(train_d))
+    log_dir = Path(cfg.log_dir)
+    ckpt_index = log_dir / "checkpoints.jsonl"
+    start = 0
+    if resume and ckpt_index.exists() and ckpt_index.read_text().strip():
+        last = json.loads(ckpt_index.read_text().strip().splitlines()[-1])
+        tc = await service.create_training_client_from_state_with_optimizer_async(last["path"])
+        start = int(last["step"])
+    elif training_client is not None:
+        tc = training_client
+    else:
+        tc = await service.create_lora_training_client_async(
+            base_model=cfg.base_model,
+            rank=cfg.lora_rank,
+            seed=cfg.seed,
+            train_attn=cfg.train_attn,
+            train_mlp=cfg.train_mlp,
+            train_unembed=cfg.train_unembed,
+        )
+    logger = RunLogger(
+        log_dir, cfg, total_steps=total + 1, start_step=start, progress=cfg.progress, name=cfg.name,
+        show=("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy"),
+    )  # fmt: skip
+    if not resume or start == 0:
+        ckpt_index.unlink(missing_ok=True)  # a fresh run in a used folder starts a fresh index
+    rows: list[dict[str, Any]] = []
+    final_path: str | None = None
+
+    async def evaluate(step: int) -> dict[str, float]:
+        t = time.monotonic()
+        out: dict[str, float] = {}
+        if eval_d:
+            out.update(await eval_nll(tc, eval_d, cfg.eval_batch_size))
+        if evaluator is not None:
+            policy = await tc.save_weights_and_get_sampling_client_async()
+            out.update({f"eval/{k}": v for k, v in (await evaluator(policy, step)).items()})
+        if out:
+            out["time/eval_s"] = time.monotonic() - t
+        return out
+
+    data_stats: dict[str, float] = {}
+    for prefix, d in (("train", train), ("eval", eval)):
+        if isinstance(d, SupervisedData):
+            data_stats.update(d.stats(prefix))
+    try:
+        for step in range(start, total):
+            m: dict[str, float] = dict(data_stats) if step == start else {}
+            if step == 0 or (cfg.eval_every and step % cfg.eval_every == 0):
+                m.update(await evaluate(step))
+            t0 = time.monotonic()
+            batch = batcher.batch(train_d, step)
+            lr = lr_at(cfg, step, total)
+            fb = await tc.forward_backward_async(batch, "cross_entropy")
+            opt = await tc.optim_step_async(types.AdamParams(learning_rate=lr))
+            out = await fb
+            await opt
+            loss = float(out.metrics["loss:sum"])
+            tokens = trained_tokens(batch)
+            m.update({
+                "loss/sum": loss, "loss/nll_per_token": loss / max(1.0, tokens), "train/tokens": tokens,
+                "train/datums": float(len(batch)), "train/epoch": float(batcher.epoch(step)),
+                "optim/lr": lr, "time/step_s": time.monotonic() - t0,
+            })  # fmt: skip
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                final_path = await _save(tc, step + 1, ckpt_index)
+            rows.append(logger.log(step, m))
+        final = await evaluate(total)
+        if final:
+            rows.append(logger.log(total, final))
+        if start < total and not (cfg.save_every and total % cfg.save_every == 0):
+            final_path = await _save(tc, total, ckpt_index)
+        elif final_path is None and ckpt_index.exists():
+            final_path = json.loads(ckpt_index.read_text().strip().splitlines()[-1])["path"]
+    finally:
+        logger.close()
+        if rows or (log_dir / "metrics.jsonl").exists():
+            try:
+                plot_metrics({cfg.name or log_dir.name: log_dir}, list(cfg.plot_keys), log_dir / "curves.png")
+            except Exception as e:
+                log.warning("plotting failed: %r", e)
+    return SFTResult(tc, rows, final_path)
+
+
+async def _save(tc: Any, step: int, index: Path) -> str:
+    path = (await (await tc.save_state_async(f"step-{step:06d}"))).path
+    with index.open("a") as f:
+        f.write(json.dumps({"step": step, "path": path}) + "\n")
+    return path
+
+
+def train_sft(cfg: SFTConfig, service: Any, train: Data, eval: Data | None = None, **kw: Any) -> SFTResult:
+    """Synchronous entry point for :func:`run_sft`."""
+    return asyncio.run(run_sft(cfg, service, train, eval, **kw))
