@@ -12,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
         from opentinker.server import keys_main, serve
 
         return int((serve if argv[0] == "serve" else keys_main)(argv[1:]) or 0)
+    if argv[:1] == ["train"]:  # `opentinker train rl|sft` has its own parser (opentinker/cli/train.py)
+        from opentinker.cli.train import main as train_main
+
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(prog="opentinker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -24,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="run the Tinker-compatible HTTP server (opentinker serve -h)", add_help=False
     )
     sub.add_parser("keys", help="create | list | revoke API keys (opentinker keys -h)", add_help=False)
+    sub.add_parser("train", help="train adapters on a task: rl | sft (opentinker train -h)", add_help=False)
 
     demo = sub.add_parser(
         "demo", help="train several LoRA adapters at once in one fused batch, then sample each"
