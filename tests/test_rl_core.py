@@ -300,19 +300,39 @@ def test_async_respects_max_staleness(
     assert rows[-1]["policy/version"] == len(trained)
 
 
+class SlowTrainer:
+    """A training client whose ``forward_backward`` takes a while: sampling outruns training."""
+
+    def __init__(self, tc: Any, delay_s: float) -> None:
+        self.tc, self.delay_s = tc, delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tc, name)
+
+    async def forward_backward_async(self, *a: Any, **k: Any) -> Any:
+        await asyncio.sleep(self.delay_s)
+        return await self.tc.forward_backward_async(*a, **k)
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="rl/loop.py async producer samples step s+1 with the old policy while step s trains, so "
-    "with max_staleness=0 every other batch is sampled only to be dropped as stale (half the "
-    "sampling wasted, half the updates lost); it should wait for version >= s - max_staleness",
+    reason="rl/loop.py async mode: the producer samples the next step with whatever policy is "
+    "current and the queue holds max(1, max_staleness) batches, so one more batch waits on put(): "
+    "when sampling outruns training a batch reaches staleness max_staleness + 1 and is sampled "
+    "only to be dropped (max_staleness=0: every other batch). The producer should wait until "
+    "version >= step - max_staleness before sampling step",
 )
+@pytest.mark.parametrize("max_staleness", [0, 1])
 def test_async_never_samples_a_batch_it_must_drop(
-    service: ServiceClient, renderer: Renderer, tmp_path: Path
+    service: ServiceClient, renderer: Renderer, tmp_path: Path, max_staleness: int
 ) -> None:
-    cfg = _cfg(tmp_path, mode="async", steps=4, max_staleness=0, drop_constant_groups=False)
-    rows = asyncio.run(run_rl(cfg, service, Dataset([["", "", "", ""]], renderer))).metrics
+    cfg = _cfg(tmp_path, mode="async", steps=5, max_staleness=max_staleness, drop_constant_groups=False)
+    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
+    data = Dataset([["", "", "", ""]], renderer)
+    rows = asyncio.run(run_rl(cfg, service, data, training_client=SlowTrainer(tc, 0.3))).metrics
+    assert all(r["policy/staleness"] <= max_staleness for r in rows)
     assert not any(r.get("train/dropped_stale") for r in rows)
-    assert rows[-1]["policy/version"] == 4
+    assert rows[-1]["policy/version"] == 5
 
 
 def test_sync_mode_versions(service: ServiceClient, renderer: Renderer, tmp_path: Path) -> None:
