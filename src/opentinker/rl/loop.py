@@ -4,10 +4,10 @@ per step, with the policy version refreshed every step.
 It uses only the Tinker client API (any ``ServiceClient``: embedded or the SDK against a server).
 
 * **sync** mode: step *n* samples with the policy after *n* updates, then trains on that data.
-* **async** mode: rollouts for the next steps are sampled while the trainer trains (a bounded
-  queue between them); a batch sampled with policy version *v* is trained at version *t* only if
-  ``t - v <= max_staleness`` (else dropped and counted). The loss's importance ratio uses the
-  sampler's logprobs, which corrects for the lag.
+* **async** mode: rollouts for the next steps are sampled while the trainer trains. Step *s* is
+  trained at policy version *s*; the producer samples it only once the current version is at
+  least ``s - max_staleness``, so no batch is ever staler than the bound (0 = synchronous). The
+  loss's importance ratio uses the sampler's logprobs, which corrects for the lag.
 
 Several runs (adapters) train concurrently in one process with :func:`run_rl_many`: their
 requests meet in the scheduler and share its fused batches.
@@ -51,6 +51,7 @@ class RLConfig:
     train_mlp: bool = False
     train_unembed: bool = False
     learning_rate: float = 1e-4
+    substeps: int = 1  # optimizer steps per batch of rollouts (each a forward_backward + optim_step)
     loss_fn: str = "importance_sampling"
     loss_fn_config: dict[str, float] | None = None
     max_tokens: int = 16
@@ -76,7 +77,7 @@ class RLConfig:
             raise ValueError(f"loss_fn must be one of {LOSSES}, got {self.loss_fn!r}")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
-        for k in ("steps", "groups_per_step", "group_size", "lora_rank", "max_tokens"):
+        for k in ("steps", "groups_per_step", "group_size", "lora_rank", "max_tokens", "substeps"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
@@ -218,11 +219,17 @@ async def run_rl(
         datums, m = await build_datums(groups, cfg, base_policy)
         if not datums:
             return {**m, "train/datums": 0.0}
-        fb = await tc.forward_backward_async(datums, cfg.loss_fn, cfg.loss_fn_config)
-        opt = await tc.optim_step_async(adam)
-        out = await fb
-        await opt
-        loss = float(out.metrics.get("loss:sum", float("nan")))
+        # ``substeps`` passes over the same batch (PPO-style epochs): the sampler logprobs stay the
+        # behaviour policy's, so the loss's ratio corrects for the updates already made.
+        futs = []
+        for _ in range(cfg.substeps):
+            fb = await tc.forward_backward_async(datums, cfg.loss_fn, cfg.loss_fn_config)
+            futs.append((fb, await tc.optim_step_async(adam)))
+        outs = []
+        for fb, opt in futs:
+            outs.append(await fb)
+            await opt
+        loss = float(outs[0].metrics.get("loss:sum", float("nan")))
         per_tok = loss / max(1.0, m["train/action_tokens"])
         return {**m, "train/datums": float(len(datums)), "loss/sum": loss, "loss/per_token": per_tok}
 
@@ -235,8 +242,12 @@ async def run_rl(
     queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, cfg.max_staleness))
     prod: asyncio.Task | None = None
 
-    async def producer() -> None:  # async mode: sampling runs ahead of training
+    refreshed = asyncio.Condition()
+
+    async def producer() -> None:  # async mode: sampling runs ahead of training, boundedly
         for step in range(start, cfg.steps):
+            async with refreshed:  # step is trained at version `step`: sample it from >= step - bound
+                await refreshed.wait_for(lambda s=step: current["version"] >= s - cfg.max_staleness)
             pol, ver = current["policy"], current["version"]
             t0 = time.monotonic()
             groups = await rollouts(step, pol, ver)
@@ -258,12 +269,14 @@ async def run_rl(
             stale = current["version"] - ver
             t1 = time.monotonic()
             m = group_metrics(groups)
-            if stale > cfg.max_staleness:  # cannot happen with the queue bound; kept as a guard
+            if stale > cfg.max_staleness:  # the producer's wait prevents it; kept as a guard
                 m["train/dropped_stale"] = 1.0
             else:
                 m.update(await train_on(groups))
                 current["policy"] = await tc.save_weights_and_get_sampling_client_async()
-                current["version"] += 1
+                async with refreshed:
+                    current["version"] += 1
+                    refreshed.notify_all()
             m.update({
                 "time/sample_s": t_sample, "time/train_s": time.monotonic() - t1,
                 "policy/version": float(current["version"]), "policy/staleness": float(stale),

@@ -90,7 +90,11 @@ async def rollout_group(
     policy_version: int = 0,
 ) -> TrajectoryGroup:
     """Run every episode of one group to its end; see the module docstring for failure handling."""
-    envs = list(await builder.make_envs())
+    try:
+        envs = list(await builder.make_envs())
+    except Exception as e:  # a broken group is this group's failure alone
+        log.warning("%s.make_envs failed: %r", type(builder).__name__, e)
+        return TrajectoryGroup([], builder.tags(), errors=1)
     errors = 0
 
     async def first_obs(env: Env) -> list[int] | None:
