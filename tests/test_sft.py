@@ -143,12 +143,9 @@ def test_batcher_is_seeded_per_epoch_and_covers_every_example() -> None:
 
 
 def test_lr_schedules() -> None:
-    cfg = SFTConfig(learning_rate=1.0, lr_schedule="linear")
-    assert [lr_at(cfg, s, 4) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
-    cfg.lr_schedule = "cosine"
-    assert lr_at(cfg, 0, 4) == 1.0 and math.isclose(lr_at(cfg, 2, 4), 0.5)
-    cfg.lr_schedule = "constant"
-    assert lr_at(cfg, 3, 4) == 1.0
+    assert [lr_at(1.0, "linear", s, 4) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert lr_at(1.0, "cosine", 0, 4) == 1.0 and math.isclose(lr_at(1.0, "cosine", 2, 4), 0.5)
+    assert lr_at(1.0, "constant", 3, 4) == 1.0
     with pytest.raises(ValueError, match="lr_schedule"):
         SFTConfig(lr_schedule="step").check()
 
@@ -288,3 +285,47 @@ def test_chat_sft_task_bundled_data_excludes_held_out_problems(renderer: Rendere
         if w
     ]
     assert renderer.decode(trained) == f"{answer}<|im_end|>"
+
+
+# ------------------------------------------------------------------ DPO
+def test_preference_jsonl_errors_name_line(tmp_path: Path) -> None:
+    from opentinker.sft.dpo import read_pairs_jsonl
+
+    good = {"prompt": GOOD["messages"][:1], "chosen": GOOD["messages"][1], "rejected": GOOD["messages"][1]}
+    bad_role = {**good, "rejected": {"role": "user", "content": "x"}}
+    for bad, needle in (("{", "invalid JSON"), (json.dumps({"prompt": []}), "missing 'chosen'"),
+                        (json.dumps(bad_role), "rejected: role must be 'assistant'")):  # fmt: skip
+        path = _write(tmp_path / "pairs.jsonl", [json.dumps(good), "", bad])
+        with pytest.raises(ValueError, match=needle) as e:
+            read_pairs_jsonl(path)
+        assert "line 3" in str(e.value)
+    assert len(read_pairs_jsonl(_write(tmp_path / "ok.jsonl", [json.dumps(good)] * 2))) == 2
+
+
+def test_dpo_loss_falls_and_margin_grows(tmp_path: Path, runtime: Runtime, renderer: Renderer) -> None:
+    from opentinker.sft.dpo import DPOConfig, PreferencePair, render_pairs, train_dpo
+
+    pairs = [
+        PreferencePair(
+            [{"role": "user", "content": question(a, b)}],
+            {"role": "assistant", "content": str(a + b)},
+            {"role": "assistant", "content": str(a + b + 10)},
+        )
+        for a, b in ((12, 34), (25, 47), (61, 18), (33, 29), (70, 15), (44, 44))
+    ]
+    data = render_pairs(renderer, pairs)
+    assert len(data) == 6 and len(data.datums) == 12
+    cfg = DPOConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "dpo"), beta=0.5, steps=6, batch_size=6,
+        learning_rate=3e-3, lr_schedule="constant", lora_rank=4, progress=False,
+    )  # fmt: skip
+    service = opentinker.ServiceClient(runtime=runtime)
+    res = train_dpo(cfg, service, data)
+    rows = read_metrics(cfg.log_dir)
+    assert [r["step"] for r in rows] == list(range(6))
+    # step 0: the policy is the base model (LoRA B = 0), the reference too: no margin yet
+    assert abs(rows[0]["dpo/margin"]) < 1e-3 and math.isclose(rows[0]["dpo/loss"], math.log(2), rel_tol=1e-3)
+    assert rows[-1]["dpo/loss"] < 0.8 * rows[0]["dpo/loss"], [r["dpo/loss"] for r in rows]
+    assert rows[-1]["dpo/margin"] > 0.5 and rows[-1]["dpo/accuracy"] == 1.0
+    assert rows[-1]["dpo/chosen_reward"] > rows[-1]["dpo/rejected_reward"]
+    assert res.final_path is not None and (Path(cfg.log_dir) / "curves.png").exists()

@@ -92,14 +92,16 @@ class SFTConfig:
         return self.steps or self.epochs * math.ceil(n_train / self.batch_size)
 
 
-def lr_at(cfg: SFTConfig, step: int, total: int) -> float:
-    """The learning rate of update ``step`` (0-based) out of ``total``."""
+def lr_at(learning_rate: float, schedule: str, step: int, total: int) -> float:
+    """The learning rate of update ``step`` (0-based) out of ``total`` under ``schedule``."""
     frac = step / max(1, total)
-    if cfg.lr_schedule == "linear":
-        return cfg.learning_rate * (1.0 - frac)
-    if cfg.lr_schedule == "cosine":
-        return cfg.learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
-    return cfg.learning_rate
+    if schedule == "linear":
+        return learning_rate * (1.0 - frac)
+    if schedule == "cosine":
+        return learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
+    if schedule == "constant":
+        return learning_rate
+    raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
 @dataclass
@@ -190,7 +192,7 @@ async def run_sft(
                 m.update(await evaluate(step))
             t0 = time.monotonic()
             batch = batcher.batch(train_d, step)
-            lr = lr_at(cfg, step, total)
+            lr = lr_at(cfg.learning_rate, cfg.lr_schedule, step, total)
             fb = await tc.forward_backward_async(batch, "cross_entropy")
             opt = await tc.optim_step_async(types.AdamParams(learning_rate=lr))
             out = await fb
@@ -203,13 +205,13 @@ async def run_sft(
                 "optim/lr": lr, "time/step_s": time.monotonic() - t0,
             })  # fmt: skip
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                final_path = await _save(tc, step + 1, ckpt_index)
+                final_path = await save_checkpoint(tc, step + 1, ckpt_index)
             rows.append(logger.log(step, m))
         final = await evaluate(total)
         if final:
             rows.append(logger.log(total, final))
         if start < total and not (cfg.save_every and total % cfg.save_every == 0):
-            final_path = await _save(tc, total, ckpt_index)
+            final_path = await save_checkpoint(tc, total, ckpt_index)
         elif final_path is None and ckpt_index.exists():
             final_path = json.loads(ckpt_index.read_text().strip().splitlines()[-1])["path"]
     finally:
@@ -222,7 +224,8 @@ async def run_sft(
     return SFTResult(tc, rows, final_path)
 
 
-async def _save(tc: Any, step: int, index: Path) -> str:
+async def save_checkpoint(tc: Any, step: int, index: Path) -> str:
+    """``save_state`` (weights + optimizer) named after ``step``; appended to ``index``."""
     path = (await (await tc.save_state_async(f"step-{step:06d}"))).path
     with index.open("a") as f:
         f.write(json.dumps({"step": step, "path": path}) + "\n")
