@@ -199,8 +199,19 @@ def _weights(service: ServiceClient, tc: Any) -> list[torch.Tensor]:
 
 def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, renderer: Renderer) -> None:
     tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
-    policy = tc.save_weights_and_get_sampling_client()
     params = types.SamplingParams(max_tokens=6, temperature=1.0)
+    # one update first, so that the adapter is not the identity (B = 0 at creation)
+    g0 = asyncio.run(
+        rollout_group(Group(renderer, [""] * 4), tc.save_weights_and_get_sampling_client(), params, seed=0)
+    )
+    warm = [
+        d for t, a in zip(g0.trajectories, group_advantages(g0.rewards), strict=True) for d in rl_datums(t, a)
+    ]
+    tc.forward_backward(warm, "importance_sampling")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    eng = service.runtime.backend(TEST_MODEL).engine
+    assert any(float(b.abs().max()) > 0 for b in eng.adapter_weights(tc.model_id).b.values())
+    policy = tc.save_weights_and_get_sampling_client()
     g = asyncio.run(rollout_group(Group(renderer, [""] * 3), policy, params, seed=1))
     assert g.errors == 0 and len(g.trajectories) == 3
     for traj, adv in zip(g.trajectories, group_advantages(g.rewards), strict=True):
