@@ -210,7 +210,7 @@ def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, rend
     tc.forward_backward(warm, "importance_sampling")
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     eng = service.runtime.backend(TEST_MODEL).engine
-    assert any(float(b.abs().max()) > 0 for b in eng.adapter_weights(tc.model_id).b.values())
+    assert any(float(b.detach().abs().max()) > 0 for b in eng.adapter_weights(tc.model_id).b.values())
     policy = tc.save_weights_and_get_sampling_client()
     g = asyncio.run(rollout_group(Group(renderer, [""] * 3), policy, params, seed=1))
     assert g.errors == 0 and len(g.trajectories) == 3
@@ -249,14 +249,10 @@ def test_failing_episodes_fail_alone(service: ServiceClient, renderer: Renderer,
     assert all(torch.isfinite(t).all() for t in _weights(service, res.training_client))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rl/rollout.py: rollout_group awaits builder.make_envs() outside any try, so a raising "
-    "make_envs propagates through asyncio.gather in run_rl and kills the whole run",
-)
 def test_raising_make_envs_fails_only_its_group(
     service: ServiceClient, renderer: Renderer, tmp_path: Path
 ) -> None:
+    """A builder whose make_envs raises loses its group only (was: the whole run died)."""
     cfg = _cfg(tmp_path, steps=1, groups_per_step=2)
     res = asyncio.run(run_rl(cfg, service, Dataset([["", "", ""], ["make_envs"]], renderer)))
     (row,) = res.metrics
@@ -325,18 +321,12 @@ class SlowTrainer:
         return await self.tc.forward_backward_async(*a, **k)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rl/loop.py async mode: the producer samples the next step with whatever policy is "
-    "current and the queue holds max(1, max_staleness) batches, so one more batch waits on put(): "
-    "when sampling outruns training a batch reaches staleness max_staleness + 1 and is sampled "
-    "only to be dropped (max_staleness=0: every other batch). The producer should wait until "
-    "version >= step - max_staleness before sampling step",
-)
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_async_never_samples_a_batch_it_must_drop(
     service: ServiceClient, renderer: Renderer, tmp_path: Path, max_staleness: int
 ) -> None:
+    """When sampling outruns training, the producer waits instead of sampling batches that would
+    be too stale to train on (was: staleness max_staleness + 1, sampled then dropped)."""
     cfg = _cfg(tmp_path, mode="async", steps=5, max_staleness=max_staleness, drop_constant_groups=False)
     tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
     data = Dataset([["", "", "", ""]], renderer)
