@@ -1,81 +1,86 @@
-"""The main job, embedded: K adapters over one base, trained together in one fused batch, then sampled.
+"""The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
-Each adapter is taught a different answer to the same question ("What is your name?"), so the
-result is easy to read: after a few fused steps, sampling the same prompt through each adapter in
-one mixed batch gives each adapter's own answer, while the bare base model answers as before.
+Each adapter gets the same questions but its own objective — reply in about 2, 6, 12 or 24 words
+(the ``reply_length`` task, a dense reward). All of them sample in one mixed batch and train in
+one fused forward/backward per scheduler tick, through the same client API a remote Tinker
+server offers. At the end every adapter and the bare base answer one held-out question in one
+mixed sampling batch, and ``<log-dir>/curves.png`` shows each adapter's reward rising.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
+from typing import Any
 
-import torch
+from tinker import types
 
-from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
-from opentinker.lora import LoRAConfig
-
-NAMES = ["Ada", "Basil", "Cleo", "Dante", "Esme", "Felix", "Greta", "Hugo"]
-QUESTION = "What is your name?"
+TARGETS = (2, 6, 12, 24)
 
 
-def _chat_example(tokenizer, question: str, answer: str) -> tuple[Example, list[int]]:
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-    )["input_ids"]
-    completion = [
-        *tokenizer.encode(answer, add_special_tokens=False),
-        tokenizer.convert_tokens_to_ids("<|im_end|>"),
-    ]
-    tokens = list(prompt) + completion
-    weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)  # train only on the answer
-    ex = Example(
-        torch.tensor(tokens[:-1]),
-        {"target_tokens": torch.tensor(tokens[1:]), "weights": torch.tensor(weights)},
-    )
-    return ex, list(prompt)
+def run_demo(
+    *, base_model: str, n_adapters: int, steps: int, rank: int, lr: float, log_dir: str = "runs/demo"
+) -> int:
+    import opentinker
+    from opentinker.renderers import get_renderer
+    from opentinker.rl.loop import RLConfig, run_rl_many
+    from opentinker.tasks import reply_length
+    from opentinker.tracking import plot_metrics
 
-
-def run_demo(*, base_model: str, n_adapters: int, steps: int, rank: int, lr: float) -> int:
     t0 = time.perf_counter()
-    engine = Engine(base_model)
-    tok = engine.base.tokenizer
-    print(
-        f"loaded {engine.base.name} in {time.perf_counter() - t0:.1f}s; {n_adapters} adapters of rank {rank}"
+    service = opentinker.ServiceClient()
+    targets = [TARGETS[i % len(TARGETS)] * (1 + i // len(TARGETS)) for i in range(n_adapters)]
+    jobs = []
+    for i, target in enumerate(targets):
+        cfg = RLConfig(
+            base_model=base_model, log_dir=str(Path(log_dir) / f"words-{target}"), steps=steps,
+            groups_per_step=2, group_size=4, lora_rank=rank, learning_rate=lr, max_tokens=40,
+            eval_every=0, seed=i, progress=False, name=f"words-{target}",
+            plot_keys=("reward/mean", "env/words"), extra={"target_words": target},
+        )  # fmt: skip
+        renderer = get_renderer("auto", service.create_sampling_client(base_model=base_model).get_tokenizer())
+        dataset, _ = reply_length.build(renderer, cfg)
+        jobs.append((cfg, dataset, None))
+    print(f"{n_adapters} adapters (rank {rank}) on {base_model}, RL towards {targets} words, {steps} steps")
+    print("step  " + "  ".join(f"{f'words-{t}':>16}" for t in targets) + "   (mean reward / mean words)")
+    latest: dict[str, dict[str, Any]] = {}
+    printed = -1
+
+    def on_step(name: str, row: dict[str, Any]) -> None:
+        nonlocal printed
+        latest[name] = row
+        if len(latest) == len(targets) and all(r["step"] > printed for r in latest.values()):
+            printed = min(r["step"] for r in latest.values())
+            cells = [
+                f"{latest[f'words-{t}']['reward/mean']:6.2f} / {latest[f'words-{t}']['env/words']:5.1f}"
+                for t in targets
+            ]
+            print(
+                f"{printed:4d}  "
+                + "  ".join(f"{c:>16}" for c in cells)
+                + f"   ({time.perf_counter() - t0:.0f}s)"
+            )
+
+    results = asyncio.run(run_rl_many(jobs, service, on_step=on_step))
+    plot = plot_metrics(
+        {c.name: Path(c.log_dir) for c, _, _ in jobs}, ["reward/mean", "env/words"], Path(log_dir) / "curves.png",
+        title=f"{n_adapters} LoRA policies, one base ({base_model.split('/')[-1]})",
+    )  # fmt: skip
+
+    question = reply_length.EVAL[0]
+    sampler_tokenizer = service.create_sampling_client(base_model=base_model).get_tokenizer()
+    renderer = get_renderer("auto", sampler_tokenizer)
+    prompt = types.ModelInput.from_ints(
+        renderer.build_generation_prompt([{"role": "user", "content": question}])
     )
-    ids = [
-        engine.create_adapter(LoRAConfig(rank=rank, seed=i), f"agent-{NAMES[i % len(NAMES)]}")
-        for i in range(n_adapters)
-    ]
-    data = {}
-    prompt: list[int] = []
-    for i, aid in enumerate(ids):
-        answer = f"My name is {NAMES[i % len(NAMES)]}."
-        ex, prompt = _chat_example(tok, QUESTION, answer)
-        data[aid] = [ex]
-    adam = AdamParams(learning_rate=lr)
-    for step in range(steps):
-        t = time.perf_counter()
-        # one clock cycle: every adapter's batch in ONE forward/backward, then each adapter's own step
-        results = engine.forward_backward_many([ForwardRequest(aid, data[aid]) for aid in ids])
-        for aid in ids:
-            engine.optim_step(aid, adam)
-        losses = [r.metrics["loss:sum"] for r in results if not isinstance(r, Exception)]
-        print(
-            f"step {step + 1:2d}  loss per adapter {' '.join(f'{x:6.3f}' for x in losses)}  ({time.perf_counter() - t:.2f}s)"
-        )
-    print("\nsampling the same prompt through every adapter (and the base) in one mixed batch:")
-    policies = [*ids, None]
-    x = torch.tensor([prompt] * len(policies))
-    with torch.no_grad(), engine.routing(policies):
-        out = engine.base.model.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=12,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-        )
-    for policy, row in zip(policies, out, strict=True):
-        text = tok.decode(row[len(prompt) :], skip_special_tokens=True).strip()
-        print(f"  {policy or 'base model':14s} -> {text!r}")
-    print(f"\ndone in {time.perf_counter() - t0:.1f}s")
+    params = types.SamplingParams(max_tokens=40, temperature=0.0, stop=renderer.stop)
+    policies = [r.training_client.save_weights_and_get_sampling_client() for r in results]
+    policies.append(service.create_sampling_client(base_model=base_model))
+    futures = [p.sample(prompt, 1, params) for p in policies]  # one mixed batch: 4 adapters + base
+    print(f"\n{question!r}")
+    for name, fut in zip([*(f"words-{t}" for t in targets), "base model"], futures, strict=True):
+        text = renderer.parse_response(list(fut.result().sequences[0].tokens))[0]["content"]
+        print(f"  {name:>10} ({len(text.split()):2d} words) -> {text!r}")
+    print(f"\nmetrics: {log_dir}/*/metrics.jsonl   plot: {plot}   ({time.perf_counter() - t0:.0f}s in all)")
     return 0

@@ -31,13 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train", help="train adapters on a task: rl | sft (opentinker train -h)", add_help=False)
 
     demo = sub.add_parser(
-        "demo", help="train several LoRA adapters at once in one fused batch, then sample each"
+        "demo", help="RL on several LoRA adapters at once (one objective each) over one base; plot"
     )
     demo.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     demo.add_argument("--adapters", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=12)
+    demo.add_argument("--steps", type=int, default=16)
     demo.add_argument("--rank", type=int, default=8)
-    demo.add_argument("--lr", type=float, default=2e-3)
+    demo.add_argument("--lr", type=float, default=3e-3)
+    demo.add_argument("--log-dir", default="runs/demo")
     demo.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)
@@ -56,8 +57,9 @@ def _demo(args: argparse.Namespace) -> int:
     from opentinker.cli.demo import run_demo
 
     return run_demo(
-        base_model=args.base_model, n_adapters=args.adapters, steps=args.steps, rank=args.rank, lr=args.lr
-    )
+        base_model=args.base_model, n_adapters=args.adapters, steps=args.steps, rank=args.rank, lr=args.lr,
+        log_dir=args.log_dir,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ class RLConfig:
     train_unembed: bool = False
     learning_rate: float = 1e-4
     substeps: int = 1  # optimizer steps per batch of rollouts (each a forward_backward + optim_step)
+    # A batch with no signal (every group constant) still takes an optimizer step with zero
+    # gradient, as trainers that always step do: AdamW's momentum carries the last signal on.
+    step_on_empty: bool = True
     loss_fn: str = "importance_sampling"
     loss_fn_config: dict[str, float] | None = None
     max_tokens: int = 16
@@ -164,6 +167,7 @@ async def run_rl(
     *,
     training_client: Any | None = None,
     resume: bool = False,
+    on_step: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> RLResult:
     """Train one adapter with RL; write ``cfg.log_dir/{config.json, metrics.jsonl, curves.png}``."""
     cfg.check()
@@ -218,6 +222,8 @@ async def run_rl(
     async def train_on(groups: list[TrajectoryGroup]) -> dict[str, float]:
         datums, m = await build_datums(groups, cfg, base_policy)
         if not datums:
+            if cfg.step_on_empty:  # a zero-gradient AdamW step: momentum keeps moving the policy
+                await (await tc.optim_step_async(adam))
             return {**m, "train/datums": 0.0}
         # ``substeps`` passes over the same batch (PPO-style epochs): the sampler logprobs stay the
         # behaviour policy's, so the loss's ratio corrects for the updates already made.
@@ -291,6 +297,8 @@ async def run_rl(
                 m.update(ev)
             m["time/train_clock_s"] = time.monotonic() - t_start - eval_total  # wall clock minus evals
             rows.append(logger.log(step, {**pending_eval, **m}))
+            if on_step is not None:
+                on_step(cfg.name or log_dir.name, rows[-1])
             pending_eval = {}
             if _should_stop(cfg, m):
                 break
@@ -339,7 +347,9 @@ def train_rl(
 
 
 async def run_rl_many(
-    jobs: list[tuple[RLConfig, RLDataset, Evaluator | None]], service: Any
+    jobs: list[tuple[RLConfig, RLDataset, Evaluator | None]],
+    service: Any,
+    on_step: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> list[RLResult]:
     """Several RL runs (one adapter each) at once over one service: a multi-LoRA run."""
-    return list(await asyncio.gather(*(run_rl(c, service, d, e) for c, d, e in jobs)))
+    return list(await asyncio.gather(*(run_rl(c, service, d, e, on_step=on_step) for c, d, e in jobs)))

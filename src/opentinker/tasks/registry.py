@@ -44,6 +44,11 @@ TASKS: dict[str, TaskSpec] = {
             {"max_tokens": 8, "group_size": 8, "groups_per_step": 4, "eval_every": 10},
         ),
         TaskSpec(
+            "reply_length", "rl", "opentinker.tasks.reply_length", "build",
+            "reply with a target number of words (dense reward; extra target_words, default 5)",
+            {"max_tokens": 32, "group_size": 4, "groups_per_step": 2, "eval_every": 5, "learning_rate": 2e-3},
+        ),
+        TaskSpec(
             "guess_number", "rl", "opentinker.tasks.guess_number", "build",
             "guess a number in 1..100 with higher/lower feedback (multi-turn)",
             {"max_tokens": 12, "group_size": 8, "groups_per_step": 4, "eval_every": 10},

@@ -1,0 +1,109 @@
+"""Reply length control: the reward is how close the reply's word count is to a target.
+
+A dense reward the base model already earns partly (it just talks too long or too short), so
+learning shows within a few steps: the main demo trains several adapters on the same prompts,
+each towards its own target length, in one run. ``cfg.extra["target_words"]`` sets the target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from tinker import types
+
+from opentinker.renderers import Message, Renderer
+from opentinker.rl.env import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
+
+QUESTIONS = [
+    "What is the capital of France?", "Why is the sky blue?", "How do plants make food?",
+    "What is a good name for a cat?", "Describe the ocean.", "What is your favourite season?",
+    "How does a bicycle work?", "Tell me about the moon.", "What do bees do?",
+    "Why do we sleep?", "What is music?", "How are rainbows made?", "Describe a forest.",
+    "What is a computer?", "Why do leaves change colour?", "What is friendship?",
+    "How do birds fly?", "Tell me about volcanoes.", "What is the sun?", "Describe your morning.",
+    "What makes a good teacher?", "How is bread made?", "What is a river?", "Why is water wet?",
+    "What is the best way to learn?", "Describe a city at night.", "What are clouds made of?",
+    "How do fish breathe?", "What is a library?", "Tell me about winter.", "What is chess?",
+    "How does rain form?", "What is kindness?", "Describe a mountain.", "What is electricity?",
+    "Why do cats purr?", "What is a planet?", "How do you make tea?", "What is a dream?",
+    "Tell me about the desert.", "What is a museum?", "How do trees grow?",
+]  # fmt: skip
+EVAL = QUESTIONS[-10:]
+TRAIN = QUESTIONS[:-10]
+
+
+def length_reward(text: str, target: int) -> float:
+    n = len(text.split())
+    return max(0.0, 1.0 - abs(n - target) / target)
+
+
+class LengthEnv(MessageEnv):
+    def __init__(self, renderer: Renderer, question: str, target: int) -> None:
+        super().__init__(renderer)
+        self.question, self.target = question, target
+
+    def initial_messages(self) -> list[Message]:
+        return [{"role": "user", "content": self.question}]
+
+    async def respond(self, reply: Message, ended: bool) -> Reply:
+        r = length_reward(reply["content"], self.target)
+        return Reply(r, True, metrics={"words": float(len(reply["content"].split())), "ended": float(ended)})
+
+
+class LengthGroup(EnvGroupBuilder):
+    def __init__(self, renderer: Renderer, question: str, target: int, size: int) -> None:
+        self.renderer, self.question, self.target, self.size = renderer, question, target, size
+
+    async def make_envs(self) -> Sequence[Env]:
+        return [LengthEnv(self.renderer, self.question, self.target) for _ in range(self.size)]
+
+    def tags(self) -> list[str]:
+        return [f"length{self.target}"]
+
+
+class LengthDataset(RLDataset):
+    def __init__(
+        self, renderer: Renderer, target: int, groups_per_step: int, group_size: int, seed: int
+    ) -> None:
+        self.renderer, self.target, self.n, self.size, self.seed = (
+            renderer,
+            target,
+            groups_per_step,
+            group_size,
+            seed,
+        )
+
+    def batch(self, step: int) -> list[EnvGroupBuilder]:
+        rng = random.Random(f"length/{self.seed}/{step}")
+        return [LengthGroup(self.renderer, q, self.target, self.size) for q in rng.sample(TRAIN, self.n)]
+
+
+def make_evaluator(renderer: Renderer, target: int, max_tokens: int):
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=renderer.stop)
+
+    async def evaluate(policy: Any, step: int) -> dict[str, float]:
+        async def one(q: str) -> tuple[float, float]:
+            prompt = renderer.build_generation_prompt([{"role": "user", "content": q}])
+            resp = await policy.sample(
+                prompt=types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
+            )
+            text = renderer.parse_response(list(resp.sequences[0].tokens))[0]["content"]
+            return length_reward(text, target), float(len(text.split()))
+
+        out = await asyncio.gather(*(one(q) for q in EVAL))
+        return {"reward": sum(r for r, _ in out) / len(out), "words": sum(w for _, w in out) / len(out)}
+
+    return evaluate
+
+
+def build(renderer: Renderer, cfg: Any) -> tuple[RLDataset, Any]:
+    target = int(cfg.extra.get("target_words", 5))
+    if target < 1:
+        raise ValueError(f"target_words must be >= 1, got {target}")
+    return (
+        LengthDataset(renderer, target, cfg.groups_per_step, cfg.group_size, cfg.seed),
+        make_evaluator(renderer, target, cfg.max_tokens),
+    )
