@@ -81,6 +81,16 @@ def test_rl_several_runs_at_once(tmp_path: Path, data_dir: str, capsys: pytest.C
     assert "seed5: 2 steps" in out and "seed6: 2 steps" in out and "done: 2 runs at once" in out
 
 
+def test_rl_multiagent_task(tmp_path: Path, data_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "ttt"
+    rc = _train("rl", "--task", "tictactoe", "--steps", "1", "--log-dir", str(d), "--data-dir", data_dir,
+                "--group-size", "2", "--groups-per-step", "1", "--base-model", TEST_MODEL, "--extra",
+                "eval_games=2", "--no-progress")  # fmt: skip
+    assert rc == 0 and [r["step"] for r in read_metrics(d)] == [0]
+    out = capsys.readouterr().out
+    assert "X/reward/mean" in out and "O/reward/mean" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -91,6 +101,8 @@ def test_rl_several_runs_at_once(tmp_path: Path, data_dir: str, capsys: pytest.C
         (["rl", "--task", "addition", "--runs", "0"], "--runs must be >= 1"),
         (["rl", "--task", "addition", "--extra", "oops"], "--extra expects KEY=VALUE"),
         (["sft", "--data", "/no/such/file.jsonl"], "no such file"),
+        (["rl", "--task", "tictactoe", "--resume"], "--resume is not supported for multi-agent"),
+        (["rl", "--task", "addition,addition"], "names a task twice"),
     ],
 )
 def test_usage_errors_exit_2(

@@ -41,6 +41,7 @@ from opentinker.tasks import TASKS, TaskSpec, get_task
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 RL_PLOT_KEYS = ("reward/mean", "eval/accuracy", "loss/per_token")
+HEADLINE_EVALS = ("accuracy", "success", "win_rate", "nll_per_token")  # shown in the summary line
 SFT_PLOT_KEYS = ("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy")
 
 # flag dest -> config field; a flag left at None keeps the task's default (then the config's)
@@ -236,6 +237,8 @@ def _rl_jobs(args: argparse.Namespace) -> list[tuple[str, TaskSpec, Any]]:
     for s in specs:
         if s.kind == "sft":
             raise UsageError(f"task {s.name!r} is an SFT task: use `opentinker train sft --task {s.name}`")
+        if s.kind == "multiagent" and args.resume:
+            raise UsageError(f"--resume is not supported for multi-agent tasks ({s.name})")
     out = []
     for spec in specs:
         base = make_config(RLConfig, spec, args, RL_FIELDS)
@@ -260,8 +263,6 @@ def _build_rl_job(name: str, spec: TaskSpec, cfg: Any, service: Any, renderer: A
     if spec.kind == "multiagent":
         from opentinker.rl.multiagent import run_multiagent
 
-        if resume:
-            raise UsageError(f"--resume is not supported for multi-agent tasks ({spec.name})")
         return Job(name, spec, cfg, lambda: run_multiagent(cfg, service, built))
     from opentinker.rl import run_rl
 
@@ -345,6 +346,7 @@ def summarize(rows: list[dict[str, Any]], kind: str) -> str:
         elif xs:
             parts.append(f"{key} {_fmt(xs[0])} -> {_fmt(xs[-1])}")
     evals = sorted({k for r in rows for k in r if k.startswith("eval/") and k != "eval/tokens"})
+    evals = [k for k in evals if k.rsplit("/", 1)[-1] in HEADLINE_EVALS] or evals
     for key in evals:
         xs = series(key)
         if len(xs) > 1:
