@@ -227,6 +227,39 @@ def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, rend
         assert fwd[n_ob - 1 :] == pytest.approx(tr.ac_logprobs, abs=1e-4)
 
 
+def test_update_moves_towards_rewarded_replies(service: ServiceClient, renderer: Renderer) -> None:
+    """The sign of the whole path: after updates on one group, the reply with the highest
+    advantage is more likely and the one with the lowest less likely (a reply with a small
+    advantage may move either way: it shares parameters with the others)."""
+    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=1)
+    params = types.SamplingParams(max_tokens=6, temperature=1.0)
+    g = asyncio.run(
+        rollout_group(Group(renderer, [""] * 6), tc.save_weights_and_get_sampling_client(), params, seed=2)
+    )
+    advs = group_advantages(g.rewards)
+    assert len(advs) == 6 and not is_constant(g.rewards)
+    datums = [d for t, a in zip(g.trajectories, advs, strict=True) for d in rl_datums(t, a)]
+
+    def seq_logprobs() -> list[float]:
+        outs = tc.forward(datums, "importance_sampling").result().loss_fn_outputs
+        return [
+            sum(
+                lp
+                for lp, a in zip(o["logprobs"].tolist(), d.loss_fn_inputs["advantages"].tolist(), strict=True)
+                if a
+            )
+            for o, d in zip(outs, datums, strict=True)
+        ]
+
+    before = seq_logprobs()
+    for _ in range(3):
+        tc.forward_backward(datums, "importance_sampling")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = seq_logprobs()
+    best, worst = advs.index(max(advs)), advs.index(min(advs))
+    assert after[best] > before[best] and after[worst] < before[worst]
+
+
 def test_failing_episodes_fail_alone(service: ServiceClient, renderer: Renderer, tmp_path: Path) -> None:
     """Raising at reset or step, a timeout, a NaN reward, a context longer than the model's: each
     loses only its own episode, is counted in ``env/errors``, and the run trains on the rest."""
