@@ -1,6 +1,6 @@
 """The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
-Each adapter gets the same questions but its own objective — reply in about 2, 6, 12 or 24 words
+Each adapter gets the same questions but its own objective — reply in about 3, 6, 12 or 24 words
 (the ``reply_length`` task, a dense reward). All of them sample in one mixed batch and train in
 one fused forward/backward per scheduler tick, through the same client API a remote Tinker
 server offers. At the end every adapter and the bare base answer one held-out question in one
@@ -16,7 +16,7 @@ from typing import Any
 
 from tinker import types
 
-TARGETS = (2, 6, 12, 24)
+TARGETS = (3, 6, 12, 24)
 
 
 def run_demo(

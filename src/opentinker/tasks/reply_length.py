@@ -36,8 +36,10 @@ TRAIN = QUESTIONS[:-10]
 
 
 def length_reward(text: str, target: int) -> float:
+    """min(n, target) / max(n, target) for a reply of n words: 1 on target, never flat at 0, so a
+    policy far from its target still gets a gradient."""
     n = len(text.split())
-    return max(0.0, 1.0 - abs(n - target) / target)
+    return min(n, target) / max(n, target) if n else 0.0
 
 
 class LengthEnv(MessageEnv):
