@@ -427,12 +427,6 @@ class CrashingDataset(Dataset):
         return super().batch(step)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rl/loop.py: a fresh run (resume=False) appends to an existing log_dir/checkpoints.jsonl "
-    "instead of starting a new index (sft/loop.py unlinks it), so --resume after a fresh run that "
-    "died before its first save continues the OLDER run's last checkpoint",
-)
 def test_resume_never_continues_an_older_run(
     service: ServiceClient, renderer: Renderer, tmp_path: Path
 ) -> None:

@@ -174,8 +174,11 @@ async def run_rl(
     log_dir = Path(cfg.log_dir)
     ckpt_index = log_dir / "checkpoints.jsonl"
     start = 0
-    if resume and ckpt_index.exists():
-        last = json.loads(ckpt_index.read_text().splitlines()[-1])
+    lines = ckpt_index.read_text().splitlines() if resume and ckpt_index.exists() else []
+    if not resume:
+        ckpt_index.unlink(missing_ok=True)  # a fresh run must never be resumed as an older one
+    if lines:
+        last = json.loads(lines[-1])
         tc = await service.create_training_client_from_state_with_optimizer_async(last["path"])
         start = int(last["step"])
     elif training_client is not None:
