@@ -30,6 +30,7 @@ from tinker import types
 from opentinker.data import rl_datums, trajectory_segments
 from opentinker.rl.advantages import group_advantages, is_constant
 from opentinker.rl.env import RLDataset
+from opentinker.rl.replay import SuccessReplay
 from opentinker.rl.rollout import TrajectoryGroup, rollout_group
 from opentinker.tracking import RunLogger, plot_metrics
 
@@ -55,6 +56,11 @@ class RLConfig:
     # A batch with no signal (every group constant) still takes an optimizer step with zero
     # gradient, as trainers that always step do: AdamW's momentum carries the last signal on.
     step_on_empty: bool = True
+    # Success replay (rl/replay.py): keep up to replay_size best-of-group successes, and add
+    # replay_per_step of them to each step as cross-entropy datums of weight replay_weight.
+    replay_size: int = 0
+    replay_per_step: int = 4
+    replay_weight: float = 1.0
     loss_fn: str = "importance_sampling"
     loss_fn_config: dict[str, float] | None = None
     max_tokens: int = 16
@@ -222,11 +228,29 @@ async def run_rl(
         out["time/eval_s"] = time.monotonic() - t
         return out
 
-    async def train_on(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    replay = (
+        SuccessReplay(cfg.replay_size, cfg.replay_per_step, cfg.replay_weight, cfg.seed)
+        if cfg.replay_size
+        else None
+    )
+    if replay is not None and resume:
+        replay.load(log_dir / "replay.json")
+
+    async def train_on(groups: list[TrajectoryGroup], step: int) -> dict[str, float]:
         datums, m = await build_datums(groups, cfg, base_policy)
+        replayed = replay.datums(step) if replay is not None else []
+        if replay is not None:
+            m["replay/added"] = float(replay.add(groups))
+            m["replay/size"] = float(len(replay.items))
+        replay_fb = None
+        if replayed:  # imitation of past successes rides in the same optimizer step
+            replay_fb = await tc.forward_backward_async(replayed, "cross_entropy")
+            m["replay/datums"] = float(len(replayed))
         if not datums:
-            if cfg.step_on_empty:  # a zero-gradient AdamW step: momentum keeps moving the policy
+            if replayed or cfg.step_on_empty:  # with zero fresh gradient AdamW's momentum still moves
                 await (await tc.optim_step_async(adam))
+            if replay_fb is not None:
+                await replay_fb
             return {**m, "train/datums": 0.0}
         # ``substeps`` passes over the same batch (PPO-style epochs): the sampler logprobs stay the
         # behaviour policy's, so the loss's ratio corrects for the updates already made.
@@ -238,6 +262,8 @@ async def run_rl(
         for fb, opt in futs:
             outs.append(await fb)
             await opt
+        if replay_fb is not None:
+            await replay_fb
         loss = float(outs[0].metrics.get("loss:sum", float("nan")))
         per_tok = loss / max(1.0, m["train/action_tokens"])
         return {**m, "train/datums": float(len(datums)), "loss/sum": loss, "loss/per_token": per_tok}
@@ -281,7 +307,7 @@ async def run_rl(
             if stale > cfg.max_staleness:  # the producer's wait prevents it; kept as a guard
                 m["train/dropped_stale"] = 1.0
             else:
-                m.update(await train_on(groups))
+                m.update(await train_on(groups, step))
                 current["policy"] = await tc.save_weights_and_get_sampling_client_async()
                 async with refreshed:
                     current["version"] += 1
@@ -292,6 +318,8 @@ async def run_rl(
             })  # fmt: skip
             last_step = step + 1
             final_path = await _maybe_save(tc, cfg, step + 1, ckpt_index, final_path)
+            if replay is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
+                replay.save(log_dir / "replay.json")
             if evaluator is not None and (
                 step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
             ):
@@ -309,6 +337,8 @@ async def run_rl(
             prod.cancel()
         if cfg.save_every == 0 or last_step % cfg.save_every:
             final_path = await _save(tc, last_step, ckpt_index)
+            if replay is not None:
+                replay.save(log_dir / "replay.json")
     finally:
         if prod is not None:
             prod.cancel()
