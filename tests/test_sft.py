@@ -329,3 +329,14 @@ def test_dpo_loss_falls_and_margin_grows(tmp_path: Path, runtime: Runtime, rende
     assert rows[-1]["dpo/margin"] > 0.5 and rows[-1]["dpo/accuracy"] == 1.0
     assert rows[-1]["dpo/chosen_reward"] > rows[-1]["dpo/rejected_reward"]
     assert res.final_path is not None and (Path(cfg.log_dir) / "curves.png").exists()
+
+
+def test_chat_sft_task_reads_a_user_file(tmp_path: Path, renderer: Renderer) -> None:
+    from opentinker.tasks.chat import build
+
+    path = _write(tmp_path / "mine.jsonl", [json.dumps(GOOD)] * 3)
+    train, eval_set = build(renderer, SFTConfig(data=str(path)))
+    assert len(train) == 3 and eval_set is None and train.sources[2] == f"{path}, line 3"
+    _write(path, [json.dumps(GOOD), '{"messages": [{"role": "user", "content": "only a question"}]}'])
+    with pytest.raises(ValueError, match="line 2.*at least one assistant"):
+        build(renderer, SFTConfig(data=str(path)))

@@ -161,7 +161,7 @@ async def run_sft(
             train_unembed=cfg.train_unembed,
         )
     logger = RunLogger(
-        log_dir, cfg, total_steps=total + 1, start_step=start, progress=cfg.progress, name=cfg.name,
+        log_dir, cfg, total_steps=total + bool(eval_d or evaluator), start_step=start, progress=cfg.progress, name=cfg.name,
         show=("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy"),
     )  # fmt: skip
     if not resume or start == 0:
