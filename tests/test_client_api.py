@@ -163,7 +163,12 @@ def test_concurrent_clients_equal_their_solo_runs(runtime: Runtime, tmp_path) ->
         for i in range(n_clients):
             alone: dict = {}
             run(opentinker.ServiceClient(runtime=solo_rt), i, alone)
-            assert together[i][0] == pytest.approx(alone[i][0], rel=1e-5)
+            # Step 1 runs on identical weights: invariant 1's 1e-5. Later steps follow AdamW with
+            # Tinker's eps 1e-12, which turns fp32 rounding differences in near-zero gradient
+            # coordinates (batch composition changes summation order) into full-size steps, so the
+            # trajectories may drift apart by ~1e-4 relative: bounded here, not zero.
+            assert together[i][0][0] == pytest.approx(alone[i][0][0], rel=1e-5)
+            assert together[i][0] == pytest.approx(alone[i][0], rel=1e-3)
             assert together[i][1] == alone[i][1]
     finally:
         solo_rt.shutdown()
