@@ -46,7 +46,7 @@ def conversations(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train", type=int, default=500)
     ap.add_argument("--eval", type=int, default=100)
