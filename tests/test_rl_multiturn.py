@@ -18,6 +18,7 @@ from opentinker.tasks.guess_number import (
     PROMPT,
     GuessNumberEnv,
     GuessNumberGroup,
+    bisection_opening,
     build,
     held_out_secrets,
     parse_guess,
@@ -57,8 +58,11 @@ def test_guess_number_rules(renderer) -> None:
     assert [r.messages for r in out[:2]] == [[{"role": "user", "content": "Lower."}], [{"role": "user", "content": "Higher."}]]  # fmt: skip
     assert [r.done for r in out] == [False, False, True]
     assert out[-1].reward == pytest.approx(0.8)  # 1 - 0.1 * (3 - 1)
-    assert out[-1].metrics == {"success": 1.0, "turns": 3.0, "invalid": 0.0}
-    assert all(r.reward == 0 and not r.metrics for r in out[:2])  # metrics only at the end
+    assert out[-1].metrics == {"success": 1.0, "turns": 3.0, "invalid": 0.0, "in_range": 1.0, "bisect": 0.0}
+    assert all(r.reward == 0 and "success" not in r.metrics for r in out[:2])  # outcome only at the end
+    assert [r.metrics["bisect"] for r in out[:2]] == [1.0, 1.0]  # 50 in 1..100, 25 in 1..49
+    out = asyncio.run(play(30, ["Is it 50?", "Is it 60?", "Is it 20?"]))
+    assert [r.metrics["in_range"] for r in out] == [1.0, 0.0, 1.0]  # 60 > 49: contradicts "Lower."
 
     first = asyncio.run(play(7, ["Is it 7?"]))[0]
     assert (first.reward, first.done, first.metrics["turns"]) == (1.0, True, 1.0)
@@ -67,6 +71,13 @@ def test_guess_number_rules(renderer) -> None:
     bad = asyncio.run(play(7, ["no idea"]))[0]
     assert bad.done and bad.reward == 0 and bad.metrics["invalid"] == 1.0
     assert parse_guess("Is it -3? or 5") == -3 and parse_guess("none") is None
+
+    # a game already under way: scripted midpoint guesses count as turns
+    assert [m["content"] for m in bisection_opening(30, 2)] == ["Is it 50?", "Lower.", "Is it 25?", "Higher."]
+    assert bisection_opening(50, 3) == []  # never plays the winning guess for the policy
+    env = GuessNumberEnv(renderer, 30, opening=2)
+    assert len(env.initial_messages()) == 5 and env.turns == 2
+    assert asyncio.run(env.respond(_say("Is it 30?"), True)).reward == pytest.approx(0.8)
 
 
 def test_guess_number_dataset_and_held_out(renderer) -> None:
