@@ -35,7 +35,7 @@ def run_demo(
     for i, target in enumerate(targets):
         cfg = RLConfig(
             base_model=base_model, log_dir=str(Path(log_dir) / f"words-{target}"), steps=steps,
-            groups_per_step=2, group_size=4, lora_rank=rank, learning_rate=lr, max_tokens=40,
+            groups_per_step=2, group_size=4, lora_rank=rank, learning_rate=lr, max_tokens=48,
             eval_every=0, seed=i, progress=False, name=f"words-{target}",
             plot_keys=("reward/mean", "env/words"), extra={"target_words": target},
         )  # fmt: skip
@@ -74,7 +74,7 @@ def run_demo(
     prompt = types.ModelInput.from_ints(
         renderer.build_generation_prompt([{"role": "user", "content": question}])
     )
-    params = types.SamplingParams(max_tokens=40, temperature=0.0, stop=renderer.stop)
+    params = types.SamplingParams(max_tokens=48, temperature=0.0, stop=renderer.stop)
     policies = [r.training_client.save_weights_and_get_sampling_client() for r in results]
     policies.append(service.create_sampling_client(base_model=base_model))
     futures = [p.sample(prompt, 1, params) for p in policies]  # one mixed batch: 4 adapters + base

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--adapters", type=int, default=4)
     demo.add_argument("--steps", type=int, default=16)
     demo.add_argument("--rank", type=int, default=8)
-    demo.add_argument("--lr", type=float, default=3e-3)
+    demo.add_argument("--lr", type=float, default=1e-3)
     demo.add_argument("--log-dir", default="runs/demo")
     demo.set_defaults(run=_demo)
 

@@ -51,7 +51,8 @@ class LengthEnv(MessageEnv):
         return [{"role": "user", "content": self.question}]
 
     async def respond(self, reply: Message, ended: bool) -> Reply:
-        r = length_reward(reply["content"], self.target)
+        # a reply cut by the token limit earns nothing: otherwise "one endless word" games the count
+        r = length_reward(reply["content"], self.target) if ended else 0.0
         return Reply(r, True, metrics={"words": float(len(reply["content"].split())), "ended": float(ended)})
 
 
@@ -92,8 +93,9 @@ def make_evaluator(renderer: Renderer, target: int, max_tokens: int):
             resp = await policy.sample(
                 prompt=types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
             )
-            text = renderer.parse_response(list(resp.sequences[0].tokens))[0]["content"]
-            return length_reward(text, target), float(len(text.split()))
+            msg, ended = renderer.parse_response(list(resp.sequences[0].tokens))
+            text = msg["content"]
+            return (length_reward(text, target) if ended else 0.0), float(len(text.split()))
 
         out = await asyncio.gather(*(one(q) for q in EVAL))
         return {"reward": sum(r for r, _ in out) / len(out), "words": sum(w for _, w in out) / len(out)}
