@@ -25,6 +25,7 @@ from opentinker.rl.multiagent import (
     MultiAgentTask,
     ScriptedPolicy,
     play_game,
+    play_group,
     run_multiagent,
 )
 from opentinker.tasks.tictactoe import (
@@ -116,6 +117,21 @@ def test_random_mover_plays_legal_games(renderer) -> None:
         res = asyncio.run(play_game(env, pols, params))
         assert env.illegal_by is None and env.result in ("X", "O", "draw")
         assert all(not t.transitions for t in res.trajectories.values())  # scripted moves: not trained
+
+
+def test_opponent_pool_groups_script_one_side(service, renderer) -> None:
+    policy = service.create_sampling_client(base_model=TEST_MODEL)
+    params = types.SamplingParams(max_tokens=4)
+    assert all(b.random_side is None for b in TicTacToeDataset(renderer, 6, 2).batch(0))  # type: ignore[attr-defined]
+    builders = TicTacToeDataset(renderer, 4, 3, random_frac=1.0).batch(0)
+    assert {b.random_side for b in builders} <= {"X", "O"}  # type: ignore[attr-defined]
+    for b in builders:
+        side = b.random_side  # type: ignore[attr-defined]
+        g = asyncio.run(play_group(b, {"X": policy, "O": policy}, params, seed=1))
+        assert g.errors == 0 and len(g.games) == 3 and "vs_random" in g.tags
+        assert all(not game.trajectories[side].transitions for game in g.games)  # scripted: not trained
+        assert all(game.trajectories["O" if side == "X" else "X"].transitions for game in g.games)
+        assert not g.trajectory_group(side).trajectories
 
 
 class _Spy:

@@ -11,7 +11,8 @@ whole game is one token sequence, as in :class:`~opentinker.rl.env.MessageEnv`.
 
 **Rollouts** (:func:`play_game`, :func:`play_group`): each agent's turn is sampled from *its own*
 policy (a Tinker ``SamplingClient``), or answered by a :class:`ScriptedPolicy` (e.g. a random
-opponent, never trained). A game yields one :class:`~opentinker.data.Trajectory` per agent (its own
+opponent, never trained; a group may script an agent in some of its games:
+:meth:`GameGroupBuilder.scripted`). A game yields one :class:`~opentinker.data.Trajectory` per agent (its own
 prompts and actions, the game's reward for it as ``final_reward``). All games of a step run
 concurrently, so the sample requests of all agents reach the sampler together and share its
 batches. A game whose environment raises (or times out) is counted (``game/errors``) and skipped.
@@ -26,7 +27,9 @@ updates fuse into one scheduler tick. Metrics go to ``cfg.log_dir/metrics.jsonl`
 ``<agent>/reward/mean``, ``<agent>/loss/per_token``, ... and game keys ``game/<metric>``; the
 evaluator's keys under ``eval/``; ``curves.png`` has one line per agent.
 
-Only the sync mode is implemented (``cfg.mode == "sync"``).
+Of :class:`~opentinker.rl.loop.RLConfig`, the sync mode is implemented (``mode="sync"``), with
+``substeps``, ``step_on_empty``, ``kl_coef``, ``drop_constant_groups``, ``normalize_std``,
+``save_every``; not (yet) the async mode, resume, success replay, ``stop_when``, ``max_train_s``.
 """
 
 from __future__ import annotations
@@ -130,6 +133,11 @@ class GameGroupBuilder(ABC):
 
     @abstractmethod
     async def make_games(self) -> Sequence[MultiAgentEnv]: ...
+
+    def scripted(self, game: int) -> Mapping[str, ScriptedPolicy]:
+        """Agents played by a script instead of their policy in game ``game`` of this group (an
+        opponent pool: e.g. a random opponent in some games). Default: none."""
+        return {}
 
     def tags(self) -> list[str]:
         return []
@@ -236,7 +244,8 @@ async def play_group(
         nonlocal errors
         s = None if seed is None else seed + 15485863 * (i + 1)
         try:
-            coro = play_game(env, policies, params, seed=s, policy_versions=policy_versions)
+            pols = {**policies, **builder.scripted(i)}
+            coro = play_game(env, pols, params, seed=s, policy_versions=policy_versions)
             return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
         except Exception as e:
             errors += 1
@@ -273,17 +282,29 @@ class MultiAgentResult:
 async def train_agents(
     tcs: Mapping[str, Any], datums: Mapping[str, list[types.Datum]], cfg: RLConfig
 ) -> dict[str, dict[str, float]]:
-    """One update per agent that has datums: every ``forward_backward`` then every ``optim_step`` is
-    submitted before anything is awaited (one fused tick). Returns loss metrics per agent."""
+    """One update per agent, as :func:`~opentinker.rl.loop.run_rl` makes it (``cfg.substeps`` passes
+    over the batch; with ``cfg.step_on_empty`` an agent without datums still takes its optimizer
+    step): all agents' ``forward_backward`` then all their ``optim_step`` are submitted before
+    anything is awaited, so the agents share the scheduler's ticks. Loss metrics per trained agent."""
     adam = types.AdamParams(learning_rate=cfg.learning_rate)
     todo = [a for a in tcs if datums.get(a)]
-    fbs = {a: await tcs[a].forward_backward_async(datums[a], cfg.loss_fn, cfg.loss_fn_config) for a in todo}
-    opts = {a: await tcs[a].optim_step_async(adam) for a in todo}
+    futs: dict[str, list[tuple[Any, Any]]] = {a: [] for a in todo}
+    for _ in range(cfg.substeps):
+        fbs = {
+            a: await tcs[a].forward_backward_async(datums[a], cfg.loss_fn, cfg.loss_fn_config) for a in todo
+        }
+        for a in todo:
+            futs[a].append((fbs[a], await tcs[a].optim_step_async(adam)))
+    empty = [await tcs[a].optim_step_async(adam) for a in tcs if a not in futs] if cfg.step_on_empty else []
     out: dict[str, dict[str, float]] = {}
-    for a in todo:
-        res = await fbs[a]
-        await opts[a]
-        out[a] = {"loss/sum": float(res.metrics.get("loss:sum", float("nan")))}
+    for a, pairs in futs.items():
+        results = []
+        for fb, opt in pairs:
+            results.append(await fb)
+            await opt
+        out[a] = {"loss/sum": float(results[0].metrics.get("loss:sum", float("nan")))}
+    for opt in empty:
+        await opt
     return out
 
 

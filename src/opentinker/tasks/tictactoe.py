@@ -13,7 +13,10 @@ a +1 would credit its earlier moves with the opponent's blunder). Game metrics: 
 
 Training groups: ``group_size`` games from one opening position (the empty board, or a random
 position with 2 or 4 marks, X to move: ``cfg.extra["opening_pairs"]``, default 1, is the most
-move pairs played at random; 0 = always the empty board). Evaluation: each trained policy, greedy,
+move pairs played at random; 0 = always the empty board). Self-play only by default; with
+``cfg.extra["random_frac"] = f`` a share f of the groups has one side (X or O, at random) played by
+:class:`RandomMover` (an opponent pool: the other agent trains on those games too; the scripted
+side's moves are never trained on). Evaluation: each trained policy, greedy,
 against :class:`RandomMover` (a uniformly random legal move) over ``eval_games`` fixed-seed games
 from the empty board, playing its own side: ``<agent>/win_rate``, ``loss_rate``, ``draw_rate``,
 ``illegal_rate`` (illegal moves by the policy; they count as losses too).
@@ -173,14 +176,26 @@ class RandomMover(ScriptedPolicy):
 
 
 class TicTacToeGroup(GameGroupBuilder):
-    def __init__(self, renderer: Renderer, opening: str, size: int) -> None:
+    """``size`` games from ``opening``; with ``random_side`` that side is a :class:`RandomMover`."""
+
+    def __init__(
+        self, renderer: Renderer, opening: str, size: int, random_side: str | None = None, seed: int = 0
+    ) -> None:
+        if random_side not in (None, *AGENTS):
+            raise ValueError(f"random_side must be None, 'X' or 'O', got {random_side!r}")
         self.renderer, self.opening, self.size = renderer, opening, size
+        self.random_side, self.seed = random_side, seed
 
     async def make_games(self) -> Sequence[MultiAgentEnv]:
         return [TicTacToeEnv(self.renderer, self.opening) for _ in range(self.size)]
 
+    def scripted(self, game: int) -> dict[str, ScriptedPolicy]:
+        if self.random_side is None:
+            return {}
+        return {self.random_side: RandomMover(random.Random(self.seed * 1_000_003 + game))}
+
     def tags(self) -> list[str]:
-        return ["tictactoe"]
+        return ["tictactoe", "selfplay" if self.random_side is None else "vs_random"]
 
 
 class TicTacToeDataset(MultiAgentDataset):
@@ -192,16 +207,21 @@ class TicTacToeDataset(MultiAgentDataset):
         *,
         seed: int = 0,
         opening_pairs: int = 1,
+        random_frac: float = 0.0,
     ) -> None:
+        if not 0.0 <= random_frac <= 1.0:
+            raise ValueError(f"random_frac must be in [0, 1], got {random_frac}")
         self.renderer, self.n, self.size, self.seed = renderer, groups_per_step, group_size, seed
-        self.opening_pairs = opening_pairs
+        self.opening_pairs, self.random_frac = opening_pairs, random_frac
 
     def batch(self, step: int) -> list[GameGroupBuilder]:
         rng = random.Random(f"tictactoe/{self.seed}/{step}")
-        return [
-            TicTacToeGroup(self.renderer, random_opening(rng, self.opening_pairs), self.size)
-            for _ in range(self.n)
-        ]
+        out: list[GameGroupBuilder] = []
+        for _ in range(self.n):
+            opening = random_opening(rng, self.opening_pairs)
+            side = rng.choice(AGENTS) if rng.random() < self.random_frac else None
+            out.append(TicTacToeGroup(self.renderer, opening, self.size, side, seed=rng.randrange(1 << 30)))
+        return out
 
 
 def make_evaluator(renderer: Renderer, *, games: int = 50, max_tokens: int = 4, seed: int = EVAL_SEED):
@@ -235,15 +255,14 @@ def make_evaluator(renderer: Renderer, *, games: int = 50, max_tokens: int = 4, 
 
 
 def build(renderer: Renderer, cfg: Any) -> MultiAgentTask:
-    """Registry entry (``kind="multiagent"``). ``cfg.extra``: ``opening_pairs`` (1), ``eval_games`` (50)."""
+    """Registry entry (``kind="multiagent"``). ``cfg.extra``: ``opening_pairs`` (1), ``random_frac``
+    (0: the share of groups in which one side, X or O at random, is a :class:`RandomMover`),
+    ``eval_games`` (50)."""
     extra = getattr(cfg, "extra", None) or {}
     dataset = TicTacToeDataset(
-        renderer,
-        cfg.groups_per_step,
-        cfg.group_size,
-        seed=cfg.seed,
-        opening_pairs=int(extra.get("opening_pairs", 1)),
-    )
+        renderer, cfg.groups_per_step, cfg.group_size, seed=cfg.seed,
+        opening_pairs=int(extra.get("opening_pairs", 1)), random_frac=float(extra.get("random_frac", 0.0)),
+    )  # fmt: skip
     evaluator = make_evaluator(renderer, games=int(extra.get("eval_games", 50)), max_tokens=cfg.max_tokens)
     return MultiAgentTask(
         AGENTS,
