@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import time
+from typing import Any
 
 import opentinker
 from opentinker.models.registry import SMOLLM2, TINY
@@ -46,10 +47,9 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
-async def main(args: argparse.Namespace) -> dict:
+async def main(args: argparse.Namespace, service: Any) -> dict:
     t0 = time.monotonic()
     model = SMOLLM2 if args.smollm2 else TINY
-    service = opentinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
     cfg = RLConfig(
         base_model=model, log_dir=args.log_dir, steps=args.steps, groups_per_step=args.groups,
         group_size=args.group_size, lora_rank=args.rank, temperature=args.temperature, train_mlp=args.train_mlp, learning_rate=args.lr, loss_fn=args.loss,
@@ -76,4 +76,11 @@ async def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(parse())), indent=2))
+    args = parse()
+    service = opentinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
+    try:
+        print(json.dumps(asyncio.run(main(args, service)), indent=2))
+    finally:
+        runtime = getattr(service, "runtime", None)
+        if runtime is not None:  # embedded: stop the engine's thread before the interpreter exits
+            runtime.shutdown()
