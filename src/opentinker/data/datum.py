@@ -72,6 +72,8 @@ def rl_datums(
         extra = token_advantages[k] if token_advantages is not None else [0.0] * len(tokens)
         adv = [(advantage + e) if a else 0.0 for a, e in zip(act, extra, strict=True)]
         out.append(
-            datum_from_tokens(tokens, advantages=adv, logprobs=[lp if a else 0.0 for lp, a in zip(lps, act, strict=False)])
+            datum_from_tokens(
+                tokens, advantages=adv, logprobs=[lp if a else 0.0 for lp, a in zip(lps, act, strict=False)]
+            )
         )
     return out

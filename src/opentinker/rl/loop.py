@@ -16,7 +16,6 @@ requests meet in the scheduler and share its fused batches.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -33,6 +32,7 @@ from opentinker.rl.env import RLDataset
 from opentinker.rl.replay import SuccessReplay
 from opentinker.rl.rollout import TrajectoryGroup, rollout_group
 from opentinker.tracking import RunLogger, plot_metrics
+from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -178,26 +178,10 @@ async def run_rl(
     """Train one adapter with RL; write ``cfg.log_dir/{config.json, metrics.jsonl, curves.png}``."""
     cfg.check()
     log_dir = Path(cfg.log_dir)
-    ckpt_index = log_dir / "checkpoints.jsonl"
-    start = 0
-    lines = ckpt_index.read_text().splitlines() if resume and ckpt_index.exists() else []
-    if not resume:
-        ckpt_index.unlink(missing_ok=True)  # a fresh run must never be resumed as an older one
-    if lines:
-        last = json.loads(lines[-1])
-        tc = await service.create_training_client_from_state_with_optimizer_async(last["path"])
-        start = int(last["step"])
-    elif training_client is not None:
-        tc = training_client
-    else:
-        tc = await service.create_lora_training_client_async(
-            base_model=cfg.base_model,
-            rank=cfg.lora_rank,
-            seed=cfg.seed,
-            train_attn=cfg.train_attn,
-            train_mlp=cfg.train_mlp,
-            train_unembed=cfg.train_unembed,
-        )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tc, start = await open_training_client(
+        service, cfg, log_dir, resume=resume, training_client=training_client
+    )
     base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
     logger = RunLogger(
         log_dir, cfg, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
@@ -317,7 +301,7 @@ async def run_rl(
                 "policy/version": float(current["version"]), "policy/staleness": float(stale),
             })  # fmt: skip
             last_step = step + 1
-            final_path = await _maybe_save(tc, cfg, step + 1, ckpt_index, final_path)
+            final_path = await _maybe_save(tc, cfg, step + 1, log_dir, final_path)
             if replay is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
                 replay.save(log_dir / "replay.json")
             if evaluator is not None and (
@@ -336,7 +320,7 @@ async def run_rl(
         if prod is not None:
             prod.cancel()
         if cfg.save_every == 0 or last_step % cfg.save_every:
-            final_path = await _save(tc, last_step, ckpt_index)
+            final_path = await save_checkpoint(tc, last_step, log_dir)
             if replay is not None:
                 replay.save(log_dir / "replay.json")
     finally:
@@ -359,16 +343,9 @@ def _should_stop(cfg: RLConfig, m: dict[str, Any]) -> bool:
     return cfg.max_train_s is not None and m["time/train_clock_s"] >= cfg.max_train_s
 
 
-async def _save(tc: Any, step: int, index: Path) -> str:
-    path = (await (await tc.save_state_async(f"step-{step:06d}"))).path
-    with index.open("a") as f:
-        f.write(json.dumps({"step": step, "path": path}) + "\n")
-    return path
-
-
-async def _maybe_save(tc: Any, cfg: RLConfig, step: int, index: Path, last: str | None) -> str | None:
+async def _maybe_save(tc: Any, cfg: RLConfig, step: int, log_dir: Path, last: str | None) -> str | None:
     if cfg.save_every and step % cfg.save_every == 0:
-        return await _save(tc, step, index)
+        return await save_checkpoint(tc, step, log_dir)
     return last
 
 

@@ -23,8 +23,10 @@ The tick number is reported in each result's metrics as ``clock_cycle:unique``.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -77,6 +79,9 @@ class Scheduler:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="opentinker-scheduler", daemon=True)
         self._thread.start()
+        # Stop the loop before the interpreter tears down: a daemon thread still inside torch at
+        # exit aborts the process ("terminate called without an active exception").
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ submission
     def submit_forward(self, model_id: str, req: ForwardRequest) -> Future:
@@ -232,6 +237,12 @@ class Scheduler:
             fut.set_exception(err)
         self._queues.clear()
         self._samples.clear()
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    scheduler = ref()
+    if scheduler is not None:
+        scheduler.shutdown()
 
 
 def _settle(fut: Future, fn: Callable[[], Any]) -> None:

@@ -44,8 +44,9 @@ from tinker import types
 from opentinker.data import supervised_datum
 from opentinker.renderers import Message, Renderer, check_messages
 from opentinker.sft.data import Batcher
-from opentinker.sft.loop import SCHEDULES, lr_at, save_checkpoint
+from opentinker.sft.loop import SCHEDULES, lr_at
 from opentinker.tracking import RunLogger, plot_metrics
+from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -234,21 +235,10 @@ async def run_dpo(
     batcher = Batcher(len(pairs), cfg.batch_size, cfg.seed)
     total = cfg.steps or cfg.epochs * batcher.steps_per_epoch
     log_dir = Path(cfg.log_dir)
-    ckpt_index = log_dir / "checkpoints.jsonl"
-    start = 0
-    if resume and ckpt_index.exists() and ckpt_index.read_text().strip():
-        last = json.loads(ckpt_index.read_text().strip().splitlines()[-1])
-        tc = await service.create_training_client_from_state_with_optimizer_async(last["path"])
-        start = int(last["step"])
-    elif training_client is not None:
-        tc = training_client
-    else:
-        tc = await service.create_lora_training_client_async(
-            base_model=cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed, train_attn=cfg.train_attn,
-            train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
-        )  # fmt: skip
-    if not resume or start == 0:
-        ckpt_index.unlink(missing_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tc, start = await open_training_client(
+        service, cfg, log_dir, resume=resume, training_client=training_client
+    )
     if reference is None:
         reference = await service.create_sampling_client_async(base_model=cfg.base_model)
     ref = await reference_logprobs(reference, pairs)
@@ -273,10 +263,10 @@ async def run_dpo(
             m = {k: float(v) for k, v in out.metrics.items() if k.startswith("dpo/")}
             m.update({"train/pairs": float(len(idx)), "optim/lr": lr, "time/step_s": time.monotonic() - t0})
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                final_path = await save_checkpoint(tc, step + 1, ckpt_index)
+                final_path = await save_checkpoint(tc, step + 1, log_dir)
             rows.append(logger.log(step, m))
         if start < total and not (cfg.save_every and total % cfg.save_every == 0):
-            final_path = await save_checkpoint(tc, total, ckpt_index)
+            final_path = await save_checkpoint(tc, total, log_dir)
     finally:
         logger.close()
         if rows:

@@ -37,6 +37,7 @@ from tinker import types
 
 from opentinker.sft.data import Batcher, SupervisedData, trained_tokens
 from opentinker.tracking import RunLogger, plot_metrics
+from opentinker.tracking.checkpoints import INDEX, open_training_client, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -143,29 +144,15 @@ async def run_sft(
     batcher = Batcher(len(train_d), cfg.batch_size, cfg.seed)
     total = cfg.total_steps(len(train_d))
     log_dir = Path(cfg.log_dir)
-    ckpt_index = log_dir / "checkpoints.jsonl"
-    start = 0
-    if resume and ckpt_index.exists() and ckpt_index.read_text().strip():
-        last = json.loads(ckpt_index.read_text().strip().splitlines()[-1])
-        tc = await service.create_training_client_from_state_with_optimizer_async(last["path"])
-        start = int(last["step"])
-    elif training_client is not None:
-        tc = training_client
-    else:
-        tc = await service.create_lora_training_client_async(
-            base_model=cfg.base_model,
-            rank=cfg.lora_rank,
-            seed=cfg.seed,
-            train_attn=cfg.train_attn,
-            train_mlp=cfg.train_mlp,
-            train_unembed=cfg.train_unembed,
-        )
+    ckpt_index = log_dir / INDEX
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tc, start = await open_training_client(
+        service, cfg, log_dir, resume=resume, training_client=training_client
+    )
     logger = RunLogger(
         log_dir, cfg, total_steps=total + bool(eval_d or evaluator), start_step=start, progress=cfg.progress, name=cfg.name,
         show=("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy"),
     )  # fmt: skip
-    if not resume or start == 0:
-        ckpt_index.unlink(missing_ok=True)  # a fresh run in a used folder starts a fresh index
     rows: list[dict[str, Any]] = []
     final_path: str | None = None
 
@@ -205,13 +192,13 @@ async def run_sft(
                 "optim/lr": lr, "time/step_s": time.monotonic() - t0,
             })  # fmt: skip
             if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                final_path = await save_checkpoint(tc, step + 1, ckpt_index)
+                final_path = await save_checkpoint(tc, step + 1, log_dir)
             rows.append(logger.log(step, m))
         final = await evaluate(total)
         if final:
             rows.append(logger.log(total, final))
         if start < total and not (cfg.save_every and total % cfg.save_every == 0):
-            final_path = await save_checkpoint(tc, total, ckpt_index)
+            final_path = await save_checkpoint(tc, total, log_dir)
         elif final_path is None and ckpt_index.exists():
             final_path = json.loads(ckpt_index.read_text().strip().splitlines()[-1])["path"]
     finally:
@@ -222,14 +209,6 @@ async def run_sft(
             except Exception as e:
                 log.warning("plotting failed: %r", e)
     return SFTResult(tc, rows, final_path)
-
-
-async def save_checkpoint(tc: Any, step: int, index: Path) -> str:
-    """``save_state`` (weights + optimizer) named after ``step``; appended to ``index``."""
-    path = (await (await tc.save_state_async(f"step-{step:06d}"))).path
-    with index.open("a") as f:
-        f.write(json.dumps({"step": step, "path": path}) + "\n")
-    return path
 
 
 def train_sft(cfg: SFTConfig, service: Any, train: Data, eval: Data | None = None, **kw: Any) -> SFTResult:
