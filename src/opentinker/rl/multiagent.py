@@ -50,7 +50,7 @@ from tinker import types
 from opentinker.data import Trajectory, Transition
 from opentinker.renderers import Message, Renderer
 from opentinker.rl.loop import RLConfig, build_datums, group_metrics
-from opentinker.rl.rollout import TrajectoryGroup, _sample
+from opentinker.rl.rollout import TrajectoryGroup, sample_tokens
 from opentinker.tracking import RunLogger, plot_metrics
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,9 @@ async def play_game(
             continue
         ob = list(env.observation(agent))
         s = None if seed is None else seed + 7919 * moves
-        (sampled,) = await _sample(policy, ob, 1, params.model_copy(update={"stop": env.stop, "seed": s}))
+        (sampled,) = await sample_tokens(
+            policy, ob, 1, params.model_copy(update={"stop": env.stop, "seed": s})
+        )
         if any(not math.isfinite(x) for x in sampled.logprobs):
             raise RuntimeError("non-finite sampler logprob")
         m = await env.step(agent, sampled.tokens)

@@ -45,7 +45,8 @@ def _params(base: types.SamplingParams, env: Env, seed: int | None) -> types.Sam
     return base.model_copy(update={"stop": env.stop if env.stop is not None else base.stop, "seed": seed})
 
 
-async def _sample(policy: Any, ob: list[int], n: int, params: types.SamplingParams) -> list[Sampled]:
+async def sample_tokens(policy: Any, ob: list[int], n: int, params: types.SamplingParams) -> list[Sampled]:
+    """``n`` samples of a continuation of ``ob`` from any Tinker sampling client, with logprobs."""
     resp = await policy.sample(prompt=types.ModelInput.from_ints(ob), num_samples=n, sampling_params=params)
     out = []
     for s in resp.sequences:
@@ -77,7 +78,7 @@ async def _episode(
         ob = list(res.next_ob)
         turn += 1
         step_seed = None if seed is None else seed + 7919 * turn
-        (sampled,) = await _sample(policy, ob, 1, _params(params, env, step_seed))
+        (sampled,) = await sample_tokens(policy, ob, 1, _params(params, env, step_seed))
 
 
 async def rollout_group(
@@ -118,7 +119,7 @@ async def rollout_group(
         env0 = envs[idx[0]]
         s = None if seed is None else seed + 104729 * k
         try:
-            return await _sample(policy, obs[idx[0]] or [], len(idx), _params(params, env0, s))
+            return await sample_tokens(policy, obs[idx[0]] or [], len(idx), _params(params, env0, s))
         except Exception as e:
             return e
 
