@@ -23,15 +23,17 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from tinker import types
 
 from opentinker.data import supervised_datum
 from opentinker.renderers import Message, Renderer, TrainOn, check_messages
+
+T = TypeVar("T")
 
 Overlong = Literal["raise", "truncate", "skip"]
 
@@ -58,11 +60,12 @@ def parse_chat_record(obj: Any, where: str) -> ChatExample:
     return ChatExample([{"role": m["role"], "content": m["content"]} for m in messages], where)
 
 
-def read_chat_jsonl(path: str | Path) -> list[ChatExample]:
-    """All conversations of a chat JSONL file (see the module doc for the format and errors)."""
+def read_jsonl(path: str | Path, parse: Callable[[Any, str], T], what: str) -> list[T]:
+    """``parse(record, where)`` for every non-blank line of a JSONL file; errors name the file and
+    the line (``where``), and an empty file is an error too."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"chat data file {str(p)!r} does not exist")
+        raise FileNotFoundError(f"{what} data file {str(p)!r} does not exist")
     out = []
     with p.open(encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
@@ -73,10 +76,15 @@ def read_chat_jsonl(path: str | Path) -> list[ChatExample]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            out.append(parse_chat_record(obj, where))
+            out.append(parse(obj, where))
     if not out:
-        raise ValueError(f"{p}: no conversations (the file is empty)")
+        raise ValueError(f"{p}: no {what} records (the file is empty)")
     return out
+
+
+def read_chat_jsonl(path: str | Path) -> list[ChatExample]:
+    """All conversations of a chat JSONL file (see the module doc for the format and errors)."""
+    return read_jsonl(path, parse_chat_record, "chat")
 
 
 @dataclass

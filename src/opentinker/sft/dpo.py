@@ -29,7 +29,6 @@ implicit reward gap, in nats), ``dpo/accuracy`` (pairs with chosen > rejected),
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -43,7 +42,7 @@ from tinker import types
 
 from opentinker.data import supervised_datum
 from opentinker.renderers import Message, Renderer, check_messages
-from opentinker.sft.data import Batcher
+from opentinker.sft.data import Batcher, read_jsonl
 from opentinker.sft.loop import SCHEDULES, lr_at
 from opentinker.tracking import RunLogger, plot_metrics
 from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
@@ -83,23 +82,7 @@ def _message(m: dict[str, Any]) -> Message:
 
 
 def read_pairs_jsonl(path: str | Path) -> list[PreferencePair]:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"preference data file {str(p)!r} does not exist")
-    out = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}, line {n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            out.append(parse_pair_record(obj, where))
-    if not out:
-        raise ValueError(f"{p}: no preference pairs (the file is empty)")
-    return out
+    return read_jsonl(path, parse_pair_record, "preference")
 
 
 @dataclass
