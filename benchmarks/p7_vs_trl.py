@@ -281,6 +281,7 @@ async def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         train_attn=True, train_mlp=False, train_unembed=False,
         max_tokens=MAX_TOKENS, temperature=TEMPERATURE, learning_rate=args.lr, loss_fn=args.loss,
         eval_every=args.eval_every, seed=args.seed, progress=False, name="p7",
+        **dict(parse_set(kv) for kv in args.ours_set),
     )  # fmt: skip
     cfg.check()
     tokenizer = service.create_sampling_client(base_model=args.model).get_tokenizer()  # loads the model
@@ -376,6 +377,17 @@ def ratio(ours: dict[str, Any], trl: dict[str, Any]) -> tuple[float, str]:
     return r, f"ours / TRL time to accuracy {ours['target']}: {r:.3f}"
 
 
+def parse_set(kv: str) -> tuple[str, Any]:
+    """``FIELD=VALUE`` of ``--ours-set``: the value as JSON (numbers, true/false, objects), else text."""
+    key, sep, value = kv.partition("=")
+    if not sep:
+        raise SystemExit(f"--ours-set wants FIELD=VALUE, got {kv!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=SMOLLM2)
@@ -391,6 +403,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--only", choices=["trl", "ours"], default=None)
     ap.add_argument("--order", choices=["trl,ours", "ours,trl"], default="trl,ours")
     ap.add_argument("--ours-impl", choices=["loop", "run_rl"], default="loop")
+    ap.add_argument(
+        "--ours-set", action="append", default=[], metavar="FIELD=VALUE",
+        help="another RLConfig field for ours, e.g. replay_size=64 (repeatable; JSON values)",
+    )  # fmt: skip
     ap.add_argument("--beta", type=float, default=0.0, help="TRL KL coefficient")
     ap.add_argument("--trl-loss-type", default="dapo")
     ap.add_argument("--trl-scale-rewards", default="group")

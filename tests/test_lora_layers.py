@@ -113,3 +113,59 @@ def test_seed_reproduces_adapter_and_ranks_are_exact() -> None:
         assert torch.equal(a.a[g], b.a[g])
         assert not torch.equal(a.a[g], c.a[g])
         assert a.a[g].shape[1] == 3 and a.b[g].shape[2] == 3
+
+
+# Row layouts that take each path of LoRABatch.delta: equal runs (one batched matmul pair over
+# runs), a few unequal runs (matmuls per run), many unequal runs (per-row gather), one run.
+LAYOUTS = {
+    "equal_runs": [0, 0, 1, 1, 3, 3],
+    "unequal_runs": [1, 1, 1, 0, 3, 3],
+    "many_unequal_runs": [0, 1, 1, 0, 3, 0, 1, 3, 3, 1, 0, 1],
+    "one_run": [1, 1, 1],
+    "runs_in_entry_order": [0, 0, 1, 1, 2, 2, 3, 3],  # the stacked weights serve without a gather
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_row_layout_matches_the_per_row_reference_with_gradients(layout: str) -> None:
+    """Forward and the gradients into each entry's A and B equal a per-row loop through hooks."""
+    model = _models()["llama"].eval()
+    ml = MultiLoRA.attach(model)
+    shapes = ml.group_shapes()
+    entries: list[LoRAWeights | None] = [
+        _randomise(init_lora_weights(LoRAConfig(rank=4, seed=1), shapes), 1),
+        _randomise(init_lora_weights(LoRAConfig(rank=8, alpha=16, seed=2, train_mlp=False), shapes), 2),
+        None,
+        _randomise(init_lora_weights(LoRAConfig(rank=2, seed=3, train_unembed=False), shapes), 3),
+    ]
+    params = [t for e in entries if e is not None for t in [*e.a.values(), *e.b.values()]]
+    for t in params:
+        t.requires_grad_(True)
+    rows = torch.tensor(LAYOUTS[layout])
+    x = torch.randint(0, 97, (len(rows), 5), generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(len(rows), 5, 97, generator=torch.Generator().manual_seed(1))
+    plan = ml.make_batch(entries, rows)
+    assert plan is not None
+    paths = {
+        "equal_runs": "run_len",
+        "unequal_runs": "split",
+        "one_run": "single",
+        "runs_in_entry_order": "run_len",
+    }
+    if layout in paths:
+        assert getattr(plan, paths[layout]) is not None
+    else:
+        assert plan.single is None and plan.run_len is None and plan.split is None
+    assert (plan.slots is None) == (layout == "runs_in_entry_order")
+    with ml.use(plan):
+        mixed = model(x).logits
+    grads = torch.autograd.grad((mixed * probe).sum(), params, allow_unused=True)
+    refs = [_reference_delta_model(model, ml, entries[e], x[i : i + 1]) for i, e in enumerate(rows.tolist())]
+    ref = torch.cat(refs)
+    torch.testing.assert_close(mixed, ref, rtol=1e-5, atol=1e-5)
+    ref_grads = torch.autograd.grad((ref * probe).sum(), params, allow_unused=True)
+    for g, r in zip(grads, ref_grads, strict=True):
+        if r is None:
+            assert g is None or not g.any()
+        else:
+            assert g is not None and float((g - r).norm() / r.norm()) < 1e-5

@@ -5,9 +5,16 @@ Semantics of a wrapped projection, for every row ``i`` of the batch::
     y[i] = base(x[i]) + scale[e] * (x[i] @ A[e][layer].T) @ B[e][layer].T      with e = row_index[i]
 
 where ``entries`` (index ``e``) are the distinct adapters or snapshots of this batch (``None`` = bare
-base model: no delta). Rows are not regrouped: the delta is one gather of each row's A and B plus two
-batched matmuls, so the cost of a forward does not depend on how many distinct adapters it mixes.
-When every row uses the same entry we skip the gather (two plain matmuls).
+base model: no delta). Rows are never reordered; how the delta is computed depends on the *runs* of
+the batch (maximal stretches of consecutive rows on one entry — a request's rows, a prompt's
+samples):
+
+* one run (every row on one entry): two plain matmuls;
+* runs of equal length ``n``: the rows viewed as ``[runs, n·T, in]`` and two batched matmuls with one
+  A and B per run (no per-row copy of the weights, and backward scatters nothing per row);
+* a few runs of unequal lengths (≤ ``MAX_SPLIT_RUNS``): two plain matmuls per run on a split;
+* otherwise one gather of each row's A and B plus two batched matmuls, so the cost of a forward
+  does not depend on how many distinct adapters it mixes.
 
 Adapters that do not share a rank are zero-padded to the batch's largest rank when stacked; padding
 only ever appears in the per-batch stack (gradients of the padding are dropped), never in storage.
@@ -32,6 +39,7 @@ from torch import nn
 from opentinker.lora.adapter import LoRAWeights
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+MAX_SPLIT_RUNS = 8  # beyond this many unequal runs, per-row gathers beat a Python loop of matmuls
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,27 @@ class LoRABatch:
     def _set_rows(self, row_index: torch.Tensor) -> None:
         self._cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.row_index = row_index  # [B] int64, values in [0, K)
-        first = int(row_index[0]) if row_index.numel() else 0
+        runs: list[list[int]] = []  # [entry, length] of each maximal run of consecutive rows
+        for e in row_index.tolist():
+            if runs and runs[-1][0] == e:
+                runs[-1][1] += 1
+            else:
+                runs.append([e, 1])
         # every row on one entry: plain matmuls, no per-row gather
-        self.single: int | None = first if bool((row_index == first).all()) else None
-        self.row_scale = {g: s[row_index] for g, s in self.scale.items()}  # group -> [B]
+        self.single: int | None = (runs[0][0] if runs else 0) if len(runs) <= 1 else None
+        lengths = [n for _, n in runs]
+        equal = self.single is None and len(set(lengths)) == 1
+        self.run_len: int | None = lengths[0] if equal else None
+        self.split: list[int] | None = None
+        if self.single is None and not equal and len(runs) <= MAX_SPLIT_RUNS:
+            self.split = lengths
+        # whose A/B each batched slot uses: one slot per run, or (many unequal runs) per row
+        per_run = self.run_len is not None or self.split is not None
+        slots = [e for e, _ in runs] if per_run else row_index.tolist()
+        # slot k on entry k: the stacked weights serve as they are (no gather, no scatter back)
+        self.slots: torch.Tensor | None = (
+            None if slots == list(range(len(self.entries))) else row_index.new_tensor(slots)
+        )
 
     def select(self, rows: torch.Tensor) -> LoRABatch:
         """The same stacked adapters for a subset of rows (decoding drops finished rows)."""
@@ -104,16 +129,25 @@ class LoRABatch:
         if group not in self.a:
             return None
         a_t, b_t = self._weights(group, layer, x.dtype)
-        if a_t.dim() == 2:  # one entry for every row: plain matmuls
+        if self.single is not None:  # one entry for every row: plain matmuls
             return (x @ a_t) @ b_t
         shape = x.shape
         x3 = x.reshape(shape[0], -1, shape[-1])  # [B, T, in]
-        return torch.bmm(torch.bmm(x3, a_t), b_t).reshape(*shape[:-1], -1)
+        if self.split is not None:  # a few unequal runs: plain matmuls per run
+            parts = torch.split(x3, self.split)
+            out = torch.cat([(p @ a_t[k]) @ b_t[k] for k, p in enumerate(parts)])
+        elif self.run_len is not None:  # equal runs: one batched matmul pair, slots = runs
+            n = self.run_len
+            xr = x3.reshape(shape[0] // n, n * x3.shape[1], shape[-1])  # [R, n·T, in]
+            out = torch.bmm(torch.bmm(xr, a_t), b_t).reshape(shape[0], x3.shape[1], -1)
+        else:
+            out = torch.bmm(torch.bmm(x3, a_t), b_t)
+        return out.reshape(*shape[:-1], -1)
 
     def _weights(self, group: str, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A^T, scale·B^T) for this layer: [in, r], [r, out] if one entry serves every row, else per
-        row [B, in, r], [B, r, out]. Without autograd (sampling) they are cached for the life of this
-        routing plan, so decode steps after the first gather nothing."""
+        """(A^T, scale·B^T) for this layer: [in, r], [r, out] if one entry serves every row, else one
+        per batched slot (a run, or a row) [S, in, r], [S, r, out]. Without autograd (sampling) they
+        are cached for the life of this routing plan, so decode steps after the first gather nothing."""
         key = (group, layer)
         hit = self._cache.get(key)
         if hit is not None:
@@ -123,9 +157,11 @@ class LoRABatch:
             e = self.single
             out = (a[e].T.to(dtype), (b[e].T * scale[e]).to(dtype))
         else:
-            a_rows = a[self.row_index].transpose(1, 2)  # [B, in, r]
-            b_rows = b[self.row_index].transpose(1, 2) * self.row_scale[group][:, None, None]  # [B, r, out]
-            out = (a_rows.to(dtype), b_rows.to(dtype))
+            if self.slots is not None:
+                a, b, scale = a[self.slots], b[self.slots], scale[self.slots]
+            a_s = a.transpose(1, 2)  # [S, in, r]
+            b_s = b.transpose(1, 2) * scale[:, None, None]  # [S, r, out]
+            out = (a_s.to(dtype), b_s.to(dtype))
         if not torch.is_grad_enabled():
             self._cache[key] = out
         return out

@@ -18,6 +18,17 @@ requests) therefore advances one request per tick, exactly like a tenant with ti
 starve anybody, and every waiting model is served in every tick. Sampling is served
 first-come-first-served within a per-tick row budget.
 
+**Batching window.** Clients in a loop (sample, train, sample, ...) finish their previous operation
+at nearly the same moment, but each needs a little Python time before submitting the next. So
+before a tick the scheduler waits (at most ``max_gather_s``) until every client that had work in
+the previous tick has queued its next operation: clients fall into lockstep and share every tick
+instead of trailing into the next one. A lone client never waits (it is the only one expected)
+unless its queue ends in a ``forward_backward``: then up to ``gather_s`` for a pipelined
+``optim_step`` to join the same tick. A client that leaves costs the others one ``max_gather_s``, once. After an idle spell the expected
+set is empty and the window is ``gather_s`` of quiet instead, to catch clients starting together.
+A client is its training model: a sample request counts for the model its snapshot was taken from
+(``<model>@v<n>``).
+
 The tick number is reported in each result's metrics as ``clock_cycle:unique``.
 """
 
@@ -76,6 +87,7 @@ class Scheduler:
         self._queues: dict[str, deque[_Op]] = {}
         self._samples: deque[tuple[SampleRequest, Future]] = deque()
         self._cv = threading.Condition()
+        self._last_sources: set[str] = set()  # the clients served by the previous tick
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="opentinker-scheduler", daemon=True)
         self._thread.start()
@@ -137,21 +149,39 @@ class Scheduler:
             del calls, forwards, optims, samples
 
     def _gather(self) -> None:
-        """Batching window (caller holds the lock): while submissions keep arriving, wait a little
-        (``gather_s`` after the latest one, ``max_gather_s`` in all) so that clients finishing their
-        previous step at nearly the same moment share this tick instead of trailing into the next."""
-        if self.gather_s <= 0:
+        """Batching window (caller holds the lock; see the module docstring): wait for every client
+        of the previous tick to queue its next operation, or, after an idle spell, for ``gather_s``
+        of quiet; then up to ``gather_s`` more while a queue ends in a forward/backward (its client
+        may be about to pipeline the ``optim_step``); never longer than ``max_gather_s``."""
+        if self.max_gather_s <= 0:
             return
-        deadline = time.perf_counter() + self.max_gather_s
+        start = time.perf_counter()
+        deadline = start + self.max_gather_s
         seen = self._submissions
         while not self._stopped:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return
+            if self._last_sources:
+                if self._last_sources <= self._ready_sources():
+                    break
+                self._cv.wait(remaining)
+                continue
             self._cv.wait(min(self.gather_s, remaining))
             if self._submissions == seen:
-                return  # quiet for gather_s: go
+                break  # quiet for gather_s
             seen = self._submissions
+        until = min(deadline, time.perf_counter() + self.gather_s)
+        while not self._stopped and any(q and q[-1].kind == "forward" for q in self._queues.values()):
+            remaining = until - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._cv.wait(remaining)
+
+    def _ready_sources(self) -> set[str]:
+        ready = {_client(m) for m, q in self._queues.items() if q}
+        ready.update(_client(r.policy) for r, _ in self._samples)
+        return ready
 
     def _take_tick(
         self,
@@ -160,9 +190,11 @@ class Scheduler:
         calls: list[_Op] = []
         forwards: list[_Op] = []
         optims: list[tuple[str, _Op]] = []
+        sources: set[str] = set()
         for model_id, q in self._queues.items():
             if not q:
                 continue
+            sources.add(_client(model_id))
             head = q[0]
             if head.kind == "call":
                 calls.append(q.popleft())
@@ -180,7 +212,9 @@ class Scheduler:
         ):
             req, fut = self._samples.popleft()
             samples.append((req, fut))
+            sources.add(_client(req.policy))
             rows += req.num_samples
+        self._last_sources = sources
         return calls, forwards, optims, samples
 
     def _run_tick(
@@ -237,6 +271,12 @@ class Scheduler:
             fut.set_exception(err)
         self._queues.clear()
         self._samples.clear()
+
+
+def _client(key: str | None) -> str:
+    """The client behind a queue key or a sampled policy: a snapshot ``<model>@v<n>`` counts for
+    its model; the bare base model for nobody in particular."""
+    return "" if key is None else key.partition("@")[0]
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:
