@@ -10,6 +10,7 @@ import torch
 from opentinker.engine import AdamParams, Engine, EngineError, Example, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
+from opentinker.sampling.native import MIN_SHARED_PREFIX, common_prompt_prefix
 from tests.conftest import make_examples
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -249,3 +250,33 @@ def test_retired_snapshot_is_refused_and_base_is_sampleable(setup) -> None:
     [res, base] = sampler.generate([SampleRequest(snap, prompts[0]), SampleRequest(None, prompts[0], GREEDY)])
     assert isinstance(res, UnknownPolicyError) and snap in str(res)
     assert not isinstance(base, Exception) and base.sequences[0].tokens
+
+
+def test_prompts_sharing_a_prefix_prefill_it_once_with_the_same_results(setup) -> None:
+    """Prompts of one policy that begin alike (chat template + question template) share one prefill
+    of that prefix; tokens and logprobs equal those of the plain left-padded prefill, and the
+    sampled logprobs still equal the trainer's (invariant 3)."""
+    engine, sampler, (a, _), _ = setup
+    tok = engine.base.tokenizer
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {x} + {y}? Answer with just the number."}],
+            add_generation_prompt=True,
+        )["input_ids"]
+        for x, y in [(23, 45), (7, 81), (123, 4)]  # different lengths after the common prefix
+    ]
+    plain = NativeBackend(engine, share_prefix=False)
+    assert common_prompt_prefix([SampleRequest(a, p) for p in prompts]) >= MIN_SHARED_PREFIX
+    assert common_prompt_prefix([SampleRequest(a, prompts[0]), SampleRequest(None, prompts[1])]) == 0
+    for policy in (a, None):
+        for params in (GREEDY, SamplingParams(max_tokens=8, temperature=1.0, seed=3)):
+            reqs = [SampleRequest(policy, p, params, num_samples=2) for p in prompts]
+            shared, ref = sampler.generate(reqs), plain.generate(reqs)
+            for req, s, r in zip(reqs, shared, ref, strict=True):
+                assert not isinstance(s, Exception) and not isinstance(r, Exception)
+                for ss, rs in zip(s.sequences, r.sequences, strict=True):
+                    assert ss.tokens == rs.tokens
+                    assert max(abs(x - y) for x, y in zip(ss.logprobs, rs.logprobs, strict=True)) < 1e-5
+                    lp = _forward_logprobs(engine, policy, req.prompt + ss.tokens)[len(req.prompt) - 1 :]
+                    if params.temperature == 1.0:
+                        assert (lp - torch.tensor(ss.logprobs)).abs().max() <= 1e-4

@@ -4,7 +4,10 @@ One ``generate`` call is one batch:
 
 1. **Prefill** every request's prompt once (left-padded; ``position_ids`` count real tokens only),
    each row routed through its own policy by the engine's multi-LoRA layers. Prompt logprobs and
-   top-k prompt logprobs come from these logits.
+   top-k prompt logprobs come from these logits. When every request names the same policy and the
+   prompts begin with the same tokens (a system prompt and a question template: an RL step's
+   prompts, an evaluation set), that common prefix is prefilled once and its KV cache shared by
+   every row; each prompt's own suffix is then prefilled on it (``share_prefix``).
 2. **Fan out** ``num_samples`` rows per request by selecting KV-cache rows (no second prefill).
 3. **Decode** one token per live row per step, every row with its own policy, sampling parameters
    and seeded generator; rows leave the batch (and the KV cache) as soon as they stop.
@@ -46,9 +49,13 @@ class _Row:
     reason: StopReason | None = None
 
 
+MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
+
+
 class NativeBackend(RolloutBackend):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, share_prefix: bool = True) -> None:
         self.engine = engine
+        self.share_prefix = share_prefix
         self.tokenizer = engine.base.tokenizer
         self.eos_ids = _eos_ids(engine)
         # transformers 5.x renamed forward's ``past_key_values`` to ``cache``; accept either.
@@ -113,16 +120,28 @@ class NativeBackend(RolloutBackend):
     @torch.no_grad()
     def _run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
         eng, model, dev = self.engine, self.engine.base.model, self.engine.device
-        lens = [len(r.prompt) for r in reqs]
+        want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
+        shared = 0 if want_prompt or not self.share_prefix else common_prompt_prefix(reqs)
+        lens = [len(r.prompt) - shared for r in reqs]
         width = max(lens)
         ids = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
         mask = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
         for i, r in enumerate(reqs):
-            ids[i, width - lens[i] :] = torch.tensor(r.prompt, device=dev)
+            ids[i, width - lens[i] :] = torch.tensor(r.prompt[shared:], device=dev)
             mask[i, width - lens[i] :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) + shared
         cache = DynamicCache()
+        if shared:  # the common prefix once, its KV cache then copied to every row
+            with eng.routing([reqs[0].policy]):
+                model(
+                    input_ids=torch.tensor([reqs[0].prompt[:shared]], device=dev),
+                    position_ids=torch.arange(shared, device=dev)[None],
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self._cache_kw: cache},
+                )
+            cache.batch_select_indices(torch.zeros(len(reqs), dtype=torch.long, device=dev))
+            mask = torch.cat([mask.new_ones(len(reqs), shared), mask], dim=1)
         with eng.routing([r.policy for r in reqs]):
             out = model(
                 input_ids=ids,
@@ -141,7 +160,7 @@ class NativeBackend(RolloutBackend):
         rows: list[_Row] = []
         for i, r in enumerate(reqs):
             for k in range(r.num_samples):
-                rows.append(self._new_row(i, r, k, lens[i]))
+                rows.append(self._new_row(i, r, k, len(r.prompt)))
         select = torch.tensor([row.req for row in rows], device=dev)
         cache.batch_select_indices(select)
         mask = mask[select]
@@ -222,6 +241,22 @@ class NativeBackend(RolloutBackend):
             raise res
         assert res.prompt_logprobs is not None
         return res.prompt_logprobs
+
+
+def common_prompt_prefix(reqs: list[SampleRequest]) -> int:
+    """Length of the prompt prefix that every request shares under one policy (each keeps at least
+    one token of its own to prefill), or 0 when it is not worth sharing."""
+    if len(reqs) < 2 or len({r.policy for r in reqs}) > 1:
+        return 0
+    first = reqs[0].prompt
+    n = min(len(r.prompt) for r in reqs) - 1
+    for r in reqs[1:]:
+        p = r.prompt
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return n if n >= MIN_SHARED_PREFIX else 0
 
 
 def _choose_batch(logits_SV: torch.Tensor, rows: list[_Row]) -> list[tuple[int, float]]:
