@@ -25,6 +25,7 @@ from opentinker.rl import (
     StepResult,
     group_advantages,
     is_constant,
+    learning_rate_at,
     rollout_group,
     run_rl,
     run_rl_many,
@@ -374,6 +375,33 @@ def test_sync_mode_versions(service: ServiceClient, renderer: Renderer, tmp_path
     rows = asyncio.run(run_rl(cfg, service, Dataset([["", "", "", ""]], renderer))).metrics
     assert [r["policy/version"] for r in rows] == [1.0, 2.0, 3.0]
     assert all(r["train/datums"] == 4 for r in rows)
+
+
+def test_learning_rate_schedules() -> None:
+    base = dict(base_model=TEST_MODEL, steps=10, learning_rate=1e-3, lr_final=0.1)
+    const = RLConfig(**base)
+    assert [learning_rate_at(const, s, 0.0) for s in (0, 9)] == [1e-3, 1e-3]
+    lin = RLConfig(**base, lr_schedule="linear")
+    assert learning_rate_at(lin, 0, 0.0) == pytest.approx(1e-3)
+    assert learning_rate_at(lin, 5, 0.0) == pytest.approx(0.55e-3)
+    cos = RLConfig(**base, lr_schedule="cosine")
+    assert learning_rate_at(cos, 5, 0.0) == pytest.approx(0.55e-3)
+    assert learning_rate_at(cos, 10, 0.0) == pytest.approx(1e-4)
+    timed = RLConfig(**{**base, "steps": 1000}, lr_schedule="linear", max_train_s=100.0)
+    assert learning_rate_at(timed, 1, 50.0) == pytest.approx(0.55e-3)  # the clock is further on
+    assert learning_rate_at(timed, 1, 500.0) == pytest.approx(1e-4)  # never below lr_final
+    for bad in (dict(lr_schedule="step"), dict(lr_final=2.0)):
+        with pytest.raises(ValueError, match="lr_"):
+            RLConfig(**{**base, **bad}).check()
+
+
+def test_lr_schedule_reaches_the_optimizer(
+    service: ServiceClient, renderer: Renderer, tmp_path: Path
+) -> None:
+    cfg = _cfg(tmp_path, steps=3, drop_constant_groups=False, lr_schedule="linear", lr_final=0.5)
+    rows = asyncio.run(run_rl(cfg, service, Dataset([["", "", "", ""]], renderer))).metrics
+    lrs = [r["train/lr"] for r in rows]
+    assert lrs == pytest.approx([cfg.learning_rate * f for f in (1.0, 1 - 0.5 / 3, 1 - 1.0 / 3)])
 
 
 def test_kl_penalty_logged(service: ServiceClient, renderer: Renderer, tmp_path: Path) -> None:

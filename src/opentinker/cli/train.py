@@ -52,6 +52,8 @@ RL_FIELDS = {
     "train_unembed": "train_unembed", "mode": "mode", "max_staleness": "max_staleness",
     "kl_coef": "kl_coef", "normalize_std": "normalize_std", "seed": "seed",
     "eval_every": "eval_every", "save_every": "save_every", "episode_timeout": "episode_timeout_s",
+    "lr_schedule": "lr_schedule", "lr_final": "lr_final", "substeps": "substeps",
+    "replay_size": "replay_size", "max_train_s": "max_train_s",
 }  # fmt: skip
 SFT_FIELDS = {
     "base_model": "base_model", "steps": "steps", "epochs": "epochs", "lr": "learning_rate",
@@ -111,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--kl-coef", type=float, default=None, help="KL penalty to the base model per token")
     rl.add_argument("--normalize-std", action=argparse.BooleanOptionalAction, default=None)
     rl.add_argument("--episode-timeout", type=float, default=None, help="seconds before an episode fails")
+    rl.add_argument("--lr-schedule", default=None, choices=("constant", "linear", "cosine"))
+    rl.add_argument(
+        "--lr-final", type=float, default=None, help="the schedule's last lr, as a fraction of --lr"
+    )
+    rl.add_argument("--substeps", type=int, default=None, help="optimizer steps per batch of rollouts")
+    rl.add_argument("--replay-size", type=int, default=None, help="success replay buffer (0 = off)")
+    rl.add_argument("--max-train-s", type=float, default=None, help="stop after this much training clock")
 
     sft_tasks = ", ".join(n for n, t in TASKS.items() if t.kind == "sft")
     sft = sub.add_parser("sft", help="supervised fine-tuning on chat data")

@@ -40,6 +40,9 @@ LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
 
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass
 class RLConfig:
     base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -52,6 +55,10 @@ class RLConfig:
     train_mlp: bool = False
     train_unembed: bool = False
     learning_rate: float = 1e-4
+    # "constant", or "linear" / "cosine" decay to lr_final * learning_rate over the run's horizon:
+    # `steps`, or `max_train_s` of training clock when that ends the run sooner.
+    lr_schedule: str = "constant"
+    lr_final: float = 0.1
     substeps: int = 1  # optimizer steps per batch of rollouts (each a forward_backward + optim_step)
     # A batch with no signal (every group constant) still takes an optimizer step with zero
     # gradient, as trainers that always step do: AdamW's momentum carries the last signal on.
@@ -91,6 +98,10 @@ class RLConfig:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.lr_final <= 1:
+            raise ValueError(f"lr_final must be in [0, 1], got {self.lr_final}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
@@ -188,7 +199,6 @@ async def run_rl(
         show=("reward/mean", "eval/accuracy", "loss/per_token"),
     )  # fmt: skip
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-    adam = types.AdamParams(learning_rate=cfg.learning_rate)
     rows: list[dict[str, Any]] = []
     final_path: str | None = None
 
@@ -221,7 +231,10 @@ async def run_rl(
         replay.load(log_dir / "replay.json")
 
     async def train_on(groups: list[TrajectoryGroup], step: int) -> dict[str, float]:
+        lr = learning_rate_at(cfg, step, time.monotonic() - t_start - eval_total)
+        adam = types.AdamParams(learning_rate=lr)
         datums, m = await build_datums(groups, cfg, base_policy)
+        m["train/lr"] = lr
         replayed = replay.datums(step) if replay is not None else []
         if replay is not None:
             m["replay/added"] = float(replay.add(groups))
@@ -333,6 +346,22 @@ async def run_rl(
             except Exception as e:
                 log.warning("plotting failed: %r", e)
     return RLResult(tc, rows, final_path)
+
+
+def learning_rate_at(cfg: RLConfig, step: int, train_clock_s: float) -> float:
+    """The learning rate of ``step``: ``cfg.lr_schedule`` over the run's progress in [0, 1] (steps
+    done of ``cfg.steps``, or training clock spent of ``cfg.max_train_s`` if that is further on)."""
+    if cfg.lr_schedule == "constant":
+        return cfg.learning_rate
+    progress = step / cfg.steps
+    if cfg.max_train_s:
+        progress = max(progress, train_clock_s / cfg.max_train_s)
+    progress = min(1.0, progress)
+    if cfg.lr_schedule == "linear":
+        frac = 1.0 - (1.0 - cfg.lr_final) * progress
+    else:  # cosine
+        frac = cfg.lr_final + (1.0 - cfg.lr_final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.learning_rate * frac
 
 
 def _should_stop(cfg: RLConfig, m: dict[str, Any]) -> bool:
