@@ -140,6 +140,7 @@ async def build_datums(
     datums: list[types.Datum] = []
     kept = dropped = 0
     kls: list[float] = []
+    chosen: list[tuple[Any, float]] = []  # (trajectory, advantage) of every kept group
     for g in groups:
         rewards = g.rewards
         if len(rewards) == 0:
@@ -149,22 +150,35 @@ async def build_datums(
             continue
         kept += 1
         advs = group_advantages(rewards, normalize_std=cfg.normalize_std)
-        for traj, a in zip(g.trajectories, advs, strict=True):
-            shaping = None
-            if cfg.kl_coef > 0 and base_policy is not None:
-                shaping = []
-                for tokens, lps, act in trajectory_segments(traj):
-                    base_lp = await base_policy.compute_logprobs(types.ModelInput.from_ints(tokens))
-                    seg = []
-                    for i, is_act in enumerate(act):
-                        if is_act and i > 0 and base_lp[i] is not None:
-                            kl = lps[i] - float(base_lp[i])
-                            kls.append(kl)
-                            seg.append(-cfg.kl_coef * kl)
-                        else:
-                            seg.append(0.0)
-                    shaping.append(seg)
-            datums += rl_datums(traj, a, shaping)
+        chosen += list(zip(g.trajectories, advs, strict=True))
+    base_lps: list[list[list[float | None]]] = []
+    if cfg.kl_coef > 0 and base_policy is not None and chosen:
+        # every segment's base logprobs in one go: they share one sampler batch
+        segs = [[tokens for tokens, _, _ in trajectory_segments(t)] for t, _ in chosen]
+        flat = await asyncio.gather(
+            *(
+                _awaited(base_policy.compute_logprobs(types.ModelInput.from_ints(s)))
+                for ss in segs
+                for s in ss
+            )
+        )
+        it = iter(flat)
+        base_lps = [[next(it) for _ in ss] for ss in segs]
+    for k, (traj, a) in enumerate(chosen):
+        shaping = None
+        if base_lps:
+            shaping = []
+            for (_, lps, act), base_lp in zip(trajectory_segments(traj), base_lps[k], strict=True):
+                seg = []
+                for i, is_act in enumerate(act):
+                    if is_act and i > 0 and base_lp[i] is not None:
+                        kl = lps[i] - float(base_lp[i])
+                        kls.append(kl)
+                        seg.append(-cfg.kl_coef * kl)
+                    else:
+                        seg.append(0.0)
+                shaping.append(seg)
+        datums += rl_datums(traj, a, shaping)
     n_tok = sum(t.num_action_tokens for g in groups for t in g.trajectories) if datums else 0
     m = {
         "groups/kept": float(kept),
@@ -392,3 +406,8 @@ async def run_rl_many(
 ) -> list[RLResult]:
     """Several RL runs (one adapter each) at once over one service: a multi-LoRA run."""
     return list(await asyncio.gather(*(run_rl(c, service, d, e, on_step=on_step) for c, d, e in jobs)))
+
+
+async def _awaited(fut: Any) -> Any:
+    """A client future (ours or the SDK's: awaitable, not an asyncio future) as a coroutine."""
+    return await fut
