@@ -41,7 +41,7 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(
             "addition", "rl", "opentinker.tasks.arithmetic", "build",
             "2-digit addition, exact-match reward on the first integer (single-turn)",
-            {"max_tokens": 8, "group_size": 8, "groups_per_step": 4, "eval_every": 10},
+            {"max_tokens": 8, "group_size": 8, "groups_per_step": 4, "eval_every": 20, "learning_rate": 3e-4},
         ),
         TaskSpec(
             "reply_length", "rl", "opentinker.tasks.reply_length", "build",
