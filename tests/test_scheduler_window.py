@@ -39,7 +39,7 @@ def test_clients_in_a_loop_share_every_tick(engine: Engine) -> None:
     sched = Scheduler(engine, NativeBackend(engine), max_gather_s=5.0)
     try:
         ids = [engine.create_adapter(LoRAConfig(rank=2, seed=i)) for i in range(4)]
-        rounds = 3
+        rounds = 4
         threads = [
             threading.Thread(target=_client_loop, args=(sched, m, rounds, (0.005, 0.03), i))
             for i, m in enumerate(ids)
@@ -48,9 +48,10 @@ def test_clients_in_a_loop_share_every_tick(engine: Engine) -> None:
             t.start()
         for t in threads:
             t.join()
-        # 4 ops per round (snapshot, sample, forward+optim, release), each shared by all 4 clients;
-        # one extra tick is allowed where the four first calls did not arrive together
-        assert sched.stats.ticks <= 4 * rounds + 1, sched.stats
+        # 4 ops per round (snapshot, sample, forward+optim, release), each shared by all 4 clients
+        # once they are in step; the first calls may straggle into up to 3 extra ticks (threads
+        # start at different moments). Without the window's lockstep this takes ~7 ticks a round.
+        assert sched.stats.ticks <= 4 * rounds + 3, sched.stats
         assert sched.stats.fused_requests == 4 * rounds
     finally:
         sched.shutdown()
