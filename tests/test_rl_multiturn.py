@@ -14,6 +14,7 @@ from opentinker.client import Runtime
 from opentinker.data import rl_datums, trajectory_segments
 from opentinker.renderers import get_renderer
 from opentinker.rl import RLConfig, rollout_group, run_rl
+from opentinker.tasks.arithmetic import eval_problems, question
 from opentinker.tasks.guess_number import (
     PROMPT,
     GuessNumberEnv,
@@ -147,3 +148,36 @@ def test_guess_number_rl_smoke_writes_metrics(service, renderer, tmp_path) -> No
     assert "eval/success" in rows[1] and "eval/success" in rows[2]
     assert all(math.isfinite(r["eval/turns"]) for r in rows if "eval/turns" in r)
     assert (tmp_path / "run" / "curves.png").exists() and res.final_path
+
+
+def test_addition_retry_rules_and_smoke_run(service, renderer, tmp_path) -> None:
+    from opentinker.tasks import addition_retry as ar
+
+    async def play(replies: list[str], **kw) -> list:
+        env = ar.RetryAdditionEnv(renderer, 23, 45, kw.get("attempts", 3), kw.get("retry_cost", 0.3))
+        assert env.initial_messages() == [{"role": "user", "content": question(23, 45)}]
+        return [await env.respond(_say(r), True) for r in replies]
+
+    out = asyncio.run(play(["23 + 45 = 68", "67", "68."]))
+    assert [r.done for r in out] == [False, False, True]
+    assert [r.messages for r in out[:2]] == [[{"role": "user", "content": ar.FEEDBACK}]] * 2
+    assert out[-1].reward == pytest.approx(0.4)  # 1 - 0.3 * (3 - 1)
+    assert out[-1].metrics == {"success": 1.0, "first_try": 0.0, "attempts": 3.0}
+    first = asyncio.run(play(["68"]))[0]
+    assert (first.reward, first.done, first.metrics["first_try"]) == (1.0, True, 1.0)
+    failed = asyncio.run(play(["1", "2"], attempts=2))
+    assert failed[-1].done and failed[-1].reward == 0 and failed[-1].metrics["success"] == 0
+
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "run"), steps=2, groups_per_step=2, group_size=4,
+        max_tokens=8, learning_rate=3e-4, eval_every=1, progress=False, extra={"eval_problems": 8},
+    )  # fmt: skip
+    dataset, evaluator = ar.build(renderer, cfg)
+    held = set(eval_problems())
+    assert all(not set(g.problems) & held for g in dataset.batch(0))  # type: ignore[attr-defined]
+    res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and len(res.metrics) == 2
+    for r in rows:
+        assert r["env/errors"] == 0 and r["env/episodes"] == 8 and 1 <= r["env/turns_mean"] <= 3
+        assert 0 <= r["eval/success"] <= 1 and r["eval/first_try"] <= r["eval/success"]

@@ -44,6 +44,11 @@ TASKS: dict[str, TaskSpec] = {
             {"max_tokens": 8, "group_size": 8, "groups_per_step": 4, "eval_every": 20, "learning_rate": 3e-4},
         ),
         TaskSpec(
+            "addition_retry", "rl", "opentinker.tasks.addition_retry", "build",
+            "2-digit addition with 'not correct' feedback and up to 3 attempts (multi-turn)",
+            {"max_tokens": 8, "group_size": 8, "groups_per_step": 4, "eval_every": 20, "learning_rate": 3e-4},
+        ),
+        TaskSpec(
             "reply_length", "rl", "opentinker.tasks.reply_length", "build",
             "reply with a target number of words (dense reward; extra target_words, default 5)",
             {"max_tokens": 32, "group_size": 4, "groups_per_step": 2, "eval_every": 5, "learning_rate": 2e-3},
