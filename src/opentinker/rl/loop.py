@@ -170,9 +170,9 @@ async def build_datums(
             shaping = []
             for (_, lps, act), base_lp in zip(trajectory_segments(traj), base_lps[k], strict=True):
                 seg = []
-                for i, is_act in enumerate(act):
-                    if is_act and i > 0 and base_lp[i] is not None:
-                        kl = lps[i] - float(base_lp[i])
+                for i, (is_act, blp) in enumerate(zip(act, base_lp, strict=True)):
+                    if is_act and i > 0 and blp is not None:
+                        kl = lps[i] - float(blp)
                         kls.append(kl)
                         seg.append(-cfg.kl_coef * kl)
                     else:

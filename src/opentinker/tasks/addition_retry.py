@@ -13,7 +13,6 @@ and the mean number of ``attempts``.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ from tinker import types
 from opentinker.renderers import Message, Renderer
 from opentinker.rl.env import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 from opentinker.rl.rollout import rollout_group
-from opentinker.tasks.arithmetic import eval_problems, first_int_reward, question
+from opentinker.tasks.arithmetic import AdditionDataset, eval_problems, first_int_reward, question
 
 FEEDBACK = "That is not correct. Answer with just the number."
 
@@ -70,25 +69,18 @@ class RetryAdditionGroup(EnvGroupBuilder):
         return ["addition_retry"]
 
 
-class RetryAdditionDataset(RLDataset):
-    """Per step, ``groups_per_step`` problems (never a held-out one), ``group_size`` episodes each."""
+class RetryAdditionDataset(AdditionDataset):
+    """The addition task's training problems (never a held-out one), as retry episodes."""
 
     def __init__(
         self, renderer: Renderer, groups_per_step: int, group_size: int, *, seed: int = 0,
         attempts: int = 3, retry_cost: float = 0.3,
     ) -> None:  # fmt: skip
-        self.renderer, self.n, self.size, self.seed = renderer, groups_per_step, group_size, seed
+        super().__init__(renderer, groups_per_step, group_size, seed=seed)
         self.attempts, self.retry_cost = attempts, retry_cost
-        self.held_out = set(eval_problems())
 
-    def batch(self, step: int) -> list[EnvGroupBuilder]:
-        rng = random.Random(f"addition_retry/{self.seed}/{step}")
-        out: list[EnvGroupBuilder] = []
-        while len(out) < self.n:
-            p = (rng.randint(10, 99), rng.randint(10, 99))
-            if p not in self.held_out:
-                out.append(RetryAdditionGroup(self.renderer, [p] * self.size, self.attempts, self.retry_cost))
-        return out
+    def group(self, a: int, b: int) -> EnvGroupBuilder:
+        return RetryAdditionGroup(self.renderer, [(a, b)] * self.size, self.attempts, self.retry_cost)
 
 
 def make_evaluator(renderer: Renderer, n: int = 200, *, attempts: int = 3, max_tokens: int = 8):

@@ -78,8 +78,12 @@ class AdditionDataset(RLDataset):
         while len(out) < self.n:
             a, b = rng.randint(10, 99), rng.randint(10, 99)
             if (a, b) not in self.held_out:
-                out.append(AdditionGroup(self.renderer, a, b, self.size))
+                out.append(self.group(a, b))
         return out
+
+    def group(self, a: int, b: int) -> EnvGroupBuilder:
+        """One problem's group (subclasses change the episode, not the problems)."""
+        return AdditionGroup(self.renderer, a, b, self.size)
 
 
 def make_evaluator(renderer: Renderer, n: int = 200, max_tokens: int = 8):
