@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 
 import pytest
 from tinker import types
@@ -181,3 +182,23 @@ def test_addition_retry_rules_and_smoke_run(service, renderer, tmp_path) -> None
     for r in rows:
         assert r["env/errors"] == 0 and r["env/episodes"] == 8 and 1 <= r["env/turns_mean"] <= 3
         assert 0 <= r["eval/success"] <= 1 and r["eval/first_try"] <= r["eval/success"]
+
+
+def test_addition_retry_recipe_smoke(tmp_path) -> None:
+    """recipes/addition_retry/run.py: single-turn RL, then the retry task from the same client."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "recipes/addition_retry/run.py"), "--tiny", "--single-steps", "2",
+           "--retry-steps", "2", "--eval-every", "1", "--eval-problems", "4", "--no-progress",
+           "--log-dir", str(tmp_path)]  # fmt: skip
+    subprocess.run(
+        cmd, check=True, capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["model"] == TEST_MODEL and summary["retry"]
+    assert all(0 <= r["eval/success"] <= 1 and 1 <= r["eval/attempts"] <= 3 for r in summary["retry"])
+    ckpts = [json.loads(x) for x in (tmp_path / "retry" / "checkpoints.jsonl").read_text().splitlines()]
+    assert ckpts and "retry-step-" in ckpts[-1]["path"]  # named apart from the first stage's

@@ -38,8 +38,9 @@ async def open_training_client(
 
 
 async def save_checkpoint(tc: Any, step: int, log_dir: Path) -> str:
-    """``save_state`` (weights + optimizer) named after ``step``, appended to the index."""
-    path = (await (await tc.save_state_async(f"step-{step:06d}"))).path
+    """``save_state`` (weights + optimizer) named after the run's folder and ``step`` (one training
+    client may go through several runs, e.g. SFT then RL), appended to the index."""
+    path = (await (await tc.save_state_async(f"{Path(log_dir).name}-step-{step:06d}"))).path
     with (Path(log_dir) / INDEX).open("a") as f:
         f.write(json.dumps({"step": step, "path": path}) + "\n")
     return path
