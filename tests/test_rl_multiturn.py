@@ -202,3 +202,50 @@ def test_addition_retry_recipe_smoke(tmp_path) -> None:
     assert all(0 <= r["eval/success"] <= 1 and 1 <= r["eval/attempts"] <= 3 for r in summary["retry"])
     ckpts = [json.loads(x) for x in (tmp_path / "retry" / "checkpoints.jsonl").read_text().splitlines()]
     assert ckpts and "retry-step-" in ckpts[-1]["path"]  # named apart from the first stage's
+
+
+def test_calculator_rules_and_smoke_run(service, renderer, tmp_path) -> None:
+    """The calculator tool: it answers the first expression the model writes (whatever numbers),
+    a reply whose first number is the product ends the episode, anything else gets a nudge."""
+    from opentinker.tasks import calculator as calc
+
+    assert calc.first_number("It is 56,876.") == 56876 and calc.first_number("1,2345 or 7") == 1
+    assert calc.first_number("no digits") is None
+    assert calc.calculator_call("CALC 964 × 59") == (964, "*", 59, 56876)
+    assert calc.calculator_call("964 - 59 = 5") == (964, "-", 59, 905)
+    assert calc.calculator_call("the answer is 3") is None
+
+    async def play(replies: list[str], turns: int = 3) -> list:
+        env = calc.CalculatorEnv(renderer, 964, 59, turns)
+        assert env.initial_messages() == [{"role": "user", "content": calc.question(964, 59)}]
+        return [await env.respond(_say(r), True) for r in replies]
+
+    out = asyncio.run(play(["CALC 964 * 59", "56876"]))
+    assert [r.done for r in out] == [False, True] and out[-1].reward == 1.0
+    assert out[0].messages == [
+        {"role": "user", "content": "CALC 964 * 59 = 56876. Now answer with just the number."}
+    ]
+    assert out[-1].metrics == {"success": 1.0, "turns": 2.0, "calls": 1.0, "right_call": 1.0}
+    # a wrong expression is evaluated as written; a reply with neither answer nor call is nudged
+    out = asyncio.run(play(["964 * 95 = ?", "I do not know", "55000"]))
+    assert out[0].messages[0]["content"].startswith("CALC 964 * 95 = 91580.")
+    assert out[1].messages == [{"role": "user", "content": calc.NUDGE}]
+    assert out[-1].done and out[-1].reward == 0.0
+    assert out[-1].metrics == {"success": 0.0, "turns": 3.0, "calls": 1.0, "right_call": 0.0}
+    # the answer at once (even without a call) is a success; the turn limit ends the episode
+    assert asyncio.run(play(["56,876"]))[0].reward == 1.0
+    assert asyncio.run(play(["CALC 964 * 59"], turns=1))[0].done
+
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "run"), steps=2, groups_per_step=2, group_size=4,
+        max_tokens=8, learning_rate=3e-4, eval_every=1, progress=False, extra={"eval_problems": 6},
+    )  # fmt: skip
+    dataset, evaluator = calc.build(renderer, cfg)
+    held = set(calc.eval_problems())
+    assert all(not set(g.problems) & held for g in dataset.batch(0))  # type: ignore[attr-defined]
+    res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and len(res.metrics) == 2
+    for r in rows:
+        assert r["env/errors"] == 0 and r["env/episodes"] == 8 and 1 <= r["env/turns_mean"] <= 3
+        assert 0 <= r["eval/success"] <= 1 and r["eval/right_call"] <= r["eval/calls"] + 1e-9

@@ -49,6 +49,11 @@ TASKS: dict[str, TaskSpec] = {
             {"max_tokens": 8, "group_size": 8, "groups_per_step": 4, "eval_every": 20, "learning_rate": 3e-4},
         ),
         TaskSpec(
+            "calculator", "rl", "opentinker.tasks.calculator", "build",
+            "3-digit x 2-digit multiplication with a calculator tool the environment runs (multi-turn)",
+            {"max_tokens": 16, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
+        ),
+        TaskSpec(
             "reply_length", "rl", "opentinker.tasks.reply_length", "build",
             "reply with a target number of words (dense reward; extra target_words, default 5)",
             {"max_tokens": 32, "group_size": 4, "groups_per_step": 2, "eval_every": 5, "learning_rate": 2e-3},
