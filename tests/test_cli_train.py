@@ -91,6 +91,17 @@ def test_rl_multiagent_task(tmp_path: Path, data_dir: str, capsys: pytest.Captur
     assert "X/reward/mean" in out and "O/reward/mean" in out
 
 
+@pytest.mark.parametrize("task", ["addition_retry", "calculator", "guess_number", "reply_length"])
+def test_rl_task_recipe_command_smoke(tmp_path: Path, data_dir: str, task: str) -> None:
+    """Each single-agent RL task's recipe command (``opentinker train rl --task T``) on the tiny model."""
+    d = tmp_path / task
+    rc = _train("rl", "--task", task, "--steps", "1", "--log-dir", str(d), "--data-dir", data_dir,
+                "--group-size", "2", "--groups-per-step", "1", "--max-tokens", "6", *FAST)  # fmt: skip
+    assert rc == 0
+    [row] = read_metrics(d)
+    assert row["step"] == 0 and row["env/errors"] == 0 and "reward/mean" in row
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
