@@ -18,7 +18,8 @@ on ``--device`` (default cpu), one after the other in this process (``--order``)
 * **ours**: an embedded ``opentinker.ServiceClient`` and the sync step of ``run_rl`` (rollouts with
   ``rollout_group`` -> ``build_datums`` -> ``forward_backward`` + ``optim_step`` -> fresh sampler),
   loss ``--loss``; evaluation with ``make_evaluator``. ``--ours-impl run_rl`` drives ``run_rl``
-  itself instead (it has no early-stop hook: its evaluator raises to stop it).
+  itself instead (its evaluator reports ``race_done``; ``stop_when`` ends the run on it, so the
+  last evaluation and the final checkpoint are written as in any run).
 
 The clock counts training only: it starts after the step-0 evaluation and stops while evaluating
 (model loading and set-up are outside it too). A system reaches the target at the first evaluation
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import json
 import math
@@ -53,10 +53,6 @@ from opentinker.tasks.arithmetic import eval_problems, first_int_reward, questio
 GROUPS, GROUP_SIZE, RANK, ALPHA, MAX_TOKENS, TEMPERATURE = 4, 8, 8, 32, 8, 1.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 SAME = ("model", "target", "lr", "eval_every", "eval_problems", "seed")  # to pair runs of the two sides
-
-
-class StopTraining(Exception):
-    """Raised by our evaluator to end ``run_rl`` (``--ours-impl run_rl``)."""
 
 
 class Race:
@@ -300,13 +296,12 @@ async def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             race.pause()
             race.steps = step
             await evaluate(policy, step)
-            if race.done:
-                raise StopTraining
-            race.resume()
-            return {"accuracy": race.trace[-1]["accuracy"]}
+            if not race.done:  # once done, the clock stays stopped for run_rl's wrap-up
+                race.resume()
+            return {"accuracy": race.trace[-1]["accuracy"], "race_done": float(race.done)}
 
-        with contextlib.suppress(StopTraining):
-            await run_rl(cfg, service, dataset, stopping_evaluator)
+        cfg.stop_when = ("eval/race_done", 1.0)
+        await run_rl(cfg, service, dataset, stopping_evaluator)
         race.pause()
         metrics = Path(cfg.log_dir) / "metrics.jsonl"
         if metrics.exists():
