@@ -134,6 +134,37 @@ def test_opponent_pool_groups_script_one_side(service, renderer) -> None:
         assert not g.trajectory_group(side).trajectories
 
 
+def test_tictactoe_illegal_reward_side_share_and_shared_opponent(renderer) -> None:
+    params = types.SamplingParams(max_tokens=4)
+    env = TicTacToeEnv(renderer, illegal_reward=-2.0)
+    asyncio.run(play_game(env, {"X": Moves(["5", "5"]), "O": Moves(["1"])}, params))
+    assert env.rewards() == {"X": -2.0, "O": 0.0}  # an illegal move costs more than a loss
+    env = TicTacToeEnv(renderer, illegal_reward=-2.0)
+    asyncio.run(play_game(env, {"X": Moves(["5", "1", "9"]), "O": Moves(["2", "3"])}, params))
+    assert env.rewards() == {"X": 1.0, "O": -1.0}  # a legal loss is still -1
+    with pytest.raises(ValueError):
+        TicTacToeEnv(renderer, illegal_reward=-0.5)
+    builders = TicTacToeDataset(renderer, 8, 2, random_frac=1.0, random_x_share=1.0).batch(0)
+    assert {b.random_side for b in builders} == {"X"}  # type: ignore[attr-defined]
+    ds = TicTacToeDataset(renderer, 4, 3, random_frac=1.0, illegal_reward=-2.0, shared_opponent=True)
+    for b in ds.batch(0):
+        assert all(g.illegal_reward == -2.0 for g in asyncio.run(b.make_games()))  # type: ignore[attr-defined]
+        side = b.random_side  # type: ignore[attr-defined]
+        replies = [asyncio.run(b.scripted(i)[side].reply(TicTacToeEnv(renderer), side)) for i in range(3)]
+        assert len(set(replies)) == 1  # one random opponent per group: same position, same move
+    with pytest.raises(ValueError):
+        TicTacToeDataset(renderer, 1, 1, random_x_share=1.5)
+    env = TicTacToeEnv(renderer, "X........")  # an odd opening: O to move
+    asyncio.run(env.reset())
+    assert env.current_agent() == "O"
+    with pytest.raises(ValueError):
+        TicTacToeEnv(renderer, "XX.......")
+    rng = random.Random(0)
+    for _ in range(20):
+        op = random_opening(rng, 2, odd=True)
+        assert op.count("X") == op.count("O") + 1 <= 3 and winner(op) is None
+
+
 class _Spy:
     """Wraps a ServiceClient: records the datums each training client (by model id) is sent."""
 

@@ -6,17 +6,24 @@ from the mover's side: for ``O`` the marks are swapped, so every prompt says "Yo
 mover's own marks are the ``X``s. The first integer of the reply is the move (cell 1-9, row by row).
 
 Rewards: win +1, loss -1, draw 0. An illegal move (no integer, a number outside 1-9, an occupied
-cell) ends the game: the offender gets -1 and the other agent **0** (it did nothing to earn a win:
-a +1 would credit its earlier moves with the opponent's blunder). Game metrics: ``X_wins``,
+cell) ends the game: the offender gets ``illegal_reward`` (default -1, the same as a loss;
+``cfg.extra["illegal_reward"]`` below -1 makes a forfeit worse than a legal loss, so an agent whose
+games all end in a loss or a forfeit still gets a signal for legality) and the other agent **0**
+(it did nothing to earn a win: a +1 would credit its earlier moves with the opponent's blunder).
+Game metrics: ``X_wins``,
 ``O_wins``, ``draws``, ``illegal`` (a game ended by an illegal move), ``X_illegal``, ``O_illegal``,
 ``moves``.
 
 Training groups: ``group_size`` games from one opening position (the empty board, or a random
 position with 2 or 4 marks, X to move: ``cfg.extra["opening_pairs"]``, default 1, is the most
-move pairs played at random; 0 = always the empty board). Self-play only by default; with
-``cfg.extra["random_frac"] = f`` a share f of the groups has one side (X or O, at random) played by
-:class:`RandomMover` (an opponent pool: the other agent trains on those games too; the scripted
-side's moves are never trained on). Evaluation: each trained policy, greedy,
+move pairs played at random; 0 = always the empty board; ``odd_frac``, default 0, is the share of
+openings with one more random X mark, O to move). Self-play only by default; with
+``cfg.extra["random_frac"] = f`` a share f of the groups has one side played by :class:`RandomMover`
+(an opponent pool: the other agent trains on those games too; the scripted side's moves are never
+trained on); the random side is X (so O trains) in a share ``random_x_share`` (default 0.5) of
+them. With ``shared_opponent`` the random side of a group uses one seed in all the group's games,
+so they follow one line until the trained agent's moves differ (a same-position baseline for the
+group-relative advantages) instead of each game facing different random moves. Evaluation: each trained policy, greedy,
 against :class:`RandomMover` (a uniformly random legal move) over ``eval_games`` fixed-seed games
 from the empty board, playing its own side: ``<agent>/win_rate``, ``loss_rate``, ``draw_rate``,
 ``illegal_rate`` (illegal moves by the policy; they count as losses too).
@@ -25,6 +32,7 @@ from the empty board, playing its own side: ``<agent>/win_rate``, ``loss_rate``,
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 from collections.abc import Sequence
@@ -82,11 +90,12 @@ def parse_move(text: str) -> int | None:
     return n - 1 if 1 <= n <= 9 else None
 
 
-def random_opening(rng: random.Random, max_pairs: int) -> str:
-    """The empty board or a position after 1..``max_pairs`` random move pairs, no winner, X to move."""
+def random_opening(rng: random.Random, max_pairs: int, odd: bool = False) -> str:
+    """The empty board or a position after 1..``max_pairs`` random move pairs, no winner, X to move;
+    with ``odd`` one more random X mark (O to move)."""
     while True:
         board = list(EMPTY)
-        for t in range(2 * rng.randint(0, max_pairs)):
+        for t in range(2 * rng.randint(0, max_pairs) + int(odd)):
             board[rng.choice(legal_moves(board))] = "XO"[t % 2]
         if winner(board) is None:
             return "".join(board)
@@ -100,13 +109,21 @@ def random_move(board: Sequence[str], rng: random.Random) -> int:
 class TicTacToeEnv(MultiAgentEnv):
     agents = AGENTS
 
-    def __init__(self, renderer: Renderer, opening: str = EMPTY) -> None:
+    def __init__(self, renderer: Renderer, opening: str = EMPTY, illegal_reward: float = -1.0) -> None:
         super().__init__(renderer)
-        if len(opening) != 9 or set(opening) - set("XO.") or opening.count("X") != opening.count("O"):
-            raise ValueError(f"opening must be 9 cells of X/O/. with X to move, got {opening!r}")
+        if not math.isfinite(illegal_reward) or illegal_reward > -1.0:
+            raise ValueError(f"illegal_reward must be finite and at most -1 (a loss), got {illegal_reward}")
+        self.illegal_reward = illegal_reward
+        if (
+            len(opening) != 9
+            or set(opening) - set("XO.")
+            or opening.count("X") - opening.count("O") not in (0, 1)
+        ):
+            raise ValueError(f"opening must be 9 cells of X/O/. with X or O to move, got {opening!r}")
         self.opening = opening
+        self.first = "X" if opening.count("X") == opening.count("O") else "O"
         self.board = list(opening)
-        self.to_move = "X"
+        self.to_move = self.first
         self.result: str | None = None  # "X" / "O" (winner), "draw"
         self.illegal_by: str | None = None
         self.moves = 0
@@ -115,7 +132,7 @@ class TicTacToeEnv(MultiAgentEnv):
         await super().reset()
         self.board, self.to_move, self.result, self.illegal_by, self.moves = (
             list(self.opening),
-            "X",
+            self.first,
             None,
             None,
             0,
@@ -149,7 +166,9 @@ class TicTacToeEnv(MultiAgentEnv):
         if self.result == "draw":
             return {"X": 0.0, "O": 0.0}
         loser = other(self.result)
-        return {self.result: 0.0 if self.illegal_by else 1.0, loser: -1.0}
+        if self.illegal_by:
+            return {self.result: 0.0, loser: self.illegal_reward}
+        return {self.result: 1.0, loser: -1.0}
 
     def metrics(self) -> dict[str, float]:
         won = None if self.illegal_by else self.result
@@ -179,20 +198,29 @@ class TicTacToeGroup(GameGroupBuilder):
     """``size`` games from ``opening``; with ``random_side`` that side is a :class:`RandomMover`."""
 
     def __init__(
-        self, renderer: Renderer, opening: str, size: int, random_side: str | None = None, seed: int = 0
+        self,
+        renderer: Renderer,
+        opening: str,
+        size: int,
+        random_side: str | None = None,
+        seed: int = 0,
+        illegal_reward: float = -1.0,
+        shared_opponent: bool = False,
     ) -> None:
         if random_side not in (None, *AGENTS):
             raise ValueError(f"random_side must be None, 'X' or 'O', got {random_side!r}")
         self.renderer, self.opening, self.size = renderer, opening, size
-        self.random_side, self.seed = random_side, seed
+        self.random_side, self.seed, self.illegal_reward = random_side, seed, illegal_reward
+        self.shared_opponent = shared_opponent
 
     async def make_games(self) -> Sequence[MultiAgentEnv]:
-        return [TicTacToeEnv(self.renderer, self.opening) for _ in range(self.size)]
+        return [TicTacToeEnv(self.renderer, self.opening, self.illegal_reward) for _ in range(self.size)]
 
     def scripted(self, game: int) -> dict[str, ScriptedPolicy]:
         if self.random_side is None:
             return {}
-        return {self.random_side: RandomMover(random.Random(self.seed * 1_000_003 + game))}
+        k = 0 if self.shared_opponent else game
+        return {self.random_side: RandomMover(random.Random(self.seed * 1_000_003 + k))}
 
     def tags(self) -> list[str]:
         return ["tictactoe", "selfplay" if self.random_side is None else "vs_random"]
@@ -208,19 +236,36 @@ class TicTacToeDataset(MultiAgentDataset):
         seed: int = 0,
         opening_pairs: int = 1,
         random_frac: float = 0.0,
+        random_x_share: float = 0.5,
+        illegal_reward: float = -1.0,
+        shared_opponent: bool = False,
+        odd_frac: float = 0.0,
     ) -> None:
-        if not 0.0 <= random_frac <= 1.0:
-            raise ValueError(f"random_frac must be in [0, 1], got {random_frac}")
+        for name, v in (
+            ("random_frac", random_frac),
+            ("random_x_share", random_x_share),
+            ("odd_frac", odd_frac),
+        ):
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
         self.renderer, self.n, self.size, self.seed = renderer, groups_per_step, group_size, seed
-        self.opening_pairs, self.random_frac = opening_pairs, random_frac
+        self.opening_pairs, self.random_frac, self.random_x_share = opening_pairs, random_frac, random_x_share
+        self.illegal_reward, self.shared_opponent, self.odd_frac = illegal_reward, shared_opponent, odd_frac
 
     def batch(self, step: int) -> list[GameGroupBuilder]:
         rng = random.Random(f"tictactoe/{self.seed}/{step}")
         out: list[GameGroupBuilder] = []
         for _ in range(self.n):
-            opening = random_opening(rng, self.opening_pairs)
-            side = rng.choice(AGENTS) if rng.random() < self.random_frac else None
-            out.append(TicTacToeGroup(self.renderer, opening, self.size, side, seed=rng.randrange(1 << 30)))
+            opening = random_opening(rng, self.opening_pairs, odd=rng.random() < self.odd_frac)
+            side = None
+            if rng.random() < self.random_frac:
+                side = "X" if rng.random() < self.random_x_share else "O"
+            out.append(
+                TicTacToeGroup(
+                    self.renderer, opening, self.size, side, seed=rng.randrange(1 << 30),
+                    illegal_reward=self.illegal_reward, shared_opponent=self.shared_opponent,
+                )
+            )  # fmt: skip
         return out
 
 
@@ -256,12 +301,15 @@ def make_evaluator(renderer: Renderer, *, games: int = 50, max_tokens: int = 4, 
 
 def build(renderer: Renderer, cfg: Any) -> MultiAgentTask:
     """Registry entry (``kind="multiagent"``). ``cfg.extra``: ``opening_pairs`` (1), ``random_frac``
-    (0: the share of groups in which one side, X or O at random, is a :class:`RandomMover`),
-    ``eval_games`` (50)."""
+    (0: the share of groups in which one side is a :class:`RandomMover`), ``random_x_share`` (0.5),
+    ``shared_opponent`` (False), ``odd_frac`` (0), ``illegal_reward`` (-1), ``eval_games`` (50)."""
     extra = getattr(cfg, "extra", None) or {}
     dataset = TicTacToeDataset(
         renderer, cfg.groups_per_step, cfg.group_size, seed=cfg.seed,
         opening_pairs=int(extra.get("opening_pairs", 1)), random_frac=float(extra.get("random_frac", 0.0)),
+        random_x_share=float(extra.get("random_x_share", 0.5)),
+        illegal_reward=float(extra.get("illegal_reward", -1.0)),
+        shared_opponent=bool(extra.get("shared_opponent", False)), odd_frac=float(extra.get("odd_frac", 0.0)),
     )  # fmt: skip
     evaluator = make_evaluator(renderer, games=int(extra.get("eval_games", 50)), max_tokens=cfg.max_tokens)
     return MultiAgentTask(
