@@ -57,9 +57,7 @@ async def main(args: argparse.Namespace) -> dict:
     single = RLConfig(log_dir=str(log / "single"), steps=args.single_steps, eval_every=0, **common)
     dataset, evaluator = arithmetic.build(renderer, single)
     first = await run_rl(single, service, dataset, evaluator)
-    retry = RLConfig(
-        log_dir=str(log / "retry"), steps=args.retry_steps, eval_every=args.eval_every, **common
-    )
+    retry = RLConfig(log_dir=str(log / "retry"), steps=args.retry_steps, eval_every=args.eval_every, **common)
     dataset, evaluator = addition_retry.build(renderer, retry)
     second = await run_rl(retry, service, dataset, evaluator, training_client=first.training_client)
     evals = [r for r in second.metrics if "eval/success" in r]
