@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--no-lean", action="store_true", help="sample through the HF module tree, not the lean Llama path"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
 
@@ -40,7 +43,7 @@ def main() -> None:
         for t in engine.adapter_weights(aid).b.values():
             with torch.no_grad():
                 t.normal_(std=0.01)
-    sampler = NativeBackend(engine)
+    sampler = NativeBackend(engine, lean_decode=not args.no_lean)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, base.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in ids]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0, stop=[])

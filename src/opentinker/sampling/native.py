@@ -22,14 +22,18 @@ from __future__ import annotations
 import inspect
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from opentinker.engine import Engine, EngineError
-from opentinker.lora import LoRAWeights
+from opentinker.engine.types import PolicyRef
+from opentinker.lora import LoRABatch, LoRAWeights
 from opentinker.sampling.backend import RolloutBackend
+from opentinker.sampling.llama_decode import LeanCache, LeanLoRA, LlamaLean, lean_llama
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams, StopReason
 
 
@@ -50,12 +54,18 @@ class _Row:
 
 
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
+LEAN_FIRST_DECODE_COLUMNS = 256  # static KV cache columns allocated for decode at first (then doubled)
 
 
 class NativeBackend(RolloutBackend):
-    def __init__(self, engine: Engine, *, share_prefix: bool = True) -> None:
+    def __init__(self, engine: Engine, *, share_prefix: bool = True, lean_decode: bool = True) -> None:
+        """``lean_decode``: run prefill and decode steps of Llama-family models through
+        :class:`~opentinker.sampling.llama_decode.LlamaLean` (fused weights, static KV cache) instead
+        of the HF module tree; other models always take the HF forward."""
         self.engine = engine
         self.share_prefix = share_prefix
+        self.lean_decode = lean_decode
+        self._lora_cache = _LoRACache()
         self.tokenizer = engine.base.tokenizer
         self.eos_ids = _eos_ids(engine)
         # transformers 5.x renamed forward's ``past_key_values`` to ``cache``; accept either.
@@ -69,6 +79,7 @@ class NativeBackend(RolloutBackend):
         self.engine.add_snapshot(policy_id, weights)
 
     def retire(self, policy_id: str) -> None:
+        self._lora_cache.clear()
         self.engine.release_snapshot(policy_id)
 
     # ---------------------------------------------------------------- sampling
@@ -119,7 +130,7 @@ class NativeBackend(RolloutBackend):
 
     @torch.no_grad()
     def _run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
-        eng, model, dev = self.engine, self.engine.base.model, self.engine.device
+        eng, dev = self.engine, self.engine.device
         want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
         shared = 0 if want_prompt or not self.share_prefix else common_prompt_prefix(reqs)
         lens = [len(r.prompt) - shared for r in reqs]
@@ -130,28 +141,15 @@ class NativeBackend(RolloutBackend):
             ids[i, width - lens[i] :] = torch.tensor(r.prompt[shared:], device=dev)
             mask[i, width - lens[i] :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0) + shared
-        cache = DynamicCache()
-        if shared:  # the common prefix once, its KV cache then copied to every row
-            with eng.routing([reqs[0].policy]):
-                model(
-                    input_ids=torch.tensor([reqs[0].prompt[:shared]], device=dev),
-                    position_ids=torch.arange(shared, device=dev)[None],
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **{self._cache_kw: cache},
-                )
-            cache.batch_select_indices(torch.zeros(len(reqs), dtype=torch.long, device=dev))
-            mask = torch.cat([mask.new_ones(len(reqs), shared), mask], dim=1)
-        with eng.routing([r.policy for r in reqs]):
-            out = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=0 if want_prompt else 1,
-                **{self._cache_kw: cache},
-            )
-        logits = out.logits.float()
+        lean = self._lean()
+        if lean is not None:
+            # columns the decode may feed: every row's new tokens but its last
+            most = max(min(r.params.max_tokens, eng.max_context - len(r.prompt)) for r in reqs)
+            model: _Forward = _LeanForward(eng, lean, shared + width, most - 1, self._lora_cache)
+        else:
+            model = _HFForward(eng, self._cache_kw)
+        prefill_plan = model.plan([r.policy for r in reqs])
+        logits = model.prefill(reqs, shared, ids, mask, pos, want_prompt, prefill_plan)
         results = [SampleResult(sequences=[]) for _ in reqs]
         for i, r in enumerate(reqs):
             if r.prompt_logprobs or r.topk_prompt_logprobs:
@@ -162,9 +160,9 @@ class NativeBackend(RolloutBackend):
             for k in range(r.num_samples):
                 rows.append(self._new_row(i, r, k, len(r.prompt)))
         select = torch.tensor([row.req for row in rows], device=dev)
-        cache.batch_select_indices(select)
-        mask = mask[select]
-        plan = eng.plan_routing([row.policy for row in rows])  # stacked once for the whole decode
+        model.select(select)
+        # the prefill's stacked adapters serve the decode (rows follow their requests in order)
+        plan = model.fan_out(prefill_plan, select, [row.policy for row in rows])
         last = logits[select, -1]  # [S, V]
         active = list(range(len(rows)))
         ctx = eng.max_context
@@ -180,28 +178,23 @@ class NativeBackend(RolloutBackend):
                 break
             if len(keep) < len(active):
                 idx = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(idx)
-                mask = mask[idx]
+                model.select(idx)
                 plan = plan.select(idx) if plan is not None else None
                 active = [active[j] for j in keep]
             step_ids = torch.tensor([[rows[s].tokens[-1]] for s in active], device=dev)
-            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             step_pos = torch.tensor(
                 [[rows[s].prompt_len + len(rows[s].tokens) - 1] for s in active], device=dev
             )
-            with eng.routing(plan):
-                out = model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_pos,
-                    use_cache=True,
-                    **{self._cache_kw: cache},
-                )
-            last = out.logits[:, -1].float()
+            last = model.step(step_ids, step_pos, plan)
         for row in rows:
             assert row.reason is not None
             results[row.req].sequences.append(SampledSequence(row.tokens, row.logprobs, row.reason))
         return results
+
+    def _lean(self) -> LlamaLean | None:
+        if not self.lean_decode:
+            return None
+        return lean_llama(self.engine.base.model, self.engine.lora.groups)
 
     def _new_row(self, i: int, r: SampleRequest, k: int, prompt_len: int) -> _Row:
         seed = r.params.seed
@@ -241,6 +234,229 @@ class NativeBackend(RolloutBackend):
             raise res
         assert res.prompt_logprobs is not None
         return res.prompt_logprobs
+
+
+class _Forward(Protocol):
+    """The model side of one ``generate`` batch: prefill, then one decode step at a time."""
+
+    def plan(self, policies: list[PolicyRef]) -> LoRABatch | None:
+        """The routing plan of the requests (row ``i`` through ``policies[i]``)."""
+        ...
+
+    def fan_out(
+        self, plan: LoRABatch | None, select: torch.Tensor, policies: list[PolicyRef]
+    ) -> LoRABatch | None:
+        """The plan of the decode rows ``select`` (request indices, in order; ``policies`` theirs)."""
+        ...
+
+    def prefill(
+        self,
+        reqs: list[SampleRequest],
+        shared: int,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        want_prompt: bool,
+        plan: LoRABatch | None,
+    ) -> torch.Tensor:
+        """fp32 logits [B, T, V] of the left-padded prompts ``ids`` after the ``shared`` prefix
+        (T = every position if ``want_prompt``, else the last one), row ``i`` routed by ``plan``
+        (the requests' policies)."""
+        ...
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep (or repeat) these rows of the KV cache, in this order."""
+        ...
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
+        """fp32 logits [B, V] of one new token per row (``ids``, ``pos``: [B, 1])."""
+        ...
+
+
+class _HFForward:
+    """The model's own HF forward with a ``DynamicCache``, LoRA through the engine's routing."""
+
+    def __init__(self, engine: Engine, cache_kw: str) -> None:
+        self.engine = engine
+        self.model = engine.base.model
+        self.cache_kw = cache_kw
+        self.cache = DynamicCache()
+        self.mask = torch.zeros(0)
+
+    def plan(self, policies: list[PolicyRef]) -> LoRABatch | None:
+        return self.engine.plan_routing(policies)
+
+    def fan_out(
+        self, plan: LoRABatch | None, select: torch.Tensor, policies: list[PolicyRef]
+    ) -> LoRABatch | None:
+        return plan.select(select) if plan is not None and len(policies) > plan.row_index.shape[0] else plan
+
+    def prefill(
+        self,
+        reqs: list[SampleRequest],
+        shared: int,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        want_prompt: bool,
+        plan: LoRABatch | None,
+    ) -> torch.Tensor:
+        eng, model, dev, cache = self.engine, self.model, self.engine.device, self.cache
+        if shared:  # the common prefix once, its KV cache then copied to every row
+            with eng.routing([reqs[0].policy]):
+                model(
+                    input_ids=torch.tensor([reqs[0].prompt[:shared]], device=dev),
+                    position_ids=torch.arange(shared, device=dev)[None],
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self.cache_kw: cache},
+                )
+            cache.batch_select_indices(torch.zeros(len(reqs), dtype=torch.long, device=dev))
+            mask = torch.cat([mask.new_ones(len(reqs), shared), mask], dim=1)
+        with eng.routing(plan):
+            out = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=0 if want_prompt else 1,
+                **{self.cache_kw: cache},
+            )
+        self.mask = mask
+        return out.logits.float()
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(ids.shape[0], 1)], dim=1)
+        with self.engine.routing(plan):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self.mask,
+                position_ids=pos,
+                use_cache=True,
+                **{self.cache_kw: self.cache},
+            )
+        return out.logits[:, -1].float()
+
+
+class _LeanForward:
+    """:class:`LlamaLean` over a static :class:`LeanCache` (``prompt_cols`` prompt columns, up to
+    ``decode_cols`` decode columns, allocated as they are needed). Runs in inference mode (less
+    bookkeeping per op than ``no_grad``); the logits it returns are inference tensors."""
+
+    def __init__(
+        self, engine: Engine, lean: LlamaLean, prompt_cols: int, decode_cols: int, loras: _LoRACache
+    ) -> None:
+        self.engine = engine
+        self.lean = lean
+        self.prompt_cols = prompt_cols
+        self.decode_cols = max(decode_cols, 0)
+        self.loras = loras
+        self.cache: LeanCache | None = None
+        self._plan: LoRABatch | None = None
+        self.lora: LeanLoRA | None = None
+
+    def plan(self, policies: list[PolicyRef]) -> LoRABatch | None:
+        return self.loras.plan(self.engine, policies, lambda: self.engine.plan_routing(policies))
+
+    def fan_out(
+        self, plan: LoRABatch | None, select: torch.Tensor, policies: list[PolicyRef]
+    ) -> LoRABatch | None:
+        if plan is None or len(policies) == plan.row_index.shape[0]:
+            return plan
+        return self.loras.plan(self.engine, policies, lambda: plan.select(select))
+
+    def _lora(self, plan: LoRABatch | None) -> LeanLoRA | None:
+        if plan is not self._plan:
+            self._plan = plan
+            groups, dtype = self.engine.lora.groups, self.lean.dtype
+            self.lora = None if plan is None else self.loras.lora(plan, lambda: LeanLoRA(plan, groups, dtype))
+        return self.lora
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        reqs: list[SampleRequest],
+        shared: int,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        want_prompt: bool,
+        plan: LoRABatch | None,
+    ) -> torch.Tensor:
+        eng, lean, dev = self.engine, self.lean, self.engine.device
+        first = self.prompt_cols + min(self.decode_cols, LEAN_FIRST_DECODE_COLUMNS)
+        cache = lean.new_cache(1 if shared else len(reqs), first, self.prompt_cols + self.decode_cols)
+        self.cache = cache
+        if shared:  # the common prefix once, its KV cache then copied to every row
+            prefix = torch.tensor([reqs[0].prompt[:shared]], device=dev)
+            first_plan = eng.plan_routing([reqs[0].policy])
+            lora = self._lora(first_plan)
+            lean.forward(cache, prefix, torch.arange(shared, device=dev)[None], None, lora, 1)
+            cache.select(torch.zeros(len(reqs), dtype=torch.long, device=dev))
+        logits = lean.forward(cache, ids, pos, mask.bool(), self._lora(plan), 0 if want_prompt else 1)
+        return logits.float()
+
+    @torch.inference_mode()
+    def select(self, rows: torch.Tensor) -> None:
+        assert self.cache is not None
+        self.cache.select(rows)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
+        assert self.cache is not None
+        return self.lean.forward(self.cache, ids, pos, None, self._lora(plan), 1)[:, -1].float()
+
+
+class _LoRACache:
+    """The routing plans (stacked adapters) and fused LoRA weights of the last batch's policies,
+    reused by later batches while every policy keeps the same weights, unchanged in place (same
+    tensors, same version counters): a sampler serving the same adapters again (an evaluation
+    loop, the samples of one RL step) stacks and fuses nothing. It holds those tensors (two to
+    three times the adapters' own size) until the policies or their weights change, or a snapshot
+    is retired. Only the lean path uses it; the HF path stacks the adapters for every batch."""
+
+    MAX_LAYOUTS = 4  # row layouts kept per set of weights
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self._policies: tuple[PolicyRef, ...] = ()
+        self._weights: list[tuple[LoRAWeights, tuple[int, ...]]] = []
+        self._plans: dict[tuple[PolicyRef, ...], LoRABatch | None] = {}
+        self._loras: dict[int, tuple[LoRABatch, LeanLoRA]] = {}
+
+    def plan(
+        self, engine: Engine, policies: list[PolicyRef], build: Callable[[], LoRABatch | None]
+    ) -> LoRABatch | None:
+        distinct = tuple(dict.fromkeys(policies))
+        weights = [engine.adapter_weights(p) for p in distinct if p is not None]
+        current = [(w, tuple(t._version for t in w.tensors())) for w in weights]
+        same = distinct == self._policies and all(
+            w is w0 and v == v0 for (w, v), (w0, v0) in zip(current, self._weights, strict=True)
+        )
+        if not same:
+            self.clear()
+            self._policies, self._weights = distinct, current
+        key = tuple(policies)
+        if key not in self._plans:
+            if len(self._plans) >= self.MAX_LAYOUTS:
+                self._plans, self._loras = {}, {}
+            self._plans[key] = build()
+        return self._plans[key]
+
+    def lora(self, plan: LoRABatch, build: Callable[[], LeanLoRA]) -> LeanLoRA:
+        hit = self._loras.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        lora = build()
+        if any(p is plan for p in self._plans.values()):  # not the plans of rows that finished
+            self._loras[id(plan)] = (plan, lora)
+        return lora
 
 
 def common_prompt_prefix(reqs: list[SampleRequest]) -> int:

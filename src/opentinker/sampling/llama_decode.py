@@ -1,0 +1,454 @@
+"""A lean forward for Llama-family models while sampling: prefill and KV-cache decode steps.
+
+HF's module tree costs more than the arithmetic of a small model's decode step: every step walks
+~20 modules per layer, grows a ``DynamicCache`` by ``torch.cat`` (a copy of the whole cache, every
+layer, every step), rebuilds the attention mask, and every wrapped projection runs its own Python
+``delta()`` and two small matmuls. :class:`LlamaLean` computes the same function with a few
+tensor ops per layer:
+
+* **Fused base weights.** ``q|k|v`` and ``gate|up`` are concatenated once into one matrix per layer
+  (one ``F.linear`` per fused group). They are copies: the base model is frozen, so they are built
+  once per model (cached on it, shared by every engine and backend over it, rebuilt if its
+  weights move) and cost ``L·(q_out + k_out + v_out + 2·intermediate)·hidden`` extra parameters:
+  +2 MB (fp32) for ``opentinker/tiny``, +280 MB (fp32) for SmolLM2-135M.
+* **Static KV cache.** One tensor ``[layers, 2, rows, kv_heads, columns, head_dim]`` written in
+  place; rows that finish (or fan out) leave with one ``index_select`` of the written columns;
+  columns grow by doubling when needed (never a copy per step). Left padding is a column mask.
+  A decode step attends on the kv heads directly (a kv head's query heads are its "query
+  positions", no repeat of K/V) with three batched ops (scores, softmax, values); the prefill
+  uses SDPA with a causal + padding mask.
+* **RoPE** from a table evaluated once by the model's own rotary module (same ``cos``/``sin``;
+  ``rotate_half`` as a roll with the sign folded into the ``sin`` table, which is exact).
+* **Multi-LoRA** from the engine's routing plan (:class:`LoRABatch`), with the same math as
+  ``LoRABatch.delta``: ``y += (x @ Aᵀ) @ (scale·Bᵀ)`` per row's adapter (``None`` rows get zero
+  weights), for every wrapped projection including ``lm_head``. Siblings that read the same input
+  share one batched matmul on ``[A_q|A_k|A_v]`` (likewise gate/up); see :class:`LeanLoRA` for ``B``.
+
+The result equals the HF forward up to float rounding (fused GEMMs and a different attention
+kernel sum in other orders: ~1e-7 relative in fp32); ``tests/test_llama_decode.py`` checks greedy
+tokens are identical and logprobs agree to 1e-5. Only models whose every part is understood take
+this path (:func:`lean_llama` returns None otherwise and the sampler keeps the HF forward):
+``LlamaForCausalLM`` with SiLU MLP, RMSNorm, ``"default"`` RoPE, no biases, and LoRA wrapped on
+exactly the projections above.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from opentinker.lora import LoRABatch
+from opentinker.lora.layers import TargetGroup
+
+# fused projection -> the LoRA groups it is made of (in output order)
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gu": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+    "lm_head": ("lm_head",),
+}
+_KNOWN_GROUPS = frozenset(g for names in FUSED.values() for g in names)
+_CACHE_ATTR = "_opentinker_lean"
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [q_out + 2·kv_out, H]
+    w_o: torch.Tensor  # [H, q_out]
+    ln2: torch.Tensor  # [H]
+    w_gu: torch.Tensor  # [2·I, H]
+    w_down: torch.Tensor  # [H, I]
+
+
+def _rope_type(config: Any) -> str | None:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict):
+        return params.get("rope_type", params.get("type", "default"))
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling is None:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+
+
+def unsupported_reason(model: Any, groups: dict[str, TargetGroup]) -> str | None:
+    """Why :class:`LlamaLean` cannot run ``model`` (None if it can)."""
+    config: Any = getattr(model, "config", None)
+    if (
+        config is None
+        or type(model).__name__ != "LlamaForCausalLM"
+        or getattr(config, "model_type", None) != "llama"
+    ):
+        return "not a LlamaForCausalLM"
+    checks = {
+        "rope type": _rope_type(config) == "default",
+        "activation": getattr(config, "hidden_act", None) == "silu",
+        "attention bias": not getattr(config, "attention_bias", False),
+        "mlp bias": not getattr(config, "mlp_bias", False),
+        "pretraining_tp": getattr(config, "pretraining_tp", 1) == 1,
+        "rope scaling": float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) == 1.0,
+        "layers": len(model.model.layers) == config.num_hidden_layers,
+        "lora groups": set(groups) <= _KNOWN_GROUPS,
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    return f"unsupported {', '.join(bad)}" if bad else None
+
+
+def lean_llama(model: Any, groups: dict[str, TargetGroup]) -> LlamaLean | None:
+    """The lean forward of ``model`` (built once and cached on it), or None if it is not supported."""
+    if unsupported_reason(model, groups) is not None:
+        return None
+    lean = getattr(model, _CACHE_ATTR, None)
+    if not isinstance(lean, LlamaLean) or not lean.current():
+        lean = LlamaLean(model)
+        object.__setattr__(model, _CACHE_ATTR, lean)
+    return lean
+
+
+def _weight(module: Any) -> torch.Tensor:
+    return module.weight  # a MultiLoRALinear forwards .weight to its frozen base
+
+
+class LlamaLean:
+    """Fused frozen weights of one Llama model and its forward over a :class:`LeanCache`."""
+
+    @torch.no_grad()
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        inner = model.model
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.n_heads)
+        self.hidden = int(config.hidden_size)
+        self.inter = int(config.intermediate_size)
+        self.eps = float(config.rms_norm_eps)
+        self.scaling = self.head_dim**-0.5
+        self.max_positions = int(config.max_position_embeddings)
+        self.embed = _weight(inner.embed_tokens)
+        self.norm = _weight(inner.norm)
+        self.w_lm = _weight(model.lm_head)
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.layers: list[_Layer] = []
+        sources = [self.embed, self.norm, self.w_lm]
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            parts = [_weight(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]
+            ln1, ln2 = _weight(layer.input_layernorm), _weight(layer.post_attention_layernorm)
+            w_o, w_down = _weight(attn.o_proj), _weight(mlp.down_proj)
+            sources += [*parts, ln1, ln2, w_o, w_down]
+            self.layers.append(
+                _Layer(
+                    ln1=ln1,
+                    w_qkv=torch.cat(parts[:3]).contiguous(),
+                    w_o=w_o,
+                    ln2=ln2,
+                    w_gu=torch.cat(parts[3:]).contiguous(),
+                    w_down=w_down,
+                )
+            )
+        self._sources = [(t, t.data_ptr(), t._version) for t in sources]
+        self._rotary = inner.rotary_emb
+        self._cos = self._sin = torch.empty(0)
+        self._rope_table(min(self.max_positions, 1024))
+
+    def current(self) -> bool:
+        """Whether the model still holds the weights these were built from (not moved, replaced
+        or written in place)."""
+        return all(t.data_ptr() == p and t._version == v for t, p, v in self._sources)
+
+    def _rope_table(self, n: int) -> None:
+        pos = torch.arange(n, device=self.device)[None]
+        x = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self._rotary(x, pos)  # the model's own rotary module: the same cos/sin as HF's
+        half = cos.shape[-1] // 2
+        # rotate_half(x)·sin = roll(x, half)·[-sin₁, sin₂]: the sign moves into the table (exact)
+        self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at positions ``pos`` ([B, T]) as [B, T, 1, head_dim]."""
+        need = int(pos.max()) + 1
+        if need > self._cos.shape[0]:
+            self._rope_table(max(need, min(2 * self._cos.shape[0], self.max_positions)))
+        return self._cos[pos].unsqueeze(2), self._sin[pos].unsqueeze(2)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the fused kernel equals HF's formula bit for bit in fp32
+            return F.rms_norm(x, (self.hidden,), w, self.eps)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * h.to(x.dtype)
+
+    def new_cache(self, rows: int, columns: int, max_columns: int) -> LeanCache:
+        return LeanCache(self, rows, columns, max_columns)
+
+    def forward(
+        self,
+        cache: LeanCache,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        valid: torch.Tensor | None,
+        lora: LeanLoRA | None,
+        keep: int,
+    ) -> torch.Tensor:
+        """Run ``ids`` ([B, T] at RoPE positions ``pos``; ``valid`` False on left padding, None =
+        all real) after the ``cache.length`` columns already cached; return the logits of the last
+        ``keep`` positions (0 = all), [B, keep, V]."""
+        B, T = ids.shape
+        c0 = cache.length
+        L = c0 + T
+        cache.append(T, valid)
+        keys, values = cache.keys, cache.values
+        if T == 1:
+            bias, mask, causal = cache.decode_bias(self.n_kv), None, False
+        else:
+            bias, (mask, causal) = None, cache.attention_mask(c0, T)
+        nq, nkv, D = self.n_heads, self.n_kv, self.head_dim
+        rep = nq // nkv
+        cos, sin = self.rope(pos)
+        h = F.embedding(ids, self.embed)
+        half = D // 2
+        for i, layer in enumerate(self.layers):
+            x = self._rms(h, layer.ln1)
+            qkv = F.linear(x, layer.w_qkv)
+            if lora is not None:
+                qkv = lora.apply(qkv, x, "qkv", i)
+            qkv = qkv.view(B, T, nq + 2 * nkv, D)
+            qk = qkv[:, :, : nq + nkv]
+            qk = qk * cos + qk.roll(half, -1) * sin  # HF's q·cos + rotate_half(q)·sin
+            kc, vc = keys[i], values[i]
+            kc[:, :, c0:L] = qk[:, :, nq:].transpose(1, 2)
+            vc[:, :, c0:L] = qkv[:, :, nq + nkv :].transpose(1, 2)
+            k, v = kc[:, :, :L], vc[:, :, :L]
+            if T == 1:
+                # a kv head's `rep` query heads act as its query positions (no repeat of K/V); three
+                # batched matmul/softmax ops cost less than SDPA's kernel set-up at this size
+                q = qk[:, 0, :nq].reshape(B * nkv, rep, D)
+                k3, v3 = k.reshape(B * nkv, L, D), v.reshape(B * nkv, L, D)  # views of the cache
+                assert bias is not None
+                scores = torch.baddbmm(bias, q, k3.transpose(1, 2), alpha=self.scaling)
+                att = torch.bmm(torch.softmax(scores, -1), v3).view(B, 1, nq * D)
+            else:
+                q = qk[:, :, :nq].transpose(1, 2)
+                att = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=rep > 1
+                )
+                att = att.transpose(1, 2).reshape(B, T, nq * D)
+            o = F.linear(att, layer.w_o)
+            if lora is not None:
+                o = lora.apply(o, att, "o", i)
+            h = h + o
+            x = self._rms(h, layer.ln2)
+            gu = F.linear(x, layer.w_gu)
+            if lora is not None:
+                gu = lora.apply(gu, x, "gu", i)
+            act = F.silu(gu[..., : self.inter]) * gu[..., self.inter :]
+            d = F.linear(act, layer.w_down)
+            if lora is not None:
+                d = lora.apply(d, act, "down", i)
+            h = h + d
+        if keep:
+            h = h[:, -keep:]
+        x = self._rms(h, self.norm)
+        logits = F.linear(x, self.w_lm)
+        if lora is not None:
+            logits = lora.apply(logits, x, "lm_head", 0)
+        return logits
+
+
+class LeanCache:
+    """Static KV cache ``[layers, 2, rows, kv_heads, columns, head_dim]`` and which columns of each
+    row hold real tokens (left padding does not). Columns past ``length`` are never read, so they
+    are left uninitialised (no page is touched before it is written)."""
+
+    def __init__(self, lean: LlamaLean, rows: int, columns: int, max_columns: int) -> None:
+        self.max_columns = max(columns, max_columns)
+        shape = (len(lean.layers), 2, rows, lean.n_kv, columns, lean.head_dim)
+        self.kv = torch.empty(shape, dtype=lean.dtype, device=lean.device)
+        self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=lean.device)
+        self.length = 0  # columns written (the same for every row)
+        self.padded = False  # some written column of some row is padding
+        self._zero = torch.zeros(1, 1, 1, dtype=lean.dtype, device=lean.device)
+        self._views()
+
+    def _views(self) -> None:
+        """Each layer's K and V, [rows, kv_heads, columns, head_dim] (views of ``kv``)."""
+        self.keys = [self.kv[i, 0] for i in range(self.kv.shape[0])]
+        self.values = [self.kv[i, 1] for i in range(self.kv.shape[0])]
+
+    def append(self, n: int, valid: torch.Tensor | None) -> None:
+        """Reserve ``n`` more columns (``valid``: [rows, n], None = all real)."""
+        end = self.length + n
+        if end > self.kv.shape[4]:
+            self._grow(end)
+        if valid is None:
+            self.valid[:, self.length : end] = True
+        else:
+            self.valid[:, self.length : end] = valid
+            self.padded = self.padded or not bool(valid.all())
+        self.length = end
+
+    def _grow(self, need: int) -> None:
+        cols = min(max(need, 2 * self.kv.shape[4]), max(self.max_columns, need))
+        kv = self.kv.new_empty(*self.kv.shape[:4], cols, self.kv.shape[5])
+        kv[..., : self.length, :] = self.kv[..., : self.length, :]
+        valid = self.valid.new_zeros(self.valid.shape[0], cols)
+        valid[:, : self.length] = self.valid[:, : self.length]
+        self.kv, self.valid = kv, valid
+        self._views()
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep (or repeat) ``rows`` of the batch, in that order (copies the written columns)."""
+        n = self.kv.shape[2]
+        if rows.numel() == n and bool((rows == torch.arange(n, device=rows.device)).all()):
+            return
+        kv = self.kv.new_empty(*self.kv.shape[:2], rows.numel(), *self.kv.shape[3:])
+        kv[..., : self.length, :] = self.kv[..., : self.length, :].index_select(2, rows)
+        self.kv = kv
+        self.valid = self.valid.index_select(0, rows)
+        self.padded = self.padded and not bool(self.valid[:, : self.length].all())
+        self._views()
+
+    def decode_bias(self, n_kv: int) -> torch.Tensor:
+        """Additive attention bias of one query per row over the written columns, per (row, kv
+        head): [rows·kv_heads, 1, length] with -inf on padding (call after :meth:`append`)."""
+        if not self.padded:
+            return self._zero
+        rows, end = self.valid.shape[0], self.length
+        bias = torch.zeros(rows, end, dtype=self.kv.dtype, device=self.kv.device)
+        bias.masked_fill_(~self.valid[:, :end], float("-inf"))
+        return bias[:, None, None, :].expand(rows, n_kv, 1, end).reshape(rows * n_kv, 1, end)
+
+    def attention_mask(self, c0: int, t: int) -> tuple[torch.Tensor | None, bool]:
+        """(boolean mask [rows, 1, t, c0 + t] or None, is_causal) for ``t`` > 1 queries after column ``c0``
+        (call after :meth:`append`). A padding query attends at least to itself, so no row of the
+        mask is empty; real queries never see padding."""
+        end = c0 + t
+        if not self.padded and c0 == 0:
+            return None, True
+        dev = self.valid.device
+        qpos = torch.arange(c0, end, device=dev)[:, None]
+        kpos = torch.arange(end, device=dev)[None]
+        mask = (self.valid[:, None, None, :end] & (kpos <= qpos)) | (kpos == qpos)
+        return mask, False
+
+
+class LeanLoRA:
+    """The LoRA terms of one routing plan for :class:`LlamaLean`, per fused projection and layer,
+    built on first use from the plan's per-slot ``A^T`` / ``scale·B^T`` (``LoRABatch._weights``):
+
+    * ``A^T`` of the siblings side by side, ``[S, in, R]`` (one batched matmul for q|k|v);
+    * for one row per slot (a decode step): the output cut into ``nb`` equal blocks (the gcd of the
+      siblings' widths) and ``B`` as ``[S·nb, r, c]``, so every block is one GEMV and nothing reads
+      zeros; the fused add lands in the base output as a view;
+    * otherwise (prefill, runs of several rows, one entry for all rows): ``B`` block-diagonal
+      ``[S, R, out]`` (2-D for one entry), one ``baddbmm`` into the base output.
+    """
+
+    def __init__(self, plan: LoRABatch, groups: dict[str, TargetGroup], dtype: torch.dtype) -> None:
+        self.plan = plan
+        self.groups = groups
+        self.dtype = dtype
+        self._a: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None] = {}
+        self._diag: dict[tuple[str, int], torch.Tensor] = {}
+        self._blk: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor, int] | None] = {}
+
+    def _a_side(self, key: str, layer: int) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None:
+        """(``A^T`` of the members present, side by side; each present member's ``scale·B^T``)."""
+        if (key, layer) in self._a:
+            return self._a[(key, layer)]
+        present = [n for n in FUSED[key] if n in self.plan.a]
+        out = None
+        if present:
+            parts = [self.plan._weights(n, layer, self.dtype) for n in present]
+            a = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], dim=-1)
+            out = (a, [(n, p[1]) for n, p in zip(present, parts, strict=True)])
+        self._a[(key, layer)] = out
+        return out
+
+    def _block_diag(
+        self, key: str, layer: int, a: torch.Tensor, bs: list[tuple[str, torch.Tensor]]
+    ) -> torch.Tensor:
+        hit = self._diag.get((key, layer))
+        if hit is not None:
+            return hit
+        names = FUSED[key]
+        if len(names) == 1:
+            b = bs[0][1]
+        else:
+            own = dict(bs)
+            b = a.new_zeros(*a.shape[:-2], a.shape[-1], sum(self.groups[n].d_out for n in names))
+            r0 = o0 = 0
+            for n in names:
+                d_out = self.groups[n].d_out
+                if n in own:
+                    r = own[n].shape[-2]
+                    b[..., r0 : r0 + r, o0 : o0 + d_out] = own[n]
+                    r0 += r
+                o0 += d_out
+        self._diag[(key, layer)] = b
+        return b
+
+    def _blocks(
+        self, key: str, layer: int, bs: list[tuple[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor | None, torch.Tensor, int] | None:
+        """(columns of ``x @ A^T`` feeding each block, or None if in order; ``B`` blocks
+        ``[S·nb, r, c]``; ``nb``), or None unless every member is present with one rank."""
+        if (key, layer) in self._blk:
+            return self._blk[(key, layer)]
+        names = FUSED[key]
+        out = None
+        if len(bs) == len(names) and bs[0][1].dim() == 3 and len({b.shape[-2] for _, b in bs}) == 1:
+            r = bs[0][1].shape[-2]
+            c = math.gcd(*(self.groups[n].d_out for n in names))
+            cols: list[torch.Tensor] = []
+            blocks = []
+            for j, (_, b) in enumerate(bs):
+                nb = b.shape[-1] // c
+                cols += [torch.arange(j * r, (j + 1) * r, device=b.device)] * nb
+                blocks.append(b.reshape(b.shape[0], r, nb, c).transpose(1, 2))  # [S, nb_j, r, c]
+            b_all = torch.cat(blocks, dim=1)
+            nb = b_all.shape[1]
+            idx = torch.cat(cols)
+            in_order = nb == len(bs)
+            out = (None if in_order else idx, b_all.reshape(-1, r, c).contiguous(), nb)
+        self._blk[(key, layer)] = out
+        return out
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, key: str, layer: int) -> torch.Tensor:
+        """``y + delta`` for ``x`` ([B, T, in]) and the base output ``y`` ([B, T, out], contiguous),
+        which it may update in place (the big prefill outputs are not copied)."""
+        w = self._a_side(key, layer)
+        if w is None:
+            return y
+        a, bs = w
+        plan = self.plan
+        B, T, n_out = y.shape
+        n = plan.run_len or 1  # equal runs: one slot per run; otherwise one slot per row
+        if plan.single is None and plan.split is None and n * T == 1 and len(FUSED[key]) > 1:
+            blk = self._blocks(key, layer, bs)
+            if blk is not None:  # one row per slot: one GEMV per output block, no zeros
+                idx, b, nb = blk
+                xa = torch.bmm(x.reshape(B, 1, -1), a)  # [S, 1, R]
+                if idx is not None:
+                    xa = xa.index_select(2, idx)
+                c = n_out // nb
+                return y.view(B * nb, 1, c).baddbmm_(xa.view(B * nb, 1, -1), b).view(B, 1, n_out)
+        b = self._block_diag(key, layer, a, bs)
+        if plan.single is not None:  # every row on one entry
+            return y.view(B * T, n_out).addmm_(x.reshape(B * T, -1) @ a, b).view(B, T, n_out)
+        if plan.split is not None:  # a few runs of unequal lengths
+            xs, ys = torch.split(x, plan.split), torch.split(y, plan.split)
+            outs = [
+                torch.addmm(yk.reshape(-1, n_out), xk.reshape(-1, xk.shape[-1]) @ a[k], b[k])
+                for k, (xk, yk) in enumerate(zip(xs, ys, strict=True))
+            ]
+            return torch.cat(outs).view(B, T, n_out)
+        s = B // n
+        xa = torch.bmm(x.reshape(s, n * T, -1), a)
+        return y.view(s, n * T, n_out).baddbmm_(xa, b).view(B, T, n_out)
