@@ -283,6 +283,55 @@ def test_failing_episodes_fail_alone(service: ServiceClient, renderer: Renderer,
     assert all(torch.isfinite(t).all() for t in _weights(service, res.training_client))
 
 
+class _TwoTurns(Env):
+    """Two turns; its step sleeps ``delay`` seconds (the environment's own time)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.turn = delay, 0
+
+    async def initial_observation(self) -> list[int]:
+        return [5, 6, 7, 8]
+
+    async def step(self, action: list[int]) -> StepResult:
+        await asyncio.sleep(self.delay)
+        self.turn += 1
+        if self.turn == 2:
+            return StepResult(1.0, True)
+        return StepResult(0.0, False, next_ob=[5, 6, 7, 8, *action, 9])
+
+
+class _TwoTurnGroup(EnvGroupBuilder):
+    def __init__(self, delays: list[float]) -> None:
+        self.delays = delays
+
+    async def make_envs(self) -> Sequence[Env]:
+        return [_TwoTurns(d) for d in self.delays]
+
+
+class _SlowSampler:
+    """A sampling client that takes ``delay`` seconds per call (a loaded machine)."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    async def sample(self, **kw: Any) -> Any:
+        await asyncio.sleep(self.delay)
+        return await self.inner.sample_async(**kw)
+
+
+def test_episode_timeout_counts_the_environment_not_the_sampler(
+    service: ServiceClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slow sampler never fails an episode (its turns took 2 x 0.4 s > the 0.3 s limit); an
+    environment step slower than the limit fails its own episode, with a message saying so."""
+    policy = _SlowSampler(service.create_sampling_client(base_model=TEST_MODEL), 0.4)
+    params = types.SamplingParams(max_tokens=3, temperature=1.0)
+    g = asyncio.run(rollout_group(_TwoTurnGroup([0.0, 0.0, 1.0]), policy, params, seed=0, timeout_s=0.3))
+    assert g.errors == 1 and len(g.trajectories) == 2
+    assert all(len(t.transitions) == 2 and t.total_reward == 1.0 for t in g.trajectories)
+    assert "the environment's step took longer than 0.3 s" in caplog.text
+
+
 def test_raising_make_envs_fails_only_its_group(
     service: ServiceClient, renderer: Renderer, tmp_path: Path
 ) -> None:

@@ -112,7 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--max-staleness", type=int, default=None, help="async: policy versions a batch may lag")
     rl.add_argument("--kl-coef", type=float, default=None, help="KL penalty to the base model per token")
     rl.add_argument("--normalize-std", action=argparse.BooleanOptionalAction, default=None)
-    rl.add_argument("--episode-timeout", type=float, default=None, help="seconds before an episode fails")
+    rl.add_argument(
+        "--episode-timeout",
+        type=float,
+        default=None,
+        help="seconds an env reset or step may take before its episode fails",
+    )
     rl.add_argument("--lr-schedule", default=None, choices=("constant", "linear", "cosine"))
     rl.add_argument(
         "--lr-final", type=float, default=None, help="the schedule's last lr, as a fraction of --lr"

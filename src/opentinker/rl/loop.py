@@ -82,7 +82,7 @@ class RLConfig:
     stop_when: tuple[str, float] | None = None  # e.g. ("eval/accuracy", 0.8): stop once reached
     max_train_s: float | None = None  # stop after this much wall clock, evaluations excluded
     seed: int = 0
-    episode_timeout_s: float | None = 60.0
+    episode_timeout_s: float | None = 60.0  # per env call (reset, step); sampling does not count
     progress: bool = True
     plot_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "loss/per_token")
     name: str = ""

@@ -56,8 +56,25 @@ async def sample_tokens(policy: Any, ob: list[int], n: int, params: types.Sampli
     return out
 
 
+async def _env_call(what: str, aw: Any, timeout_s: float | None) -> Any:
+    """Await one environment call (reset or step) within ``timeout_s``: the limit is on the
+    environment's own time, never on waiting for the sampler (a loaded machine slows that down)."""
+    if not timeout_s:
+        return await aw
+    try:
+        return await asyncio.wait_for(aw, timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"the environment's {what} took longer than {timeout_s:g} s") from None
+
+
 async def _episode(
-    env: Env, policy: Any, params: types.SamplingParams, ob: list[int], first: Sampled, seed: int | None
+    env: Env,
+    policy: Any,
+    params: types.SamplingParams,
+    ob: list[int],
+    first: Sampled,
+    seed: int | None,
+    timeout_s: float | None = None,
 ) -> Trajectory:
     traj = Trajectory()
     sampled = first
@@ -65,7 +82,7 @@ async def _episode(
     while True:
         if any(not math.isfinite(x) for x in sampled.logprobs):
             raise RuntimeError("non-finite sampler logprob")
-        res = await env.step(sampled.tokens)
+        res = await _env_call("step", env.step(sampled.tokens), timeout_s)
         if not math.isfinite(res.reward):
             raise ValueError(f"environment returned a non-finite reward ({res.reward})")
         traj.transitions.append(
@@ -101,7 +118,7 @@ async def rollout_group(
     async def first_obs(env: Env) -> list[int] | None:
         nonlocal errors
         try:
-            return list(await env.initial_observation())
+            return list(await _env_call("reset", env.initial_observation(), timeout_s))
         except Exception as e:
             errors += 1
             log.warning("environment %s failed at reset: %r", type(env).__name__, e)
@@ -130,8 +147,7 @@ async def rollout_group(
         nonlocal errors
         try:
             s = None if seed is None else seed + 15485863 * (i + 1)
-            coro = _episode(envs[i], policy, params, obs[i] or [], sampled, s)
-            traj = await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+            traj = await _episode(envs[i], policy, params, obs[i] or [], sampled, s, timeout_s)
             traj.policy_version = policy_version
             return traj
         except Exception as e:
