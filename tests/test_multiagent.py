@@ -15,7 +15,7 @@ from tinker import types
 
 import opentinker
 from opentinker.client import Runtime
-from opentinker.data import trajectory_segments
+from opentinker.data import Trajectory, Transition, trajectory_segments
 from opentinker.renderers import Message, get_renderer
 from opentinker.rl import RLConfig
 from opentinker.rl.multiagent import (
@@ -24,10 +24,13 @@ from opentinker.rl.multiagent import (
     MultiAgentEnv,
     MultiAgentTask,
     ScriptedPolicy,
+    per_move_datums,
     play_game,
     play_group,
+    returns_to_go,
     run_multiagent,
 )
+from opentinker.rl.rollout import TrajectoryGroup
 from opentinker.tasks.tictactoe import (
     RandomMover,
     TicTacToeDataset,
@@ -163,6 +166,61 @@ def test_tictactoe_illegal_reward_side_share_and_shared_opponent(renderer) -> No
     for _ in range(20):
         op = random_opening(rng, 2, odd=True)
         assert op.count("X") == op.count("O") + 1 <= 3 and winner(op) is None
+
+
+def test_tictactoe_legal_bonus_and_move_rewards(renderer) -> None:
+    params = types.SamplingParams(max_tokens=4)
+    env = TicTacToeEnv(renderer, illegal_reward=-2.0, legal_bonus=0.25)
+    asyncio.run(play_game(env, {"X": Moves(["5", "5"]), "O": Moves(["1"])}, params))
+    assert env.rewards() == {"X": -1.75, "O": 0.25}  # X: 1 legal move then a forfeit; O: 1 legal move
+    assert env.move_rewards("X") == [0.25, -2.0] and env.move_rewards("O") == [0.25]
+    env = TicTacToeEnv(renderer, legal_bonus=0.25)
+    asyncio.run(play_game(env, {"X": Moves(["5", "1", "9"]), "O": Moves(["2", "3"])}, params))
+    assert env.rewards() == {"X": 1.75, "O": -0.5}  # the outcome still dominates: win > loss
+    assert env.move_rewards("X") == [0.25, 0.25, 1.25] and env.move_rewards("O") == [0.25, -0.75]
+    with pytest.raises(ValueError):
+        TicTacToeEnv(renderer, legal_bonus=0.5)
+    ds = TicTacToeDataset(renderer, 2, 2, legal_bonus=0.25)
+    assert all(g.legal_bonus == 0.25 for b in ds.batch(0) for g in asyncio.run(b.make_games()))  # type: ignore[attr-defined]
+
+
+def _traj(
+    moves: list[tuple[list[int], list[int]]], split: list[float] | None, total: float = 0.0
+) -> Trajectory:
+    t = Trajectory([Transition(ob, ac, [-0.5] * len(ac)) for ob, ac in moves], final_reward=total)
+    if split is not None:
+        t.info["move_rewards"] = split
+        t.final_reward = sum(split)
+    return t
+
+
+def test_per_move_advantages_land_on_their_moves() -> None:
+    # a: two moves, each its own prompt (two segments); the 2nd move is a forfeit
+    a = _traj([([1, 2], [10, 11]), ([3, 4], [12])], [0.1, -2.0])
+    # b: three moves; the 2nd extends the 1st's context (one segment holding two moves)
+    b = _traj([([1, 2], [20]), ([1, 2, 20, 5], [21, 22]), ([6], [23])], [0.1, 0.1, 0.9])
+    c = _traj([([1, 2], [30])], None, total=-2.0)  # no split: the whole reward on its last move
+    assert returns_to_go(a) == pytest.approx([-1.9, -2.0]) and returns_to_go(c) == [-2.0]
+    assert returns_to_go(_traj([([1], [2]), ([3], [4])], None, total=1.0)) == [1.0, 1.0]
+    cfg = RLConfig(drop_constant_groups=True)
+    datums, m = per_move_datums([TrajectoryGroup([a, b, c])], cfg)
+    # move 0: returns -1.9, 1.1, -2.0 (mean -0.9333); move 1: -2.0, 1.0 (mean -0.5); move 2: b alone
+    assert m["groups/kept"] == 2 and m["groups/dropped_constant"] == 1 and m["train/action_tokens"] == 8
+    assert len(datums) == 5  # a: 2 segments, b: 2, c: 1
+
+    def adv(d: types.Datum) -> list[float]:
+        return list(d.loss_fn_inputs["advantages"].data)  # aligned with the targets (tokens[1:])
+
+    mean0 = (-1.9 + 1.1 - 2.0) / 3
+    assert adv(datums[0]) == pytest.approx([0.0, -1.9 - mean0, -1.9 - mean0])  # targets 2, 10, 11
+    assert adv(datums[1]) == pytest.approx([0.0, -1.5])  # a's forfeit: blamed more than its 1st move
+    assert adv(datums[2]) == pytest.approx([0.0, 1.1 - mean0, 0.0, 1.5, 1.5])  # targets 2, 20, 5, 21, 22
+    assert adv(datums[3]) == pytest.approx([0.0])  # b's 3rd move: nothing to compare it with
+    assert adv(datums[4]) == pytest.approx([0.0, -2.0 - mean0])
+    assert list(datums[2].loss_fn_inputs["target_tokens"].data) == [2, 20, 5, 21, 22]
+    # all slots constant: no datums
+    same = [_traj([([1], [2])], [1.0]), _traj([([1], [3])], [1.0])]
+    assert per_move_datums([TrajectoryGroup(same)], cfg)[0] == []
 
 
 class _Spy:
@@ -353,3 +411,22 @@ def test_tictactoe_smoke_with_eval_vs_random(service, renderer, tmp_path) -> Non
             rates = [r[f"eval/{a}/{k}"] for k in ("win_rate", "loss_rate", "draw_rate")]
             assert sum(rates) == pytest.approx(1.0) and 0 <= r[f"eval/{a}/illegal_rate"] <= rates[1]
     assert (tmp_path / "ttt" / "curves.png").exists()
+
+
+def test_tictactoe_per_move_advantages_run(service, renderer, tmp_path) -> None:
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "pm"), steps=1, groups_per_step=2, group_size=6,
+        max_tokens=4, lora_rank=4, learning_rate=1e-3, eval_every=0, progress=False,
+        extra={"per_move": True, "legal_bonus": 0.2, "illegal_reward": -2.0},
+    )  # fmt: skip
+    task = build(renderer, cfg)
+    task.evaluator = None
+    assert task.per_move_advantages
+    spy = _Spy(service)
+    res = asyncio.run(run_multiagent(cfg, spy, task))
+    sent = [d for batches in spy.sent.values() for d in batches[0]]
+    assert sent and sum(res.metrics[0][f"{a}/train/datums"] for a in ("X", "O")) == len(sent)
+    for d in sent:  # one move per datum (each move's prompt is rendered afresh): one advantage on it
+        w = list(d.loss_fn_inputs["logprobs"].data)
+        advs = {round(a, 9) for a, lp in zip(d.loss_fn_inputs["advantages"].data, w, strict=True) if lp != 0}
+        assert len(advs) == 1

@@ -40,6 +40,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--random-x-share", type=float, default=0.5, help="of those, share with X random")
     ap.add_argument("--illegal-reward", type=float, default=-1.0, help="reward of an illegal move")
     ap.add_argument("--shared-opponent", action="store_true", help="one random-opponent seed per group")
+    ap.add_argument("--legal-bonus", type=float, default=0.0, help="reward per legal move an agent makes")
+    ap.add_argument("--per-move", action="store_true", help="per-move advantages (return-to-go per move)")
     ap.add_argument("--odd-frac", type=float, default=0.0, help="share of openings with O to move")
     ap.add_argument("--eval-games", type=int, default=100)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of training games")
@@ -58,7 +60,7 @@ async def main(args: argparse.Namespace, service: Any) -> dict:
         base_model=model, log_dir=args.log_dir, steps=args.steps, groups_per_step=args.groups,
         group_size=args.group_size, lora_rank=args.rank, temperature=args.temperature, train_mlp=args.train_mlp, learning_rate=args.lr, loss_fn=args.loss,
         max_tokens=4, eval_every=args.eval_every, seed=args.seed, progress=not args.no_progress,
-        name="tictactoe", extra={"opening_pairs": args.opening_pairs, "random_frac": args.random_frac, "random_x_share": args.random_x_share, "illegal_reward": args.illegal_reward, "shared_opponent": args.shared_opponent, "odd_frac": args.odd_frac, "eval_games": args.eval_games},
+        name="tictactoe", extra={"opening_pairs": args.opening_pairs, "random_frac": args.random_frac, "random_x_share": args.random_x_share, "illegal_reward": args.illegal_reward, "shared_opponent": args.shared_opponent, "odd_frac": args.odd_frac, "legal_bonus": args.legal_bonus, "per_move": args.per_move, "eval_games": args.eval_games},
     )  # fmt: skip
     renderer = get_renderer("auto", service.create_sampling_client(base_model=model).get_tokenizer())
     res = await run_multiagent(cfg, service, build(renderer, cfg))

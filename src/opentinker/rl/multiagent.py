@@ -30,6 +30,13 @@ evaluator's keys under ``eval/``; ``curves.png`` has one line per agent.
 Of :class:`~opentinker.rl.loop.RLConfig`, the sync mode is implemented (``mode="sync"``), with
 ``substeps``, ``step_on_empty``, ``kl_coef``, ``drop_constant_groups``, ``normalize_std``,
 ``save_every``; not (yet) the async mode, resume, success replay, ``stop_when``, ``max_train_s``.
+
+**Per-move advantages** (``MultiAgentTask.per_move_advantages``, default off): instead of one
+advantage for all of an agent's moves, move *k* gets the return-to-go of its game from move *k* on
+(the per-move rewards of :meth:`MultiAgentEnv.move_rewards`; without them the whole reward sits on
+the last move) minus the mean return-to-go at move *k* over the group's games in which the agent
+made a *k*-th move (:func:`per_move_datums`): e.g. an illegal move is blamed more than the legal
+moves before it.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ from typing import Any
 
 from tinker import types
 
-from opentinker.data import Trajectory, Transition
+from opentinker.data import Trajectory, Transition, rl_datums, trajectory_segments
 from opentinker.renderers import Message, Renderer
+from opentinker.rl.advantages import group_advantages, is_constant
 from opentinker.rl.loop import RLConfig, build_datums, group_metrics
 from opentinker.rl.rollout import TrajectoryGroup, sample_tokens
 from opentinker.tracking import RunLogger, plot_metrics
@@ -94,6 +102,12 @@ class MultiAgentEnv(ABC):
     @abstractmethod
     def rewards(self) -> dict[str, float]:
         """Each agent's reward, once the game is over."""
+
+    def move_rewards(self, agent: str) -> list[float] | None:
+        """Optional, once the game is over: ``agent``'s reward split over its moves (one value per
+        move it made, summing to its :meth:`rewards`), for per-move advantages. Default None (the
+        whole reward on its last move)."""
+        return None
 
     def metrics(self) -> dict[str, float]:
         """Game-level metrics, once the game is over (logged as ``game/<key>``, mean over games)."""
@@ -159,6 +173,7 @@ class MultiAgentTask:
     evaluator: MultiAgentEvaluator | None = None
     plot_keys: tuple[str, ...] = ()  # per-agent keys without the agent prefix, e.g. "eval/win_rate"
     show_keys: tuple[str, ...] = ()  # progress-bar keys, e.g. "game/draws"
+    per_move_advantages: bool = False  # one advantage per move (return-to-go), see per_move_datums
 
 
 @dataclass
@@ -222,6 +237,13 @@ async def play_game(
         t.final_reward = rewards[a]
         if t.transitions:
             t.transitions[-1].done = True
+            split = env.move_rewards(a)
+            if split is not None:
+                if len(split) != len(t.transitions) or abs(sum(split) - rewards[a]) > 1e-6:
+                    raise ValueError(
+                        f"move_rewards({a!r}) = {split} does not split {rewards[a]} over its moves"
+                    )
+                t.info["move_rewards"] = [float(r) for r in split]
     return GameResult(trajs, rewards, {k: float(v) for k, v in env.metrics().items()})
 
 
@@ -274,6 +296,58 @@ def game_metrics(groups: list[GameGroup]) -> dict[str, float]:
     return m
 
 
+def returns_to_go(traj: Trajectory) -> list[float]:
+    """Per move: the trajectory's reward from that move on (``info["move_rewards"]`` when the game
+    split it over the moves, else the whole reward on the last move)."""
+    n = len(traj.transitions)
+    split = traj.info.get("move_rewards")
+    if split is None:
+        split = [0.0] * (n - 1) + [traj.total_reward] if n else []
+    out, acc = [0.0] * n, 0.0
+    for k in range(n - 1, -1, -1):
+        acc += split[k]
+        out[k] = acc
+    return out
+
+
+def move_token_advantages(traj: Trajectory, advs: Sequence[float]) -> list[list[float]]:
+    """Per segment of :func:`~opentinker.data.trajectory_segments`, per token: the advantage of the
+    move that sampled the token (action tokens come in move order), 0 elsewhere."""
+    per_token = iter([a for t, a in zip(traj.transitions, advs, strict=True) for _ in t.ac])
+    return [[next(per_token) if is_act else 0.0 for is_act in act] for _, _, act in trajectory_segments(traj)]
+
+
+def per_move_datums(
+    groups: list[TrajectoryGroup], cfg: RLConfig
+) -> tuple[list[types.Datum], dict[str, float]]:
+    """Datums with per-move advantages: move *k*'s return-to-go minus the mean return-to-go of the
+    group's trajectories that have a move *k* (a (group, move) slot whose returns are all equal
+    carries no signal and is skipped with ``cfg.drop_constant_groups``)."""
+    datums: list[types.Datum] = []
+    kept = dropped = 0
+    for g in groups:
+        rtg = [returns_to_go(t) for t in g.trajectories]
+        advs = [[0.0] * len(r) for r in rtg]
+        for k in range(max((len(r) for r in rtg), default=0)):
+            idx = [i for i, r in enumerate(rtg) if len(r) > k]
+            vals = [rtg[i][k] for i in idx]
+            if cfg.drop_constant_groups and is_constant(vals):
+                dropped += 1
+                continue
+            kept += 1
+            for i, a in zip(idx, group_advantages(vals, normalize_std=cfg.normalize_std), strict=True):
+                advs[i][k] = a
+        for t, a in zip(g.trajectories, advs, strict=True):
+            if any(a):
+                datums += rl_datums(t, 0.0, move_token_advantages(t, a))
+    n_tok = sum(t.num_action_tokens for g in groups for t in g.trajectories) if datums else 0
+    return datums, {
+        "groups/kept": float(kept),
+        "groups/dropped_constant": float(dropped),
+        "train/action_tokens": float(n_tok),
+    }
+
+
 @dataclass
 class MultiAgentResult:
     training_clients: dict[str, Any]
@@ -318,6 +392,8 @@ async def run_multiagent(
     cfg.check()
     if cfg.mode != "sync":
         raise ValueError(f"run_multiagent supports mode='sync' only, got {cfg.mode!r}")
+    if task.per_move_advantages and cfg.kl_coef > 0:
+        raise ValueError("per-move advantages do not support kl_coef > 0")
     agents = tuple(task.agents)
     if not agents or len(set(agents)) != len(agents):
         raise ValueError(f"a multi-agent task needs distinct agent names, got {agents}")
@@ -386,7 +462,10 @@ async def run_multiagent(
                 tgroups = [g.trajectory_group(a) for g in groups]
                 am = group_metrics(tgroups)
                 am.pop("env/errors", None)  # game errors are counted once, in game/errors
-                datums[a], dm = await build_datums(tgroups, cfg, base_policy)
+                if task.per_move_advantages:
+                    datums[a], dm = per_move_datums(tgroups, cfg)
+                else:
+                    datums[a], dm = await build_datums(tgroups, cfg, base_policy)
                 am.update(dm)
                 am["train/datums"] = float(len(datums[a]))
                 m.update({f"{a}/{k}": v for k, v in am.items()})

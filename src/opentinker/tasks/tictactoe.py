@@ -10,6 +10,9 @@ cell) ends the game: the offender gets ``illegal_reward`` (default -1, the same 
 ``cfg.extra["illegal_reward"]`` below -1 makes a forfeit worse than a legal loss, so an agent whose
 games all end in a loss or a forfeit still gets a signal for legality) and the other agent **0**
 (it did nothing to earn a win: a +1 would credit its earlier moves with the opponent's blunder).
+With ``cfg.extra["legal_bonus"] = b`` (default 0, below 0.5) each legal move an agent made adds b
+to its reward, so a game that forfeits at the 3rd move scores more than one that forfeits at the
+2nd (per-move credit for legality; win > draw > loss still).
 Game metrics: ``X_wins``,
 ``O_wins``, ``draws``, ``illegal`` (a game ended by an illegal move), ``X_illegal``, ``O_illegal``,
 ``moves``.
@@ -109,11 +112,15 @@ def random_move(board: Sequence[str], rng: random.Random) -> int:
 class TicTacToeEnv(MultiAgentEnv):
     agents = AGENTS
 
-    def __init__(self, renderer: Renderer, opening: str = EMPTY, illegal_reward: float = -1.0) -> None:
+    def __init__(
+        self, renderer: Renderer, opening: str = EMPTY, illegal_reward: float = -1.0, legal_bonus: float = 0.0
+    ) -> None:
         super().__init__(renderer)
         if not math.isfinite(illegal_reward) or illegal_reward > -1.0:
             raise ValueError(f"illegal_reward must be finite and at most -1 (a loss), got {illegal_reward}")
-        self.illegal_reward = illegal_reward
+        if not 0.0 <= legal_bonus < 0.5:
+            raise ValueError(f"legal_bonus must be in [0, 0.5) (a win stays above a draw), got {legal_bonus}")
+        self.illegal_reward, self.legal_bonus = illegal_reward, legal_bonus
         if (
             len(opening) != 9
             or set(opening) - set("XO.")
@@ -127,6 +134,7 @@ class TicTacToeEnv(MultiAgentEnv):
         self.result: str | None = None  # "X" / "O" (winner), "draw"
         self.illegal_by: str | None = None
         self.moves = 0
+        self.legal: dict[str, int] = dict.fromkeys(AGENTS, 0)  # legal moves made by each agent
 
     async def reset(self) -> None:
         await super().reset()
@@ -137,6 +145,7 @@ class TicTacToeEnv(MultiAgentEnv):
             None,
             0,
         )
+        self.legal = dict.fromkeys(AGENTS, 0)
 
     def current_agent(self) -> str | None:
         return None if self.result is not None else self.to_move
@@ -153,6 +162,7 @@ class TicTacToeEnv(MultiAgentEnv):
             self.illegal_by, self.result = agent, other(agent)
             return {"illegal": 1.0}
         self.board[cell] = agent
+        self.legal[agent] += 1
         if winner(self.board) == agent:
             self.result = agent
         elif not legal_moves(self.board):
@@ -164,11 +174,21 @@ class TicTacToeEnv(MultiAgentEnv):
         if self.result is None:
             raise RuntimeError("the game is not over")
         if self.result == "draw":
-            return {"X": 0.0, "O": 0.0}
-        loser = other(self.result)
-        if self.illegal_by:
-            return {self.result: 0.0, loser: self.illegal_reward}
-        return {self.result: 1.0, loser: -1.0}
+            out = {"X": 0.0, "O": 0.0}
+        elif self.illegal_by:
+            out = {self.result: 0.0, other(self.result): self.illegal_reward}
+        else:
+            out = {self.result: 1.0, other(self.result): -1.0}
+        return {a: r + self.legal_bonus * self.legal[a] for a, r in out.items()}
+
+    def move_rewards(self, agent: str) -> list[float]:
+        """``legal_bonus`` on each legal move, the outcome (win/draw/loss/forfeit) on the last move."""
+        n = self.legal[agent] + int(self.illegal_by == agent)
+        if n == 0:
+            return []
+        out = [self.legal_bonus] * self.legal[agent] + [0.0] * int(self.illegal_by == agent)
+        out[-1] += self.rewards()[agent] - self.legal_bonus * self.legal[agent]
+        return out
 
     def metrics(self) -> dict[str, float]:
         won = None if self.illegal_by else self.result
@@ -206,15 +226,19 @@ class TicTacToeGroup(GameGroupBuilder):
         seed: int = 0,
         illegal_reward: float = -1.0,
         shared_opponent: bool = False,
+        legal_bonus: float = 0.0,
     ) -> None:
         if random_side not in (None, *AGENTS):
             raise ValueError(f"random_side must be None, 'X' or 'O', got {random_side!r}")
         self.renderer, self.opening, self.size = renderer, opening, size
         self.random_side, self.seed, self.illegal_reward = random_side, seed, illegal_reward
-        self.shared_opponent = shared_opponent
+        self.shared_opponent, self.legal_bonus = shared_opponent, legal_bonus
 
     async def make_games(self) -> Sequence[MultiAgentEnv]:
-        return [TicTacToeEnv(self.renderer, self.opening, self.illegal_reward) for _ in range(self.size)]
+        return [
+            TicTacToeEnv(self.renderer, self.opening, self.illegal_reward, self.legal_bonus)
+            for _ in range(self.size)
+        ]
 
     def scripted(self, game: int) -> dict[str, ScriptedPolicy]:
         if self.random_side is None:
@@ -240,6 +264,7 @@ class TicTacToeDataset(MultiAgentDataset):
         illegal_reward: float = -1.0,
         shared_opponent: bool = False,
         odd_frac: float = 0.0,
+        legal_bonus: float = 0.0,
     ) -> None:
         for name, v in (
             ("random_frac", random_frac),
@@ -251,6 +276,7 @@ class TicTacToeDataset(MultiAgentDataset):
         self.renderer, self.n, self.size, self.seed = renderer, groups_per_step, group_size, seed
         self.opening_pairs, self.random_frac, self.random_x_share = opening_pairs, random_frac, random_x_share
         self.illegal_reward, self.shared_opponent, self.odd_frac = illegal_reward, shared_opponent, odd_frac
+        self.legal_bonus = legal_bonus
 
     def batch(self, step: int) -> list[GameGroupBuilder]:
         rng = random.Random(f"tictactoe/{self.seed}/{step}")
@@ -264,6 +290,7 @@ class TicTacToeDataset(MultiAgentDataset):
                 TicTacToeGroup(
                     self.renderer, opening, self.size, side, seed=rng.randrange(1 << 30),
                     illegal_reward=self.illegal_reward, shared_opponent=self.shared_opponent,
+                    legal_bonus=self.legal_bonus,
                 )
             )  # fmt: skip
         return out
@@ -302,7 +329,9 @@ def make_evaluator(renderer: Renderer, *, games: int = 50, max_tokens: int = 4, 
 def build(renderer: Renderer, cfg: Any) -> MultiAgentTask:
     """Registry entry (``kind="multiagent"``). ``cfg.extra``: ``opening_pairs`` (1), ``random_frac``
     (0: the share of groups in which one side is a :class:`RandomMover`), ``random_x_share`` (0.5),
-    ``shared_opponent`` (False), ``odd_frac`` (0), ``illegal_reward`` (-1), ``eval_games`` (50)."""
+    ``shared_opponent`` (False), ``odd_frac`` (0), ``illegal_reward`` (-1), ``legal_bonus`` (0),
+    ``per_move`` (False: per-move advantages, see :func:`opentinker.rl.multiagent.per_move_datums`),
+    ``eval_games`` (50)."""
     extra = getattr(cfg, "extra", None) or {}
     dataset = TicTacToeDataset(
         renderer, cfg.groups_per_step, cfg.group_size, seed=cfg.seed,
@@ -310,6 +339,7 @@ def build(renderer: Renderer, cfg: Any) -> MultiAgentTask:
         random_x_share=float(extra.get("random_x_share", 0.5)),
         illegal_reward=float(extra.get("illegal_reward", -1.0)),
         shared_opponent=bool(extra.get("shared_opponent", False)), odd_frac=float(extra.get("odd_frac", 0.0)),
+        legal_bonus=float(extra.get("legal_bonus", 0.0)),
     )  # fmt: skip
     evaluator = make_evaluator(renderer, games=int(extra.get("eval_games", 50)), max_tokens=cfg.max_tokens)
     return MultiAgentTask(
@@ -318,4 +348,5 @@ def build(renderer: Renderer, cfg: Any) -> MultiAgentTask:
         evaluator,
         plot_keys=("eval/win_rate", "eval/illegal_rate"),
         show_keys=("eval/X/win_rate", "game/draws", "game/illegal"),
+        per_move_advantages=bool(extra.get("per_move", False)),
     )
