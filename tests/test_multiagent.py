@@ -430,3 +430,43 @@ def test_tictactoe_per_move_advantages_run(service, renderer, tmp_path) -> None:
         w = list(d.loss_fn_inputs["logprobs"].data)
         advs = {round(a, 9) for a, lp in zip(d.loss_fn_inputs["advantages"].data, w, strict=True) if lp != 0}
         assert len(advs) == 1
+
+
+class _SlowChat(_Chat):
+    """``_Chat`` whose moves take ``delay`` seconds of the game's own time."""
+
+    def __init__(self, renderer, delay: float) -> None:
+        super().__init__(renderer)
+        self.delay = delay
+
+    async def act(self, agent: str, reply: Message, ended: bool) -> dict[str, float]:
+        await asyncio.sleep(self.delay)
+        return await super().act(agent, reply, ended)
+
+
+class _SlowChatGroup(GameGroupBuilder):
+    def __init__(self, renderer, delays: list[float]) -> None:
+        self.renderer, self.delays = renderer, delays
+
+    async def make_games(self) -> Sequence[MultiAgentEnv]:
+        return [_SlowChat(self.renderer, d) for d in self.delays]
+
+
+class _SlowSampler:
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    async def sample(self, **kw: Any) -> Any:
+        await asyncio.sleep(self.delay)
+        return await self.inner.sample_async(**kw)
+
+
+def test_game_timeout_counts_the_game_not_the_sampler(service, renderer, caplog) -> None:
+    """Four sampled moves at 0.2 s each (0.8 s > the 0.3 s limit) never fail a game; a move that
+    takes the game itself longer than the limit fails that game alone, with a message saying so."""
+    policy = _SlowSampler(service.create_sampling_client(base_model=TEST_MODEL), 0.2)
+    params = types.SamplingParams(max_tokens=4)
+    group = _SlowChatGroup(renderer, [0.0, 0.0, 1.0])
+    g = asyncio.run(play_group(group, {"A": policy, "B": policy}, params, seed=0, timeout_s=0.3))
+    assert g.errors == 1 and len(g.games) == 2
+    assert "the environment's move took longer than 0.3 s" in caplog.text

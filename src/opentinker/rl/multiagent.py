@@ -58,7 +58,7 @@ from opentinker.data import Trajectory, Transition, rl_datums, trajectory_segmen
 from opentinker.renderers import Message, Renderer
 from opentinker.rl.advantages import group_advantages, is_constant
 from opentinker.rl.loop import RLConfig, build_datums, group_metrics
-from opentinker.rl.rollout import TrajectoryGroup, sample_tokens
+from opentinker.rl.rollout import TrajectoryGroup, env_call, sample_tokens
 from opentinker.tracking import RunLogger, plot_metrics
 
 log = logging.getLogger(__name__)
@@ -203,10 +203,12 @@ async def play_game(
     seed: int | None = None,
     max_moves: int = 1000,
     policy_versions: Mapping[str, int] | None = None,
+    timeout_s: float | None = None,
 ) -> GameResult:
     """Play one game to its end: each agent's turns are sampled from ``policies[agent]`` (a
-    ``SamplingClient``) or answered by a :class:`ScriptedPolicy`."""
-    await env.reset()
+    ``SamplingClient``) or answered by a :class:`ScriptedPolicy`. ``timeout_s`` limits each call
+    into the game (reset, a move, a scripted reply), never the wait for a sampler."""
+    await env_call("reset", env.reset(), timeout_s)
     trajs = {a: Trajectory(policy_version=(policy_versions or {}).get(a, 0)) for a in env.agents}
     moves = 0
     while (agent := env.current_agent()) is not None:
@@ -217,7 +219,8 @@ async def play_game(
             raise RuntimeError(f"the game did not end within {max_moves} moves")
         policy = policies[agent]
         if isinstance(policy, ScriptedPolicy):
-            await env.act(agent, {"role": "assistant", "content": await policy.reply(env, agent)}, True)
+            text = await env_call("scripted reply", policy.reply(env, agent), timeout_s)
+            await env_call("move", env.act(agent, {"role": "assistant", "content": text}, True), timeout_s)
             continue
         ob = list(env.observation(agent))
         s = None if seed is None else seed + 7919 * moves
@@ -226,7 +229,7 @@ async def play_game(
         )
         if any(not math.isfinite(x) for x in sampled.logprobs):
             raise RuntimeError("non-finite sampler logprob")
-        m = await env.step(agent, sampled.tokens)
+        m = await env_call("move", env.step(agent, sampled.tokens), timeout_s)
         trajs[agent].transitions.append(
             Transition(ob, sampled.tokens, sampled.logprobs, 0.0, False, dict(m or {}))
         )
@@ -269,8 +272,9 @@ async def play_group(
         s = None if seed is None else seed + 15485863 * (i + 1)
         try:
             pols = {**policies, **builder.scripted(i)}
-            coro = play_game(env, pols, params, seed=s, policy_versions=policy_versions)
-            return await (asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+            return await play_game(
+                env, pols, params, seed=s, policy_versions=policy_versions, timeout_s=timeout_s
+            )
         except Exception as e:
             errors += 1
             log.warning("game %s failed: %r", type(env).__name__, e)

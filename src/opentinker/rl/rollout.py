@@ -56,7 +56,7 @@ async def sample_tokens(policy: Any, ob: list[int], n: int, params: types.Sampli
     return out
 
 
-async def _env_call(what: str, aw: Any, timeout_s: float | None) -> Any:
+async def env_call(what: str, aw: Any, timeout_s: float | None) -> Any:
     """Await one environment call (reset or step) within ``timeout_s``: the limit is on the
     environment's own time, never on waiting for the sampler (a loaded machine slows that down)."""
     if not timeout_s:
@@ -82,7 +82,7 @@ async def _episode(
     while True:
         if any(not math.isfinite(x) for x in sampled.logprobs):
             raise RuntimeError("non-finite sampler logprob")
-        res = await _env_call("step", env.step(sampled.tokens), timeout_s)
+        res = await env_call("step", env.step(sampled.tokens), timeout_s)
         if not math.isfinite(res.reward):
             raise ValueError(f"environment returned a non-finite reward ({res.reward})")
         traj.transitions.append(
@@ -118,7 +118,7 @@ async def rollout_group(
     async def first_obs(env: Env) -> list[int] | None:
         nonlocal errors
         try:
-            return list(await _env_call("reset", env.initial_observation(), timeout_s))
+            return list(await env_call("reset", env.initial_observation(), timeout_s))
         except Exception as e:
             errors += 1
             log.warning("environment %s failed at reset: %r", type(env).__name__, e)
