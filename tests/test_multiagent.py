@@ -470,3 +470,37 @@ def test_game_timeout_counts_the_game_not_the_sampler(service, renderer, caplog)
     g = asyncio.run(play_group(group, {"A": policy, "B": policy}, params, seed=0, timeout_s=0.3))
     assert g.errors == 1 and len(g.games) == 2
     assert "the environment's move took longer than 0.3 s" in caplog.text
+
+
+def test_tictactoe_recipe_and_reevaluation_smoke(tmp_path) -> None:
+    """recipes/tictactoe/run.py (the measured command's options, 1 step), then evaluate.py on its
+    checkpoints from another process (the embedded data dir is shared through OPENTINKER_HOME)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENTINKER_HOME": str(tmp_path / "home")}
+    run = tmp_path / "run"
+    subprocess.run(
+        [sys.executable, str(root / "recipes/tictactoe/run.py"), "--steps", "1", "--groups", "2",
+         "--group-size", "2", "--eval-games", "2", "--eval-every", "1", "--illegal-reward", "-2",
+         "--random-frac", "1.0", "--random-x-share", "0.75", "--legal-bonus", "0.2", "--per-move",
+         "--opening-pairs", "0", "--no-progress", "--log-dir", str(run)],
+        check=True, capture_output=True, timeout=600, env=env,
+    )  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(root / "recipes/tictactoe/evaluate.py"), "--games", "3", str(run)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [r["run"] for r in rows] == [str(run), "untrained"]
+    for r in rows:
+        for a in ("X", "O"):
+            rates = [r[f"{a}/{k}_rate"] for k in ("win", "loss", "draw")]
+            assert abs(sum(rates) - 1) < 1e-9 and r[f"{a}/errors"] == 0
