@@ -249,3 +249,26 @@ def test_calculator_rules_and_smoke_run(service, renderer, tmp_path) -> None:
     for r in rows:
         assert r["env/errors"] == 0 and r["env/episodes"] == 8 and 1 <= r["env/turns_mean"] <= 3
         assert 0 <= r["eval/success"] <= 1 and r["eval/right_call"] <= r["eval/calls"] + 1e-9
+
+
+@pytest.mark.parametrize(
+    ("recipe", "args"),
+    [
+        ("guess_number", ["--steps", "1", "--groups", "1", "--group-size", "2", "--eval-samples", "1",
+                          "--eval-every", "1"]),
+        ("sft_then_rl", ["--sft-epochs", "1", "--sft-batch", "8", "--rl-steps", "1", "--groups", "1",
+                         "--group-size", "2", "--eval-problems", "4"]),
+    ],
+)  # fmt: skip
+def test_recipe_script_smoke(tmp_path, recipe: str, args: list[str]) -> None:
+    """The recipe scripts not covered elsewhere, on the tiny model (their default), one short run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENTINKER_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, str(root / f"recipes/{recipe}/run.py"), *args, "--no-progress",
+           "--log-dir", str(tmp_path / "run")]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
+    assert list((tmp_path / "run").rglob("metrics.jsonl"))
