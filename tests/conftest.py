@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -51,3 +53,14 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 
     err = float((actual.double() - expected.double()).norm())
     scale = float(expected.double().norm())
     assert err <= rel * max(scale, 1e-12), f"relative error {err / max(scale, 1e-30):.3g} > {rel}"
+
+
+class SlowSampler:
+    """A sampling client that takes ``delay`` seconds per call (as on a loaded machine)."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    async def sample(self, **kw: Any) -> Any:
+        await asyncio.sleep(self.delay)
+        return await self.inner.sample_async(**kw)

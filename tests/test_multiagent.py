@@ -41,7 +41,7 @@ from opentinker.tasks.tictactoe import (
     random_opening,
     winner,
 )
-from tests.conftest import TEST_MODEL, assert_rel_close
+from tests.conftest import TEST_MODEL, SlowSampler, assert_rel_close
 
 
 @pytest.fixture(scope="module")
@@ -452,19 +452,10 @@ class _SlowChatGroup(GameGroupBuilder):
         return [_SlowChat(self.renderer, d) for d in self.delays]
 
 
-class _SlowSampler:
-    def __init__(self, inner: Any, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-
-    async def sample(self, **kw: Any) -> Any:
-        await asyncio.sleep(self.delay)
-        return await self.inner.sample_async(**kw)
-
-
 def test_game_timeout_counts_the_game_not_the_sampler(service, renderer, caplog) -> None:
     """Four sampled moves at 0.2 s each (0.8 s > the 0.3 s limit) never fail a game; a move that
     takes the game itself longer than the limit fails that game alone, with a message saying so."""
-    policy = _SlowSampler(service.create_sampling_client(base_model=TEST_MODEL), 0.2)
+    policy = SlowSampler(service.create_sampling_client(base_model=TEST_MODEL), 0.2)
     params = types.SamplingParams(max_tokens=4)
     group = _SlowChatGroup(renderer, [0.0, 0.0, 1.0])
     g = asyncio.run(play_group(group, {"A": policy, "B": policy}, params, seed=0, timeout_s=0.3))

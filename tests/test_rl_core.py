@@ -32,7 +32,7 @@ from opentinker.rl import (
 )
 from opentinker.tasks import get_task
 from opentinker.tracking import read_metrics
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, SlowSampler
 
 # ------------------------------------------------------------------------------ trajectory -> Datum
 
@@ -308,23 +308,12 @@ class _TwoTurnGroup(EnvGroupBuilder):
         return [_TwoTurns(d) for d in self.delays]
 
 
-class _SlowSampler:
-    """A sampling client that takes ``delay`` seconds per call (a loaded machine)."""
-
-    def __init__(self, inner: Any, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-
-    async def sample(self, **kw: Any) -> Any:
-        await asyncio.sleep(self.delay)
-        return await self.inner.sample_async(**kw)
-
-
 def test_episode_timeout_counts_the_environment_not_the_sampler(
     service: ServiceClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A slow sampler never fails an episode (its turns took 2 x 0.4 s > the 0.3 s limit); an
     environment step slower than the limit fails its own episode, with a message saying so."""
-    policy = _SlowSampler(service.create_sampling_client(base_model=TEST_MODEL), 0.4)
+    policy = SlowSampler(service.create_sampling_client(base_model=TEST_MODEL), 0.4)
     params = types.SamplingParams(max_tokens=3, temperature=1.0)
     g = asyncio.run(rollout_group(_TwoTurnGroup([0.0, 0.0, 1.0]), policy, params, seed=0, timeout_s=0.3))
     assert g.errors == 1 and len(g.trajectories) == 2
