@@ -217,10 +217,20 @@ def test_only_supported_models_take_the_lean_path(engine: Engine) -> None:
     model, groups = engine.base.model, engine.lora.groups
     lean = lean_llama(model, groups)
     assert lean is not None and lean_llama(model, groups) is lean  # built once per model
-    with torch.no_grad():  # a base weight written in place: the fused copies are rebuilt
-        model.model.layers[0].self_attn.k_proj.weight.mul_(1.0)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+
+    def shares(fused: torch.Tensor, *weights: torch.Tensor) -> bool:  # views of the fused rows, in order
+        rows = torch.cat([w.detach() for w in weights])
+        same = all(w.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for w in weights)
+        return same and torch.equal(rows, fused)
+
+    assert shares(lean.layers[0].w_qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+    assert shares(lean.layers[0].w_gu, mlp.gate_proj.weight, mlp.up_proj.weight)  # no extra memory
+    with torch.no_grad():  # a base weight written in place: the fused weights are rebuilt
+        attn.k_proj.weight.mul_(1.0)
     rebuilt = lean_llama(model, groups)
     assert rebuilt is not None and rebuilt is not lean and lean_llama(model, groups) is rebuilt
+    assert shares(rebuilt.layers[0].w_qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     small = dict(
         hidden_size=32,
         num_hidden_layers=2,

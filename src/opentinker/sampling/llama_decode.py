@@ -7,10 +7,10 @@ layer, every step), rebuilds the attention mask, and every wrapped projection ru
 tensor ops per layer:
 
 * **Fused base weights.** ``q|k|v`` and ``gate|up`` are concatenated once into one matrix per layer
-  (one ``F.linear`` per fused group). They are copies: the base model is frozen, so they are built
-  once per model (cached on it, shared by every engine and backend over it, rebuilt if its
-  weights move) and cost ``L·(q_out + k_out + v_out + 2·intermediate)·hidden`` extra parameters:
-  +2 MB (fp32) for ``opentinker/tiny``, +280 MB (fp32) for SmolLM2-135M.
+  (one ``F.linear`` per fused group), and the model's own frozen ``q``/``k``/``v``/``gate``/``up``
+  weights become views of its rows: the HF forward (training, the fallback) and this one read one
+  copy (the originals, often pages of the mmapped checkpoint, are no longer used). Built once per model (cached on it, shared by every engine and backend
+  over it, rebuilt if its weights move or are written).
 * **Static KV cache.** One tensor ``[layers, 2, rows, kv_heads, columns, head_dim]`` written in
   place; rows that finish (or fan out) leave with one ``index_select`` of the written columns;
   columns grow by doubling when needed (never a copy per step). Left padding is a column mask.
@@ -114,6 +114,19 @@ def _weight(module: Any) -> torch.Tensor:
     return module.weight  # a MultiLoRALinear forwards .weight to its frozen base
 
 
+def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
+    """The frozen ``params`` ([out_i, in] each) stacked into one ``[Σ out_i, in]`` matrix; each
+    parameter then becomes a view of its rows (same values, contiguous), so training (the HF
+    forward) and sampling read one copy of these weights, not two."""
+    fused = torch.cat([p.detach() for p in params]).contiguous()
+    row = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[row : row + n]
+        row += n
+    return fused
+
+
 class LlamaLean:
     """Fused frozen weights of one Llama model and its forward over a :class:`LeanCache`."""
 
@@ -141,17 +154,9 @@ class LlamaLean:
             parts = [_weight(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]
             ln1, ln2 = _weight(layer.input_layernorm), _weight(layer.post_attention_layernorm)
             w_o, w_down = _weight(attn.o_proj), _weight(mlp.down_proj)
+            w_qkv, w_gu = _fuse(parts[:3]), _fuse(parts[3:])
             sources += [*parts, ln1, ln2, w_o, w_down]
-            self.layers.append(
-                _Layer(
-                    ln1=ln1,
-                    w_qkv=torch.cat(parts[:3]).contiguous(),
-                    w_o=w_o,
-                    ln2=ln2,
-                    w_gu=torch.cat(parts[3:]).contiguous(),
-                    w_down=w_down,
-                )
-            )
+            self.layers.append(_Layer(ln1=ln1, w_qkv=w_qkv, w_o=w_o, ln2=ln2, w_gu=w_gu, w_down=w_down))
         self._sources = [(t, t.data_ptr(), t._version) for t in sources]
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
