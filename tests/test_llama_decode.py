@@ -15,7 +15,7 @@ from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.lora import LoRABatch, LoRAConfig, MultiLoRA
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling import native as native_mod
-from opentinker.sampling.llama_decode import FUSED, LeanLoRA, lean_llama, unsupported_reason
+from opentinker.sampling.llama_decode import FUSED, LeanLoRA, _plus_lora, lean_llama, unsupported_reason
 from opentinker.sampling.types import SampleResult
 from tests.conftest import make_examples
 
@@ -179,10 +179,10 @@ def test_lean_prompt_logprobs_shared_prefix_and_cache_growth(
 
 
 def test_fused_lora_terms_equal_the_per_projection_deltas(engine: Engine, policies: list[str | None]) -> None:
-    """``LeanLoRA.apply`` for a fused projection (q|k|v, gate|up, ...) is the concatenation of
-    ``LoRABatch.delta`` of its members, in every routing layout, for one token (decode: equal
-    output blocks when one row per slot) and several (prefill: block-diagonal B); groups that no
-    entry of the batch has add nothing."""
+    """``LeanLoRA.apply`` (prefill) and the decode step's terms (``step_terms``: equal output
+    blocks when one row per slot) for a fused projection (q|k|v, gate|up, ...) are the
+    concatenation of ``LoRABatch.delta`` of its members, in every routing layout, for one token
+    and several; groups that no entry of the batch has add nothing."""
     a, b, c, snap, _ = policies
     groups = engine.lora.groups
     layouts = [
@@ -197,6 +197,9 @@ def test_fused_lora_terms_equal_the_per_projection_deltas(engine: Engine, polici
         plan = engine.plan_routing(rows)
         assert isinstance(plan, LoRABatch)
         lora = LeanLoRA(plan, groups, torch.float32)
+        n_layers = groups["self_attn.q_proj"].n_layers
+        terms = lora.step_terms(n_layers)
+        order = ["qkv", "o", "gu", "down"]
         for key, names, t in [(k, n, t) for k, n in FUSED.items() for t in (1, 3)]:  # decode, prefill
             d_in = groups[names[0]].d_in
             d_out = sum(groups[n].d_out for n in names)
@@ -210,6 +213,10 @@ def test_fused_lora_terms_equal_the_per_projection_deltas(engine: Engine, polici
                         d = plan.delta(n, layer, x)
                         parts.append(d if d is not None else x.new_zeros(len(rows), t, groups[n].d_out))
                     want = torch.cat(parts, dim=-1)
+                    if t == 1:  # the decode step's term
+                        k = 4 * n_layers if key == "lm_head" else 4 * layer + order.index(key)
+                        step = _plus_lora(y[:, 0].clone(), x[:, 0], terms, k) - y[:, 0]
+                        assert (step - want[:, 0]).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
                 assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
 
 

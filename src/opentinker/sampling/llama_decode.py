@@ -204,17 +204,15 @@ class LlamaLean:
         """Run ``ids`` ([B, T] at RoPE positions ``pos``; ``valid`` False on left padding, None =
         all real) after the ``cache.length`` columns already cached; return the logits of the last
         ``keep`` positions (0 = all), [B, keep, V]."""
+        if ids.shape[1] == 1 and keep == 1 and valid is None and cache.length > 0:
+            return self.decode(cache, ids, pos, lora)[:, None]
         B, T = ids.shape
         c0 = cache.length
         L = c0 + T
         cache.append(T, valid)
         keys, values = cache.keys, cache.values
-        if T == 1:
-            bias, mask, causal = cache.decode_bias(self.n_kv), None, False
-        else:
-            bias, (mask, causal) = None, cache.attention_mask(c0, T)
+        mask, causal = cache.attention_mask(c0, T)
         nq, nkv, D = self.n_heads, self.n_kv, self.head_dim
-        rep = nq // nkv
         cos, sin = self.rope(pos)
         h = F.embedding(ids, self.embed)
         half = D // 2
@@ -229,21 +227,17 @@ class LlamaLean:
             kc, vc = keys[i], values[i]
             kc[:, :, c0:L] = qk[:, :, nq:].transpose(1, 2)
             vc[:, :, c0:L] = qkv[:, :, nq + nkv :].transpose(1, 2)
-            k, v = kc[:, :, :L], vc[:, :, :L]
-            if T == 1:
-                # a kv head's `rep` query heads act as its query positions (no repeat of K/V); three
-                # batched matmul/softmax ops cost less than SDPA's kernel set-up at this size
-                q = qk[:, 0, :nq].reshape(B * nkv, rep, D)
-                k3, v3 = k.reshape(B * nkv, L, D), v.reshape(B * nkv, L, D)  # views of the cache
-                assert bias is not None
-                scores = torch.baddbmm(bias, q, k3.transpose(1, 2), alpha=self.scaling)
-                att = torch.bmm(torch.softmax(scores, -1), v3).view(B, 1, nq * D)
-            else:
-                q = qk[:, :, :nq].transpose(1, 2)
-                att = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=rep > 1
-                )
-                att = att.transpose(1, 2).reshape(B, T, nq * D)
+            q = qk[:, :, :nq].transpose(1, 2)
+            att = F.scaled_dot_product_attention(
+                q,
+                kc[:, :, :L],
+                vc[:, :, :L],
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scaling,
+                enable_gqa=nq > nkv,
+            )
+            att = att.transpose(1, 2).reshape(B, T, nq * D)
             o = F.linear(att, layer.w_o)
             if lora is not None:
                 o = lora.apply(o, att, "o", i)
@@ -264,6 +258,85 @@ class LlamaLean:
         if lora is not None:
             logits = lora.apply(logits, x, "lm_head", 0)
         return logits
+
+    def decode(
+        self, cache: LeanCache, ids: torch.Tensor, pos: torch.Tensor, lora: LeanLoRA | None
+    ) -> torch.Tensor:
+        """Logits [B, V] of one new token per row (``ids``, ``pos``: [B, 1]) after the cached
+        columns, whose K/V it writes into the cache. The LoRA terms come from
+        :meth:`LeanLoRA.step_terms` (built once per routing plan)."""
+        B = ids.shape[0]
+        nq, nkv, D = self.n_heads, self.n_kv, self.head_dim
+        rep, half = nq // nkv, D // 2
+        c0 = cache.length
+        cache.append(1, None)
+        L = c0 + 1
+        bias = cache.decode_bias(nkv)
+        terms = None if lora is None else lora.step_terms(len(self.layers))
+        cos, sin = self.rope(pos)
+        cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]
+        h = F.embedding(ids[:, 0], self.embed)
+        for i, layer in enumerate(self.layers):
+            x = self._rms(h, layer.ln1)
+            qkv = _plus_lora(F.linear(x, layer.w_qkv), x, terms, 4 * i).view(B, nq + 2 * nkv, D)
+            qk = qkv[:, : nq + nkv]
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # HF's q·cos + rotate_half(q)·sin
+            kc, vc = cache.keys[i], cache.values[i]
+            kc[:, :, c0] = qk[:, nq:]
+            vc[:, :, c0] = qkv[:, nq + nkv :]
+            # a kv head's `rep` query heads act as its query positions (no repeat of K/V); three
+            # batched matmul/softmax ops cost less than SDPA's kernel set-up at this size
+            q = qk[:, :nq].reshape(B * nkv, rep, D)
+            k3 = kc[:, :, :L].reshape(B * nkv, L, D)  # views of the cache
+            v3 = vc[:, :, :L].reshape(B * nkv, L, D)
+            scores = torch.baddbmm(bias, q, k3.transpose(1, 2), alpha=self.scaling)
+            att = torch.bmm(torch.softmax(scores, -1), v3).view(B, nq * D)
+            h = h + _plus_lora(F.linear(att, layer.w_o), att, terms, 4 * i + 1)
+            x = self._rms(h, layer.ln2)
+            gu = _plus_lora(F.linear(x, layer.w_gu), x, terms, 4 * i + 2)
+            act = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+            h = h + _plus_lora(F.linear(act, layer.w_down), act, terms, 4 * i + 3)
+        x = self._rms(h, self.norm)
+        return _plus_lora(F.linear(x, self.w_lm), x, terms, 4 * len(self.layers))
+
+
+# The LoRA term of one fused projection in a decode step (:meth:`LeanLoRA.step_terms`), with
+# ``scale·B^T`` block-diagonal over the siblings where a projection fuses several:
+#   ("mm", A^T [in, R], B^T [R, out])            every row on one entry
+#   ("slots", A^T [S, in, R], B^T [S, R, out])   S slots of rows / S consecutive rows each
+#   ("blocks", A^T [B, in, nb·r], B^T [B·nb, r, c], nb)
+#                                                one row per slot, siblings of one rank: the output
+#                                                in nb blocks of width c (one GEMV each, no zeros),
+#                                                A^T's columns repeated to feed every block
+#   ("split", A^T [k, in, R], B^T [k, R, out], sizes)   a few runs of unequal sizes
+StepTerm = tuple[Any, ...]
+
+
+def _plus_lora(
+    y: torch.Tensor, x: torch.Tensor, terms: tuple[StepTerm | None, ...] | None, k: int
+) -> torch.Tensor:
+    """``y`` ([B, out], a fresh base output, updated in place) plus the LoRA term ``terms[k]`` of
+    ``x`` ([B, in])."""
+    term = None if terms is None else terms[k]
+    if term is None:
+        return y
+    mode, a = term[0], term[1]
+    B, n_out = y.shape
+    if mode == "mm":
+        return y.addmm_(x @ a, term[2])
+    if mode == "blocks":
+        b, nb = term[2], term[3]
+        xa = torch.bmm(x.view(B, 1, -1), a)  # [B, 1, nb·r]
+        return y.view(B * nb, 1, -1).baddbmm_(xa.view(B * nb, 1, -1), b).view(B, n_out)
+    if mode == "slots":
+        s = a.shape[0]
+        xa = torch.bmm(x.view(s, -1, x.shape[-1]), a)
+        return y.view(s, -1, n_out).baddbmm_(xa, term[2]).view(B, n_out)
+    assert mode == "split"
+    b, sizes = term[2], term[3]
+    for j, (xk, yk) in enumerate(zip(torch.split(x, sizes), torch.split(y, sizes), strict=True)):
+        yk.addmm_(xk @ a[j], b[j])
+    return y
 
 
 class LeanCache:
@@ -321,7 +394,7 @@ class LeanCache:
 
     def decode_bias(self, n_kv: int) -> torch.Tensor:
         """Additive attention bias of one query per row over the written columns, per (row, kv
-        head): [rows·kv_heads, 1, length] with -inf on padding (call after :meth:`append`)."""
+        head): [rows·kv_heads, 1, length] with -inf on padding (a [1, 1, 1] zero without any)."""
         if not self.padded:
             return self._zero
         rows, end = self.valid.shape[0], self.length
@@ -348,11 +421,12 @@ class LeanLoRA:
     built on first use from the plan's per-slot ``A^T`` / ``scale·B^T`` (``LoRABatch._weights``):
 
     * ``A^T`` of the siblings side by side, ``[S, in, R]`` (one batched matmul for q|k|v);
-    * for one row per slot (a decode step): the output cut into ``nb`` equal blocks (the gcd of the
-      siblings' widths) and ``B`` as ``[S·nb, r, c]``, so every block is one GEMV and nothing reads
-      zeros; the fused add lands in the base output as a view;
+    * for a decode step with one row per slot (:meth:`step_terms`): the output cut into ``nb``
+      equal blocks (the gcd of the siblings' widths), ``A^T``'s columns repeated per block and
+      ``B`` as ``[S·nb, r, c]``, so every block is one GEMV and nothing reads zeros; the fused add
+      lands in the base output as a view;
     * otherwise (prefill, runs of several rows, one entry for all rows): ``B`` block-diagonal
-      ``[S, R, out]`` (2-D for one entry), one ``baddbmm`` into the base output.
+      ``[S, R, out]`` (2-D for one entry), one ``baddbmm`` into the base output (:meth:`apply`).
     """
 
     def __init__(self, plan: LoRABatch, groups: dict[str, TargetGroup], dtype: torch.dtype) -> None:
@@ -361,7 +435,7 @@ class LeanLoRA:
         self.dtype = dtype
         self._a: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None] = {}
         self._diag: dict[tuple[str, int], torch.Tensor] = {}
-        self._blk: dict[tuple[str, int], tuple[torch.Tensor | None, torch.Tensor, int] | None] = {}
+        self._terms: tuple[StepTerm | None, ...] | None = None
 
     def _a_side(self, key: str, layer: int) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None:
         """(``A^T`` of the members present, side by side; each present member's ``scale·B^T``)."""
@@ -400,30 +474,49 @@ class LeanLoRA:
         return b
 
     def _blocks(
-        self, key: str, layer: int, bs: list[tuple[str, torch.Tensor]]
-    ) -> tuple[torch.Tensor | None, torch.Tensor, int] | None:
-        """(columns of ``x @ A^T`` feeding each block, or None if in order; ``B`` blocks
+        self, key: str, layer: int, a: torch.Tensor, bs: list[tuple[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(``A^T`` with each member's columns repeated once per block of its output; ``B`` blocks
         ``[S·nb, r, c]``; ``nb``), or None unless every member is present with one rank."""
-        if (key, layer) in self._blk:
-            return self._blk[(key, layer)]
         names = FUSED[key]
-        out = None
-        if len(bs) == len(names) and bs[0][1].dim() == 3 and len({b.shape[-2] for _, b in bs}) == 1:
-            r = bs[0][1].shape[-2]
-            c = math.gcd(*(self.groups[n].d_out for n in names))
-            cols: list[torch.Tensor] = []
-            blocks = []
-            for j, (_, b) in enumerate(bs):
-                nb = b.shape[-1] // c
-                cols += [torch.arange(j * r, (j + 1) * r, device=b.device)] * nb
-                blocks.append(b.reshape(b.shape[0], r, nb, c).transpose(1, 2))  # [S, nb_j, r, c]
-            b_all = torch.cat(blocks, dim=1)
-            nb = b_all.shape[1]
-            idx = torch.cat(cols)
-            in_order = nb == len(bs)
-            out = (None if in_order else idx, b_all.reshape(-1, r, c).contiguous(), nb)
-        self._blk[(key, layer)] = out
-        return out
+        if not (len(bs) == len(names) and bs[0][1].dim() == 3 and len({b.shape[-2] for _, b in bs}) == 1):
+            return None
+        r = bs[0][1].shape[-2]
+        c = math.gcd(*(self.groups[n].d_out for n in names))
+        cols: list[torch.Tensor] = []
+        blocks = []
+        for j, (_, b) in enumerate(bs):
+            nb = b.shape[-1] // c
+            cols += [torch.arange(j * r, (j + 1) * r, device=b.device)] * nb
+            blocks.append(b.reshape(b.shape[0], r, nb, c).transpose(1, 2))  # [S, nb_j, r, c]
+        b_all = torch.cat(blocks, dim=1)
+        nb = b_all.shape[1]
+        a_rep = a if nb == len(bs) else a.index_select(-1, torch.cat(cols))
+        return a_rep, b_all.reshape(-1, r, c).contiguous(), nb
+
+    def step_terms(self, n_layers: int) -> tuple[StepTerm | None, ...]:
+        """The LoRA terms of a decode step (one row per plan row, T = 1) for :meth:`LlamaLean.decode`:
+        q|k|v, o, gate|up, down of each of ``n_layers`` layers, then ``lm_head``; built once."""
+        if self._terms is None:
+            keys = [(k, i) for i in range(n_layers) for k in ("qkv", "o", "gu", "down")]
+            self._terms = tuple(self._step_term(k, i) for k, i in [*keys, ("lm_head", 0)])
+        return self._terms
+
+    def _step_term(self, key: str, layer: int) -> StepTerm | None:
+        w = self._a_side(key, layer)
+        if w is None:
+            return None
+        a, bs = w
+        plan = self.plan
+        if plan.single is not None:
+            return ("mm", a, self._block_diag(key, layer, a, bs))
+        if plan.split is not None:
+            return ("split", a, self._block_diag(key, layer, a, bs), list(plan.split))
+        if not plan.run_len or plan.run_len == 1:  # one row per slot
+            blk = self._blocks(key, layer, a, bs) if len(FUSED[key]) > 1 else None
+            if blk is not None:
+                return ("blocks", *blk)
+        return ("slots", a, self._block_diag(key, layer, a, bs))
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, key: str, layer: int) -> torch.Tensor:
         """``y + delta`` for ``x`` ([B, T, in]) and the base output ``y`` ([B, T, out], contiguous),
@@ -435,15 +528,6 @@ class LeanLoRA:
         plan = self.plan
         B, T, n_out = y.shape
         n = plan.run_len or 1  # equal runs: one slot per run; otherwise one slot per row
-        if plan.single is None and plan.split is None and n * T == 1 and len(FUSED[key]) > 1:
-            blk = self._blocks(key, layer, bs)
-            if blk is not None:  # one row per slot: one GEMV per output block, no zeros
-                idx, b, nb = blk
-                xa = torch.bmm(x.reshape(B, 1, -1), a)  # [S, 1, R]
-                if idx is not None:
-                    xa = xa.index_select(2, idx)
-                c = n_out // nb
-                return y.view(B * nb, 1, c).baddbmm_(xa.view(B * nb, 1, -1), b).view(B, 1, n_out)
         b = self._block_diag(key, layer, a, bs)
         if plan.single is not None:  # every row on one entry
             return y.view(B * T, n_out).addmm_(x.reshape(B * T, -1) @ a, b).view(B, T, n_out)

@@ -51,8 +51,17 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: StopReason | None = None
+    _uniforms: list[float] = field(default_factory=list)
+
+    def uniform(self) -> float:
+        """The next U[0, 1) draw of this row's own generator (drawn 64 at a time): a row's draws do
+        not depend on which other rows share its batch (same seed and request -> same tokens)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(UNIFORM_CHUNK, generator=self.gen, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
 
 
+UNIFORM_CHUNK = 64  # uniforms drawn at once from a row's generator
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
 LEAN_FIRST_DECODE_COLUMNS = 256  # static KV cache columns allocated for decode at first (then doubled)
 
@@ -478,38 +487,46 @@ def common_prompt_prefix(reqs: list[SampleRequest]) -> int:
 def _choose_batch(logits_SV: torch.Tensor, rows: list[_Row]) -> list[tuple[int, float]]:
     """Pick one token per row (rows sharing sampling parameters are processed together); return
     each with its logprob under softmax(logits / T) (T = 1 when greedy)."""
-    out: list[tuple[int, float]] = [(0, 0.0)] * len(rows)
     groups: dict[tuple[float, int, float], list[int]] = {}
     for j, row in enumerate(rows):
         p = row.params
         groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
-    for (temp, top_k, top_p), idx in groups.items():
-        logits = logits_SV[idx]  # [n, V]
-        if temp == 0:
-            toks = logits.argmax(-1)
-            lps = torch.log_softmax(logits, -1).gather(-1, toks[:, None]).squeeze(-1)
-        else:
-            logp = torch.log_softmax(logits / temp, -1)
-            filtered = logp
-            if 0 < top_k < logp.shape[-1]:
-                kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
-                filtered = filtered.masked_fill(filtered < kth, -math.inf)
-            if top_p < 1.0:
-                sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
-                probs = sorted_lp.softmax(-1)
-                before = probs.cumsum(-1) - probs  # mass strictly before each token
-                drop_sorted = before >= top_p  # keeps the smallest prefix reaching top_p (>= 1 token)
-                drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # vocab order
-                filtered = filtered.masked_fill(drop, -math.inf)
-            cdf = filtered.softmax(-1).cumsum(-1)  # [n, V]
-            # one uniform per row from the row's own generator: a row's draws do not depend on
-            # which other rows share the batch (same seed and request -> same tokens)
-            u = torch.stack([torch.rand((), generator=rows[j].gen) for j in idx]).to(cdf)
-            toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
-            lps = logp.gather(-1, toks[:, None]).squeeze(-1)
-        for j, t, lp in zip(idx, toks.tolist(), lps.tolist(), strict=True):
-            out[j] = (int(t), float(lp))
+    if len(groups) == 1:  # every row alike: no gather, no scatter back
+        [(key, _)] = groups.items()
+        return _choose(logits_SV, rows, *key)
+    out: list[tuple[int, float]] = [(0, 0.0)] * len(rows)
+    for key, idx in groups.items():
+        for j, picked in zip(idx, _choose(logits_SV[idx], [rows[j] for j in idx], *key), strict=True):
+            out[j] = picked
     return out
+
+
+def _choose(
+    logits: torch.Tensor, rows: list[_Row], temp: float, top_k: int, top_p: float
+) -> list[tuple[int, float]]:
+    """One token per row of ``logits`` [n, V] under one set of sampling parameters."""
+    if temp == 0:
+        toks = logits.argmax(-1)
+        lps = torch.log_softmax(logits, -1).gather(-1, toks[:, None]).squeeze(-1)
+        return list(zip(toks.tolist(), lps.tolist(), strict=True))
+    logp = torch.log_softmax(logits if temp == 1 else logits / temp, -1)
+    filtered = logp
+    if 0 < top_k < logp.shape[-1]:
+        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = sorted_lp.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        drop_sorted = before >= top_p  # keeps the smallest prefix reaching top_p (>= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # vocab order
+        filtered = filtered.masked_fill(drop, -math.inf)
+    # inverse CDF of the kept tokens' (unnormalised) probabilities at one uniform per row
+    cdf = (filtered.exp() if filtered is logp else filtered.softmax(-1)).cumsum(-1)  # [n, V]
+    u = torch.tensor([row.uniform() for row in rows], dtype=cdf.dtype, device=cdf.device)
+    toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    lps = logp.gather(-1, toks[:, None]).squeeze(-1)
+    return list(zip(toks.tolist(), lps.tolist(), strict=True))
 
 
 def _prompt_logprobs(res: SampleResult, logits_PV: torch.Tensor, r: SampleRequest) -> None:
