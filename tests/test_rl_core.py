@@ -229,9 +229,10 @@ def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, rend
 
 
 def test_update_moves_towards_rewarded_replies(service: ServiceClient, renderer: Renderer) -> None:
-    """The sign of the whole path: after updates on one group, the reply with the highest
-    advantage is more likely and the one with the lowest less likely (a reply with a small
-    advantage may move either way: it shares parameters with the others)."""
+    """The sign of the whole path: after updates on one group, the advantage-weighted sum of the
+    replies' logprobs (the objective) has risen, and the reply with the highest advantage gained
+    on the one with the lowest (each alone may move either way: the replies share tokens and
+    parameters)."""
     tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=1)
     params = types.SamplingParams(max_tokens=6, temperature=1.0)
     g = asyncio.run(
@@ -258,7 +259,9 @@ def test_update_moves_towards_rewarded_replies(service: ServiceClient, renderer:
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = seq_logprobs()
     best, worst = advs.index(max(advs)), advs.index(min(advs))
-    assert after[best] > before[best] and after[worst] < before[worst]
+    gain = [a - b for a, b in zip(after, before, strict=True)]
+    assert sum(a * d for a, d in zip(advs, gain, strict=True)) > 0
+    assert gain[best] > gain[worst]
 
 
 def test_failing_episodes_fail_alone(service: ServiceClient, renderer: Renderer, tmp_path: Path) -> None:

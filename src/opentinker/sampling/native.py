@@ -174,6 +174,7 @@ class NativeBackend(RolloutBackend):
         plan = model.fan_out(prefill_plan, select, [row.policy for row in rows])
         last = logits[select, -1]  # [S, V]
         active = list(range(len(rows)))
+        step_pos = torch.tensor([row.prompt_len - 1 for row in rows], device=dev)[:, None]
         ctx = eng.max_context
         while True:
             picked = _choose_batch(last, [rows[s] for s in active])
@@ -190,10 +191,10 @@ class NativeBackend(RolloutBackend):
                 model.select(idx)
                 plan = plan.select(idx) if plan is not None else None
                 active = [active[j] for j in keep]
-            step_ids = torch.tensor([[rows[s].tokens[-1]] for s in active], device=dev)
-            step_pos = torch.tensor(
-                [[rows[s].prompt_len + len(rows[s].tokens) - 1] for s in active], device=dev
-            )
+                step_pos = step_pos[idx]
+            # the new tokens' positions: one past the last, every step
+            step_pos += 1
+            step_ids = torch.tensor([rows[s].tokens[-1] for s in active], device=dev)[:, None]
             last = model.step(step_ids, step_pos, plan)
         for row in rows:
             assert row.reason is not None
