@@ -43,7 +43,8 @@ def main() -> None:
         for t in engine.adapter_weights(aid).b.values():
             with torch.no_grad():
                 t.normal_(std=0.01)
-    sampler = NativeBackend(engine, lean_decode=not args.no_lean)
+    # no prefix cache: HF prefills every call, so ours does too (the prompts repeat call to call)
+    sampler = NativeBackend(engine, lean_decode=not args.no_lean, prefix_cache_bytes=0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, base.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in ids]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0, stop=[])

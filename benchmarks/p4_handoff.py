@@ -33,7 +33,7 @@ def main() -> None:
     torch.manual_seed(0)
     base = load_base_model(args.model)
     engine = Engine(base)
-    sampler = NativeBackend(engine)
+    sampler = NativeBackend(engine, prefix_cache_bytes=0)  # every handoff prefills its prompt
     aid = engine.create_adapter(LoRAConfig(rank=args.rank, seed=0))
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(3, base.vocab_size, (65,), generator=g)

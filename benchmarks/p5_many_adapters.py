@@ -181,7 +181,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=0, stop=[])
 
     def sample(engine: Engine, ids: list[str]) -> Callable[[], None]:
-        backend = NativeBackend(engine)
+        backend = NativeBackend(engine, prefix_cache_bytes=0)  # every call prefills (prompts repeat)
         reqs = [SampleRequest(aid, prompt, params) for aid in ids]
 
         def run() -> None:

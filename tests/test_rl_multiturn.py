@@ -151,7 +151,7 @@ def test_guess_number_rl_smoke_writes_metrics(service, renderer, tmp_path) -> No
     assert (tmp_path / "run" / "curves.png").exists() and res.final_path
 
 
-def test_addition_retry_rules_and_smoke_run(service, renderer, tmp_path) -> None:
+def test_addition_retry_rules_and_smoke_run(runtime, service, renderer, tmp_path) -> None:
     from opentinker.tasks import addition_retry as ar
 
     async def play(replies: list[str], **kw) -> list:
@@ -176,9 +176,12 @@ def test_addition_retry_rules_and_smoke_run(service, renderer, tmp_path) -> None
     dataset, evaluator = ar.build(renderer, cfg)
     held = set(eval_problems())
     assert all(not set(g.problems) & held for g in dataset.batch(0))  # type: ignore[attr-defined]
+    cache = runtime.backend(TEST_MODEL).sampler.prefix_cache
+    hits = cache.hits
     res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and len(res.metrics) == 2
+    assert rows[0]["env/turns_mean"] > 1 and cache.hits > hits  # later turns reused the earlier
     for r in rows:
         assert r["env/errors"] == 0 and r["env/episodes"] == 8 and 1 <= r["env/turns_mean"] <= 3
         assert 0 <= r["eval/success"] <= 1 and r["eval/first_try"] <= r["eval/success"]
@@ -204,9 +207,11 @@ def test_addition_retry_recipe_smoke(tmp_path) -> None:
     assert ckpts and "retry-step-" in ckpts[-1]["path"]  # named apart from the first stage's
 
 
-def test_calculator_rules_and_smoke_run(service, renderer, tmp_path) -> None:
+def test_calculator_rules_and_smoke_run(runtime, service, renderer, tmp_path) -> None:
     """The calculator tool: it answers the first expression the model writes (whatever numbers),
-    a reply whose first number is the product ends the episode, anything else gets a nudge."""
+    a reply whose first number is the product ends the episode, anything else gets a nudge. In the
+    run, every later turn's prompt continues the turn before it: the sampler serves it from its
+    prefix cache."""
     from opentinker.tasks import calculator as calc
 
     assert calc.first_number("It is 56,876.") == 56876 and calc.first_number("1,2345 or 7") == 1
@@ -243,9 +248,12 @@ def test_calculator_rules_and_smoke_run(service, renderer, tmp_path) -> None:
     dataset, evaluator = calc.build(renderer, cfg)
     held = set(calc.eval_problems())
     assert all(not set(g.problems) & held for g in dataset.batch(0))  # type: ignore[attr-defined]
+    cache = runtime.backend(TEST_MODEL).sampler.prefix_cache
+    hits = cache.hits
     res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and len(res.metrics) == 2
+    assert rows[0]["env/turns_mean"] > 1 and cache.hits > hits  # later turns reused the earlier
     for r in rows:
         assert r["env/errors"] == 0 and r["env/episodes"] == 8 and 1 <= r["env/turns_mean"] <= 3
         assert 0 <= r["eval/success"] <= 1 and r["eval/right_call"] <= r["eval/calls"] + 1e-9

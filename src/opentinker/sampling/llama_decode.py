@@ -371,6 +371,32 @@ class LeanCache:
             self.padded = self.padded or not bool(valid.all())
         self.length = end
 
+    def load_prefixes(self, prefixes: list[torch.Tensor | None]) -> None:
+        """Start an empty cache with each row's cached keys and values (``[layers, 2, kv_heads, n_i,
+        head_dim]``, None = nothing cached), right-aligned in the first ``max n_i`` columns (the
+        rest of a shorter row is padding, zeroed)."""
+        assert self.length == 0 and len(prefixes) == self.kv.shape[2]
+        end = max(kv.shape[3] for kv in prefixes if kv is not None)
+        if end > self.kv.shape[4]:
+            self._grow(end)
+        for i, kv in enumerate(prefixes):
+            n = 0 if kv is None else kv.shape[3]
+            if kv is not None:
+                self.kv[:, :, i, :, end - n : end] = kv
+                self.valid[i, end - n : end] = True
+            if n < end:  # padding is masked out, but 0 · garbage (NaN) would not be
+                self.kv[:, :, i, :, : end - n] = 0
+        self.length = end
+        self.padded = any(kv is None or kv.shape[3] < end for kv in prefixes)
+
+    def row_kv(self, row: int) -> torch.Tensor:
+        """A copy of one row's keys and values over its real (not padding) columns, in order:
+        ``[layers, 2, kv_heads, n, head_dim]``."""
+        if not self.padded:
+            return self.kv[:, :, row, :, : self.length].clone()
+        cols = self.valid[row, : self.length].nonzero().squeeze(1)
+        return self.kv[:, :, row].index_select(3, cols)
+
     def _grow(self, need: int) -> None:
         cols = min(max(need, 2 * self.kv.shape[4]), max(self.max_columns, need))
         kv = self.kv.new_empty(*self.kv.shape[:4], cols, self.kv.shape[5])

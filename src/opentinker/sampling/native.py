@@ -7,7 +7,10 @@ One ``generate`` call is one batch:
    top-k prompt logprobs come from these logits. When every request names the same policy and the
    prompts begin with the same tokens (a system prompt and a question template: an RL step's
    prompts, an evaluation set), that common prefix is prefilled once and its KV cache shared by
-   every row; each prompt's own suffix is then prefilled on it (``share_prefix``).
+   every row; each prompt's own suffix is then prefilled on it (``share_prefix``). A prompt that
+   continues a sequence an earlier call finished under the same policy state (the next turn of a
+   conversation) starts instead from that sequence's keys and values, kept in a
+   :class:`~opentinker.sampling.prefix_cache.PrefixCache`, and prefills only its new tokens.
 2. **Fan out** ``num_samples`` rows per request by selecting KV-cache rows (no second prefill).
 3. **Decode** one token per live row per step, every row with its own policy, sampling parameters
    and seeded generator; rows leave the batch (and the KV cache) as soon as they stop.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +37,7 @@ from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
 from opentinker.sampling.backend import RolloutBackend
 from opentinker.sampling.llama_decode import LeanCache, LeanLoRA, LlamaLean, lean_llama
+from opentinker.sampling.prefix_cache import PrefixCache
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams, StopReason
 
 
@@ -63,17 +67,29 @@ class _Row:
 
 UNIFORM_CHUNK = 64  # uniforms drawn at once from a row's generator
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
+DEFAULT_PREFIX_CACHE_BYTES = 512 << 20  # keys and values of finished sequences kept for their next turn
 LEAN_FIRST_DECODE_COLUMNS = 256  # static KV cache columns allocated for decode at first (then doubled)
 
 
 class NativeBackend(RolloutBackend):
-    def __init__(self, engine: Engine, *, share_prefix: bool = True, lean_decode: bool = True) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        share_prefix: bool = True,
+        lean_decode: bool = True,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    ) -> None:
         """``lean_decode``: run prefill and decode steps of Llama-family models through
         :class:`~opentinker.sampling.llama_decode.LlamaLean` (fused weights, static KV cache) instead
-        of the HF module tree; other models always take the HF forward."""
+        of the HF module tree; other models always take the HF forward. ``prefix_cache_bytes``:
+        the budget of the :class:`~opentinker.sampling.prefix_cache.PrefixCache` that lets a
+        prompt continuing a finished sequence (the next turn of a conversation) skip prefilling
+        it (lean path; 0 = off)."""
         self.engine = engine
         self.share_prefix = share_prefix
         self.lean_decode = lean_decode
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._lora_cache = _LoRACache()
         self.tokenizer = engine.base.tokenizer
         self.eos_ids = _eos_ids(engine)
@@ -89,7 +105,16 @@ class NativeBackend(RolloutBackend):
 
     def retire(self, policy_id: str) -> None:
         self._lora_cache.clear()
+        self.prefix_cache.drop(lambda key: isinstance(key, tuple) and key[0] == policy_id)
         self.engine.release_snapshot(policy_id)
+
+    def policy_key(self, policy: PolicyRef) -> Hashable:
+        """What the keys and values a policy computes depend on: the base model's (None), or a
+        policy's id with its weights' identity and version counters (a trained adapter's change)."""
+        if policy is None:
+            return None
+        w = self.engine.adapter_weights(policy)
+        return (policy, id(w), tuple(t._version for t in w.tensors()))
 
     # ---------------------------------------------------------------- sampling
     def validate(self, req: SampleRequest) -> None:
@@ -141,20 +166,31 @@ class NativeBackend(RolloutBackend):
     def _run(self, reqs: list[SampleRequest]) -> list[SampleResult]:
         eng, dev = self.engine, self.engine.device
         want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
-        shared = 0 if want_prompt or not self.share_prefix else common_prompt_prefix(reqs)
-        lens = [len(r.prompt) - shared for r in reqs]
+        lean = self._lean()
+        # prompts that continue a finished sequence start from its cached keys and values
+        cached = lean is not None and self.prefix_cache.max_bytes > 0 and not want_prompt
+        keys = [self.policy_key(r.policy) for r in reqs] if cached else []
+        hits = (
+            [self.prefix_cache.match(k, r.prompt) for k, r in zip(keys, reqs, strict=True)] if cached else []
+        )
+        skip = [h.length if h is not None else 0 for h in hits] if cached else [0] * len(reqs)
+        shared = 0
+        if not any(skip) and not want_prompt and self.share_prefix:
+            shared = common_prompt_prefix(reqs)
+            skip = [shared] * len(reqs)
+        lens = [len(r.prompt) - k for r, k in zip(reqs, skip, strict=True)]
         width = max(lens)
         ids = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
         mask = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
         for i, r in enumerate(reqs):
-            ids[i, width - lens[i] :] = torch.tensor(r.prompt[shared:], device=dev)
+            ids[i, width - lens[i] :] = torch.tensor(r.prompt[skip[i] :], device=dev)
             mask[i, width - lens[i] :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0) + shared
-        lean = self._lean()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(skip, device=dev)[:, None]
         if lean is not None:
             # columns the decode may feed: every row's new tokens but its last
             most = max(min(r.params.max_tokens, eng.max_context - len(r.prompt)) for r in reqs)
-            model: _Forward = _LeanForward(eng, lean, shared + width, most - 1, self._lora_cache)
+            prefixes = [h.kv if h is not None else None for h in hits] if any(skip) and not shared else None
+            model: _Forward = _LeanForward(eng, lean, max(skip) + width, most - 1, self._lora_cache, prefixes)
         else:
             model = _HFForward(eng, self._cache_kw)
         prefill_plan = model.plan([r.policy for r in reqs])
@@ -184,6 +220,12 @@ class NativeBackend(RolloutBackend):
                 row.logprobs.append(lp)
                 row.reason = self._stop_reason(row, ctx)
             keep = [j for j, s in enumerate(active) if rows[s].reason is None]
+            if cached and len(keep) < len(active):  # keep what the finished rows computed
+                for j, s in enumerate(active):
+                    row = rows[s]
+                    if row.reason is not None:
+                        tokens = reqs[row.req].prompt + row.tokens[:-1]
+                        self.prefix_cache.put(keys[row.req], tokens, model.row_kv(j))
             if not keep:
                 break
             if len(keep) < len(active):
@@ -278,6 +320,11 @@ class _Forward(Protocol):
         """Keep (or repeat) these rows of the KV cache, in this order."""
         ...
 
+    def row_kv(self, row: int) -> torch.Tensor:
+        """Keys and values batch row ``row`` computed so far, [layers, 2, kv_heads, n, head_dim]
+        over its real columns (for the prefix cache)."""
+        ...
+
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
         """fp32 logits [B, V] of one new token per row (``ids``, ``pos``: [B, 1])."""
         ...
@@ -339,6 +386,9 @@ class _HFForward:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
+    def row_kv(self, row: int) -> torch.Tensor:
+        raise NotImplementedError("the prefix cache is kept on the lean path only")
+
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(ids.shape[0], 1)], dim=1)
         with self.engine.routing(plan):
@@ -358,9 +408,18 @@ class _LeanForward:
     bookkeeping per op than ``no_grad``); the logits it returns are inference tensors."""
 
     def __init__(
-        self, engine: Engine, lean: LlamaLean, prompt_cols: int, decode_cols: int, loras: _LoRACache
+        self,
+        engine: Engine,
+        lean: LlamaLean,
+        prompt_cols: int,
+        decode_cols: int,
+        loras: _LoRACache,
+        prefixes: list[torch.Tensor | None] | None = None,
     ) -> None:
+        """``prefixes``: each row's cached keys and values to start from (then ``ids`` of
+        :meth:`prefill` are what follows them)."""
         self.engine = engine
+        self.prefixes = prefixes
         self.lean = lean
         self.prompt_cols = prompt_cols
         self.decode_cols = max(decode_cols, 0)
@@ -407,6 +466,8 @@ class _LeanForward:
             lora = self._lora(first_plan)
             lean.forward(cache, prefix, torch.arange(shared, device=dev)[None], None, lora, 1)
             cache.select(torch.zeros(len(reqs), dtype=torch.long, device=dev))
+        elif self.prefixes is not None:
+            cache.load_prefixes(self.prefixes)
         logits = lean.forward(cache, ids, pos, mask.bool(), self._lora(plan), 0 if want_prompt else 1)
         return logits.float()
 
@@ -414,6 +475,12 @@ class _LeanForward:
     def select(self, rows: torch.Tensor) -> None:
         assert self.cache is not None
         self.cache.select(rows)
+
+    @torch.inference_mode()
+    def row_kv(self, row: int) -> torch.Tensor:
+        """A copy of the keys and values batch row ``row`` computed (prompt and fed tokens)."""
+        assert self.cache is not None
+        return self.cache.row_kv(row)
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
