@@ -155,3 +155,13 @@ def test_prefix_cache_entries_budget_and_bad_input() -> None:
         PrefixCache(-1)
     c.drop(lambda key: key == "p")
     assert len(c) == 0 and c.nbytes == 0
+
+
+def test_runtime_passes_its_budget_to_the_sampler(tmp_path) -> None:
+    from opentinker.client.runtime import Runtime
+
+    rt = Runtime(tmp_path, prefix_cache_bytes=0)
+    try:
+        assert rt.backend("opentinker/tiny").sampler.prefix_cache.max_bytes == 0
+    finally:
+        rt.shutdown()

@@ -290,3 +290,20 @@ def test_keys_are_hashed_mapped_to_tenants_and_revocable(
     assert keys_main(["create", "--tenant", "bad name!", "--data-dir", str(tmp_path)]) == 2
     assert keys_main(["revoke", "zz", "--data-dir", str(tmp_path)]) == 2
     store.close()
+
+
+def test_serve_flags_reach_the_config(tmp_path: Any, capsys: Any) -> None:
+    """``--prefix-cache-mb`` sets the sampler's prefix cache budget (0 turns it off); a negative
+    value is refused with a message naming the flag."""
+    from opentinker.server.main import build_parser, config_from_args
+
+    args = ["--base-model", "opentinker/tiny", "--data-dir", str(tmp_path)]
+    assert config_from_args(build_parser().parse_args(args)).prefix_cache_bytes == 512 << 20
+    cfg = config_from_args(build_parser().parse_args([*args, "--prefix-cache-mb", "64"]))
+    assert cfg.prefix_cache_bytes == 64 << 20
+    assert (
+        config_from_args(build_parser().parse_args([*args, "--prefix-cache-mb", "0"])).prefix_cache_bytes == 0
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*args, "--prefix-cache-mb", "-1"])
+    assert "--prefix-cache-mb" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.models.registry import cache_dir, canonical_name
 from opentinker.sampling import NativeBackend
+from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.scheduler import Scheduler
 
 
@@ -48,13 +49,19 @@ def default_data_dir() -> Path:
 
 class Runtime:
     def __init__(
-        self, data_dir: str | Path | None = None, *, max_rank: int = 128, device: str = "cpu"
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        max_rank: int = 128,
+        device: str = "cpu",
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
         self.max_rank = max_rank
         self.device = device
+        self.prefix_cache_bytes = prefix_cache_bytes  # per base model's sampler
         self.models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
@@ -68,7 +75,7 @@ class Runtime:
                 engine = Engine(
                     load_base_model(name, device=self.device), max_rank=self.max_rank, device=self.device
                 )
-                sampler = NativeBackend(engine)
+                sampler = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
                 b = Backend(engine, sampler, Scheduler(engine, sampler))
                 self._backends[name] = b
             return b

@@ -50,7 +50,9 @@ class Server:
 
     def __init__(self, config: ServerConfig, runtime: Runtime | None = None) -> None:
         self.config = config
-        self.runtime = runtime or Runtime(config.data_dir, device=config.device)
+        self.runtime = runtime or Runtime(
+            config.data_dir, device=config.device, prefix_cache_bytes=config.prefix_cache_bytes
+        )
         self.store = Store(config.data_dir)
         self.auth = Authenticator(self.store, dev=config.dev)
         self.futures = FutureStore(

@@ -22,3 +22,5 @@ class ServerConfig:
     # a finished result stays retrievable this long
     result_ttl_s: float = 1800.0
     max_num_samples: int = 256
+    # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
+    prefix_cache_bytes: int = 512 << 20

@@ -16,6 +16,13 @@ from pathlib import Path
 from opentinker.server.config import ServerConfig
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="opentinker serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -39,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gap-timeout", type=float, default=120.0, help="seconds a request waits for a missing seq_id"
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=_non_negative,
+        default=512,
+        help="MiB of finished sequences' keys and values kept per base model so that the next turn "
+        "of a conversation prefills only its new tokens (0 = off)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -55,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_pending_per_tenant=args.max_pending,
         poll_timeout_s=args.poll_timeout,
         gap_timeout_s=args.gap_timeout,
+        prefix_cache_bytes=args.prefix_cache_mb << 20,
     )
 
 
