@@ -190,9 +190,11 @@ class NativeBackend(RolloutBackend):
             # columns the decode may feed: every row's new tokens but its last
             most = max(min(r.params.max_tokens, eng.max_context - len(r.prompt)) for r in reqs)
             prefixes = [h.kv if h is not None else None for h in hits] if any(skip) and not shared else None
-            model: _Forward = _LeanForward(eng, lean, max(skip) + width, most - 1, self._lora_cache, prefixes)
+            lean_fwd = _LeanForward(eng, lean, max(skip) + width, most - 1, self._lora_cache, prefixes)
+            store = lean_fwd if cached else None  # whose finished rows feed the prefix cache
+            model: _Forward = lean_fwd
         else:
-            model = _HFForward(eng, self._cache_kw)
+            store, model = None, _HFForward(eng, self._cache_kw)
         prefill_plan = model.plan([r.policy for r in reqs])
         logits = model.prefill(reqs, shared, ids, mask, pos, want_prompt, prefill_plan)
         results = [SampleResult(sequences=[]) for _ in reqs]
@@ -220,12 +222,12 @@ class NativeBackend(RolloutBackend):
                 row.logprobs.append(lp)
                 row.reason = self._stop_reason(row, ctx)
             keep = [j for j, s in enumerate(active) if rows[s].reason is None]
-            if cached and len(keep) < len(active):  # keep what the finished rows computed
+            if store is not None and len(keep) < len(active):  # keep what the finished rows computed
                 for j, s in enumerate(active):
                     row = rows[s]
                     if row.reason is not None:
                         tokens = reqs[row.req].prompt + row.tokens[:-1]
-                        self.prefix_cache.put(keys[row.req], tokens, model.row_kv(j))
+                        self.prefix_cache.put(keys[row.req], tokens, store.row_kv(j))
             if not keep:
                 break
             if len(keep) < len(active):
@@ -320,11 +322,6 @@ class _Forward(Protocol):
         """Keep (or repeat) these rows of the KV cache, in this order."""
         ...
 
-    def row_kv(self, row: int) -> torch.Tensor:
-        """Keys and values batch row ``row`` computed so far, [layers, 2, kv_heads, n, head_dim]
-        over its real columns (for the prefix cache)."""
-        ...
-
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
         """fp32 logits [B, V] of one new token per row (``ids``, ``pos``: [B, 1])."""
         ...
@@ -385,9 +382,6 @@ class _HFForward:
     def select(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
-
-    def row_kv(self, row: int) -> torch.Tensor:
-        raise NotImplementedError("the prefix cache is kept on the lean path only")
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(ids.shape[0], 1)], dim=1)
