@@ -26,7 +26,6 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -36,36 +35,11 @@ from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
 from opentinker.sampling.backend import RolloutBackend
+from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs
 from opentinker.sampling.llama_decode import LeanCache, LeanLoRA, LlamaLean, lean_llama
 from opentinker.sampling.prefix_cache import PrefixCache
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams, StopReason
 
-
-@dataclass
-class _Row:
-    """One sequence being decoded."""
-
-    req: int  # index into the batch's requests
-    policy: str | None
-    params: SamplingParams
-    prompt_len: int
-    gen: torch.Generator
-    stop_ids: frozenset[int]
-    stop_strs: tuple[str, ...]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    reason: StopReason | None = None
-    _uniforms: list[float] = field(default_factory=list)
-
-    def uniform(self) -> float:
-        """The next U[0, 1) draw of this row's own generator (drawn 64 at a time): a row's draws do
-        not depend on which other rows share its batch (same seed and request -> same tokens)."""
-        if not self._uniforms:
-            self._uniforms = torch.rand(UNIFORM_CHUNK, generator=self.gen, dtype=torch.float64).tolist()[::-1]
-        return self._uniforms.pop()
-
-
-UNIFORM_CHUNK = 64  # uniforms drawn at once from a row's generator
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
 DEFAULT_PREFIX_CACHE_BYTES = 512 << 20  # keys and values of finished sequences kept for their next turn
 LEAN_FIRST_DECODE_COLUMNS = 256  # static KV cache columns allocated for decode at first (then doubled)
@@ -200,9 +174,9 @@ class NativeBackend(RolloutBackend):
         results = [SampleResult(sequences=[]) for _ in reqs]
         for i, r in enumerate(reqs):
             if r.prompt_logprobs or r.topk_prompt_logprobs:
-                _prompt_logprobs(results[i], logits[i, width - lens[i] :], r)
+                prompt_logprobs(results[i], logits[i, width - lens[i] :], r)
 
-        rows: list[_Row] = []
+        rows: list[Row] = []
         for i, r in enumerate(reqs):
             for k in range(r.num_samples):
                 rows.append(self._new_row(i, r, k, len(r.prompt)))
@@ -215,7 +189,7 @@ class NativeBackend(RolloutBackend):
         step_pos = torch.tensor([row.prompt_len - 1 for row in rows], device=dev)[:, None]
         ctx = eng.max_context
         while True:
-            picked = _choose_batch(last, [rows[s] for s in active])
+            picked = choose_tokens(last, [rows[s] for s in active])
             for s, (tok, lp) in zip(active, picked, strict=True):
                 row = rows[s]
                 row.tokens.append(tok)
@@ -250,7 +224,7 @@ class NativeBackend(RolloutBackend):
             return None
         return lean_llama(self.engine.base.model, self.engine.lora.groups)
 
-    def _new_row(self, i: int, r: SampleRequest, k: int, prompt_len: int) -> _Row:
+    def _new_row(self, i: int, r: SampleRequest, k: int, prompt_len: int) -> Row:
         seed = r.params.seed
         gen = torch.Generator(device="cpu")
         if seed is None:
@@ -264,9 +238,9 @@ class NativeBackend(RolloutBackend):
             ids, strs = frozenset(int(s) for s in stop), ()
         else:
             ids, strs = frozenset(), tuple(str(s) for s in stop)
-        return _Row(i, r.policy, r.params, prompt_len, gen, ids, strs)
+        return Row(i, r.policy, r.params, prompt_len, gen, ids, strs)
 
-    def _stop_reason(self, row: _Row, ctx: int) -> StopReason | None:
+    def _stop_reason(self, row: Row, ctx: int) -> StopReason | None:
         if row.tokens[-1] in row.stop_ids:
             return "stop"
         if row.stop_strs:
@@ -544,66 +518,6 @@ def common_prompt_prefix(reqs: list[SampleRequest]) -> int:
             k += 1
         n = k
     return n if n >= MIN_SHARED_PREFIX else 0
-
-
-def _choose_batch(logits_SV: torch.Tensor, rows: list[_Row]) -> list[tuple[int, float]]:
-    """Pick one token per row (rows sharing sampling parameters are processed together); return
-    each with its logprob under softmax(logits / T) (T = 1 when greedy)."""
-    groups: dict[tuple[float, int, float], list[int]] = {}
-    for j, row in enumerate(rows):
-        p = row.params
-        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
-    if len(groups) == 1:  # every row alike: no gather, no scatter back
-        [(key, _)] = groups.items()
-        return _choose(logits_SV, rows, *key)
-    out: list[tuple[int, float]] = [(0, 0.0)] * len(rows)
-    for key, idx in groups.items():
-        for j, picked in zip(idx, _choose(logits_SV[idx], [rows[j] for j in idx], *key), strict=True):
-            out[j] = picked
-    return out
-
-
-def _choose(
-    logits: torch.Tensor, rows: list[_Row], temp: float, top_k: int, top_p: float
-) -> list[tuple[int, float]]:
-    """One token per row of ``logits`` [n, V] under one set of sampling parameters."""
-    if temp == 0:
-        toks = logits.argmax(-1)
-        lps = torch.log_softmax(logits, -1).gather(-1, toks[:, None]).squeeze(-1)
-        return list(zip(toks.tolist(), lps.tolist(), strict=True))
-    logp = torch.log_softmax(logits if temp == 1 else logits / temp, -1)
-    filtered = logp
-    if 0 < top_k < logp.shape[-1]:
-        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, -math.inf)
-    if top_p < 1.0:
-        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
-        probs = sorted_lp.softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass strictly before each token
-        drop_sorted = before >= top_p  # keeps the smallest prefix reaching top_p (>= 1 token)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # vocab order
-        filtered = filtered.masked_fill(drop, -math.inf)
-    # inverse CDF of the kept tokens' (unnormalised) probabilities at one uniform per row
-    cdf = (filtered.exp() if filtered is logp else filtered.softmax(-1)).cumsum(-1)  # [n, V]
-    u = torch.tensor([row.uniform() for row in rows], dtype=cdf.dtype, device=cdf.device)
-    toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-    lps = logp.gather(-1, toks[:, None]).squeeze(-1)
-    return list(zip(toks.tolist(), lps.tolist(), strict=True))
-
-
-def _prompt_logprobs(res: SampleResult, logits_PV: torch.Tensor, r: SampleRequest) -> None:
-    """Fill ``res`` from the prefill logits of one prompt (row p predicts prompt token p + 1)."""
-    logp = torch.log_softmax(logits_PV, -1)  # [P, V]
-    prompt = torch.tensor(r.prompt, device=logits_PV.device)
-    if r.prompt_logprobs:
-        lps = logp[:-1].gather(-1, prompt[1:, None]).squeeze(-1).tolist()
-        res.prompt_logprobs = [None, *lps]
-    if r.topk_prompt_logprobs:
-        k = min(r.topk_prompt_logprobs, logp.shape[-1])
-        values, indices = torch.topk(logp[:-1], k, dim=-1)
-        res.topk_prompt_logprobs = [None] + [
-            list(zip(ix, vs, strict=True)) for ix, vs in zip(indices.tolist(), values.tolist(), strict=True)
-        ]
 
 
 def _eos_ids(engine: Engine) -> set[int]:

@@ -1,0 +1,103 @@
+"""Choosing tokens from logits: the SDK's ``SamplingParams`` (temperature, top-k, top-p, seeds)
+and the logprobs the sampler reports.
+
+A sampled token's logprob is ``log softmax(logits / T)`` of that token (T = 1 when greedy), so at
+T = 1 it equals the trainer's logprob of it (invariant 3); top-k / top-p only restrict which tokens
+can be drawn. Every row draws its uniforms from its own seeded generator, so a row's tokens do not
+depend on which other rows share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams, StopReason
+
+UNIFORM_CHUNK = 64  # uniforms drawn at once from a row's generator
+
+
+@dataclass
+class Row:
+    """One sequence being decoded."""
+
+    req: int  # index into the batch's requests
+    policy: str | None
+    params: SamplingParams
+    prompt_len: int
+    gen: torch.Generator
+    stop_ids: frozenset[int]
+    stop_strs: tuple[str, ...]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reason: StopReason | None = None
+    _uniforms: list[float] = field(default_factory=list)
+
+    def uniform(self) -> float:
+        """The next U[0, 1) draw of this row's own generator (drawn 64 at a time): a row's draws do
+        not depend on which other rows share its batch (same seed and request -> same tokens)."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(UNIFORM_CHUNK, generator=self.gen, dtype=torch.float64).tolist()[::-1]
+        return self._uniforms.pop()
+
+
+def choose_tokens(logits_SV: torch.Tensor, rows: list[Row]) -> list[tuple[int, float]]:
+    """Pick one token per row (rows sharing sampling parameters are processed together); return
+    each with its logprob under softmax(logits / T) (T = 1 when greedy)."""
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for j, row in enumerate(rows):
+        p = row.params
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
+    if len(groups) == 1:  # every row alike: no gather, no scatter back
+        [(key, _)] = groups.items()
+        return _choose(logits_SV, rows, *key)
+    out: list[tuple[int, float]] = [(0, 0.0)] * len(rows)
+    for key, idx in groups.items():
+        for j, picked in zip(idx, _choose(logits_SV[idx], [rows[j] for j in idx], *key), strict=True):
+            out[j] = picked
+    return out
+
+
+def _choose(
+    logits: torch.Tensor, rows: list[Row], temp: float, top_k: int, top_p: float
+) -> list[tuple[int, float]]:
+    """One token per row of ``logits`` [n, V] under one set of sampling parameters."""
+    if temp == 0:
+        toks = logits.argmax(-1)
+        lps = torch.log_softmax(logits, -1).gather(-1, toks[:, None]).squeeze(-1)
+        return list(zip(toks.tolist(), lps.tolist(), strict=True))
+    logp = torch.log_softmax(logits if temp == 1 else logits / temp, -1)
+    filtered = logp
+    if 0 < top_k < logp.shape[-1]:
+        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = sorted_lp.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        drop_sorted = before >= top_p  # keeps the smallest prefix reaching top_p (>= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # vocab order
+        filtered = filtered.masked_fill(drop, -math.inf)
+    # inverse CDF of the kept tokens' (unnormalised) probabilities at one uniform per row
+    cdf = (filtered.exp() if filtered is logp else filtered.softmax(-1)).cumsum(-1)  # [n, V]
+    u = torch.tensor([row.uniform() for row in rows], dtype=cdf.dtype, device=cdf.device)
+    toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    lps = logp.gather(-1, toks[:, None]).squeeze(-1)
+    return list(zip(toks.tolist(), lps.tolist(), strict=True))
+
+
+def prompt_logprobs(res: SampleResult, logits_PV: torch.Tensor, r: SampleRequest) -> None:
+    """Fill ``res`` from the prefill logits of one prompt (row p predicts prompt token p + 1)."""
+    logp = torch.log_softmax(logits_PV, -1)  # [P, V]
+    prompt = torch.tensor(r.prompt, device=logits_PV.device)
+    if r.prompt_logprobs:
+        lps = logp[:-1].gather(-1, prompt[1:, None]).squeeze(-1).tolist()
+        res.prompt_logprobs = [None, *lps]
+    if r.topk_prompt_logprobs:
+        k = min(r.topk_prompt_logprobs, logp.shape[-1])
+        values, indices = torch.topk(logp[:-1], k, dim=-1)
+        res.topk_prompt_logprobs = [None] + [
+            list(zip(ix, vs, strict=True)) for ix, vs in zip(indices.tolist(), values.tolist(), strict=True)
+        ]
