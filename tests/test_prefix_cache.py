@@ -101,8 +101,9 @@ def test_a_trained_adapter_or_retired_snapshot_does_not_reuse(
     policies: list[str | None],  # noqa: F811
 ) -> None:
     """Keys and values are reused only under the weights that computed them: after the adapter
-    changes its next turn is prefilled whole (and equals a backend without the cache); retiring a
-    snapshot drops its entries; prompt logprob requests never take the cache."""
+    changes its next turn is prefilled whole (and equals a backend without the cache), as is a
+    snapshot id reused for other weights; retiring a snapshot drops its entries; prompt logprob
+    requests never take the cache."""
     a, _, _, snap, _ = policies
     assert snap is not None
     cached, plain = NativeBackend(engine), NativeBackend(engine, prefix_cache_bytes=0)
@@ -124,6 +125,12 @@ def test_a_trained_adapter_or_retired_snapshot_does_not_reuse(
     ]
     _assert_same(_results(cached.generate(with_lp)), _results(plain.generate(with_lp)))
     assert cached.prefix_cache.hits == 1
+    # the id released behind the sampler's back and reused for other weights: nothing reused
+    engine.release_snapshot(snap)
+    engine.add_snapshot(snap, engine.adapter_weights(a))
+    again = _turn(_next_prompts([r.prompt for r in nxt], got, seed=6), [a, snap], [5, 5])
+    _assert_same(_results(cached.generate(again)), _results(plain.generate(again)))
+    assert cached.prefix_cache.hits == 2  # the live adapter's second turn only
     cached.retire(snap)
     assert all(
         not (isinstance(e.key, tuple) and e.key[0] == snap) for e in cached.prefix_cache._entries.values()

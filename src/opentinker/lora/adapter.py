@@ -13,6 +13,7 @@ fresh adapter leaves the base model's function unchanged.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -38,6 +39,9 @@ class LoRAConfig:
         return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[kind]
 
 
+_UIDS = itertools.count()
+
+
 @dataclass
 class LoRAWeights:
     """The tensors of one adapter (or one immutable snapshot of it)."""
@@ -45,6 +49,9 @@ class LoRAWeights:
     config: LoRAConfig
     a: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> [L, r, in]
     b: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> [L, out, r]
+    # unique in this process (never reused, unlike id()): with the tensors' version counters it
+    # names the exact weights something was computed from (the sampler's prefix cache)
+    uid: int = field(default_factory=lambda: next(_UIDS), compare=False, repr=False)
 
     @property
     def rank(self) -> int:

@@ -84,11 +84,12 @@ class NativeBackend(RolloutBackend):
 
     def policy_key(self, policy: PolicyRef) -> Hashable:
         """What the keys and values a policy computes depend on: the base model's (None), or a
-        policy's id with its weights' identity and version counters (a trained adapter's change)."""
+        policy's id with its weights' process-unique id and version counters (an adapter that
+        trained, or a snapshot id released and reused for other weights, never matches)."""
         if policy is None:
             return None
         w = self.engine.adapter_weights(policy)
-        return (policy, id(w), tuple(t._version for t in w.tensors()))
+        return (policy, w.uid, tuple(t._version for t in w.tensors()))
 
     # ---------------------------------------------------------------- sampling
     def validate(self, req: SampleRequest) -> None:
