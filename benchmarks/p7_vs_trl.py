@@ -310,13 +310,13 @@ async def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         return race.result()
 
     # the sync step of run_rl, verbatim in substance (same seeds, same data path)
-    tc = await service.create_lora_training_client_async(
+    tc = await service.create_lora_training_client(
         base_model=cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed,
         train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
     )  # fmt: skip
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
     adam = types.AdamParams(learning_rate=cfg.learning_rate)
-    policy = await tc.save_weights_and_get_sampling_client_async()
+    policy = await tc.save_weights_and_get_sampling_client()
     await evaluate(policy, 0)
     race.resume()
     for step in range(cfg.steps):
@@ -331,11 +331,11 @@ async def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
         datums, _ = await build_datums(groups, cfg, None)
         if datums:
-            fb = await tc.forward_backward_async(datums, cfg.loss_fn, cfg.loss_fn_config)
-            opt = await tc.optim_step_async(adam)
+            fb = tc.forward_backward(datums, cfg.loss_fn, cfg.loss_fn_config)
+            opt = tc.optim_step(adam)
             await fb
             await opt
-        policy = await tc.save_weights_and_get_sampling_client_async()
+        policy = await tc.save_weights_and_get_sampling_client()
         race.pause()
         race.steps = step + 1
         race.rewards.append(group_metrics(groups)["reward/mean"])

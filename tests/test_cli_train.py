@@ -5,6 +5,7 @@ against a server subprocess through the SDK."""
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,10 +185,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
 
 
 def test_rl_against_a_server(tmp_path: Path, server: LocalServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RL loop through the official SDK over HTTP, using only its current (not deprecated)
+    methods: SDK 0.38 warns on each *_async call and on concurrent.futures use of its futures."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     d = tmp_path / "remote"
-    rc = _train("rl", "--task", "addition", "--steps", "2", "--log-dir", str(d), "--server", server.base_url,
-                "--api-key", "tml-cli-test-key-0001", "--group-size", "4", "--groups-per-step", "2", *FAST)  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rc = _train("rl", "--task", "addition", "--steps", "2", "--log-dir", str(d), "--server", server.base_url,
+                    "--api-key", "tml-cli-test-key-0001", "--group-size", "4", "--groups-per-step", "2", *FAST)  # fmt: skip
+    assert [str(w.message) for w in seen if "DEPRECATED" in str(w.message)] == []
     assert rc == 0
     assert [r["step"] for r in read_metrics(d)] == [0, 1]
     index = [json.loads(x) for x in (d / "checkpoints.jsonl").read_text().splitlines()]

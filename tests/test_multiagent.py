@@ -234,8 +234,8 @@ class _Spy:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._service, name)
 
-    async def create_lora_training_client_async(self, **kw: Any) -> Any:
-        return _SpyTC(await self._service.create_lora_training_client_async(**kw), self)
+    def create_lora_training_client(self, **kw: Any) -> Any:
+        return _SpyTC(self._service.create_lora_training_client(**kw), self)
 
 
 class _SpyTC:
@@ -245,14 +245,20 @@ class _SpyTC:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tc, name)
 
-    async def forward_backward_async(self, data, loss_fn, config=None):
+    def __await__(self):  # like the SDK's clients: also the (finished) future of itself
+        async def ready() -> _SpyTC:
+            return self
+
+        return ready().__await__()
+
+    def forward_backward(self, data, loss_fn, config=None):
         self._spy.sent.setdefault(self._tc.model_id, []).append(list(data))
         self._spy.calls.append(("fb", self._tc.model_id))
-        return await self._tc.forward_backward_async(data, loss_fn, config)
+        return self._tc.forward_backward(data, loss_fn, config)
 
-    async def optim_step_async(self, params):
+    def optim_step(self, params):
         self._spy.calls.append(("optim", self._tc.model_id))
-        return await self._tc.optim_step_async(params)
+        return self._tc.optim_step(params)
 
 
 def test_agents_train_their_own_adapters(runtime, service, renderer, tmp_path) -> None:

@@ -391,9 +391,14 @@ class SlowTrainer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tc, name)
 
-    async def forward_backward_async(self, *a: Any, **k: Any) -> Any:
-        await asyncio.sleep(self.delay_s)
-        return await self.tc.forward_backward_async(*a, **k)
+    def forward_backward(self, *a: Any, **k: Any) -> Any:
+        fut = self.tc.forward_backward(*a, **k)
+
+        async def slow() -> Any:
+            await asyncio.sleep(self.delay_s)
+            return await fut
+
+        return asyncio.ensure_future(slow())
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])

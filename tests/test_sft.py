@@ -215,11 +215,11 @@ class _CrashingClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tc, name)
 
-    async def forward_backward_async(self, *a: Any, **k: Any) -> Any:
+    def forward_backward(self, *a: Any, **k: Any) -> Any:
         self._left -= 1
         if self._left < 0:
             raise _Crash("killed")
-        return await self._tc.forward_backward_async(*a, **k)
+        return self._tc.forward_backward(*a, **k)
 
 
 def test_resume_equals_uninterrupted(tmp_path: Path, runtime: Runtime, renderer: Renderer) -> None:

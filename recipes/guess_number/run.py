@@ -57,7 +57,7 @@ async def main(args: argparse.Namespace, service: Any) -> dict:
         plot_keys=("reward/mean", "env/success", "env/bisect", "eval/success", "eval/sampled_success", "eval/sampled_bisect"),
         name="guess_number", extra={"max_turns": args.max_turns, "max_opening": args.max_opening, "eval_samples": args.eval_samples},
     )  # fmt: skip
-    tc = await service.create_lora_training_client_async(
+    tc = await service.create_lora_training_client(
         base_model=model,
         rank=args.rank,
         seed=args.seed,

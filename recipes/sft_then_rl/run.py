@@ -61,7 +61,7 @@ async def main(args: argparse.Namespace) -> dict:
     model = SMOLLM2 if args.smollm2 else TINY
     out = Path(args.log_dir)
     service = opentinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
-    tc = await service.create_lora_training_client_async(
+    tc = await service.create_lora_training_client(
         base_model=model, rank=args.rank, seed=args.seed, train_attn=True, train_mlp=True, train_unembed=False
     )
     renderer = get_renderer("auto", tc.get_tokenizer())
@@ -89,7 +89,7 @@ async def main(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     dataset, evaluator = arithmetic.build(renderer, rl_cfg)
     if args.rl_optimizer == "fresh" and sft_path is not None:
-        rl_tc = await service.create_training_client_from_state_async(sft_path)
+        rl_tc = await service.create_training_client_from_state(sft_path)
     rl = await run_rl(rl_cfg, service, dataset, evaluator, training_client=rl_tc)
 
     rl_evals = [r for r in rl.metrics if "eval/accuracy" in r]

@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,8 +192,6 @@ def make_service(args: argparse.Namespace) -> tuple[Any, bool]:
         key = args.api_key or os.environ.get("TINKER_API_KEY")
         if not key:
             raise UsageError("--server needs an API key: pass --api-key or set TINKER_API_KEY")
-        # the loops call the SDK's *_async methods, which SDK 0.38 marks deprecated on every call
-        warnings.filterwarnings("ignore", message="DEPRECATED", category=FutureWarning)
         return opentinker.ServiceClient(base_url=args.server, api_key=key), True
     if args.data_dir:
         from opentinker.client.runtime import Runtime

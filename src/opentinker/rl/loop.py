@@ -255,11 +255,11 @@ async def run_rl(
             m["replay/size"] = float(len(replay.items))
         replay_fb = None
         if replayed:  # imitation of past successes rides in the same optimizer step
-            replay_fb = await tc.forward_backward_async(replayed, "cross_entropy")
+            replay_fb = tc.forward_backward(replayed, "cross_entropy")
             m["replay/datums"] = float(len(replayed))
         if not datums:
             if replayed or cfg.step_on_empty:  # with zero fresh gradient AdamW's momentum still moves
-                await (await tc.optim_step_async(adam))
+                await tc.optim_step(adam)
             if replay_fb is not None:
                 await replay_fb
             return {**m, "train/datums": 0.0}
@@ -267,8 +267,8 @@ async def run_rl(
         # behaviour policy's, so the loss's ratio corrects for the updates already made.
         futs = []
         for _ in range(cfg.substeps):
-            fb = await tc.forward_backward_async(datums, cfg.loss_fn, cfg.loss_fn_config)
-            futs.append((fb, await tc.optim_step_async(adam)))
+            fb = tc.forward_backward(datums, cfg.loss_fn, cfg.loss_fn_config)
+            futs.append((fb, tc.optim_step(adam)))
         outs = []
         for fb, opt in futs:
             outs.append(await fb)
@@ -279,7 +279,7 @@ async def run_rl(
         per_tok = loss / max(1.0, m["train/action_tokens"])
         return {**m, "train/datums": float(len(datums)), "loss/sum": loss, "loss/per_token": per_tok}
 
-    policy = await tc.save_weights_and_get_sampling_client_async()
+    policy = await tc.save_weights_and_get_sampling_client()
     current: dict[str, Any] = {"policy": policy, "version": start}
     t_start = time.monotonic()
     eval_total = 0.0
@@ -319,7 +319,7 @@ async def run_rl(
                 m["train/dropped_stale"] = 1.0
             else:
                 m.update(await train_on(groups, step))
-                current["policy"] = await tc.save_weights_and_get_sampling_client_async()
+                current["policy"] = await tc.save_weights_and_get_sampling_client()
                 async with refreshed:
                     current["version"] += 1
                     refreshed.notify_all()

@@ -370,12 +370,10 @@ async def train_agents(
     todo = [a for a in tcs if datums.get(a)]
     futs: dict[str, list[tuple[Any, Any]]] = {a: [] for a in todo}
     for _ in range(cfg.substeps):
-        fbs = {
-            a: await tcs[a].forward_backward_async(datums[a], cfg.loss_fn, cfg.loss_fn_config) for a in todo
-        }
+        fbs = {a: tcs[a].forward_backward(datums[a], cfg.loss_fn, cfg.loss_fn_config) for a in todo}
         for a in todo:
-            futs[a].append((fbs[a], await tcs[a].optim_step_async(adam)))
-    empty = [await tcs[a].optim_step_async(adam) for a in tcs if a not in futs] if cfg.step_on_empty else []
+            futs[a].append((fbs[a], tcs[a].optim_step(adam)))
+    empty = [tcs[a].optim_step(adam) for a in tcs if a not in futs] if cfg.step_on_empty else []
     out: dict[str, dict[str, float]] = {}
     for a, pairs in futs.items():
         results = []
@@ -408,7 +406,7 @@ async def run_multiagent(
     else:
         created = await asyncio.gather(
             *(
-                service.create_lora_training_client_async(
+                service.create_lora_training_client(
                     base_model=cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed + k,
                     train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
                 )
@@ -426,7 +424,7 @@ async def run_multiagent(
     paths: dict[str, str] = {}
 
     async def policies_now() -> dict[str, Any]:
-        return {a: await tcs[a].save_weights_and_get_sampling_client_async() for a in agents}
+        return {a: await tcs[a].save_weights_and_get_sampling_client() for a in agents}
 
     async def evaluate(pols: dict[str, Any], step: int) -> dict[str, float]:
         if task.evaluator is None:
@@ -437,7 +435,7 @@ async def run_multiagent(
         return out
 
     async def save(step: int) -> None:
-        futs = {a: await tcs[a].save_state_async(f"{a}-step-{step:06d}") for a in agents}
+        futs = {a: tcs[a].save_state(f"{a}-step-{step:06d}") for a in agents}
         with ckpt_index.open("a") as f:
             for a, fut in futs.items():
                 paths[a] = (await fut).path

@@ -168,7 +168,7 @@ async def reference_logprobs(reference: Any, data: PairData) -> list[float]:
     """Per sequence: the reference's summed logprob of its weighted (response) tokens."""
 
     async def one(tokens: list[int], weights: list[float]) -> float:
-        lps = await reference.compute_logprobs_async(types.ModelInput.from_ints(tokens))
+        lps = await reference.compute_logprobs(types.ModelInput.from_ints(tokens))
         return float(sum(w * float(lp) for lp, w in zip(lps[1:], weights[1:], strict=True) if w))
 
     return list(await asyncio.gather(*(one(t, w) for t, w in zip(data.tokens, data.weights, strict=True))))
@@ -223,7 +223,7 @@ async def run_dpo(
         service, cfg, log_dir, resume=resume, training_client=training_client
     )
     if reference is None:
-        reference = await service.create_sampling_client_async(base_model=cfg.base_model)
+        reference = await service.create_sampling_client(base_model=cfg.base_model)
     ref = await reference_logprobs(reference, pairs)
     logger = RunLogger(
         log_dir, cfg, total_steps=total, start_step=start, progress=cfg.progress, name=cfg.name,
@@ -237,10 +237,10 @@ async def run_dpo(
             idx = batcher.indices(step)
             seqs = [j for i in idx for j in (2 * i, 2 * i + 1)]
             lr = lr_at(cfg.learning_rate, cfg.lr_schedule, step, total)
-            fb = await tc.forward_backward_custom_async(
+            fb = tc.forward_backward_custom(
                 [pairs.datums[j] for j in seqs], dpo_loss(cfg.beta, [ref[j] for j in seqs])
             )
-            opt = await tc.optim_step_async(types.AdamParams(learning_rate=lr))
+            opt = tc.optim_step(types.AdamParams(learning_rate=lr))
             out = await fb
             await opt
             m = {k: float(v) for k, v in out.metrics.items() if k.startswith("dpo/")}

@@ -121,7 +121,7 @@ def _datums(data: Data | None) -> list[types.Datum]:
 async def eval_nll(tc: Any, data: Sequence[types.Datum], batch_size: int = 64) -> dict[str, float]:
     """Mean NLL per trained token of ``data`` under ``tc``'s current weights (``forward`` only)."""
     chunks = [list(data[i : i + batch_size]) for i in range(0, len(data), batch_size)]
-    futures = [await tc.forward_async(c, "cross_entropy") for c in chunks]
+    futures = [tc.forward(c, "cross_entropy") for c in chunks]
     total = sum([float((await f).metrics["loss:sum"]) for f in futures])
     tokens = trained_tokens(data)
     return {"eval/nll_per_token": total / max(1.0, tokens), "eval/tokens": tokens}
@@ -162,7 +162,7 @@ async def run_sft(
         if eval_d:
             out.update(await eval_nll(tc, eval_d, cfg.eval_batch_size))
         if evaluator is not None:
-            policy = await tc.save_weights_and_get_sampling_client_async()
+            policy = await tc.save_weights_and_get_sampling_client()
             out.update({f"eval/{k}": v for k, v in (await evaluator(policy, step)).items()})
         if out:
             out["time/eval_s"] = time.monotonic() - t
@@ -180,8 +180,8 @@ async def run_sft(
             t0 = time.monotonic()
             batch = batcher.batch(train_d, step)
             lr = lr_at(cfg.learning_rate, cfg.lr_schedule, step, total)
-            fb = await tc.forward_backward_async(batch, "cross_entropy")
-            opt = await tc.optim_step_async(types.AdamParams(learning_rate=lr))
+            fb = tc.forward_backward(batch, "cross_entropy")
+            opt = tc.optim_step(types.AdamParams(learning_rate=lr))
             out = await fb
             await opt
             loss = float(out.metrics["loss:sum"])

@@ -24,13 +24,11 @@ async def open_training_client(
     lines = [line for line in lines if line.strip()]
     if lines:
         last = json.loads(lines[-1])
-        return await service.create_training_client_from_state_with_optimizer_async(last["path"]), int(
-            last["step"]
-        )
+        return await service.create_training_client_from_state_with_optimizer(last["path"]), int(last["step"])
     index.unlink(missing_ok=True)
     if training_client is not None:
         return training_client, 0
-    tc = await service.create_lora_training_client_async(
+    tc = await service.create_lora_training_client(
         base_model=cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed, train_attn=cfg.train_attn,
         train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
     )  # fmt: skip
@@ -40,7 +38,7 @@ async def open_training_client(
 async def save_checkpoint(tc: Any, step: int, log_dir: Path) -> str:
     """``save_state`` (weights + optimizer) named after the run's folder and ``step`` (one training
     client may go through several runs, e.g. SFT then RL), appended to the index."""
-    path = (await (await tc.save_state_async(f"{Path(log_dir).name}-step-{step:06d}"))).path
+    path = (await tc.save_state(f"{Path(log_dir).name}-step-{step:06d}")).path
     with (Path(log_dir) / INDEX).open("a") as f:
         f.write(json.dumps({"step": step, "path": path}) + "\n")
     return path
