@@ -37,7 +37,7 @@ from opentinker.lora import LoRABatch, LoRAWeights
 from opentinker.sampling.backend import RolloutBackend
 from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs
 from opentinker.sampling.llama_decode import LeanCache, LeanLoRA, LlamaLean, lean_llama
-from opentinker.sampling.prefix_cache import PrefixCache
+from opentinker.sampling.prefix_cache import PrefixCache, PrefixHit
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams, StopReason
 
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
@@ -142,17 +142,10 @@ class NativeBackend(RolloutBackend):
         eng, dev = self.engine, self.engine.device
         want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
         lean = self._lean()
-        # prompts that continue a finished sequence start from its cached keys and values
         cached = lean is not None and self.prefix_cache.max_bytes > 0 and not want_prompt
         keys = [self.policy_key(r.policy) for r in reqs] if cached else []
-        hits = (
-            [self.prefix_cache.match(k, r.prompt) for k, r in zip(keys, reqs, strict=True)] if cached else []
-        )
-        skip = [h.length if h is not None else 0 for h in hits] if cached else [0] * len(reqs)
-        shared = 0
-        if not any(skip) and not want_prompt and self.share_prefix:
-            shared = common_prompt_prefix(reqs)
-            skip = [shared] * len(reqs)
+        hits, shared = self._prompt_starts(reqs, keys, want_prompt)
+        skip = [shared] * len(reqs) if shared else [h.length if h is not None else 0 for h in hits]
         lens = [len(r.prompt) - k for r, k in zip(reqs, skip, strict=True)]
         width = max(lens)
         ids = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
@@ -164,7 +157,7 @@ class NativeBackend(RolloutBackend):
         if lean is not None:
             # columns the decode may feed: every row's new tokens but its last
             most = max(min(r.params.max_tokens, eng.max_context - len(r.prompt)) for r in reqs)
-            prefixes = [h.kv if h is not None else None for h in hits] if any(skip) and not shared else None
+            prefixes = [h.kv if h is not None else None for h in hits] if any(hits) else None
             lean_fwd = _LeanForward(eng, lean, max(skip) + width, most - 1, self._lora_cache, prefixes)
             store = lean_fwd if cached else None  # whose finished rows feed the prefix cache
             model: _Forward = lean_fwd
@@ -219,6 +212,19 @@ class NativeBackend(RolloutBackend):
             assert row.reason is not None
             results[row.req].sequences.append(SampledSequence(row.tokens, row.logprobs, row.reason))
         return results
+
+    def _prompt_starts(
+        self, reqs: list[SampleRequest], keys: list[Hashable], want_prompt: bool
+    ) -> tuple[list[PrefixHit | None], int]:
+        """Where each prompt's prefill starts: the prefix cache's hit per request (``keys``: their
+        policy keys; empty = the cache is not used), or else the length of the prefix common to
+        all prompts, prefilled once and shared (0 = none)."""
+        hits: list[PrefixHit | None] = [None] * len(reqs)
+        if keys:
+            hits = [self.prefix_cache.match(k, r.prompt) for k, r in zip(keys, reqs, strict=True)]
+        if any(hits) or want_prompt or not self.share_prefix:
+            return hits, 0
+        return hits, common_prompt_prefix(reqs)
 
     def _lean(self) -> LlamaLean | None:
         if not self.lean_decode:
