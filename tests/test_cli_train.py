@@ -90,6 +90,11 @@ def test_rl_multiagent_task(tmp_path: Path, data_dir: str, capsys: pytest.Captur
     assert rc == 0 and [r["step"] for r in read_metrics(d)] == [0]
     out = capsys.readouterr().out
     assert "X/reward/mean" in out and "O/reward/mean" in out
+    # the same command with more steps and --resume continues from both agents' checkpoints
+    rc = _train("rl", "--task", "tictactoe", "--steps", "2", "--log-dir", str(d), "--data-dir", data_dir,
+                "--group-size", "2", "--groups-per-step", "1", "--base-model", TEST_MODEL, "--extra",
+                "eval_games=2", "--no-progress", "--resume")  # fmt: skip
+    assert rc == 0 and [r["step"] for r in read_metrics(d)] == [0, 1]
 
 
 @pytest.mark.parametrize("task", ["addition_retry", "calculator", "guess_number", "reply_length"])
@@ -113,7 +118,6 @@ def test_rl_task_recipe_command_smoke(tmp_path: Path, data_dir: str, task: str) 
         (["rl", "--task", "addition", "--runs", "0"], "--runs must be >= 1"),
         (["rl", "--task", "addition", "--extra", "oops"], "--extra expects KEY=VALUE"),
         (["sft", "--data", "/no/such/file.jsonl"], "no such file"),
-        (["rl", "--task", "tictactoe", "--resume"], "--resume is not supported for multi-agent"),
         (["rl", "--task", "addition,addition"], "names a task twice"),
     ],
 )

@@ -24,6 +24,7 @@ from opentinker.rl.multiagent import (
     MultiAgentEnv,
     MultiAgentTask,
     ScriptedPolicy,
+    last_complete_checkpoint,
     per_move_datums,
     play_game,
     play_group,
@@ -417,6 +418,42 @@ def test_tictactoe_smoke_with_eval_vs_random(service, renderer, tmp_path) -> Non
             rates = [r[f"eval/{a}/{k}"] for k in ("win_rate", "loss_rate", "draw_rate")]
             assert sum(rates) == pytest.approx(1.0) and 0 <= r[f"eval/{a}/illegal_rate"] <= rates[1]
     assert (tmp_path / "ttt" / "curves.png").exists()
+
+
+def test_resume_continues_identically(runtime, service, renderer, tmp_path) -> None:
+    """A run stopped after its step-2 checkpoint and resumed to step 4 plays the same games and
+    ends with both agents' weights equal to an uninterrupted 4-step run's; metrics.jsonl keeps one
+    line per step; a resume without a complete checkpoint (or a fresh run in a used folder) starts
+    over."""
+
+    def cfg(name: str, steps: int) -> RLConfig:
+        return RLConfig(
+            base_model=TEST_MODEL, log_dir=str(tmp_path / name), steps=steps, save_every=2,
+            groups_per_step=2, group_size=4, max_tokens=4, lora_rank=4, learning_rate=2e-3,
+            eval_every=0, progress=False,
+        )  # fmt: skip
+
+    full = asyncio.run(run_multiagent(cfg("full", 4), service, build(renderer, cfg("full", 4))))
+    asyncio.run(run_multiagent(cfg("cut", 2), service, build(renderer, cfg("cut", 2))))
+    index = tmp_path / "cut" / "checkpoints.jsonl"
+    assert last_complete_checkpoint(index, ("X", "O"))[0] == 2
+    resumed = asyncio.run(run_multiagent(cfg("cut", 4), service, build(renderer, cfg("cut", 4)), resume=True))
+    assert [r["step"] for r in resumed.metrics] == [2, 3]
+    rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for want, got in zip(full.metrics[2:], resumed.metrics, strict=True):
+        for key in ("game/X_wins", "game/illegal", "X/reward/mean", "O/reward/mean"):
+            assert got[key] == want[key]
+    for a in ("X", "O"):
+        w_full = _weights(runtime, full.training_clients[a].model_id)
+        w_res = _weights(runtime, resumed.training_clients[a].model_id)
+        for k in w_full:
+            torch.testing.assert_close(w_res[k], w_full[k], rtol=1e-5, atol=1e-6)
+    # only one agent saved at the last step: the last step both were saved at counts
+    with index.open("a") as f:
+        f.write(json.dumps({"step": 6, "agent": "X", "path": "tinker://nowhere"}) + "\n")
+    assert last_complete_checkpoint(index, ("X", "O"))[0] == 4
+    assert last_complete_checkpoint(tmp_path / "none.jsonl", ("X", "O")) == (0, {})
 
 
 def test_tictactoe_per_move_advantages_run(service, renderer, tmp_path) -> None:

@@ -248,8 +248,6 @@ def _rl_jobs(args: argparse.Namespace) -> list[tuple[str, TaskSpec, Any]]:
     for s in specs:
         if s.kind == "sft":
             raise UsageError(f"task {s.name!r} is an SFT task: use `opentinker train sft --task {s.name}`")
-        if s.kind == "multiagent" and args.resume:
-            raise UsageError(f"--resume is not supported for multi-agent tasks ({s.name})")
     out = []
     for spec in specs:
         base = make_config(RLConfig, spec, args, RL_FIELDS)
@@ -274,7 +272,7 @@ def _build_rl_job(name: str, spec: TaskSpec, cfg: Any, service: Any, renderer: A
     if spec.kind == "multiagent":
         from opentinker.rl.multiagent import run_multiagent
 
-        return Job(name, spec, cfg, lambda: run_multiagent(cfg, service, built))
+        return Job(name, spec, cfg, lambda: run_multiagent(cfg, service, built, resume=resume))
     from opentinker.rl import run_rl
 
     dataset, evaluator = built

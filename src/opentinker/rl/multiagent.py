@@ -29,7 +29,9 @@ evaluator's keys under ``eval/``; ``curves.png`` has one line per agent.
 
 Of :class:`~opentinker.rl.loop.RLConfig`, the sync mode is implemented (``mode="sync"``), with
 ``substeps``, ``step_on_empty``, ``kl_coef``, ``drop_constant_groups``, ``normalize_std``,
-``save_every``; not (yet) the async mode, resume, success replay, ``stop_when``, ``max_train_s``.
+``save_every``, and resume (``resume=True``: every agent reloads, with its optimizer, from the last
+step at which all of them were saved, and the run continues from there on the same data); not
+(yet) the async mode, success replay, ``stop_when``, ``max_train_s``.
 
 **Per-move advantages** (``MultiAgentTask.per_move_advantages``, default off): instead of one
 advantage for all of an agent's moves, move *k* gets the return-to-go of its game from move *k* on
@@ -387,10 +389,16 @@ async def train_agents(
 
 
 async def run_multiagent(
-    cfg: RLConfig, service: Any, task: MultiAgentTask, *, training_clients: Mapping[str, Any] | None = None
+    cfg: RLConfig,
+    service: Any,
+    task: MultiAgentTask,
+    *,
+    training_clients: Mapping[str, Any] | None = None,
+    resume: bool = False,
 ) -> MultiAgentResult:
     """Train one adapter per agent of ``task``; see the module docstring. Agent *k*'s adapter is
-    created with seed ``cfg.seed + k`` (unless ``training_clients`` are given)."""
+    created with seed ``cfg.seed + k`` (unless ``training_clients`` are given, or the run resumes
+    from ``cfg.log_dir``'s checkpoints)."""
     cfg.check()
     if cfg.mode != "sync":
         raise ValueError(f"run_multiagent supports mode='sync' only, got {cfg.mode!r}")
@@ -400,10 +408,19 @@ async def run_multiagent(
     if not agents or len(set(agents)) != len(agents):
         raise ValueError(f"a multi-agent task needs distinct agent names, got {agents}")
     log_dir = Path(cfg.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
     ckpt_index = log_dir / "checkpoints.jsonl"
-    if training_clients is not None:
+    start, paths = last_complete_checkpoint(ckpt_index, agents) if resume else (0, {})
+    if paths:
+        reloaded = await asyncio.gather(
+            *(service.create_training_client_from_state_with_optimizer(paths[a]) for a in agents)
+        )
+        tcs = dict(zip(agents, reloaded, strict=True))
+    elif training_clients is not None:
+        ckpt_index.unlink(missing_ok=True)  # a fresh run in a used folder starts a new index
         tcs = {a: training_clients[a] for a in agents}
     else:
+        ckpt_index.unlink(missing_ok=True)
         created = await asyncio.gather(
             *(
                 service.create_lora_training_client(
@@ -416,12 +433,11 @@ async def run_multiagent(
         tcs = dict(zip(agents, created, strict=True))
     base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
     logger = RunLogger(
-        log_dir, cfg, total_steps=cfg.steps, progress=cfg.progress, name=cfg.name,
+        log_dir, cfg, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
         show=tuple(task.show_keys) or tuple(f"{a}/reward/mean" for a in agents[:1]),
     )  # fmt: skip
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
     rows: list[dict[str, Any]] = []
-    paths: dict[str, str] = {}
 
     async def policies_now() -> dict[str, Any]:
         return {a: await tcs[a].save_weights_and_get_sampling_client() for a in agents}
@@ -442,10 +458,10 @@ async def run_multiagent(
                 f.write(json.dumps({"step": step, "agent": a, "path": paths[a]}) + "\n")
 
     policies = await policies_now()
-    version = 0
-    pending_eval = await evaluate(policies, 0)
+    version = start
+    pending_eval = await evaluate(policies, start)
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             t0 = time.monotonic()
             seed = cfg.seed * 1_000_003 + step * 10_007
             versions = dict.fromkeys(agents, version)
@@ -486,7 +502,7 @@ async def run_multiagent(
                 m.update(await evaluate(policies, step + 1))
             rows.append(logger.log(step, {**pending_eval, **m}))
             pending_eval = {}
-        if cfg.save_every == 0 or cfg.steps % cfg.save_every:
+        if start < cfg.steps and (cfg.save_every == 0 or cfg.steps % cfg.save_every):
             await save(cfg.steps)
     finally:
         logger.close()
@@ -498,6 +514,22 @@ async def run_multiagent(
             except Exception as e:
                 log.warning("plotting failed: %r", e)
     return MultiAgentResult(dict(tcs), rows, paths)
+
+
+def last_complete_checkpoint(index: Path, agents: tuple[str, ...]) -> tuple[int, dict[str, str]]:
+    """(the last step at which every agent was saved, each agent's checkpoint path there), from a
+    run's ``checkpoints.jsonl``; (0, {}) if there is none."""
+    by_step: dict[int, dict[str, str]] = {}
+    lines = index.read_text().splitlines() if index.exists() else []
+    for line in lines:
+        row = json.loads(line) if line.strip() else {}
+        if "agent" in row:
+            by_step.setdefault(int(row["step"]), {})[row["agent"]] = row["path"]
+    complete = [step for step, saved in by_step.items() if all(a in saved for a in agents)]
+    if not complete:
+        return 0, {}
+    step = max(complete)
+    return step, {a: by_step[step][a] for a in agents}
 
 
 def agent_rows(rows: list[dict[str, Any]], agent: str) -> list[dict[str, Any]]:
