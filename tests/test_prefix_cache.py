@@ -7,10 +7,16 @@ every turn prefilled whole) and through the HF forward: greedy tokens identical,
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from opentinker.engine import Engine
+from opentinker.lora import LoRAConfig
+from opentinker.models import load_base_model
+from opentinker.models.registry import tiny_model_dir
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.prefix_cache import PrefixCache
 from opentinker.sampling.types import SampleResult
@@ -47,10 +53,11 @@ def test_next_turns_reuse_the_conversation(engine: Engine, policies: list[str | 
     """Three turns of five conversations (adapters, a snapshot, the base model; prompts and replies
     of different lengths, early stops): with the cache every later prompt is served from the turn
     before it and only its new tokens are prefilled; tokens and logprobs equal a backend without
-    the cache and the HF forward."""
+    the cache and the HF forward (without it, and with it: the HF path caches prefixes too)."""
     cached = NativeBackend(engine)
     plain = NativeBackend(engine, prefix_cache_bytes=0)
-    hf = NativeBackend(engine, lean_decode=False)
+    hf = NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0)
+    hf_cached = NativeBackend(engine, lean_decode=False)
     pols = [*policies, policies[0]]  # a live adapter twice
     prompts = [p + [5] * 8 for p in _prompts(engine, len(pols), seed=11)]  # >= 8 tokens to reuse
     last_prompts: list[list[int]] = []
@@ -60,7 +67,9 @@ def test_next_turns_reuse_the_conversation(engine: Engine, policies: list[str | 
         hits, reused = cached.prefix_cache.hits, cached.prefix_cache.reused_tokens
         got = _results(cached.generate(reqs))
         _assert_same(got, _results(plain.generate(reqs)))
-        _assert_same(got, _results(hf.generate(reqs)))
+        ref_hf = _results(hf.generate(reqs))
+        _assert_same(got, ref_hf)
+        _assert_same(_results(hf_cached.generate(reqs)), ref_hf)
         if turn:  # every prompt continued a stored sequence: all of it but the reply's last token
             assert cached.prefix_cache.hits - hits == len(reqs)
             assert cached.prefix_cache.reused_tokens - reused == sum(
@@ -69,8 +78,44 @@ def test_next_turns_reuse_the_conversation(engine: Engine, policies: list[str | 
         last_prompts, last = prompts, got
         prompts = _next_prompts(prompts, got, seed=turn)
     assert plain.prefix_cache.hits == 0 and len(plain.prefix_cache) == 0
+    assert hf_cached.prefix_cache.hits == 2 * len(pols)
     # a turn replaces the one before it: one entry per conversation (the two on one adapter differ)
     assert len(cached.prefix_cache) == len(pols)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_other_families_reuse_through_the_hf_forward(tmp_path, family: str) -> None:
+    """Models off the lean path (Qwen2's biases, GPT-2's learned positions) cache prefixes in the
+    HF ``DynamicCache``: two later turns of three conversations (two adapters, the base) equal a
+    backend without the cache."""
+    tok_dir = tiny_model_dir()
+    vocab = len(AutoTokenizer.from_pretrained(str(tok_dir)))
+    if family == "qwen2":
+        model: Any = Qwen2ForCausalLM(
+            Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=48, vocab_size=vocab)
+        )  # fmt: skip
+    else:
+        model = GPT2LMHeadModel(
+            GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=vocab, bos_token_id=1, eos_token_id=2)
+        )
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(tmp_path)
+    engine = Engine(load_base_model(str(tmp_path)))
+    pols: list[str | None] = [engine.create_adapter(LoRAConfig(rank=4, seed=s)) for s in (0, 1)] + [None]
+    for aid in pols[:2]:
+        with torch.no_grad():
+            for t in engine.adapter_weights(aid).b.values():
+                t.normal_(std=0.05)
+    cached, plain = NativeBackend(engine), NativeBackend(engine, prefix_cache_bytes=0)
+    assert cached._lean() is None
+    prompts = [list(range(10 + 3 * i, 25 + 4 * i)) for i in range(3)]
+    for turn in range(3):
+        reqs = _turn(prompts, pols, [4 + turn, 5, 6])
+        got = _results(cached.generate(reqs))
+        _assert_same(got, _results(plain.generate(reqs)))
+        prompts = _next_prompts(prompts, got, seed=turn)
+    assert cached.prefix_cache.hits == 2 * len(pols)
 
 
 def test_sampled_continuations_and_samples_share_the_cached_prompt(

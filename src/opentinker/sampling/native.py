@@ -26,7 +26,7 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Hashable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -59,7 +59,7 @@ class NativeBackend(RolloutBackend):
         of the HF module tree; other models always take the HF forward. ``prefix_cache_bytes``:
         the budget of the :class:`~opentinker.sampling.prefix_cache.PrefixCache` that lets a
         prompt continuing a finished sequence (the next turn of a conversation) skip prefilling
-        it (lean path; 0 = off)."""
+        it (0 = off)."""
         self.engine = engine
         self.share_prefix = share_prefix
         self.lean_decode = lean_decode
@@ -142,7 +142,7 @@ class NativeBackend(RolloutBackend):
         eng, dev = self.engine, self.engine.device
         want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
         lean = self._lean()
-        cached = lean is not None and self.prefix_cache.max_bytes > 0 and not want_prompt
+        cached = self.prefix_cache.max_bytes > 0 and not want_prompt
         keys = [self.policy_key(r.policy) for r in reqs] if cached else []
         hits, shared = self._prompt_starts(reqs, keys, want_prompt)
         skip = [shared] * len(reqs) if shared else [h.length if h is not None else 0 for h in hits]
@@ -154,15 +154,13 @@ class NativeBackend(RolloutBackend):
             ids[i, width - lens[i] :] = torch.tensor(r.prompt[skip[i] :], device=dev)
             mask[i, width - lens[i] :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(skip, device=dev)[:, None]
+        prefixes = [h.kv if h is not None else None for h in hits] if any(hits) else None
         if lean is not None:
             # columns the decode may feed: every row's new tokens but its last
             most = max(min(r.params.max_tokens, eng.max_context - len(r.prompt)) for r in reqs)
-            prefixes = [h.kv if h is not None else None for h in hits] if any(hits) else None
-            lean_fwd = _LeanForward(eng, lean, max(skip) + width, most - 1, self._lora_cache, prefixes)
-            store = lean_fwd if cached else None  # whose finished rows feed the prefix cache
-            model: _Forward = lean_fwd
+            model: _Forward = _LeanForward(eng, lean, max(skip) + width, most - 1, self._lora_cache, prefixes)
         else:
-            store, model = None, _HFForward(eng, self._cache_kw)
+            model = _HFForward(eng, self._cache_kw, prefixes)
         prefill_plan = model.plan([r.policy for r in reqs])
         logits = model.prefill(reqs, shared, ids, mask, pos, want_prompt, prefill_plan)
         results = [SampleResult(sequences=[]) for _ in reqs]
@@ -190,12 +188,12 @@ class NativeBackend(RolloutBackend):
                 row.logprobs.append(lp)
                 row.reason = self._stop_reason(row, ctx)
             keep = [j for j, s in enumerate(active) if rows[s].reason is None]
-            if store is not None and len(keep) < len(active):  # keep what the finished rows computed
+            if cached and len(keep) < len(active):  # keep what the finished rows computed
                 for j, s in enumerate(active):
                     row = rows[s]
                     if row.reason is not None:
                         tokens = reqs[row.req].prompt + row.tokens[:-1]
-                        self.prefix_cache.put(keys[row.req], tokens, store.row_kv(j))
+                        self.prefix_cache.put(keys[row.req], tokens, model.row_kv(j))
             if not keep:
                 break
             if len(keep) < len(active):
@@ -303,6 +301,11 @@ class _Forward(Protocol):
         """Keep (or repeat) these rows of the KV cache, in this order."""
         ...
 
+    def row_kv(self, row: int) -> torch.Tensor:
+        """A copy of the keys and values batch row ``row`` computed (its prompt and fed tokens,
+        padding removed): [layers, 2, kv_heads, n, head_dim], for the prefix cache."""
+        ...
+
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
         """fp32 logits [B, V] of one new token per row (``ids``, ``pos``: [B, 1])."""
         ...
@@ -311,12 +314,16 @@ class _Forward(Protocol):
 class _HFForward:
     """The model's own HF forward with a ``DynamicCache``, LoRA through the engine's routing."""
 
-    def __init__(self, engine: Engine, cache_kw: str) -> None:
+    def __init__(
+        self, engine: Engine, cache_kw: str, prefixes: list[torch.Tensor | None] | None = None
+    ) -> None:
+        """``prefixes``: each row's cached keys and values to start from (see :class:`_LeanForward`)."""
         self.engine = engine
         self.model = engine.base.model
         self.cache_kw = cache_kw
         self.cache = DynamicCache()
         self.mask = torch.zeros(0)
+        self.prefixes = prefixes
 
     def plan(self, policies: list[PolicyRef]) -> LoRABatch | None:
         return self.engine.plan_routing(policies)
@@ -348,6 +355,8 @@ class _HFForward:
                 )
             cache.batch_select_indices(torch.zeros(len(reqs), dtype=torch.long, device=dev))
             mask = torch.cat([mask.new_ones(len(reqs), shared), mask], dim=1)
+        elif self.prefixes is not None:  # each row's cached prefix, right-aligned, padding masked
+            mask = torch.cat([self._load_prefixes(self.prefixes), mask], dim=1)
         with eng.routing(plan):
             out = model(
                 input_ids=ids,
@@ -360,9 +369,30 @@ class _HFForward:
         self.mask = mask
         return out.logits.float()
 
+    def _load_prefixes(self, prefixes: list[torch.Tensor | None]) -> torch.Tensor:
+        """Fill the empty cache with the rows' prefixes; return their attention mask [B, P]."""
+        ref = next(kv for kv in prefixes if kv is not None)
+        n_layers, _, n_kv, _, head_dim = ref.shape
+        end = max(kv.shape[3] for kv in prefixes if kv is not None)
+        kv_all = ref.new_zeros(n_layers, 2, len(prefixes), n_kv, end, head_dim)
+        mask = torch.zeros(len(prefixes), end, dtype=torch.long, device=ref.device)
+        for i, kv in enumerate(prefixes):
+            if kv is not None:
+                kv_all[:, :, i, :, end - kv.shape[3] :] = kv
+                mask[i, end - kv.shape[3] :] = 1
+        for layer in range(n_layers):
+            self.cache.update(kv_all[layer, 0], kv_all[layer, 1], layer)
+        return mask
+
     def select(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
+
+    def row_kv(self, row: int) -> torch.Tensor:
+        cols = self.mask[row].nonzero().squeeze(1)
+        cached: list[Any] = list(self.cache.layers)  # attention layers: .keys/.values [B, kv, T, D]
+        layers = [torch.stack((layer.keys[row], layer.values[row])) for layer in cached]
+        return torch.stack(layers).index_select(3, cols)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(ids.shape[0], 1)], dim=1)
