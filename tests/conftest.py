@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,29 @@ from opentinker.engine import Engine, Example
 from opentinker.models import BaseModel, load_base_model
 
 TEST_MODEL = os.environ.get("OPENTINKER_TEST_MODEL", "opentinker/tiny")
+
+
+def other_family_model(folder: Path, family: str) -> str:
+    """A random 2-layer ``qwen2`` or ``gpt2`` model with the tiny model's tokenizer, saved to
+    ``folder`` (what ``load_base_model`` takes): families off the lean Llama path."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    from opentinker.models.registry import tiny_model_dir
+
+    tok_dir = tiny_model_dir()
+    vocab = len(AutoTokenizer.from_pretrained(str(tok_dir)))
+    if family == "qwen2":
+        model: Any = Qwen2ForCausalLM(
+            Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=48, vocab_size=vocab)
+        )  # fmt: skip
+    else:
+        model = GPT2LMHeadModel(
+            GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=vocab, bos_token_id=1, eos_token_id=2)
+        )
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="session")

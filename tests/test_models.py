@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from opentinker.engine import Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model, resolve_model_path
 from opentinker.models.registry import TINY, tiny_model_dir
-from tests.conftest import make_examples
+from tests.conftest import make_examples, other_family_model
 
 
 def test_tiny_model_is_builtin_with_chat_template(tiny_base) -> None:
@@ -27,27 +26,9 @@ def test_tiny_model_is_builtin_with_chat_template(tiny_base) -> None:
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt2"])
 def test_local_folder_of_other_families_trains(tmp_path, family: str) -> None:
-    tok_dir = tiny_model_dir()
-    vocab = len(AutoTokenizer.from_pretrained(str(tok_dir)))
-    if family == "qwen2":
-        model = Qwen2ForCausalLM(
-            Qwen2Config(
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                intermediate_size=48,
-                vocab_size=vocab,
-            )
-        )
-    else:
-        model = GPT2LMHeadModel(
-            GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=vocab, bos_token_id=1, eos_token_id=2)
-        )
-    model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(tmp_path)
-    base = load_base_model(str(tmp_path))
+    base = load_base_model(other_family_model(tmp_path, family))
     assert base.model_type == family
+    vocab = base.vocab_size
     engine = Engine(base)
     aid = engine.create_adapter(LoRAConfig(rank=4, seed=0))
     data = make_examples(2, vocab, seed=0)

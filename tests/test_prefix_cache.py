@@ -7,19 +7,16 @@ every turn prefilled whole) and through the HF forward: greedy tokens identical,
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from opentinker.engine import Engine
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
-from opentinker.models.registry import tiny_model_dir
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.prefix_cache import PrefixCache
 from opentinker.sampling.types import SampleResult
+from tests.conftest import other_family_model
 from tests.test_llama_decode import _assert_same, _prompts, policies  # noqa: F401  (fixture)
 
 
@@ -88,20 +85,7 @@ def test_other_families_reuse_through_the_hf_forward(tmp_path, family: str) -> N
     """Models off the lean path (Qwen2's biases, GPT-2's learned positions) cache prefixes in the
     HF ``DynamicCache``: two later turns of three conversations (two adapters, the base) equal a
     backend without the cache."""
-    tok_dir = tiny_model_dir()
-    vocab = len(AutoTokenizer.from_pretrained(str(tok_dir)))
-    if family == "qwen2":
-        model: Any = Qwen2ForCausalLM(
-            Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=48, vocab_size=vocab)
-        )  # fmt: skip
-    else:
-        model = GPT2LMHeadModel(
-            GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=vocab, bos_token_id=1, eos_token_id=2)
-        )
-    model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(tmp_path)
-    engine = Engine(load_base_model(str(tmp_path)))
+    engine = Engine(load_base_model(other_family_model(tmp_path, family)))
     pols: list[str | None] = [engine.create_adapter(LoRAConfig(rank=4, seed=s)) for s in (0, 1)] + [None]
     for aid in pols[:2]:
         with torch.no_grad():

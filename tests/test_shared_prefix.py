@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from opentinker.engine import Engine, Example, ForwardRequest
 from opentinker.engine.prefix import plan_shared_prefixes
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
-from opentinker.models.registry import tiny_model_dir
-from tests.conftest import assert_rel_close
+from tests.conftest import assert_rel_close, other_family_model
 
 
 def grouped_examples(
@@ -122,19 +120,8 @@ def test_shared_prefix_equals_one_pass_mixed_adapters_and_losses(engine: Engine)
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt2"])
 def test_shared_prefix_other_families(tmp_path, family: str) -> None:
-    tok_dir = tiny_model_dir()
-    vocab = len(AutoTokenizer.from_pretrained(str(tok_dir)))
-    if family == "qwen2":
-        cfg = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          intermediate_size=48, vocab_size=vocab)  # fmt: skip
-        model = Qwen2ForCausalLM(cfg)
-    else:
-        model = GPT2LMHeadModel(
-            GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=vocab, bos_token_id=1, eos_token_id=2)
-        )
-    model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(tmp_path)
-    engine = Engine(load_base_model(str(tmp_path)))
+    engine = Engine(load_base_model(other_family_model(tmp_path, family)))
+    vocab = engine.vocab_size
     aid = perturbed_adapter(engine, 4, 3)
     check_equal(
         run_both(engine, [ForwardRequest(aid, grouped_examples(vocab, seed=5), "importance_sampling")], [aid])
