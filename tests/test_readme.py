@@ -66,7 +66,7 @@ def tracked_files() -> list[str]:
         out = subprocess.run(
             ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
         ).stdout
-        files = [f for f in out.splitlines() if f]
+        files = [f for f in out.splitlines() if f and (ROOT / f).exists()]  # not deleted unstaged
         if files:
             return files
     except (OSError, subprocess.SubprocessError):
