@@ -152,15 +152,15 @@ class Runtime:
         config: LoRAConfig,
         *,
         tenant: str,
-        optimizer: str = "adamw",
+        optimizer_type: str = "adamw",
         on_created: Callable[[ModelRecord], None] | None = None,
     ) -> Future[ModelRecord]:
         """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued).
 
         ``on_created`` runs on the scheduler thread right after the model is registered, before
         any later request for it can run (the server records it durably there)."""
-        if optimizer != "adamw":
-            raise EngineError(f"optimizer {optimizer!r} is not supported; only adamw")
+        if optimizer_type != "adamw":
+            raise EngineError(f"optimizer {optimizer_type!r} is not supported; only adamw")
         self._check_new(model_id)
         backend = self.backend(base_model)
 

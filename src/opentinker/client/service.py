@@ -65,7 +65,7 @@ class ServiceClient:
         model_id = self.runtime.new_model_id(self.session_id)
         optimizer_type = "adamw" if optimizer is None else str(getattr(optimizer, "type", "adamw"))
         self.runtime.create_model(
-            model_id, base_model, config, tenant=self.tenant, optimizer=optimizer_type
+            model_id, base_model, config, tenant=self.tenant, optimizer_type=optimizer_type
         ).result()
         return TrainingClient(self.runtime, model_id)
 

@@ -87,10 +87,6 @@ class Operations:
 
         def make() -> str:
             def submit() -> Future:
-                if req.optimizer_config and req.optimizer_config.get("type", "adamw") != "adamw":
-                    raise UserError(
-                        f"optimizer {req.optimizer_config.get('type')!r} is not supported; only adamw"
-                    )
                 lora = req.lora_config or S.LoraConfig(rank=32)
                 config = LoRAConfig(
                     rank=lora.rank,
@@ -101,7 +97,12 @@ class Operations:
                 )
                 base = self.reg.base_model(req.base_model)
                 return self.reg.new_model(
-                    sess, req.model_seq_id, base, config=config, user_metadata=req.user_metadata
+                    sess,
+                    req.model_seq_id,
+                    base,
+                    config=config,
+                    optimizer_type=str((req.optimizer_config or {}).get("type", "adamw")),
+                    user_metadata=req.user_metadata,
                 )
 
             return self._run(tenant, submit, lambda rec: {"model_id": rec.model_id, "type": "create_model"})

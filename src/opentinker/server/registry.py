@@ -159,11 +159,13 @@ class Registry:
         base_model: str,
         *,
         config: LoRAConfig | None = None,
+        optimizer_type: str = "adamw",
         checkpoint: str | None = None,
         optimizer: bool = False,
         user_metadata: dict[str, Any] | None = None,
     ) -> Future[ModelRecord]:
-        """Create ``<session>:train:<seq>`` fresh (``config``) or from the tinker path ``checkpoint``.
+        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``) or from the
+        tinker path ``checkpoint`` (with its optimizer state if ``optimizer``).
 
         The runtime makes the model; here it is recorded durably, on the scheduler thread right
         after the engine made its adapter (before any later request for it can run).
@@ -200,7 +202,14 @@ class Registry:
                 on_created=created,
             )
         assert config is not None
-        return self.runtime.create_model(model_id, base_model, config, tenant=sess.tenant, on_created=created)
+        return self.runtime.create_model(
+            model_id,
+            base_model,
+            config,
+            tenant=sess.tenant,
+            optimizer_type=optimizer_type,
+            on_created=created,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, tenant: str, path: str) -> tuple[CheckpointRef, dict[str, Any]]:
