@@ -105,6 +105,8 @@ class Runtime:
         self._model_seq = itertools.count(1)
 
     def backend(self, base_model: str) -> Backend:
+        """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
+        queue their work on its scheduler; callers above the client layer use the accessors below."""
         name = canonical_name(base_model)
         with self._lock:
             b = self._backends.get(name)
@@ -121,6 +123,7 @@ class Runtime:
         return list(self._backends)
 
     def base_model_info(self, base_model: str) -> BaseModelInfo:
+        """Name, folder, architecture and limits of ``base_model`` (loaded on first use)."""
         engine = self.backend(base_model).engine
         base = engine.base
         return BaseModelInfo(base.name, base.path, base.model_type, engine.max_context, engine.vocab_size)
