@@ -201,11 +201,11 @@ def make_service(args: argparse.Namespace) -> tuple[Any, bool]:
 
 
 def load_tokenizer(service: Any, base_model: str, remote: bool) -> Any:
-    """The base model's tokenizer, for the renderer: the embedded engine's own, or loaded here
+    """The base model's tokenizer, for the renderer: the embedded runtime's own, or loaded here
     (a local folder or a built-in name) when training remotely."""
     try:
         if not remote:
-            return service.runtime.backend(base_model).engine.base.tokenizer
+            return service.runtime.tokenizer(base_model)
         from transformers import AutoTokenizer
 
         from opentinker.models.registry import resolve_model_path

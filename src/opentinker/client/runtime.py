@@ -1,27 +1,41 @@
-"""The embedded service: engines per base model, their schedulers and samplers, models, checkpoints.
+"""The embedded service: engines per base model, and the one owner of model lifecycle and tenancy.
 
 One ``Runtime`` per process is created on first use (``default_runtime()``); every embedded
 ``ServiceClient`` shares it, so many clients in many threads share one base model and one batch
 per base model. Its data dir defaults to ``$OPENTINKER_HOME`` or ``~/.cache/opentinker/data``.
+
+Model creation (fresh or from a checkpoint), deletion, snapshots, and the rule "a tenant sees only
+its own models and checkpoints" are written here once; the embedded clients and the HTTP server
+both call these methods, so neither reaches into the engine for them. Engine work is queued on the
+base model's scheduler in the model's order and comes back as a ``concurrent.futures.Future``:
+the embedded clients wait on it, the server chains it to a request id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
-from opentinker.client.checkpoints import CheckpointStore
-from opentinker.engine import Engine, EngineError, UnknownPolicyError
+from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
+from opentinker.engine import Engine, EngineError, SnapshotInfo, UnknownPolicyError
+from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
-from opentinker.models.registry import cache_dir, canonical_name
+from opentinker.models.paths import cache_dir
+from opentinker.models.registry import canonical_name
 from opentinker.sampling import NativeBackend
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.scheduler import Scheduler
+
+LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
 
 
 @dataclass
@@ -40,6 +54,29 @@ class ModelRecord:
     parent: str | None = None  # tinker path of the checkpoint it was created from
     sampled_versions: set[str] = field(default_factory=set)  # its snapshots sampled since last save
     deleted: bool = False
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """What callers above the engine may know about a loaded base model."""
+
+    name: str  # canonical name, as models and checkpoints record it
+    path: str  # local folder of its weights and tokenizer (what the SDK's get_tokenizer loads)
+    model_type: str  # the HF architecture name, e.g. "llama"
+    max_context: int
+    vocab_size: int
+
+
+class PolicyVersion(NamedTuple):
+    """A sampleable policy: its base model and the engine's snapshot id (None = the bare base)."""
+
+    base_model: str
+    policy: str | None
+
+
+def checkpoint_owner(meta: dict[str, Any]) -> str:
+    """The tenant a checkpoint's manifest metadata names (checkpoints that name none are local)."""
+    return str(meta.get("tenant", LOCAL_TENANT))
 
 
 def default_data_dir() -> Path:
@@ -68,6 +105,8 @@ class Runtime:
         self._model_seq = itertools.count(1)
 
     def backend(self, base_model: str) -> Backend:
+        """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
+        queue their work on its scheduler; callers above the client layer use the accessors below."""
         name = canonical_name(base_model)
         with self._lock:
             b = self._backends.get(name)
@@ -83,19 +122,184 @@ class Runtime:
     def loaded_base_models(self) -> list[str]:
         return list(self._backends)
 
+    def base_model_info(self, base_model: str) -> BaseModelInfo:
+        """Name, folder, architecture and limits of ``base_model`` (loaded on first use)."""
+        engine = self.backend(base_model).engine
+        base = engine.base
+        return BaseModelInfo(base.name, base.path, base.model_type, engine.max_context, engine.vocab_size)
+
+    def tokenizer(self, base_model: str) -> Any:
+        """The base model's tokenizer (a ``transformers`` tokenizer), shared by all its adapters."""
+        return self.backend(base_model).engine.base.tokenizer
+
     def new_session(self) -> str:
         return f"sess-{uuid.uuid4().hex[:12]}"
 
     def new_model_id(self, session_id: str) -> str:
         return f"{session_id}:train:{next(self._model_seq)}"
 
+    # ------------------------------------------------------------------ models
     def model(self, model_id: str, tenant: str | None = None) -> ModelRecord:
+        """The live model ``model_id``; another tenant's model is unknown, a deleted one refused."""
         rec = self.models.get(model_id)
         if rec is None or (tenant is not None and rec.tenant != tenant):
             raise UnknownPolicyError(f"unknown model {model_id!r}")
         if rec.deleted:
             raise EngineError(f"model {model_id!r} was deleted")
         return rec
+
+    def create_model(
+        self,
+        model_id: str,
+        base_model: str,
+        config: LoRAConfig,
+        *,
+        tenant: str,
+        optimizer_type: str = "adamw",
+        on_created: Callable[[ModelRecord], None] | None = None,
+    ) -> Future[ModelRecord]:
+        """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued).
+
+        ``on_created`` runs on the scheduler thread right after the model is registered, before
+        any later request for it can run (the server records it durably there)."""
+        if optimizer_type != "adamw":
+            raise EngineError(f"optimizer {optimizer_type!r} is not supported; only adamw")
+        self._check_new(model_id)
+        backend = self.backend(base_model)
+
+        def make(eng: Engine) -> ModelRecord:
+            eng.create_adapter(config, model_id)
+            return self._register(ModelRecord(model_id, eng.base.name, config, tenant), on_created)
+
+        return backend.scheduler.submit_call(model_id, make)
+
+    def create_model_from_checkpoint(
+        self,
+        model_id: str,
+        path: str,
+        *,
+        tenant: str,
+        optimizer: bool,
+        base_model: str | None = None,
+        on_created: Callable[[ModelRecord], None] | None = None,
+    ) -> Future[ModelRecord]:
+        """A model ``model_id`` loaded from ``tenant``'s checkpoint at ``path`` (with its optimizer
+        state if ``optimizer``), on the base model it was trained on (queued)."""
+        ref, meta = self.checkpoint(path, tenant)
+        ckpt_base = str(meta.get("base_model", ""))
+        if base_model is not None and canonical_name(base_model) != ckpt_base:
+            raise CheckpointError(f"checkpoint {path} was trained on {ckpt_base!r}, not on {base_model!r}")
+        self._check_new(model_id)
+        backend = self.backend(ckpt_base)
+        folder = self.store.folder(ref)
+
+        def make(eng: Engine) -> ModelRecord:
+            eng.load_state(folder, adapter_id=model_id, optimizer=optimizer)
+            rec = ModelRecord(
+                model_id, eng.base.name, eng.adapter_config(model_id), tenant, parent=ref.tinker_path
+            )
+            return self._register(rec, on_created)
+
+        return backend.scheduler.submit_call(model_id, make)
+
+    def load_checkpoint_into(self, model_id: str, path: str, *, optimizer: bool) -> Future[None]:
+        """Replace live model ``model_id``'s weights (and optimizer state) with those of a
+        checkpoint its tenant owns, in the model's order."""
+        rec = self.model(model_id)
+        ref, _ = self.checkpoint(path, rec.tenant)
+        folder = self.store.folder(ref)
+
+        def load(eng: Engine) -> None:
+            eng.load_state(folder, optimizer=optimizer, into=model_id)
+            rec.parent = ref.tinker_path
+
+        return self.backend(rec.base_model).scheduler.submit_call(model_id, load)
+
+    def delete_model(self, model_id: str, tenant: str | None = None) -> Future[None]:
+        """Drop model ``model_id``: refused from now on; its adapter is freed after the requests
+        already queued for it have run. Its checkpoints stay."""
+        rec = self.model(model_id, tenant)
+        rec.deleted = True
+        return self.backend(rec.base_model).scheduler.submit_call(
+            model_id, lambda eng: eng.delete_adapter(model_id)
+        )
+
+    def _check_new(self, model_id: str) -> None:
+        if model_id in self.models:
+            raise EngineError(f"model {model_id!r} already exists")
+
+    def _register(self, rec: ModelRecord, on_created: Callable[[ModelRecord], None] | None) -> ModelRecord:
+        self.models[rec.model_id] = rec
+        if on_created is not None:
+            on_created(rec)
+        return rec
+
+    # ------------------------------------------------------------------ policy versions
+    def snapshot(self, model_id: str) -> Future[SnapshotInfo]:
+        """An immutable, sampleable copy of the model's weights, taken in the model's order."""
+        rec = self.model(model_id)
+        return self.backend(rec.base_model).scheduler.submit_call(
+            model_id, lambda eng: eng.snapshot(model_id)
+        )
+
+    def release_snapshot(self, base_model: str, snapshot_id: str, *, queue: str | None = None) -> None:
+        """Free a snapshot's weights, queued after the requests already on ``queue`` (default: its
+        own). Nothing to do once the runtime is shut down."""
+        backend = self._backends.get(canonical_name(base_model))
+        if backend is None:
+            return
+        with contextlib.suppress(RuntimeError):  # a shut-down scheduler has nothing left to free
+            backend.scheduler.submit_call(queue or snapshot_id, lambda eng: eng.release_snapshot(snapshot_id))
+
+    def note_sampled(self, base_model: str, policy: str, version: str) -> None:
+        """Lineage: data may now come from ``version``; remember it on the model it was taken from."""
+        backend = self._backends.get(canonical_name(base_model))
+        if backend is None:
+            return
+        try:
+            owner = backend.engine.snapshot_info(policy).adapter_id
+        except KeyError:
+            return
+        rec = self.models.get(owner)
+        if rec is not None:
+            rec.sampled_versions.add(version)
+
+    def load_checkpoint_policy(self, path: str, tenant: str) -> Future[PolicyVersion]:
+        """Serve ``tenant``'s saved checkpoint (weights or sampler_weights) as a policy version,
+        loaded once; queued on its model's order when that model is live here."""
+        ref, meta = self.checkpoint(path, tenant)
+        base = str(meta.get("base_model", ""))
+        backend = self.backend(base)
+        folder = self.store.folder(ref)
+
+        def load(eng: Engine) -> PolicyVersion:
+            if ref.tinker_path not in eng.snapshot_ids():
+                eng.load_snapshot(folder, ref.tinker_path)
+            return PolicyVersion(eng.base.name, ref.tinker_path)
+
+        return backend.scheduler.submit_call(ref.model_id, load)
+
+    # ------------------------------------------------------------------ tenancy of checkpoints
+    def checkpoint(self, path: str, tenant: str) -> tuple[CheckpointRef, dict[str, Any]]:
+        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` may use it.
+
+        Raises ``EngineError`` for a malformed path, ``CheckpointError`` when nothing usable is
+        there, and ``UnknownPolicyError`` for another tenant's: to them it does not exist.
+        """
+        ref = parse_tinker_path(path)
+        folder = self.store.folder(ref)
+        try:
+            meta: dict[str, Any] = read_manifest(folder)["meta"]
+        except CheckpointError as e:  # the reason, with the tinker path in place of the folder
+            reason = str(e).replace(str(folder), ref.tinker_path)
+            raise CheckpointError(f"no usable checkpoint at {ref.tinker_path}: {reason}") from e
+        if checkpoint_owner(meta) != tenant:
+            raise UnknownPolicyError(f"unknown checkpoint {path!r}")
+        return ref, meta
+
+    def owns(self, meta: dict[str, Any], tenant: str) -> bool:
+        """Whether checkpoint metadata (a manifest's ``meta``) belongs to ``tenant``."""
+        return checkpoint_owner(meta) == tenant
 
     def shutdown(self) -> None:
         with self._lock:

@@ -21,10 +21,17 @@ class SamplingClient(ReadyClient):
         self, runtime: Runtime, base_model: str, policy: str | None, model_path: str | None = None
     ) -> None:
         self._runtime = runtime
-        self._backend = runtime.backend(base_model)
-        self.base_model = self._backend.engine.base.name
+        self._scheduler = runtime.backend(base_model).scheduler
+        self.base_model = runtime.base_model_info(base_model).name
         self.policy = policy
         self.model_path = model_path
+
+    @classmethod
+    def for_checkpoint(cls, runtime: Runtime, model_path: str, *, tenant: str) -> SamplingClient:
+        """Serve ``tenant``'s saved checkpoint (weights or sampler_weights) as an immutable policy
+        version (blocking: it may load weights)."""
+        version = runtime.load_checkpoint_policy(model_path, tenant).result()
+        return cls(runtime, version.base_model, version.policy, model_path=version.policy)
 
     def sample(
         self,
@@ -68,7 +75,7 @@ class SamplingClient(ReadyClient):
         return mapped(self._submit(req), logprobs)
 
     def _submit(self, req: SampleRequest) -> Any:
-        fut = self._backend.scheduler.submit_sample(req)
+        fut = self._scheduler.submit_sample(req)
         # The queued request keeps this client (and so its ephemeral snapshot) alive until it has
         # run, even for ``tc.save_weights_and_get_sampling_client().sample(...)``.
         fut._opentinker_client = self  # type: ignore[attr-defined]
@@ -78,7 +85,7 @@ class SamplingClient(ReadyClient):
         return await self.compute_logprobs(prompt)
 
     def get_tokenizer(self) -> Any:
-        return self._backend.engine.base.tokenizer
+        return self._runtime.tokenizer(self.base_model)
 
     def get_base_model(self) -> str:
         return self.base_model
@@ -88,12 +95,5 @@ class SamplingClient(ReadyClient):
 
     def _note_use(self) -> None:
         """Lineage: remember that data may now come from this policy version."""
-        if self.policy is None:
-            return
-        try:
-            owner = self._backend.engine.snapshot_info(self.policy).adapter_id
-        except KeyError:
-            return
-        rec = self._runtime.models.get(owner)
-        if rec is not None:
-            rec.sampled_versions.add(self.model_path or self.policy)
+        if self.policy is not None:
+            self._runtime.note_sampled(self.base_model, self.policy, self.model_path or self.policy)

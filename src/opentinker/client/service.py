@@ -15,16 +15,14 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from opentinker.client.checkpoints import CheckpointRecord, parse_tinker_path
 from opentinker.client.futures import ready
-from opentinker.client.runtime import ModelRecord, Runtime, default_runtime
+from opentinker.client.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.client.sampling import SamplingClient
 from opentinker.client.training import TrainingClient
 from opentinker.engine import EngineError, UnknownPolicyError
-from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.lora import LoRAConfig
 from opentinker.models import BUILTIN_MODELS
-from opentinker.models.registry import canonical_name
 
-LOCAL_TENANT = "local"
+__all__ = ["LOCAL_TENANT", "RestClient", "ServiceClient"]
 
 
 class ServiceClient:
@@ -61,16 +59,14 @@ class ServiceClient:
         user_metadata: dict[str, str] | None = None,
         optimizer: Any = None,
     ) -> TrainingClient:
-        if optimizer is not None and getattr(optimizer, "type", "adamw") != "adamw":
-            raise EngineError(f"optimizer {optimizer.type!r} is not supported; only adamw")
         config = LoRAConfig(
             rank=rank, seed=seed, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
         )
-        backend = self.runtime.backend(base_model)
         model_id = self.runtime.new_model_id(self.session_id)
-        backend.scheduler.submit_call(model_id, lambda eng: eng.create_adapter(config, model_id)).result()
-        base = backend.engine.base.name
-        self.runtime.models[model_id] = ModelRecord(model_id, base, config, self.tenant)
+        optimizer_type = "adamw" if optimizer is None else str(getattr(optimizer, "type", "adamw"))
+        self.runtime.create_model(
+            model_id, base_model, config, tenant=self.tenant, optimizer_type=optimizer_type
+        ).result()
         return TrainingClient(self.runtime, model_id)
 
     def create_training_client_from_state(
@@ -84,45 +80,22 @@ class ServiceClient:
         return self._from_state(path, base_model, optimizer=True)
 
     def _from_state(self, path: str, base_model: str | None, *, optimizer: bool) -> TrainingClient:
-        ref = parse_tinker_path(path)
-        folder = self.runtime.store.folder(ref)
-        meta = self._checkpoint_meta(ref.tinker_path, folder)
-        ckpt_base = meta.get("base_model", "")
-        if base_model is not None and canonical_name(base_model) != ckpt_base:
-            raise CheckpointError(f"checkpoint {path} was trained on {ckpt_base!r}, not on {base_model!r}")
-        backend = self.runtime.backend(ckpt_base)
         model_id = self.runtime.new_model_id(self.session_id)
-        backend.scheduler.submit_call(
-            model_id, lambda eng: eng.load_state(folder, adapter_id=model_id, optimizer=optimizer)
+        self.runtime.create_model_from_checkpoint(
+            model_id, path, tenant=self.tenant, optimizer=optimizer, base_model=base_model
         ).result()
-        self.runtime.models[model_id] = ModelRecord(
-            model_id, ckpt_base, LoRAConfig(**meta["lora"]), self.tenant, parent=ref.tinker_path
-        )
         return TrainingClient(self.runtime, model_id)
-
-    def _checkpoint_meta(self, tinker_path: str, folder: Any) -> dict[str, Any]:
-        try:
-            meta = read_manifest(folder)["meta"]
-        except CheckpointError as e:
-            raise CheckpointError(f"no usable checkpoint at {tinker_path}: {e}") from e
-        if meta.get("tenant", LOCAL_TENANT) != self.tenant:
-            raise UnknownPolicyError(f"unknown checkpoint {tinker_path!r}")
-        return meta
 
     def delete_model(self, model_id: str) -> None:
         """Drop a training model (OpenTinker extension): its adapter is freed; checkpoints stay."""
-        rec = self.runtime.model(model_id, self.tenant)
-        self.runtime.backend(rec.base_model).scheduler.submit_call(
-            model_id, lambda eng: eng.delete_adapter(model_id)
-        ).result()
-        rec.deleted = True
+        self.runtime.delete_model(model_id, self.tenant).result()
 
     # ---------------------------------------------------------------- sampling clients
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, **_: Any
     ) -> SamplingClient:
         if model_path is not None:
-            return sampling_client_for_path(self.runtime, model_path, tenant=self.tenant)
+            return SamplingClient.for_checkpoint(self.runtime, model_path, tenant=self.tenant)
         if base_model is None:
             raise EngineError("create_sampling_client needs model_path or base_model")
         return SamplingClient(self.runtime, base_model, None)
@@ -163,27 +136,6 @@ class ServiceClient:
         return self.get_server_capabilities()
 
 
-def sampling_client_for_path(runtime: Runtime, model_path: str, *, tenant: str) -> SamplingClient:
-    """Serve a saved checkpoint (weights or sampler_weights) as an immutable policy version."""
-    ref = parse_tinker_path(model_path)
-    folder = runtime.store.folder(ref)
-    try:
-        meta = read_manifest(folder)["meta"]
-    except CheckpointError as e:
-        raise CheckpointError(f"no usable checkpoint at {model_path}: {e}") from e
-    if meta.get("tenant", LOCAL_TENANT) != tenant:
-        raise UnknownPolicyError(f"unknown checkpoint {model_path!r}")
-    backend = runtime.backend(meta["base_model"])
-
-    def load(eng: Any) -> None:
-        if ref.tinker_path not in eng.snapshot_ids():
-            eng.load_snapshot(folder, ref.tinker_path)
-
-    # queued on the owning model's order when it is live here, else on its own queue
-    backend.scheduler.submit_call(ref.model_id, load).result()
-    return SamplingClient(runtime, meta["base_model"], ref.tinker_path, model_path=ref.tinker_path)
-
-
 class RestClient:
     """The checkpoint REST calls of the SDK's ``RestClient``, embedded."""
 
@@ -192,7 +144,7 @@ class RestClient:
         self.tenant = tenant
 
     def _mine(self, rec: CheckpointRecord) -> bool:
-        return rec.meta.get("tenant", LOCAL_TENANT) == self.tenant
+        return self.runtime.owns(rec.meta, self.tenant)
 
     def list_checkpoints(
         self, training_run_id: str

@@ -6,7 +6,7 @@ program can submit ``forward_backward`` then ``optim_step`` before waiting (both
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,20 +15,13 @@ import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.checkpoints import CheckpointRef, check_name, parse_tinker_path
+from opentinker.client.checkpoints import CheckpointRef, check_name
 from opentinker.client.convert import datum_to_example, forward_output
 from opentinker.client.futures import ReadyClient, mapped
 from opentinker.client.runtime import ModelRecord, Runtime
 from opentinker.client.sampling import SamplingClient
-from opentinker.engine import (
-    AdamParams,
-    Engine,
-    EngineError,
-    ForwardRequest,
-    ForwardResult,
-    UnknownPolicyError,
-)
-from opentinker.engine.checkpoint import CheckpointError, read_manifest
+from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult, SnapshotInfo
+from opentinker.engine.checkpoint import CheckpointError
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -38,7 +31,8 @@ class TrainingClient(ReadyClient):
         self._runtime = runtime
         self.model_id = model_id
         rec = runtime.model(model_id)
-        self._backend = runtime.backend(rec.base_model)
+        self._base_model = rec.base_model
+        self._scheduler = runtime.backend(rec.base_model).scheduler
 
     # ---------------------------------------------------------------- helpers
     def _record(self) -> ModelRecord:
@@ -55,7 +49,7 @@ class TrainingClient(ReadyClient):
     def _call(self, fn: Callable[[Engine], Any]) -> Any:
         """Queue ``fn`` in this model's order; returns the concurrent future."""
         self._record()
-        return self._backend.scheduler.submit_call(self.model_id, fn)
+        return self._scheduler.submit_call(self.model_id, fn)
 
     # ---------------------------------------------------------------- compute
     def forward(
@@ -65,7 +59,7 @@ class TrainingClient(ReadyClient):
         loss_fn_config: dict[str, float] | None = None,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         req = self._request(data, loss_fn, loss_fn_config, backward=False)
-        return mapped(self._backend.scheduler.submit_forward(self.model_id, req), forward_output)
+        return mapped(self._scheduler.submit_forward(self.model_id, req), forward_output)
 
     def forward_backward(
         self,
@@ -74,7 +68,7 @@ class TrainingClient(ReadyClient):
         loss_fn_config: dict[str, float] | None = None,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         req = self._request(data, loss_fn, loss_fn_config, backward=True)
-        return mapped(self._backend.scheduler.submit_forward(self.model_id, req), forward_output)
+        return mapped(self._scheduler.submit_forward(self.model_id, req), forward_output)
 
     def forward_backward_custom(
         self, data: list[types.Datum], loss_fn: CustomLoss, **_: Any
@@ -118,7 +112,7 @@ class TrainingClient(ReadyClient):
         params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
         params.validate()  # refuse here, before queuing: the model is untouched
         self._record()
-        fut = self._backend.scheduler.submit_optim(self.model_id, params)
+        fut = self._scheduler.submit_optim(self.model_id, params)
         return mapped(fut, lambda m: types.OptimStepResponse(metrics=m))
 
     # ---------------------------------------------------------------- state
@@ -160,49 +154,39 @@ class TrainingClient(ReadyClient):
         return self._load(path, optimizer=True)
 
     def _load(self, path: str, *, optimizer: bool) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
-        ref = parse_tinker_path(path)
-        folder = self._runtime.store.folder(ref)
-        try:
-            owner = read_manifest(folder)["meta"].get("tenant", "local")
-        except CheckpointError as e:
-            raise CheckpointError(f"no usable checkpoint at {path}: {e}") from e
-        if owner != self._record().tenant:  # another tenant's checkpoint does not exist for us
-            raise UnknownPolicyError(f"unknown checkpoint {path!r}")
-
-        def run(engine: Engine) -> types.LoadWeightsResponse:
-            engine.load_state(folder, optimizer=optimizer, into=self.model_id)
-            self._record().parent = path
-            return types.LoadWeightsResponse(path=path, model_id=self.model_id)
-
-        return mapped(self._call(run), lambda x: x)
+        fut = self._runtime.load_checkpoint_into(self.model_id, path, optimizer=optimizer)
+        return mapped(fut, lambda _: types.LoadWeightsResponse(path=path, model_id=self.model_id))
 
     # ---------------------------------------------------------------- sampling
     def save_weights_and_get_sampling_client(self, name: str | None = None, **_: Any) -> SamplingClient:
-        snap = self._call(lambda eng: eng.snapshot(self.model_id)).result()
-        client = SamplingClient(self._runtime, self._record().base_model, snap.snapshot_id)
-        # An ephemeral policy version lives as long as a client can sample it: release its
-        # weights (queued, in order) once the last reference to the SamplingClient is gone.
-        weakref.finalize(client, _release_snapshot, self._backend.scheduler, snap.snapshot_id)
-        return client
+        return self._sampling_client(self._runtime.snapshot(self.model_id).result())
 
     async def save_weights_and_get_sampling_client_async(
-        self, name: str | None = None, **kw: Any
+        self, name: str | None = None, **_: Any
     ) -> SamplingClient:
-        return self.save_weights_and_get_sampling_client(name, **kw)
+        # awaits the queued snapshot instead of blocking: other coroutines on this loop (other
+        # runs of ``run_rl_many``) keep going while the scheduler takes it
+        snap = await asyncio.wrap_future(self._runtime.snapshot(self.model_id))
+        return self._sampling_client(snap)
+
+    def _sampling_client(self, snap: SnapshotInfo) -> SamplingClient:
+        client = SamplingClient(self._runtime, self._base_model, snap.snapshot_id)
+        # An ephemeral policy version lives as long as a client can sample it: release its
+        # weights (queued, in order) once the last reference to the SamplingClient is gone.
+        weakref.finalize(client, self._runtime.release_snapshot, self._base_model, snap.snapshot_id)
+        return client
 
     def create_sampling_client(self, model_path: str, **_: Any) -> SamplingClient:
-        from opentinker.client.service import sampling_client_for_path
-
-        return sampling_client_for_path(self._runtime, model_path, tenant=self._record().tenant)
+        return SamplingClient.for_checkpoint(self._runtime, model_path, tenant=self._record().tenant)
 
     # ---------------------------------------------------------------- info
     def get_info(self) -> types.GetInfoResponse:
         rec = self._record()
-        engine = self._backend.engine
+        base = self._runtime.base_model_info(rec.base_model)
         return types.GetInfoResponse(
             model_id=self.model_id,
             model_data=types.ModelData(
-                arch=engine.base.model_type, model_name=rec.base_model, tokenizer_id=engine.base.path
+                arch=base.model_type, model_name=rec.base_model, tokenizer_id=base.path
             ),
             is_lora=True,
             lora_rank=rec.lora.rank,
@@ -210,7 +194,7 @@ class TrainingClient(ReadyClient):
         )
 
     def get_tokenizer(self) -> Any:
-        return self._backend.engine.base.tokenizer
+        return self._runtime.tokenizer(self._base_model)
 
     # ---------------------------------------------------------------- *_async forms
     async def forward_async(
@@ -251,11 +235,6 @@ class TrainingClient(ReadyClient):
 
     async def get_info_async(self) -> types.GetInfoResponse:
         return self.get_info()
-
-
-def _release_snapshot(scheduler: Any, snapshot_id: str) -> None:
-    with contextlib.suppress(RuntimeError):  # a shut-down scheduler has nothing left to free
-        scheduler.submit_call(snapshot_id, lambda eng: eng.release_snapshot(snapshot_id))
 
 
 __all__ = ["EngineError", "TrainingClient"]

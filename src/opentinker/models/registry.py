@@ -13,12 +13,22 @@ Any other name is a local folder, or an HF id that transformers finds in its own
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from opentinker.models.paths import cache_dir
 
 TINY = "opentinker/tiny"
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUILTIN_MODELS = (TINY, SMOLLM2)
+__all__ = [
+    "BUILTIN_MODELS",
+    "SMOLLM2",
+    "TINY",
+    "cache_dir",
+    "canonical_name",
+    "resolve_model_path",
+    "tiny_model_dir",
+]
 
 _ALIASES = {"tiny": TINY, "smollm2": SMOLLM2, "SmolLM2-135M-Instruct": SMOLLM2}
 
@@ -26,15 +36,6 @@ _ALIASES = {"tiny": TINY, "smollm2": SMOLLM2, "SmolLM2-135M-Instruct": SMOLLM2}
 def canonical_name(name: str) -> str:
     """The canonical spelling of a model name (short aliases map to the built-in names)."""
     return _ALIASES.get(name, name)
-
-
-def cache_dir() -> Path:
-    """Where converted models and other derived files live (``$OPENTINKER_CACHE`` overrides)."""
-    env = os.environ.get("OPENTINKER_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "opentinker"
 
 
 def tiny_model_dir() -> Path:

@@ -130,7 +130,7 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def capabilities(t: Tenant) -> dict[str, Any]:
         models = []
         for name, base in reg.served.items():
-            ctx = reg.engine(base).max_context
+            ctx = reg.base_info(base).max_context
             models.append(
                 {"model_name": name, "max_context_length": ctx, "trainable": True, "sampleable": True}
             )

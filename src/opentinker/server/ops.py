@@ -17,8 +17,7 @@ from typing import Any
 
 from tinker import types
 
-from opentinker.client import SamplingClient, TrainingClient
-from opentinker.engine import Engine
+from opentinker.client import SamplingClient
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.config import ServerConfig
@@ -88,10 +87,6 @@ class Operations:
 
         def make() -> str:
             def submit() -> Future:
-                if req.optimizer_config and req.optimizer_config.get("type", "adamw") != "adamw":
-                    raise UserError(
-                        f"optimizer {req.optimizer_config.get('type')!r} is not supported; only adamw"
-                    )
                 lora = req.lora_config or S.LoraConfig(rank=32)
                 config = LoRAConfig(
                     rank=lora.rank,
@@ -102,10 +97,15 @@ class Operations:
                 )
                 base = self.reg.base_model(req.base_model)
                 return self.reg.new_model(
-                    sess, req.model_seq_id, base, config=config, user_metadata=req.user_metadata
+                    sess,
+                    req.model_seq_id,
+                    base,
+                    config=config,
+                    optimizer_type=str((req.optimizer_config or {}).get("type", "adamw")),
+                    user_metadata=req.user_metadata,
                 )
 
-            return self._run(tenant, submit, lambda model_id: {"model_id": model_id, "type": "create_model"})
+            return self._run(tenant, submit, lambda rec: {"model_id": rec.model_id, "type": "create_model"})
 
         return self._once(
             ("model", sess.id, req.model_seq_id), digest, f"model_seq_id {req.model_seq_id}", make
@@ -115,7 +115,7 @@ class Operations:
         tc = self.reg.model(tenant, model_id)
         info = tc.get_info().model_dump(mode="json", exclude_none=True)
         # a local folder, so the SDK's get_tokenizer() works offline on this machine
-        info["model_data"]["tokenizer_id"] = self.reg.engine(info["model_data"]["model_name"]).base.path
+        info["model_data"]["tokenizer_id"] = self.reg.base_info(info["model_data"]["model_name"]).path
         return info
 
     def load_weights(self, tenant: str, req: S.LoadWeightsRequest) -> str:
@@ -135,13 +135,15 @@ class Operations:
                         sess,
                         req.model_seq_id or 0,
                         base,
-                        checkpoint=ref,
+                        checkpoint=ref.tinker_path,
                         optimizer=req.optimizer,
                         user_metadata=req.user_metadata,
                     )
 
                 return self._run(
-                    tenant, submit, lambda mid: {"path": req.path, "model_id": mid, "type": "load_weights"}
+                    tenant,
+                    submit,
+                    lambda rec: {"path": req.path, "model_id": rec.model_id, "type": "load_weights"},
                 )
 
             return self._once(
@@ -243,19 +245,13 @@ class Operations:
         base = self.reg.runtime.model(req.model_id).base_model
 
         def snapshot() -> Future:
-            return self._engine_call(tc, lambda eng: eng.snapshot(req.model_id))
+            return self.reg.runtime.snapshot(tc.model_id)
 
         def served(snap: Any) -> dict[str, Any]:
             self.reg.snapshot_sampler(sess, sampler_id, snap, base)
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self._ordered(tenant, req.model_id, req.seq_id, digest, snapshot, served)
-
-    def _engine_call(self, tc: TrainingClient, fn: Callable[[Engine], Any]) -> Future:
-        """Queue ``fn`` in ``tc``'s model order (for the snapshot the embedded client only offers
-        as a blocking call)."""
-        rec = self.reg.runtime.model(tc.model_id)
-        return self.reg.runtime.backend(rec.base_model).scheduler.submit_call(tc.model_id, fn)
 
     def _session_of(self, tenant: str, model_id: str) -> Session:
         return self.reg.session(tenant, model_id.split(":train:", 1)[0], live=False)

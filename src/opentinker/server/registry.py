@@ -21,10 +21,9 @@ from typing import Any
 
 from opentinker.client import Runtime, SamplingClient, ServiceClient, TrainingClient
 from opentinker.client.checkpoints import CheckpointRef, parse_tinker_path
-from opentinker.client.runtime import ModelRecord
-from opentinker.client.service import LOCAL_TENANT, sampling_client_for_path
-from opentinker.engine import Engine, EngineError, SnapshotInfo
-from opentinker.engine.checkpoint import CheckpointError, read_manifest
+from opentinker.client.runtime import BaseModelInfo, ModelRecord
+from opentinker.engine import EngineError, SnapshotInfo, UnknownPolicyError
+from opentinker.engine.checkpoint import CheckpointError
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
 from opentinker.server.errors import Gone, NotFound, UserError
@@ -58,7 +57,7 @@ class Registry:
         self.seq = sequencer
         self.served: dict[str, str] = {}  # canonical name -> the engine's base model name
         for name in base_models:
-            self.served[canonical_name(name)] = runtime.backend(name).engine.base.name
+            self.served[canonical_name(name)] = runtime.base_model_info(name).name
         self.sessions: dict[str, Session] = {}
         self.samplers: dict[str, Sampler] = {}
         self.trainers: dict[str, TrainingClient] = {}
@@ -74,8 +73,8 @@ class Registry:
             )
         return base
 
-    def engine(self, base_model: str) -> Engine:
-        return self.runtime.backend(base_model).engine
+    def base_info(self, base_model: str) -> BaseModelInfo:
+        return self.runtime.base_model_info(base_model)
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, tenant: str, meta: dict[str, Any]) -> Session:
@@ -124,32 +123,29 @@ class Registry:
             self.seq.close(model_id, f"session {sess.id} is finished")
             rec = self.runtime.models.get(model_id)
             if rec is not None and not rec.deleted:
-                rec.deleted = True
-                self.runtime.backend(rec.base_model).scheduler.submit_call(
-                    model_id, lambda eng, m=model_id: eng.delete_adapter(m)
-                )
+                self.runtime.delete_model(model_id)  # queued after what the model still has to run
             self.trainers.pop(model_id, None)
         for sampler_id in samplers:
             sampler = self.samplers.pop(sampler_id, None)
             if sampler is not None and sampler.owner is not None and sampler.client.policy is not None:
-                backend = self.runtime.backend(sampler.client.base_model)
-                backend.scheduler.submit_call(
-                    sampler.owner, lambda eng, p=sampler.client.policy: eng.release_snapshot(p)
+                self.runtime.release_snapshot(
+                    sampler.client.base_model, sampler.client.policy, queue=sampler.owner
                 )
 
     # ------------------------------------------------------------------ models
     def model(self, tenant: str, model_id: str) -> TrainingClient:
-        rec = self.runtime.models.get(model_id)
-        if rec is None or rec.tenant != tenant:
+        try:
+            self.runtime.model(model_id, tenant)
+        except UnknownPolicyError:
             row = self.store.model(model_id)
             if row is not None and row.tenant == tenant:
                 raise NotFound(
                     f"model {model_id!r} is not loaded: it was live in an earlier server process. "
                     "Create a training client from one of its checkpoints."
-                )
-            raise NotFound(f"unknown model {model_id!r}")
-        if rec.deleted:
-            raise NotFound(f"model {model_id!r} is closed (its session finished)")
+                ) from None
+            raise NotFound(f"unknown model {model_id!r}") from None
+        except EngineError:
+            raise NotFound(f"model {model_id!r} is closed (its session finished)") from None
         tc = self.trainers.get(model_id)
         if tc is None:
             tc = self.trainers[model_id] = TrainingClient(self.runtime, model_id)
@@ -163,40 +159,30 @@ class Registry:
         base_model: str,
         *,
         config: LoRAConfig | None = None,
-        checkpoint: CheckpointRef | None = None,
+        optimizer_type: str = "adamw",
+        checkpoint: str | None = None,
         optimizer: bool = False,
         user_metadata: dict[str, Any] | None = None,
-    ) -> Future:
-        """Create ``<session>:train:<seq>`` fresh (``config``) or from ``checkpoint``; a future of its id.
+    ) -> Future[ModelRecord]:
+        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``) or from the
+        tinker path ``checkpoint`` (with its optimizer state if ``optimizer``).
 
-        The model is registered on the scheduler thread, right after the engine made its adapter.
+        The runtime makes the model; here it is recorded durably, on the scheduler thread right
+        after the engine made its adapter (before any later request for it can run).
         """
         model_id = f"{sess.id}:train:{model_seq_id}"
         if model_id in self.runtime.models or self.store.model(model_id) is not None:
             raise UserError(f"model {model_id!r} already exists (model_seq_id {model_seq_id} was used)")
-        backend = self.runtime.backend(base_model)
-        folder = self.runtime.store.folder(checkpoint) if checkpoint is not None else None
 
-        def make(eng: Engine) -> str:
-            if folder is not None:
-                eng.load_state(folder, adapter_id=model_id, optimizer=optimizer)
-                lora = eng.adapter_config(model_id)
-            else:
-                assert config is not None
-                eng.create_adapter(config, model_id)
-                lora = config
-            parent = checkpoint.tinker_path if checkpoint is not None else None
-            self.runtime.models[model_id] = ModelRecord(
-                model_id, base_model, lora, sess.tenant, parent=parent
-            )
+        def created(rec: ModelRecord) -> None:
             now = time.time()
             row = ModelRow(
                 model_id,
                 sess.tenant,
                 sess.id,
-                base_model,
-                dataclasses.asdict(lora),
-                parent,
+                rec.base_model,
+                dataclasses.asdict(rec.lora),
+                rec.parent,
                 now,
                 now,
                 _str_dict(user_metadata),
@@ -205,24 +191,35 @@ class Registry:
             with self._lock:
                 sess.models.add(model_id)
             self.seq.open(model_id)
-            return model_id
 
-        return backend.scheduler.submit_call(model_id, make)
+        if checkpoint is not None:
+            return self.runtime.create_model_from_checkpoint(
+                model_id,
+                checkpoint,
+                tenant=sess.tenant,
+                optimizer=optimizer,
+                base_model=base_model,
+                on_created=created,
+            )
+        assert config is not None
+        return self.runtime.create_model(
+            model_id,
+            base_model,
+            config,
+            tenant=sess.tenant,
+            optimizer_type=optimizer_type,
+            on_created=created,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, tenant: str, path: str) -> tuple[CheckpointRef, dict[str, Any]]:
         """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` owns it (else 404)."""
         try:
-            ref = parse_tinker_path(path)
-        except EngineError as e:
-            raise NotFound(str(e)) from e
-        try:
-            meta = read_manifest(self.runtime.store.folder(ref))["meta"]
-        except CheckpointError as e:
-            raise NotFound(f"unknown checkpoint {path!r}") from e
-        if meta.get("tenant", LOCAL_TENANT) != tenant:
-            raise NotFound(f"unknown checkpoint {path!r}")
-        return ref, meta
+            return self.runtime.checkpoint(path, tenant)
+        except (CheckpointError, UnknownPolicyError):
+            raise NotFound(f"unknown checkpoint {path!r}") from None
+        except EngineError as e:  # a malformed path: the message says what is expected
+            raise NotFound(str(e)) from None
 
     def record_checkpoint(self, tenant: str, path: str) -> None:
         rec = self.runtime.store.record(parse_tinker_path(path))
@@ -281,7 +278,7 @@ class Registry:
         """Serve a durable sampler of an earlier process again (blocking: it loads weights)."""
         assert row.model_path is not None
         sess = self.session(row.tenant, row.session_id, live=False)
-        client = sampling_client_for_path(self.runtime, row.model_path, tenant=row.tenant)
+        client = SamplingClient.for_checkpoint(self.runtime, row.model_path, tenant=row.tenant)
         return self.add_sampler(sess, row.id, client)
 
 

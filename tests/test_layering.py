@@ -1,0 +1,356 @@
+"""Import layering of ``src/opentinker``: lower layers never import upper ones, and no import cycles.
+
+The layers (DESIGN.md §2), bottom-up: ``models`` → ``lora`` → ``engine`` → ``sampling`` →
+``scheduler`` (the core: pure compute and state) → ``client`` (the embedded, SDK-shaped clients and
+the ``Runtime`` that owns model lifecycle and tenancy) → ``server``. The library (``data``,
+``renderers``, ``tracking`` → ``rl``, ``sft`` → ``tasks``) uses only the client API; ``cli`` sits
+on top of everything. :data:`ALLOWED` is that table. Every ``import`` is read from the source with
+``ast`` — module-level, function-level and ``TYPE_CHECKING`` ones alike — so a lazy import that
+breaks the layering is caught too.
+
+Beyond the table:
+- the server takes from the core only the error and value types in :data:`SERVER_CORE_NAMES`;
+  everything else goes through the client layer's ``Runtime``;
+- the server, the library and the CLI never reach through attributes into the runtime's engines
+  (``.engine``, ``.scheduler``, ``.backend(...)``);
+- the core imports none of ``tinker``, ``fastapi``, ``uvicorn`` (a GPU machine may have none of
+  them), and the core packages import with those blocked;
+- the module import graph has no cycles (its strongly connected components are single modules).
+
+``test_the_checker_catches_violations`` builds a small package with one violation of each kind
+and asserts each is reported, so these checks cannot pass by checking nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = "opentinker"
+
+CORE = ("models", "lora", "engine", "sampling", "scheduler")
+LIBRARY_BASE = ("data", "renderers", "tracking")
+CLIENT_API = ("opentinker", "client")  # the package root re-exports the client names (lazily)
+
+# layer -> the other layers its modules may import. A layer is a subpackage of opentinker
+# ("opentinker" itself is the package root).
+ALLOWED: dict[str, frozenset[str]] = {
+    "models": frozenset(),
+    "lora": frozenset({"models"}),
+    "engine": frozenset({"models", "lora"}),
+    "sampling": frozenset({"models", "lora", "engine"}),
+    "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
+    "client": frozenset(CORE),
+    "opentinker": frozenset({"client"}),
+    "server": frozenset({"client", *CORE}),  # the core only through SERVER_CORE_NAMES
+    "data": frozenset(CLIENT_API),
+    "renderers": frozenset(CLIENT_API),
+    "tracking": frozenset(CLIENT_API),
+    "rl": frozenset({*CLIENT_API, *LIBRARY_BASE}),
+    "sft": frozenset({*CLIENT_API, *LIBRARY_BASE}),
+    "tasks": frozenset({*CLIENT_API, *LIBRARY_BASE, "rl", "sft"}),
+    "cli": frozenset({*CLIENT_API, *CORE, "server", *LIBRARY_BASE, "rl", "sft", "tasks"}),
+}
+
+# What the server may take from the core: error types (to map them to HTTP answers) and plain
+# values. Engines, schedulers, samplers and checkpoint files are the Runtime's business.
+SERVER_CORE_NAMES: dict[str, frozenset[str]] = {
+    "opentinker.engine": frozenset({"EngineError", "UnknownPolicyError", "SnapshotInfo"}),
+    "opentinker.engine.checkpoint": frozenset({"CheckpointError"}),
+    "opentinker.lora": frozenset({"LoRAConfig"}),
+    "opentinker.models.registry": frozenset({"canonical_name"}),
+}
+
+# Attributes that reach into the Runtime's per-base-model engines and queues.
+INTERNAL_ATTRS = frozenset({"engine", "scheduler", "backend", "_backend", "_backends"})
+NO_INTERNAL_ATTRS = frozenset({"server", "cli", *LIBRARY_BASE, "rl", "sft", "tasks"})
+
+CORE_NEVER_IMPORTS = ("tinker", "fastapi", "uvicorn")
+ONLY_SERVER_AND_CLI_IMPORT = ("fastapi", "uvicorn")
+BLOCKED_WHEN_PROBING = ("tinker", "fastapi", "uvicorn", "gguf")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module, e.g. "opentinker.client.service"
+    target: str  # the imported module (a module of the package, or a third-party one)
+    names: tuple[str, ...]  # for "from X import a, b": ("a", "b"); for "import X": ()
+    file: str
+    line: int
+
+
+@dataclass
+class Package:
+    modules: dict[str, Path]  # dotted name -> file
+    imports: list[Import]
+    attrs: list[tuple[str, str, str, int]]  # (module, attribute, file, line)
+
+
+def module_name(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def scan(src: Path, root: str = ROOT) -> Package:
+    """Every module under ``src/root`` with every import it makes (at any depth) and every
+    attribute name it reads."""
+    files = sorted((src / root).rglob("*.py"))
+    modules = {module_name(p, src): p for p in files}
+    imports: list[Import] = []
+    attrs: list[tuple[str, str, str, int]] = []
+    for name, path in modules.items():
+        rel = str(path.relative_to(src))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), filename=rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    imports.append(Import(name, alias.name, (), rel, node.lineno))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolve against this module's package
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    target = node.module or ""
+                names = tuple(a.name for a in node.names)
+                imports.append(Import(name, target, names, rel, node.lineno))
+            elif isinstance(node, ast.Attribute):
+                attrs.append((name, node.attr, rel, node.lineno))
+    return Package(modules, imports, attrs)
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def internal_targets(imp: Import, modules: dict[str, Path]) -> list[str]:
+    """The package's modules an import loads: ``from X import m`` of a submodule ``m`` is X.m."""
+    if imp.target not in modules:
+        return []
+    subs = [f"{imp.target}.{n}" for n in imp.names if f"{imp.target}.{n}" in modules]
+    if len(subs) == len(imp.names) and subs:
+        return subs
+    return [imp.target, *subs]
+
+
+def layering_violations(pkg: Package, root: str = ROOT) -> list[str]:
+    out = []
+    for imp in pkg.imports:
+        src_layer = layer(imp.source)
+        where = f"{imp.file}:{imp.line}"
+        if src_layer not in ALLOWED:
+            out.append(f"{where}: layer {src_layer!r} is not in the layering table (add it to ALLOWED)")
+            continue
+        top = imp.target.split(".")[0]
+        if top != root:
+            if src_layer in CORE and top in CORE_NEVER_IMPORTS:
+                out.append(f"{where}: the core layer {src_layer!r} imports {imp.target!r}")
+            if top in ONLY_SERVER_AND_CLI_IMPORT and src_layer not in ("server", "cli"):
+                out.append(f"{where}: {src_layer!r} imports {imp.target!r} (only server and cli may)")
+            continue
+        dst_layer = layer(imp.target)
+        if dst_layer != src_layer and dst_layer not in ALLOWED[src_layer]:
+            allowed = ", ".join(sorted(ALLOWED[src_layer])) or "nothing"
+            out.append(
+                f"{where}: {src_layer!r} imports {imp.target!r} (layer {dst_layer!r}); "
+                f"{src_layer!r} may import: {allowed}"
+            )
+        elif src_layer == "server" and dst_layer in CORE:
+            ok = SERVER_CORE_NAMES.get(imp.target, frozenset())
+            extra = [n for n in imp.names if n not in ok] if imp.names else [f"the module {imp.target}"]
+            if extra:
+                out.append(
+                    f"{where}: the server takes {', '.join(extra)} from {imp.target!r}; "
+                    "go through the client layer's Runtime (or add a plain error/value type "
+                    "to SERVER_CORE_NAMES)"
+                )
+    for module, attr, file, line in pkg.attrs:
+        if attr in INTERNAL_ATTRS and layer(module) in NO_INTERNAL_ATTRS:
+            out.append(
+                f"{file}:{line}: {layer(module)!r} reaches into the runtime's internals (.{attr}); "
+                "use a Runtime accessor"
+            )
+    return out
+
+
+def import_cycles(pkg: Package) -> list[list[str]]:
+    """The strongly connected components of the module import graph with more than one module
+    (or a module importing itself), by Tarjan's algorithm, iteratively."""
+    graph: dict[str, set[str]] = {m: set() for m in pkg.modules}
+    for imp in pkg.imports:
+        graph[imp.source].update(internal_targets(imp, pkg.modules))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1 or node in graph[node]:
+                    cycles.append(sorted(comp))
+    return cycles
+
+
+# ---------------------------------------------------------------------------- the real package
+def test_every_package_has_a_layer() -> None:
+    pkg = scan(SRC)
+    layers = {layer(m) for m in pkg.modules}
+    assert layers <= set(ALLOWED), f"not in the layering table: {sorted(layers - set(ALLOWED))}"
+    assert {*CORE, "client", "server", *LIBRARY_BASE, "rl", "sft", "tasks", "cli"} <= layers
+
+
+def test_lower_layers_never_import_upper_ones() -> None:
+    violations = layering_violations(scan(SRC))
+    assert not violations, "\n".join(violations)
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(scan(SRC))
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_core_imports_without_the_sdk_or_the_web_stack() -> None:
+    """What a bare GPU machine has: torch and transformers, no tinker, fastapi, uvicorn, gguf."""
+    probe = (
+        "import json, sys\n"
+        f"for n in {BLOCKED_WHEN_PROBING!r}:\n"
+        "    sys.modules[n] = None  # 'import n' now raises ImportError\n"
+        "out = {}\n"
+        f"for layer in {CORE!r}:\n"
+        "    try:\n"
+        "        __import__('opentinker.' + layer)\n"
+        "        out[layer] = 'ok'\n"
+        "    except ImportError as e:\n"
+        "        out[layer] = repr(e)\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == dict.fromkeys(CORE, "ok"), result
+
+
+# ---------------------------------------------------------------------------- the checker itself
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+CLEAN = {
+    "opentinker/__init__.py": "",
+    "opentinker/engine/__init__.py": "from opentinker.engine.types import EngineError\n",
+    "opentinker/engine/types.py": "class EngineError(ValueError): ...\n",
+    "opentinker/client/__init__.py": "from .runtime import Runtime\n",
+    "opentinker/client/runtime.py": "from opentinker.engine import EngineError\nclass Runtime: ...\n",
+    "opentinker/server/__init__.py": "",
+    "opentinker/server/app.py": (
+        "from opentinker.client import Runtime\nfrom opentinker.engine import EngineError\n"
+        "def tok(rt):\n    return rt.tokenizer('m')\n"
+    ),
+    "opentinker/rl/__init__.py": "import opentinker\n",
+}
+
+
+def test_the_checker_passes_a_clean_package(tmp_path: Path) -> None:
+    _write(tmp_path, CLEAN)
+    pkg = scan(tmp_path)
+    assert layering_violations(pkg) == []
+    assert import_cycles(pkg) == []
+
+
+def test_the_checker_catches_violations(tmp_path: Path) -> None:
+    bad = {
+        **CLEAN,
+        # a lower layer importing an upper one, lazily inside a function
+        "opentinker/engine/lazy.py": "def f():\n    from opentinker.client import Runtime\n    return Runtime\n",
+        # a cycle through a relative import
+        "opentinker/client/a.py": "from opentinker.client import b\n",
+        "opentinker/client/b.py": "from . import a\n",
+        # the server taking an engine internal, and reaching through the runtime
+        "opentinker/server/ops.py": (
+            "from opentinker.engine.engine import Engine\n"
+            "def tok(rt):\n    return rt.backend('m').engine.base.tokenizer\n"
+        ),
+        # the core importing the SDK; the library importing the core
+        "opentinker/engine/wire.py": "import tinker\n",
+        "opentinker/rl/loop.py": "from opentinker.engine import EngineError\n",
+        # a package the table does not know
+        "opentinker/dashboard/__init__.py": "",
+        "opentinker/dashboard/page.py": "import opentinker.client\n",
+    }
+    _write(tmp_path, bad)
+    pkg = scan(tmp_path)
+    found = "\n".join(layering_violations(pkg))
+    assert "opentinker/engine/lazy.py:2: 'engine' imports 'opentinker.client'" in found
+    assert "opentinker/server/ops.py:1: the server takes Engine from 'opentinker.engine.engine'" in found
+    assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.backend)" in found
+    assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.engine)" in found
+    assert "opentinker/engine/wire.py:1: the core layer 'engine' imports 'tinker'" in found
+    assert "opentinker/rl/loop.py:1: 'rl' imports 'opentinker.engine'" in found
+    assert "layer 'dashboard' is not in the layering table" in found
+    assert "opentinker/server/app.py" not in found  # the clean modules stay clean
+    assert import_cycles(pkg) == [["opentinker.client.a", "opentinker.client.b"]]
+
+
+def test_the_checker_catches_a_cycle_through_a_package_init(tmp_path: Path) -> None:
+    """``models/registry`` ↔ ``models/smollm2`` was such a cycle: one lazy import is enough."""
+    _write(
+        tmp_path,
+        {
+            "opentinker/__init__.py": "",
+            "opentinker/models/__init__.py": "from opentinker.models.registry import resolve\n",
+            "opentinker/models/registry.py": (
+                "def resolve():\n    from opentinker.models.smollm2 import ensure\n    return ensure()\n"
+            ),
+            "opentinker/models/smollm2.py": "from opentinker.models import registry\ndef ensure(): ...\n",
+        },
+    )
+    cycles = import_cycles(scan(tmp_path))
+    assert cycles == [["opentinker.models.registry", "opentinker.models.smollm2"]]
