@@ -3,15 +3,20 @@
 We drive ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments) with Tinker's
 per-step ``AdamParams``; gradients live in the engine's per-adapter accumulators and are handed to
 the optimizer only for the step, so no other adapter's tensors are ever visited.
+
+A step is all or nothing (invariant 9): the weights and moments are copied before it, and if the
+step left any of them NaN or inf (finite inputs can still overflow: a huge learning rate, a squared
+gradient past fp32's range) everything is copied back bit for bit and the step is refused.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from opentinker.engine.types import AdamParams
+from opentinker.engine.types import AdamParams, EngineError
 
 
 class AdapterOptimizer:
@@ -32,11 +37,56 @@ class AdapterOptimizer:
         for name, p in self.params.items():
             g = grads[name]
             p.grad = g * clip if clip != 1.0 else g
-        with torch.no_grad():
-            self.opt.step()
-        for p in self.params.values():
-            p.grad = None
+        before = self._copy()
+        try:
+            with torch.no_grad():
+                self.opt.step()
+            bad = self._non_finite()
+            problem = None if bad is None else f"would make the adapter's {bad} NaN or inf"
+        except RuntimeError as e:  # torch refuses a scalar past fp32's range mid-step
+            problem = f"overflows fp32 ({e})"
+        finally:
+            for p in self.params.values():
+                p.grad = None
+        if problem is not None:
+            self._restore(before)  # the parameters it had already updated go back too
+            raise EngineError(
+                f"this optimizer step {problem} (learning_rate={hp.learning_rate!r}, eps={hp.eps!r}, "
+                f"weight_decay={hp.weight_decay!r}); it was not applied: the weights and optimizer "
+                "state are unchanged"
+            )
         return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}
+
+    def _copy(self) -> list[tuple[torch.Tensor, dict[str, Any] | None]]:
+        """Each parameter's values and optimizer state (None before its first step), copied."""
+        out = []
+        for p in self.params.values():
+            st = self.opt.state.get(p)
+            saved = (
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()} if st else None
+            )
+            out.append((p.detach().clone(), saved))
+        return out
+
+    def _restore(self, saved: list[tuple[torch.Tensor, dict[str, Any] | None]]) -> None:
+        with torch.no_grad():
+            for p, (values, state) in zip(self.params.values(), saved, strict=True):
+                p.copy_(values)  # in place: the optimizer and the adapter hold this very tensor
+                if state is None:
+                    self.opt.state.pop(p, None)
+                else:
+                    self.opt.state[p] = state
+
+    def _non_finite(self) -> str | None:
+        """The first tensor the step left non-finite ("weights <name>", "moments of <name>")."""
+        for name, p in self.params.items():
+            if not bool(torch.isfinite(p).all()):
+                return f"weights {name}"
+            st = self.opt.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st and not bool(torch.isfinite(st[key]).all()):
+                    return f"optimizer moments of {name}"
+        return None
 
     @property
     def steps(self) -> int:
