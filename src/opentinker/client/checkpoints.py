@@ -1,7 +1,8 @@
 """The checkpoint registry: ``tinker://<model_id>/(weights|sampler_weights)/<name>`` ↔ folders on disk.
 
 Layout under the data dir: ``checkpoints/<model_id>/<kind>/<name>/`` holding an engine checkpoint
-(safetensors + checksummed manifest, see :mod:`opentinker.engine.checkpoint`). ``weights`` hold
+(safetensors + checksummed manifest, see :mod:`opentinker.engine.checkpoint`); opening the store
+clears the hidden folders of writes that a crash interrupted. ``weights`` hold
 weights and optimizer state (``save_state``); ``sampler_weights`` hold weights only
 (``save_weights_for_sampler``). The manifest's metadata carries the lineage: the parent checkpoint,
 the step, and the policy versions whose samples the model trained on since its last save.
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opentinker.engine import EngineError
-from opentinker.engine.checkpoint import CheckpointError, read_manifest
+from opentinker.engine.checkpoint import CheckpointError, clean_partial_writes, read_manifest
 
 Kind = Literal["weights", "sampler_weights"]
 KINDS: tuple[Kind, ...] = ("weights", "sampler_weights")
@@ -102,6 +103,18 @@ class CheckpointStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.clean_partial_writes()
+
+    def clean_partial_writes(self) -> list[str]:
+        """Clear what writers that crashed left behind (their ``.<name>.tmp-*`` folders), putting
+        back a checkpoint a crash took out mid-overwrite; returns the tinker paths put back.
+        Folders of writers still running (another process on this data dir) are left alone."""
+        restored = []
+        for mdir in self.root.iterdir():
+            for kind in KINDS:
+                for name in clean_partial_writes(mdir / kind):
+                    restored.append(f"tinker://{mdir.name}/{kind}/{name}")
+        return restored
 
     def folder(self, ref: CheckpointRef) -> Path:
         """Where ``ref`` lives; refused (:class:`EngineError`) unless each part is a valid id, so
