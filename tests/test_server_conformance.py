@@ -366,7 +366,7 @@ def test_tenants_are_isolated(
     assert keys_main(["revoke", prefix, "--data-dir", str(server.data_dir)]) == 0
     with _http(server, carol) as http:
         assert http.get("/training_runs").status_code == 401
-    with _http(server, "tml-x") as http:
+    with _http(server, "sk-not-a-tinker-key") as http:  # --dev takes any tml- key, not this
         assert http.get("/training_runs").status_code == 401
     assert httpx.get(f"{server.base_url}/api/v1/training_runs").status_code == 401
     alice.close("success").result()

@@ -1,10 +1,17 @@
 """The checkpoint registry: ``tinker://<model_id>/(weights|sampler_weights)/<name>`` ↔ folders on disk.
 
 Layout under the data dir: ``checkpoints/<model_id>/<kind>/<name>/`` holding an engine checkpoint
-(safetensors + checksummed manifest, see :mod:`opentinker.engine.checkpoint`). ``weights`` hold
+(safetensors + checksummed manifest, see :mod:`opentinker.engine.checkpoint`); opening the store
+clears the hidden folders of writes that a crash interrupted. ``weights`` hold
 weights and optimizer state (``save_state``); ``sampler_weights`` hold weights only
 (``save_weights_for_sampler``). The manifest's metadata carries the lineage: the parent checkpoint,
 the step, and the policy versions whose samples the model trained on since its last save.
+
+Names and model ids become folder names, so every one that comes from a caller goes through
+:func:`check_id` first: the *whole* string must match (``re.fullmatch``: ``^…$`` would let a
+trailing newline through), at most :data:`MAX_ID_CHARS` long (well under the 255-byte file-name
+limit, with room for the ``.<name>.tmp-…`` folder a write goes through), no control characters,
+no ``..``. A refused id is a user error (:class:`EngineError`) that names what is wrong.
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opentinker.engine import EngineError
-from opentinker.engine.checkpoint import CheckpointError, read_manifest
+from opentinker.engine.checkpoint import CheckpointError, clean_partial_writes, read_manifest
 
 Kind = Literal["weights", "sampler_weights"]
-_ID = r"[A-Za-z0-9][A-Za-z0-9:_.\-]*"
-_PATH = re.compile(rf"^tinker://(?P<model>{_ID})/(?P<kind>weights|sampler_weights)/(?P<name>{_ID})$")
-_NAME = re.compile(rf"^{_ID}$")
+KINDS: tuple[Kind, ...] = ("weights", "sampler_weights")
+MAX_ID_CHARS = 128
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.\-]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_PATH = re.compile(r"tinker://(?P<model>[^/]*)/(?P<kind>[^/]*)/(?P<name>.*)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -45,29 +54,72 @@ class CheckpointRecord:
     meta: dict[str, Any]
 
 
-def parse_tinker_path(path: str) -> CheckpointRef:
-    m = _PATH.match(path) if isinstance(path, str) else None
-    if m is None or ".." in path:
+def check_id(value: object, what: str = "checkpoint name") -> str:
+    """``value`` if it is a valid checkpoint name or model id, else an :class:`EngineError`."""
+    if not isinstance(value, str):
+        raise EngineError(f"{what} must be a string, got {type(value).__name__}")
+    shown = repr(value if len(value) <= 80 else value[:80] + "…")
+    if not value:
+        raise EngineError(f"{what} is empty")
+    if len(value) > MAX_ID_CHARS:
+        raise EngineError(f"{what} {shown} is {len(value)} characters long; the limit is {MAX_ID_CHARS}")
+    if _CONTROL.search(value):
+        raise EngineError(f"{what} {shown} contains a control character (newline, tab, …)")
+    if _ID.fullmatch(value) is None or ".." in value:
         raise EngineError(
-            f"malformed checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> "
-            "or tinker://<model_id>/sampler_weights/<name>"
+            f"invalid {what} {shown}: use letters, digits, '.', '_', '-', ':' "
+            "(starting with a letter or digit, no '..')"
         )
-    return CheckpointRef(m["model"], m["kind"], m["name"])  # type: ignore[arg-type]
+    return value
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
-        raise EngineError(f"invalid checkpoint name {name!r}: use letters, digits, '.', '_', '-', ':'")
-    return name
+    return check_id(name, "checkpoint name")
+
+
+def checkpoint_ref(model_id: str, kind: str, name: str) -> CheckpointRef:
+    """A reference built from caller-given parts, each checked by :func:`check_id`."""
+    if kind not in KINDS:
+        raise EngineError(f"unknown checkpoint kind {kind!r} (weights or sampler_weights)")
+    return CheckpointRef(check_id(model_id, "model id"), kind, check_name(name))  # type: ignore[arg-type]
+
+
+def parse_tinker_path(path: str) -> CheckpointRef:
+    """``tinker://<model_id>/(weights|sampler_weights)/<name>``, every part checked."""
+    m = _PATH.fullmatch(path) if isinstance(path, str) else None
+    shown = repr(path if not isinstance(path, str) or len(path) <= 200 else path[:200] + "…")
+    if m is None:
+        raise EngineError(
+            f"malformed checkpoint path {shown}: expected tinker://<model_id>/weights/<name> "
+            "or tinker://<model_id>/sampler_weights/<name>"
+        )
+    try:
+        return checkpoint_ref(m["model"], m["kind"], m["name"])
+    except EngineError as e:
+        raise EngineError(f"malformed checkpoint path {shown}: {e}") from None
 
 
 class CheckpointStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.clean_partial_writes()
+
+    def clean_partial_writes(self) -> list[str]:
+        """Clear what writers that crashed left behind (their ``.<name>.tmp-*`` folders), putting
+        back a checkpoint a crash took out mid-overwrite; returns the tinker paths put back.
+        Folders of writers still running (another process on this data dir) are left alone."""
+        restored = []
+        for mdir in self.root.iterdir():
+            for kind in KINDS:
+                for name in clean_partial_writes(mdir / kind):
+                    restored.append(f"tinker://{mdir.name}/{kind}/{name}")
+        return restored
 
     def folder(self, ref: CheckpointRef) -> Path:
-        return self.root / ref.model_id / ref.kind / ref.name
+        """Where ``ref`` lives; refused (:class:`EngineError`) unless each part is a valid id, so
+        no reference can point outside the store or at a name the filesystem cannot hold."""
+        return self.root / check_id(ref.model_id, "model id") / ref.kind / check_name(ref.name)
 
     def exists(self, ref: CheckpointRef) -> bool:
         return (self.folder(ref) / "manifest.json").exists()
@@ -85,9 +137,11 @@ class CheckpointStore:
 
     def list(self, model_id: str | None = None) -> list[CheckpointRecord]:
         out = []
+        if model_id is not None:
+            check_id(model_id, "model id")
         models = [self.root / model_id] if model_id else sorted(p for p in self.root.iterdir() if p.is_dir())
         for mdir in models:
-            for kind in ("weights", "sampler_weights"):
+            for kind in KINDS:
                 kdir = mdir / kind
                 if not kdir.is_dir():
                     continue
@@ -96,8 +150,9 @@ class CheckpointStore:
                         continue
                     try:
                         out.append(self.record(CheckpointRef(mdir.name, kind, cdir.name)))  # type: ignore[arg-type]
-                    except CheckpointError:
-                        continue  # a torn checkpoint is not listed; loading it names the problem
+                    except EngineError:
+                        # torn (loading it names the problem), or a folder no valid name leads to
+                        continue
         return sorted(out, key=lambda r: r.time)
 
     def model_ids(self) -> list[str]:

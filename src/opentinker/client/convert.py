@@ -1,4 +1,8 @@
-"""Translate between the ``tinker.types`` objects users pass and the engine's lean types."""
+"""Translate between the ``tinker.types`` objects users pass and the engine's lean types.
+
+The translation refuses what it cannot carry faithfully (a float ``target_tokens``) instead of
+rounding it: the engine's own checks (``engine/validate.py``) see only what the user meant.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from tinker import types
 from opentinker.engine import EngineError, Example, ForwardResult
 from opentinker.sampling import SampleResult, SamplingParams
 
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
 
 def datum_to_example(datum: types.Datum, index: int) -> Example:
     try:
@@ -20,7 +26,14 @@ def datum_to_example(datum: types.Datum, index: int) -> Example:
     inputs: dict[str, torch.Tensor] = {}
     for key, td in datum.loss_fn_inputs.items():
         t = td.to_torch()
-        inputs[key] = t.long() if key == "target_tokens" else t
+        if key == "target_tokens":
+            # checked before the cast: .long() would silently train 6.5 as token 6
+            if t.dtype not in _INTEGER_DTYPES:
+                raise EngineError(
+                    f"datum {index}: target_tokens must be integer token ids, got {str(t.dtype).removeprefix('torch.')}"
+                )
+            t = t.long()
+        inputs[key] = t
     return Example(torch.tensor(tokens, dtype=torch.long), inputs)
 
 

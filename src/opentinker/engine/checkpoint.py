@@ -6,16 +6,22 @@ Layout of a checkpoint folder::
     optimizer.safetensors   AdamW moments and step (only when saved with the optimizer)
     manifest.json           format, metadata (config, step, base model, lineage) and each file's sha256
 
-Everything is written into a hidden sibling folder and renamed into place, and the manifest is the
-last file written: a crash leaves either the old checkpoint or the new one, never a mix. Reading
-verifies every checksum, so a torn or tampered file is reported instead of loaded.
+Everything is written into a hidden sibling folder (``.<name>.tmp-<pid>-…``) and renamed into
+place, and the manifest is the last file written: a crash leaves either the old checkpoint or the
+new one, never a mix. Overwriting moves the old folder aside (``.<name>.old-<pid>``) for the moment
+between the two renames. Reading verifies every checksum, so a torn or tampered file is reported
+instead of loaded. :func:`clean_partial_writes` clears what a crashed writer left behind: it puts a
+complete new (or else old) checkpoint back in place if the crash came between the two renames,
+and removes the rest — never the folders of a writer that is still running.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +34,11 @@ from opentinker.engine.types import EngineError
 
 FORMAT = "opentinker-adapter-v1"
 MANIFEST = "manifest.json"
+# a writer's hidden folders: .<name>.tmp-<pid>-<random> (new) and .<name>.old-<pid> (replaced);
+# earlier versions wrote .<name>.tmp-<random>, with no pid: those writers are gone
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?:(?P<pid>\d+)(?=-|$))?.*", re.DOTALL)
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(EngineError):
@@ -62,7 +73,7 @@ def write_checkpoint(
     if final.exists() and not overwrite:
         raise CheckpointError(f"a checkpoint already exists at {final}")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         sums = {}
         for name, tensors in files.items():
@@ -117,3 +128,58 @@ def read_checkpoint(
             raise CheckpointError(f"checkpoint file {f} does not match its checksum (torn or modified)")
         out[name] = load_file(str(f))
     return out, manifest["meta"]
+
+
+def clean_partial_writes(parent: str | Path) -> list[str]:
+    """Clear the hidden folders that writers which are no longer running left in ``parent``.
+
+    A checkpoint whose folder is missing is put back from a complete leftover (the new one first,
+    else the old one: a crash between the two renames of an overwrite). Returns the names of the
+    checkpoints put back.
+    """
+    folder = Path(parent)
+    if not folder.is_dir():
+        return []
+    leftovers: dict[str, list[tuple[str, Path]]] = {}
+    for entry in folder.iterdir():
+        m = _PARTIAL.fullmatch(entry.name)
+        if m is None or not entry.is_dir() or (m["pid"] is not None and _alive(int(m["pid"]))):
+            continue
+        leftovers.setdefault(m["name"], []).append((m["kind"], entry))
+    restored = []
+    for name, entries in leftovers.items():
+        final = folder / name
+        if not final.exists():
+            for _, entry in sorted(entries, key=lambda e: e[0] != "tmp"):  # new before old
+                if _complete(entry):
+                    os.replace(entry, final)
+                    restored.append(name)
+                    log.warning("put checkpoint %s back from an interrupted write", name)
+                    break
+        for _, entry in entries:
+            if entry.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+    return restored
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except PermissionError:
+        return True  # it exists, as another user's process
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
+
+
+def _complete(folder: Path) -> bool:
+    """A folder holding a whole checkpoint: a manifest (written last) and every file it names."""
+    try:
+        manifest = read_manifest(folder)
+        return all((folder / n).is_file() and _sha256(folder / n) == d for n, d in manifest["files"].items())
+    except (CheckpointError, OSError, KeyError, AttributeError):
+        return False

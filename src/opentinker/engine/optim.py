@@ -1,8 +1,14 @@
 """Per-adapter AdamW: each adapter owns its optimizer and state; a step touches nothing else.
 
-We drive ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments) with Tinker's
-per-step ``AdamParams``; gradients live in the engine's per-adapter accumulators and are handed to
-the optimizer only for the step, so no other adapter's tensors are ever visited.
+AdamW as ``torch.optim.AdamW`` computes it (decoupled weight decay, bias-corrected moments, the
+same operations in the same order), driven by Tinker's per-step ``AdamParams``. Gradients live in
+the engine's per-adapter accumulators and are handed in only for the step, so no other adapter's
+tensors are ever visited.
+
+A step is all or nothing (invariant 9): the new weights and moments are computed out of place,
+and written only if every one of them is finite. Finite inputs can still overflow — a huge
+learning rate, a squared gradient past fp32's range — and such a step is refused with the
+weights, moments and step count exactly as they were.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ import math
 
 import torch
 
-from opentinker.engine.types import AdamParams
+from opentinker.engine.types import AdamParams, EngineError
+
+# one parameter's state, as torch keeps it: step (float32 scalar), exp_avg, exp_avg_sq
+State = dict[str, torch.Tensor]
 
 
 class AdapterOptimizer:
     def __init__(self, params: dict[str, torch.Tensor]) -> None:
         self.params = params
-        self.opt = torch.optim.AdamW(list(params.values()), lr=0.0, foreach=False)
+        self.state: dict[str, State] = {}  # empty until the first step
 
     def step(self, grads: dict[str, torch.Tensor], hp: AdamParams) -> dict[str, float]:
         """One AdamW step with ``grads`` (name -> tensor like the param); returns metrics."""
@@ -25,43 +34,80 @@ class AdapterOptimizer:
         clip = 1.0
         if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
             clip = hp.grad_clip_norm / (norm + 1e-6)
-        group = self.opt.param_groups[0]
-        group.update(
-            lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay
-        )
-        for name, p in self.params.items():
-            g = grads[name]
-            p.grad = g * clip if clip != 1.0 else g
+        new: dict[str, tuple[torch.Tensor, State]] = {}
         with torch.no_grad():
-            self.opt.step()
-        for p in self.params.values():
-            p.grad = None
+            try:
+                for name, p in self.params.items():
+                    g = grads[name] * clip if clip != 1.0 else grads[name]
+                    new[name] = self._updated(p, g, self.state.get(name), hp)
+            except RuntimeError as e:  # torch refuses a scalar past fp32's range
+                self._refuse(f"overflows fp32 ({e})", hp)
+            for name, (values, st) in new.items():
+                if not _finite(values):
+                    self._refuse(f"would make the adapter's weights {name} NaN or inf", hp)
+                if not (_finite(st["exp_avg"]) and _finite(st["exp_avg_sq"])):
+                    self._refuse(f"would make the adapter's optimizer moments of {name} NaN or inf", hp)
+            for name, (values, st) in new.items():  # all checked: commit
+                self.params[name].copy_(values)  # in place: the adapter's layers hold this tensor
+                self.state[name] = st
         return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}
+
+    @staticmethod
+    def _updated(
+        p: torch.Tensor, g: torch.Tensor, st: State | None, hp: AdamParams
+    ) -> tuple[torch.Tensor, State]:
+        """``p``'s new values and state after one step (torch's single-tensor AdamW, out of place)."""
+        step = (st["step"] if st else torch.zeros((), dtype=torch.float32)) + 1
+        exp_avg = st["exp_avg"] if st else torch.zeros_like(p)
+        exp_avg_sq = st["exp_avg_sq"] if st else torch.zeros_like(p)
+        lr = hp.learning_rate
+        values = p.mul(1 - lr * hp.weight_decay) if hp.weight_decay != 0 else p
+        exp_avg = exp_avg.lerp(g, 1 - hp.beta1)
+        exp_avg_sq = exp_avg_sq.mul(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
+        n = float(step.item())
+        step_size = lr / (1 - hp.beta1**n)
+        denom = (exp_avg_sq.sqrt() / (1 - hp.beta2**n) ** 0.5).add_(hp.eps)
+        values = torch.addcdiv(values, exp_avg, denom, value=-step_size)
+        return values, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+    @staticmethod
+    def _refuse(problem: str, hp: AdamParams) -> None:
+        raise EngineError(
+            f"this optimizer step {problem} (learning_rate={hp.learning_rate!r}, eps={hp.eps!r}, "
+            f"weight_decay={hp.weight_decay!r}); it was not applied: the weights and optimizer "
+            "state are unchanged"
+        )
 
     @property
     def steps(self) -> int:
-        states = [self.opt.state.get(p) for p in self.params.values()]
-        return int(states[0]["step"]) if states and states[0] else 0
+        first = next(iter(self.state.values()), None)
+        return int(first["step"]) if first else 0
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The moments and step count as flat named tensors (for safetensors)."""
         out: dict[str, torch.Tensor] = {}
-        for name, p in self.params.items():
-            st = self.opt.state.get(p)
+        for name in self.params:
+            st = self.state.get(name)
             if not st:
                 continue
             out[f"{name}.exp_avg"] = st["exp_avg"]
             out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
-            out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+            out[f"{name}.step"] = st["step"].to(torch.float32).reshape(1)
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.opt.state.clear()
+        self.state.clear()
         for name, p in self.params.items():
             if f"{name}.exp_avg" not in tensors:
                 continue
-            self.opt.state[p] = {
+            self.state[name] = {
                 "step": tensors[f"{name}.step"].reshape(()).clone().to(torch.float32),
                 "exp_avg": tensors[f"{name}.exp_avg"].clone().to(p.device, p.dtype),
                 "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone().to(p.device, p.dtype),
             }
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite. A finite sum proves it (a NaN or inf anywhere makes the
+    sum NaN or inf) in one cheap pass; only a non-finite sum needs the element-wise look."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())

@@ -75,14 +75,24 @@ class AdamParams:
             "learning_rate": self.learning_rate >= 0,
             "beta1": 0 <= self.beta1 < 1,
             "beta2": 0 <= self.beta2 < 1,
-            "eps": self.eps >= 0,
+            "eps": self.eps > 0,  # 0 divides 0 by 0 wherever a gradient is 0 (LoRA B starts so)
             "weight_decay": self.weight_decay >= 0,
             "grad_clip_norm": self.grad_clip_norm >= 0,
         }
         for name, ok in checks.items():
             value = getattr(self, name)
-            if not math.isfinite(value) or not ok:
-                raise EngineError(f"AdamParams.{name}={value!r} is out of range")
+            if not isinstance(value, int | float) or not math.isfinite(value) or not ok:
+                raise EngineError(f"AdamParams.{name}={value!r} is out of range ({_RANGES[name]})")
+
+
+_RANGES = {
+    "learning_rate": "a finite number >= 0",
+    "beta1": "in [0, 1)",
+    "beta2": "in [0, 1)",
+    "eps": "a finite number > 0",
+    "weight_decay": "a finite number >= 0",
+    "grad_clip_norm": "a finite number >= 0; 0 = off",
+}
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,9 @@ def _validate_example(
             raise EngineError(f"{where}: loss_fn_inputs[{key!r}] contains NaN or inf")
     targets = ex.inputs.get("target_tokens")
     if targets is not None:
-        if targets.is_floating_point():
-            raise EngineError(f"{where}: target_tokens must be integers")
+        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+            dtype = str(targets.dtype).removeprefix("torch.")
+            raise EngineError(f"{where}: target_tokens must be integer token ids, got {dtype}")
         if targets.dim() not in (1, 2):
             raise EngineError(f"{where}: target_tokens must be [T] or [T, K]")
         _check_token_range(where, "target_tokens", targets, vocab_size)

@@ -24,7 +24,7 @@ from opentinker.server import schemas as S
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
 from opentinker.server.config import ServerConfig
-from opentinker.server.errors import ApiError, error_category, error_message
+from opentinker.server.errors import ApiError, Redactor, error_category, error_message
 from opentinker.server.futures import FutureStore
 from opentinker.server.limits import BodyLimit
 from opentinker.server.ops import Operations
@@ -54,6 +54,7 @@ class Server:
             config.data_dir, device=config.device, prefix_cache_bytes=config.prefix_cache_bytes
         )
         self.store = Store(config.data_dir)
+        self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client
         self.auth = Authenticator(self.store, dev=config.dev)
         self.futures = FutureStore(
             max_pending=config.max_pending_per_tenant, result_ttl_s=config.result_ttl_s
@@ -92,11 +93,11 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": exc.message}, status_code=exc.status)
+        return JSONResponse({"detail": server.redact(exc.message)}, status_code=exc.status)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
-        return JSONResponse({"detail": error_message(exc)}, status_code=400)
+        return JSONResponse({"detail": server.redact(error_message(exc))}, status_code=400)
 
     _routes(app, server)
     return app
@@ -229,7 +230,8 @@ def _routes(app: FastAPI, server: Server) -> None:
         if exc is not None:
             if error_category(exc) == "server":
                 log.error("request %s failed", req.request_id, exc_info=exc)
-            return JSONResponse({"error": error_message(exc), "category": error_category(exc)})
+            message = server.redact(error_message(exc))
+            return JSONResponse({"error": message, "category": error_category(exc)})
         result = fut.result()
         if isinstance(result, bytes):
             return Response(result, media_type=PROTO)

@@ -12,14 +12,13 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, check_name
+from opentinker.client.checkpoints import KINDS, CheckpointStore, checkpoint_ref
 from opentinker.client.service import LOCAL_TENANT
 from opentinker.engine import EngineError
 from opentinker.server.errors import NotFound
 from opentinker.server.store import CheckpointRow, ModelRow, Store
 
 log = logging.getLogger(__name__)
-KINDS = ("weights", "sampler_weights")
 
 
 def reconcile(disk: CheckpointStore, store: Store) -> int:
@@ -133,10 +132,8 @@ class CheckpointApi:
         return row
 
     def delete(self, tenant: str, model_id: str, kind: str, name: str) -> None:
-        if kind not in KINDS:
-            raise NotFound(f"unknown checkpoint kind {kind!r} (weights or sampler_weights)")
         try:
-            ref = CheckpointRef(model_id, kind, check_name(name))  # type: ignore[arg-type]
+            ref = checkpoint_ref(model_id, kind, name)
         except EngineError as e:
             raise NotFound(str(e)) from e
         self._row(tenant, ref.tinker_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 class ServerConfig:
     data_dir: Path
     base_models: tuple[str, ...] = ()
-    # any well-formed ``tml-…`` key is accepted; its tenant is derived from the key's hash
+    # any key the SDK accepts (``tml-…``) is accepted; its tenant is derived from the key's hash
     dev: bool = False
     device: str = "cpu"
     max_body_bytes: int = 64 << 20

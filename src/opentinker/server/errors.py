@@ -8,10 +8,18 @@ Two channels, chosen by what the ``tinker`` SDK does with each (see PROTOCOL.md,
 - An operation that was taken (it has a request id) and then failed answers through
   ``/retrieve_future`` as ``200 {"error": message, "category": "user"|"server"}``: a 400 there
   would be retried by the SDK, an error payload is raised with its message.
+
+Every message a client gets passes through a :class:`Redactor` first: a message must never show
+where the server keeps its data (an ``OSError`` or a checkpoint check names absolute paths). Paths
+inside a checkpoint folder become the checkpoint's ``tinker://`` path, the data dir itself becomes
+``<data-dir>``, and any other absolute path ``<server path>``.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Literal
 
 from opentinker.engine import EngineError
@@ -73,3 +81,50 @@ def error_message(exc: BaseException) -> str:
         return exc.message
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     return text or type(exc).__name__
+
+
+# An absolute path of two or more segments: not inside a URL or a ``tinker://`` path (no word
+# character, ':', '/', '.', '<' or '>' just before it), optionally starting at ``~``.
+_ABS_PATH = re.compile(r"(?<![\w:/.<>~-])~?(?:/[^\s'\"/,;()<>\[\]]+){2,}/?")
+
+
+class Redactor:
+    """Rewrites text for a client so that it shows no filesystem path of this server."""
+
+    def __init__(self, data_dirs: Iterable[str | Path]) -> None:
+        roots: set[str] = set()
+        for d in data_dirs:
+            for form in (Path(d), Path(d).absolute(), Path(d).resolve()):
+                text = str(form).rstrip("/")
+                if len(text) > 1:
+                    roots.add(text)
+        alternatives = "|".join(re.escape(r) for r in sorted(roots, key=len, reverse=True))
+        self._root = re.compile(f"(?:{alternatives})(?![\\w.-])") if roots else None
+        part = r"[^/\s'\"]+"
+        self._checkpoint = (
+            re.compile(
+                rf"(?:{alternatives})/checkpoints/(?P<model>{part})/(?P<kind>weights|sampler_weights)"
+                rf"/(?P<name>{part})(?P<file>/[^\s'\"]*)?"
+            )
+            if roots
+            else None
+        )
+
+    def __call__(self, text: str) -> str:
+        if self._checkpoint is not None:
+            text = self._checkpoint.sub(_tinker_path, text)
+        if self._root is not None:
+            text = self._root.sub("<data-dir>", text)
+        return _ABS_PATH.sub(_hide, text)
+
+
+def _tinker_path(m: re.Match[str]) -> str:
+    path = f"tinker://{m['model']}/{m['kind']}/{m['name']}"
+    file = (m["file"] or "").strip("/")
+    return f"{path} (file {file})" if file else path
+
+
+def _hide(m: re.Match[str]) -> str:
+    text = m.group(0)
+    tail = len(text) - len(text.rstrip(".:"))  # sentence punctuation after the path stays
+    return "<server path>" + text[len(text) - tail :]

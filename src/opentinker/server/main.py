@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="checkpoints and the server database (default $OPENTINKER_HOME)",
     )
-    p.add_argument("--dev", action="store_true", help="accept any well-formed tml-… key (tenant = its hash)")
+    p.add_argument(
+        "--dev",
+        action="store_true",
+        help="accept any key the SDK accepts (tml- + anything, e.g. tml-dummy); each key is its own tenant",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
     p.add_argument("--max-pending", type=int, default=2048, help="unfinished requests per tenant before 429")

@@ -204,7 +204,7 @@ class Operations:
     def save_weights(self, tenant: str, req: S.SaveWeightsRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
         digest = digest_json("save_weights", req.model_dump(mode="json"))
-        name = req.path or f"seq-{req.seq_id or uuid.uuid4().hex[:8]}"
+        name = req.path if req.path is not None else f"seq-{req.seq_id or uuid.uuid4().hex[:8]}"
 
         def saved(res: types.SaveWeightsResponse) -> dict[str, Any]:
             self.reg.record_checkpoint(tenant, res.path)

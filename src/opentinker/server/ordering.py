@@ -15,6 +15,11 @@ another digest is refused.
 A ``seq_id`` that never arrives (a client that died mid-send) would stall its model forever; a
 request held longer than ``gap_timeout_s`` therefore runs anyway, and the missing one is refused if
 it turns up later.
+
+Only a window of ``max_ahead`` ``seq_id``s past the next expected one may wait: the SDK never has
+more requests of one model in flight than that, and a ``seq_id`` far beyond it (2³¹−1, say) is a
+broken client. Held, it would be run after the gap timeout and make every later honest request
+"late" — the model would be bricked — so it is refused at once, and the model goes on as before.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from opentinker.server.futures import fail
 log = logging.getLogger(__name__)
 
 Start = Callable[[], None]  # submits one held request to the embedded client
+MAX_AHEAD = 1024  # seq_ids past a model's next expected one that may wait for it
 
 
 class Idempotency:
@@ -82,8 +88,8 @@ class _Model:
 class Sequencer:
     """The reorder buffers of all models, plus their idempotency record."""
 
-    def __init__(self, *, max_held: int = 4096) -> None:
-        self.max_held = max_held
+    def __init__(self, *, max_ahead: int = MAX_AHEAD) -> None:
+        self.max_ahead = max_ahead
         self.seen = Idempotency()
         self._models: dict[str, _Model] = {}
         self._lock = threading.RLock()
@@ -109,10 +115,10 @@ class Sequencer:
                 )
             if seq_id in m.held:
                 raise BadRequest(f"seq_id {seq_id} of model {model_id} is already queued")
-            if len(m.held) >= self.max_held:
+            if seq_id >= m.next_seq + self.max_ahead:  # also bounds how many can be held
                 raise BadRequest(
-                    f"model {model_id} has {len(m.held)} requests waiting for seq_id {m.next_seq}, "
-                    "which never arrived"
+                    f"seq_id {seq_id} of model {model_id} is too far ahead: the next expected is "
+                    f"{m.next_seq}, and at most {self.max_ahead} seq_ids past it may wait"
                 )
             self.seen.remember((model_id, seq_id), digest, request_id)
             m.held[seq_id] = _Held(start, out)

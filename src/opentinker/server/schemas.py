@@ -13,6 +13,10 @@ from typing import Any
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from tinker import types
 
+# ids the SDK numbers (seq ids, model and sampler seq ids) are int64 on its side; they end up in
+# model and sampler ids, which become folder names, so an unbounded integer is refused (422)
+MAX_SEQ = 2**63 - 1
+
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -49,7 +53,7 @@ class LoraConfig(_Wire):
 
 class CreateModelRequest(_Wire):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=MAX_SEQ)
     base_model: str
     lora_config: LoraConfig | None = None
     optimizer_config: dict[str, Any] | None = None
@@ -71,7 +75,7 @@ class AdamParams(_Wire):
 
 class OptimStepRequest(_Wire):
     model_id: str
-    seq_id: int | None = Field(default=None, ge=1)
+    seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     adam_params: AdamParams | None = Field(
         default=None, validation_alias=AliasChoices("adam_params", "optim_params")
     )
@@ -81,7 +85,7 @@ class OptimStepRequest(_Wire):
 class SaveWeightsRequest(_Wire):
     model_id: str
     path: str | None = None
-    seq_id: int | None = Field(default=None, ge=1)
+    seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     ttl_seconds: int | None = None
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
@@ -90,9 +94,9 @@ class SaveWeightsRequest(_Wire):
 class SaveWeightsForSamplerRequest(_Wire):
     model_id: str
     path: str | None = None
-    sampling_session_seq_id: int | None = Field(default=None, ge=0)
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ)
     kind: str = "snapshot"
-    seq_id: int | None = Field(default=None, ge=1)
+    seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
 
@@ -102,10 +106,10 @@ class LoadWeightsRequest(_Wire):
     optimizer: bool = False
     # legacy form: load into an existing model, in its seq_id order
     model_id: str | None = None
-    seq_id: int | None = Field(default=None, ge=1)
+    seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     # create-from-state form: a new model ``<session_id>:train:<model_seq_id>``
     session_id: str | None = None
-    model_seq_id: int | None = Field(default=None, ge=0)
+    model_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ)
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     optimizer_config: dict[str, Any] | None = None
@@ -113,7 +117,7 @@ class LoadWeightsRequest(_Wire):
 
 class CreateSamplingSessionRequest(_Wire):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: int = Field(ge=0, le=MAX_SEQ)
     base_model: str | None = None
     model_path: str | None = None
 
@@ -123,7 +127,7 @@ class SampleRequest(_Wire):
     sampling_params: types.SamplingParams
     num_samples: int = 1
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, le=MAX_SEQ)
     base_model: str | None = None
     model_path: str | None = None
     prompt_logprobs: bool | None = None

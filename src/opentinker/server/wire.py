@@ -63,16 +63,74 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int) -> bytes:
         return body
     if encoding.lower() != "zstd":
         raise BadRequest(f"unsupported Content-Encoding {encoding!r} (only zstd)")
+    # The decoder hands back whatever a cut frame decodes to, without complaint: check first
+    # that the body is whole frames, so a truncated body is refused instead of half-used.
+    declared = _zstd_frames(body)
     out = io.BytesIO()
     try:
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
             while chunk := reader.read(1 << 20):
                 out.write(chunk)
                 if out.tell() > max_bytes:
                     raise PayloadTooLarge(f"the decompressed body is over the limit of {max_bytes} bytes")
     except zstandard.ZstdError as e:
         raise BadRequest(f"the body is not valid zstd: {e}") from e
+    if declared is not None and out.tell() != declared:
+        raise BadRequest(
+            f"the zstd body decodes to {out.tell()} bytes but its frame headers declare {declared}"
+        )
     return out.getvalue()
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+_SKIPPABLE = range(0x184D2A50, 0x184D2A60)
+
+
+def _zstd_frames(body: bytes) -> int | None:
+    """Walk the body's zstd frames (RFC 8878 §3.1) without decoding them: every frame must end
+    inside the body and nothing may follow the last one. Returns the total content size the
+    frame headers declare (None when a frame does not declare it)."""
+    pos, total, frames = 0, 0, 0
+    known = True
+    while pos < len(body):
+        if len(body) - pos < 8:
+            raise BadRequest(f"the zstd body is truncated or has trailing bytes at byte {pos} of {len(body)}")
+        magic = int.from_bytes(body[pos : pos + 4], "little")
+        if magic in _SKIPPABLE:
+            pos += 8 + int.from_bytes(body[pos + 4 : pos + 8], "little")
+            if pos > len(body):
+                raise BadRequest("the zstd body is truncated: a skippable frame runs past its end")
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise BadRequest(f"the body is not valid zstd: no frame starts at byte {pos}")
+        try:
+            params = zstandard.get_frame_parameters(body[pos:])
+            pos += zstandard.frame_header_size(body[pos:])
+        except zstandard.ZstdError as e:
+            raise BadRequest(f"the body is not valid zstd: {e}") from e
+        frames += 1
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+            known = False
+        else:
+            total += params.content_size
+        while True:  # blocks: a 3-byte header (last flag, type, size), then the block's bytes
+            if pos + 3 > len(body):
+                raise BadRequest(f"the zstd body is truncated: frame {frames} ends before its last block")
+            header = int.from_bytes(body[pos : pos + 3], "little")
+            block_type, size = (header >> 1) & 3, header >> 3
+            if block_type == 3:
+                raise BadRequest(f"the body is not valid zstd: reserved block type at byte {pos}")
+            pos += 3 + (1 if block_type == 1 else size)  # an RLE block stores one byte
+            if pos > len(body):
+                raise BadRequest(f"the zstd body is truncated: frame {frames} is cut inside a block")
+            if header & 1:
+                break
+        pos += 4 if params.has_checksum else 0
+        if pos > len(body):
+            raise BadRequest(f"the zstd body is truncated: frame {frames} is missing its checksum")
+    if frames == 0:
+        raise BadRequest("the body is not valid zstd: it holds no frame")
+    return total if known else None
 
 
 # ---------------------------------------------------------------------------- requests
