@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from opentinker.client.checkpoints import KINDS, CheckpointStore, checkpoint_ref
-from opentinker.client.service import LOCAL_TENANT
+from opentinker.client.runtime import checkpoint_owner
 from opentinker.engine import EngineError
 from opentinker.server.errors import NotFound
 from opentinker.server.store import CheckpointRow, ModelRow, Store
@@ -28,7 +28,7 @@ def reconcile(disk: CheckpointStore, store: Store) -> int:
     added = 0
     for rec in on_disk:
         path = rec.ref.tinker_path
-        tenant = str(rec.meta.get("tenant", LOCAL_TENANT))
+        tenant = checkpoint_owner(rec.meta)
         if path not in known:
             store.add_checkpoint(
                 CheckpointRow(
