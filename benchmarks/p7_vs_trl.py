@@ -263,8 +263,9 @@ async def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     import opentinker
     from opentinker.client import Runtime
     from opentinker.renderers import get_renderer
-    from opentinker.rl.loop import RLConfig, build_datums, group_metrics, run_rl
-    from opentinker.rl.rollout import rollout_group
+    from opentinker.rl.datums import build_datums
+    from opentinker.rl.loop import RLConfig, run_rl
+    from opentinker.rl.rollout import group_metrics, rollout_group
     from opentinker.tasks.arithmetic import AdditionDataset, make_evaluator
 
     race = Race("ours", args.target, args.max_minutes * 60)

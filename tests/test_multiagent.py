@@ -15,15 +15,10 @@ from tinker import types
 
 import opentinker
 from opentinker.client import Runtime
-from opentinker.data import Trajectory, Transition, trajectory_segments
 from opentinker.renderers import Message, get_renderer
 from opentinker.rl import RLConfig
+from opentinker.rl.datums import trajectory_segments
 from opentinker.rl.multiagent import (
-    GameGroupBuilder,
-    MultiAgentDataset,
-    MultiAgentEnv,
-    MultiAgentTask,
-    ScriptedPolicy,
     last_complete_checkpoint,
     per_move_datums,
     play_game,
@@ -31,7 +26,16 @@ from opentinker.rl.multiagent import (
     returns_to_go,
     run_multiagent,
 )
-from opentinker.rl.rollout import TrajectoryGroup
+from opentinker.rl.types import (
+    GameGroupBuilder,
+    MultiAgentDataset,
+    MultiAgentEnv,
+    MultiAgentTask,
+    ScriptedPolicy,
+    Trajectory,
+    TrajectoryGroup,
+    Transition,
+)
 from opentinker.tasks.tictactoe import (
     RandomMover,
     TicTacToeDataset,
@@ -392,7 +396,7 @@ def test_continue_chat_makes_each_agent_one_sequence(service, renderer) -> None:
     for a in ("A", "B"):
         trs = res.trajectories[a].transitions
         assert len(trs) == 2 and trs[-1].done and not trs[0].done
-        assert trs[1].ob[: len(trs[0].ob) + len(trs[0].ac)] == trs[0].ob + trs[0].ac
+        assert trs[1].ob_T[: len(trs[0].ob_T) + len(trs[0].ac_T)] == trs[0].ob_T + trs[0].ac_T
         assert len(trajectory_segments(res.trajectories[a])) == 1
     assert res.rewards == {"A": 1.0, "B": 0.0} and res.trajectories["A"].total_reward == 1.0
 

@@ -15,7 +15,6 @@ from tinker import types
 
 from opentinker.client import ServiceClient
 from opentinker.client.runtime import Runtime
-from opentinker.data import Trajectory, Transition, rl_datums, trajectory_segments
 from opentinker.renderers import ChatMLRenderer, Renderer
 from opentinker.rl import (
     Env,
@@ -23,12 +22,16 @@ from opentinker.rl import (
     RLConfig,
     RLDataset,
     StepResult,
+    Trajectory,
+    Transition,
     group_advantages,
     is_constant,
     learning_rate_at,
+    rl_datums,
     rollout_group,
     run_rl,
     run_rl_many,
+    trajectory_segments,
 )
 from opentinker.tasks import get_task
 from opentinker.tracking import read_metrics
@@ -164,7 +167,7 @@ class ScriptedEnv(Env):
         if self.fail == "nan":
             return StepResult(float("nan"), True)
         if self.fail == "grow":  # a multi-turn env whose context outgrows the model
-            return StepResult(0.0, False, next_ob=[5] * 1100)
+            return StepResult(0.0, False, next_ob_T=[5] * 1100)
         return StepResult(sum(action) % 101 / 100, True, metrics={"first": float(action[0])})
 
 
@@ -206,7 +209,9 @@ def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, rend
         rollout_group(Group(renderer, [""] * 4), tc.save_weights_and_get_sampling_client(), params, seed=0)
     )
     warm = [
-        d for t, a in zip(g0.trajectories, group_advantages(g0.rewards), strict=True) for d in rl_datums(t, a)
+        d
+        for t, a in zip(g0.trajectories, group_advantages(g0.rewards_G), strict=True)
+        for d in rl_datums(t, a)
     ]
     tc.forward_backward(warm, "importance_sampling")
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -215,17 +220,17 @@ def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, rend
     policy = tc.save_weights_and_get_sampling_client()
     g = asyncio.run(rollout_group(Group(renderer, [""] * 3), policy, params, seed=1))
     assert g.errors == 0 and len(g.trajectories) == 3
-    for traj, adv in zip(g.trajectories, group_advantages(g.rewards), strict=True):
+    for traj, adv in zip(g.trajectories, group_advantages(g.rewards_G), strict=True):
         (tr,) = traj.transitions
         (d,) = rl_datums(traj, adv)
         f = _fields(d)
-        n_ob = len(tr.ob)
-        assert f["target_tokens"][n_ob - 1 :] == tr.ac
-        assert f["logprobs"][n_ob - 1 :] == pytest.approx(tr.ac_logprobs, abs=1e-6)
-        assert f["advantages"] == pytest.approx([0.0] * (n_ob - 1) + [adv] * len(tr.ac))
+        n_ob = len(tr.ob_T)
+        assert f["target_tokens"][n_ob - 1 :] == tr.ac_T
+        assert f["logprobs"][n_ob - 1 :] == pytest.approx(tr.logprobs_T, abs=1e-6)
+        assert f["advantages"] == pytest.approx([0.0] * (n_ob - 1) + [adv] * len(tr.ac_T))
         # and the sampler's logprobs are the trainer's (importance ratio 1 on fresh data)
         fwd = tc.forward([d], "importance_sampling").result().loss_fn_outputs[0]["logprobs"].tolist()
-        assert fwd[n_ob - 1 :] == pytest.approx(tr.ac_logprobs, abs=1e-4)
+        assert fwd[n_ob - 1 :] == pytest.approx(tr.logprobs_T, abs=1e-4)
 
 
 def test_update_moves_towards_rewarded_replies(service: ServiceClient, renderer: Renderer) -> None:
@@ -238,8 +243,8 @@ def test_update_moves_towards_rewarded_replies(service: ServiceClient, renderer:
     g = asyncio.run(
         rollout_group(Group(renderer, [""] * 6), tc.save_weights_and_get_sampling_client(), params, seed=2)
     )
-    advs = group_advantages(g.rewards)
-    assert len(advs) == 6 and not is_constant(g.rewards)
+    advs = group_advantages(g.rewards_G)
+    assert len(advs) == 6 and not is_constant(g.rewards_G)
     datums = [d for t, a in zip(g.trajectories, advs, strict=True) for d in rl_datums(t, a)]
 
     def seq_logprobs() -> list[float]:
@@ -300,7 +305,7 @@ class _TwoTurns(Env):
         self.turn += 1
         if self.turn == 2:
             return StepResult(1.0, True)
-        return StepResult(0.0, False, next_ob=[5, 6, 7, 8, *action, 9])
+        return StepResult(0.0, False, next_ob_T=[5, 6, 7, 8, *action, 9])
 
 
 class _TwoTurnGroup(EnvGroupBuilder):

@@ -12,9 +12,8 @@ from tinker import types
 
 import opentinker
 from opentinker.client import Runtime
-from opentinker.data import rl_datums, trajectory_segments
 from opentinker.renderers import get_renderer
-from opentinker.rl import RLConfig, rollout_group, run_rl
+from opentinker.rl import RLConfig, rl_datums, rollout_group, run_rl, trajectory_segments
 from opentinker.tasks.arithmetic import eval_problems, question
 from opentinker.tasks.guess_number import (
     PROMPT,
@@ -108,24 +107,24 @@ def test_multiturn_token_layout_and_one_datum(service, renderer) -> None:
     for traj in multi:
         trs = traj.transitions
         for t in range(len(trs) - 1):
-            guess = parse_guess(renderer.parse_response(trs[t].ac)[0]["content"])
+            guess = parse_guess(renderer.parse_response(trs[t].ac_T)[0]["content"])
             assert guess is not None and guess != 37
             hint = {"role": "user", "content": "Higher." if guess < 37 else "Lower."}
             reply = renderer.next_turn_tokens(True, [hint])
-            assert trs[t + 1].ob == trs[t].ob + trs[t].ac + reply
+            assert trs[t + 1].ob_T == trs[t].ob_T + trs[t].ac_T + reply
             assert not trs[t].done
         assert trs[-1].done
 
         (datum,) = rl_datums(traj, 0.25)
         ((tokens, _, act),) = trajectory_segments(traj)
-        assert tokens == trs[-1].ob + trs[-1].ac
+        assert tokens == trs[-1].ob_T + trs[-1].ac_T
         assert datum.model_input.to_ints() == tokens[:-1]
         adv = datum.loss_fn_inputs["advantages"].tolist()
         lps = datum.loss_fn_inputs["logprobs"].tolist()
         is_act = act[1:]
         assert sum(is_act) == traj.num_action_tokens
         assert all((a == 0.25) if m else (a == 0.0) for a, m in zip(adv, is_act, strict=True))
-        sampled = [x for tr in trs for x in tr.ac_logprobs]
+        sampled = [x for tr in trs for x in tr.logprobs_T]
         assert [lp for lp, m in zip(lps, is_act, strict=True) if m] == pytest.approx(sampled, abs=1e-6)
         assert all(lp == 0.0 for lp, m in zip(lps, is_act, strict=True) if not m)
         teacher = policy.compute_logprobs(types.ModelInput.from_ints(tokens)).result()

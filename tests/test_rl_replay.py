@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opentinker.data import Trajectory, Transition
 from opentinker.rl.replay import SuccessReplay
-from opentinker.rl.rollout import TrajectoryGroup
+from opentinker.rl.types import Trajectory, TrajectoryGroup, Transition
 
 
 def traj(ob: list[int], ac: list[int], reward: float) -> Trajectory:

@@ -1,13 +1,5 @@
-"""The data path shared by SFT and RL: trajectories, and token sequences with masks -> Datum."""
+"""The data path shared by SFT and RL: token sequences with per-token masks -> ``tinker.types.Datum``."""
 
-from opentinker.data.datum import datum_from_tokens, rl_datums, supervised_datum, trajectory_segments
-from opentinker.data.trajectory import Trajectory, Transition
+from opentinker.data.datum import datum_from_tokens, supervised_datum
 
-__all__ = [
-    "Trajectory",
-    "Transition",
-    "datum_from_tokens",
-    "rl_datums",
-    "supervised_datum",
-    "trajectory_segments",
-]
+__all__ = ["datum_from_tokens", "supervised_datum"]

@@ -1,16 +1,19 @@
-"""The RL loop: rollouts -> group-relative advantages -> one ``forward_backward`` + ``optim_step``
-per step, with the policy version refreshed every step.
+"""The RL loop: rollouts -> :func:`~opentinker.rl.train_step.train_step` (group-relative
+advantages, one ``forward_backward`` + ``optim_step``) -> a sampling client of the new weights,
+every step. Two loops share that step and everything around it (:class:`_Run`: evaluation,
+checkpoints, logging, stopping):
+
+* **sync** (:func:`_sync_loop`): step *n* samples with the policy after *n* updates, then trains
+  on that data.
+* **async** (:func:`_async_loop`): rollouts for the next steps are sampled while the trainer
+  trains. Step *s* is trained at policy version *s*; the producer samples it only once the current
+  version is at least ``s - max_staleness``, so no batch is ever staler than the bound (0 =
+  synchronous). The loss's importance ratio uses the sampler's logprobs, which corrects for the lag.
 
 It uses only the Tinker client API (any ``ServiceClient``: embedded or the SDK against a server).
-
-* **sync** mode: step *n* samples with the policy after *n* updates, then trains on that data.
-* **async** mode: rollouts for the next steps are sampled while the trainer trains. Step *s* is
-  trained at policy version *s*; the producer samples it only once the current version is at
-  least ``s - max_staleness``, so no batch is ever staler than the bound (0 = synchronous). The
-  loss's importance ratio uses the sampler's logprobs, which corrects for the lag.
-
 Several runs (adapters) train concurrently in one process with :func:`run_rl_many`: their
-requests meet in the scheduler and share its fused batches.
+requests meet in the scheduler and share its fused batches. A failing sampler stops the run with
+:class:`~opentinker.rl.rollout.SamplerError` (an environment's failures are only counted).
 """
 
 from __future__ import annotations
@@ -19,25 +22,23 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tinker import types
 
-from opentinker.data import rl_datums, trajectory_segments
-from opentinker.rl.advantages import group_advantages, is_constant
-from opentinker.rl.env import RLDataset
 from opentinker.rl.replay import SuccessReplay
-from opentinker.rl.rollout import TrajectoryGroup, rollout_group
+from opentinker.rl.rollout import gather_or_cancel, group_metrics, rollout_group
+from opentinker.rl.train_step import train_step
+from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
 from opentinker.tracking import RunLogger, plot_metrics
 from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
 
 log = logging.getLogger(__name__)
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
-Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -113,81 +114,158 @@ class RLResult:
     final_path: str | None
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
+class _Run:
+    """One run's state and the parts of a step both loops share: sampling a step's rollouts,
+    training on them (:meth:`train`), and the step's end (:meth:`end_step`: checkpoint, evaluation,
+    log row, stopping rule)."""
 
+    def __init__(
+        self, cfg: RLConfig, dataset: RLDataset, evaluator: Evaluator | None, tc: Any, start: int,
+        log_dir: Path, logger: RunLogger, base_policy: Any | None, replay: SuccessReplay | None,
+        on_step: Callable[[str, dict[str, Any]], None] | None,
+    ) -> None:  # fmt: skip
+        self.cfg, self.dataset, self.evaluator, self.tc = cfg, dataset, evaluator, tc
+        self.log_dir, self.logger, self.base_policy, self.replay = log_dir, logger, base_policy, replay
+        self.on_step = on_step
+        self.params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+        self.rows: list[dict[str, Any]] = []
+        self.final_path: str | None = None
+        self.start = self.last_step = start
+        self.policy: Any = None  # the sampling client of the current weights, at `version`
+        self.version = start
+        self.refreshed = asyncio.Condition()  # notified when `version` moves on
+        self.t_start = time.monotonic()
+        self.eval_total = 0.0  # evaluation time, kept off the training clock
+        self.pending_eval: dict[str, float] = {}  # the start's evaluation, logged with the first row
 
-def group_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
-    trajs = [t for g in groups for t in g.trajectories]
-    m: dict[str, float] = {
-        "reward/mean": _mean([t.total_reward for t in trajs]),
-        "env/episodes": float(len(trajs)),
-        "env/errors": float(sum(g.errors for g in groups)),
-        "tokens/action_mean": _mean([float(t.num_action_tokens) for t in trajs]),
-        "env/turns_mean": _mean([float(len(t.transitions)) for t in trajs]),
-    }
-    keys = {k for t in trajs for tr in t.transitions for k in tr.metrics}
-    for k in sorted(keys):
-        vals = [float(tr.metrics[k]) for t in trajs for tr in t.transitions if k in tr.metrics]
-        m[f"env/{k}"] = _mean(vals)
-    return m
+    def train_clock(self) -> float:
+        return time.monotonic() - self.t_start - self.eval_total
 
+    async def begin(self) -> None:
+        self.policy = await self.tc.save_weights_and_get_sampling_client()
+        self.t_start = time.monotonic()
+        if self.evaluator is not None:
+            self.pending_eval = await self.evaluate(self.policy, self.start)
 
-async def build_datums(
-    groups: list[TrajectoryGroup], cfg: RLConfig, base_policy: Any | None
-) -> tuple[list[types.Datum], dict[str, float]]:
-    """Advantages per group (constant groups dropped on request), optional KL shaping, datums."""
-    datums: list[types.Datum] = []
-    kept = dropped = 0
-    kls: list[float] = []
-    chosen: list[tuple[Any, float]] = []  # (trajectory, advantage) of every kept group
-    for g in groups:
-        rewards = g.rewards
-        if len(rewards) == 0:
-            continue
-        if cfg.drop_constant_groups and is_constant(rewards):
-            dropped += 1
-            continue
-        kept += 1
-        advs = group_advantages(rewards, normalize_std=cfg.normalize_std)
-        chosen += list(zip(g.trajectories, advs, strict=True))
-    base_lps: list[list[list[float | None]]] = []
-    if cfg.kl_coef > 0 and base_policy is not None and chosen:
-        # every segment's base logprobs in one go: they share one sampler batch
-        segs = [[tokens for tokens, _, _ in trajectory_segments(t)] for t, _ in chosen]
-        flat = await asyncio.gather(
+    async def rollouts(self, step: int, policy: Any, version: int) -> list[TrajectoryGroup]:
+        cfg = self.cfg
+        seed = cfg.seed * 1_000_003 + step * 10_007
+        return await gather_or_cancel(
             *(
-                _awaited(base_policy.compute_logprobs(types.ModelInput.from_ints(s)))
-                for ss in segs
-                for s in ss
+                rollout_group(b, policy, self.params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version)
+                for k, b in enumerate(self.dataset.batch(step))
             )
-        )
-        it = iter(flat)
-        base_lps = [[next(it) for _ in ss] for ss in segs]
-    for k, (traj, a) in enumerate(chosen):
-        shaping = None
-        if base_lps:
-            shaping = []
-            for (_, lps, act), base_lp in zip(trajectory_segments(traj), base_lps[k], strict=True):
-                seg = []
-                for i, (is_act, blp) in enumerate(zip(act, base_lp, strict=True)):
-                    if is_act and i > 0 and blp is not None:
-                        kl = lps[i] - float(blp)
-                        kls.append(kl)
-                        seg.append(-cfg.kl_coef * kl)
-                    else:
-                        seg.append(0.0)
-                shaping.append(seg)
-        datums += rl_datums(traj, a, shaping)
-    n_tok = sum(t.num_action_tokens for g in groups for t in g.trajectories) if datums else 0
-    m = {
-        "groups/kept": float(kept),
-        "groups/dropped_constant": float(dropped),
-        "train/action_tokens": float(n_tok),
-    }
-    if kls:
-        m["kl/sampler_vs_base"] = _mean(kls)
-    return datums, m
+        )  # fmt: skip
+
+    async def evaluate(self, policy: Any, step: int) -> dict[str, float]:
+        assert self.evaluator is not None
+        t = time.monotonic()
+        out = {f"eval/{k}": v for k, v in (await self.evaluator(policy, step)).items()}
+        out["time/eval_s"] = time.monotonic() - t
+        self.eval_total += out["time/eval_s"]
+        return out
+
+    async def train(
+        self, groups: list[TrajectoryGroup], step: int, sampled_at: int, t_sample: float
+    ) -> dict[str, Any]:
+        """Train on ``groups`` (sampled at policy version ``sampled_at``), then move the policy on."""
+        t1 = time.monotonic()
+        stale = self.version - sampled_at
+        m: dict[str, Any] = group_metrics(groups)
+        if stale > self.cfg.max_staleness:  # the async producer's wait prevents it; kept as a guard
+            m["train/dropped_stale"] = 1.0
+        else:
+            lr = learning_rate_at(self.cfg, step, self.train_clock())
+            m.update(
+                await train_step(
+                    self.tc, groups, self.cfg, learning_rate=lr, step=step, base_policy=self.base_policy, replay=self.replay
+                )
+            )  # fmt: skip
+            self.policy = await self.tc.save_weights_and_get_sampling_client()
+            async with self.refreshed:
+                self.version += 1
+                self.refreshed.notify_all()
+        m.update({
+            "time/sample_s": t_sample, "time/train_s": time.monotonic() - t1,
+            "policy/version": float(self.version), "policy/staleness": float(stale),
+        })  # fmt: skip
+        return m
+
+    async def end_step(self, step: int, m: dict[str, Any]) -> bool:
+        """Checkpoint, evaluate and log step ``step``; True when the run should stop here."""
+        cfg = self.cfg
+        self.last_step = step + 1
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            self.final_path = await save_checkpoint(self.tc, step + 1, self.log_dir)
+            if self.replay is not None:
+                self.replay.save(self.log_dir / "replay.json")
+        if self.evaluator is not None and (
+            step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+        ):
+            m.update(await self.evaluate(self.policy, step + 1))
+        m["time/train_clock_s"] = self.train_clock()  # wall clock minus evaluations
+        self.rows.append(self.logger.log(step, {**self.pending_eval, **m}))
+        if self.on_step is not None:
+            self.on_step(cfg.name or self.log_dir.name, self.rows[-1])
+        self.pending_eval = {}
+        return _should_stop(cfg, m)
+
+    async def finish(self) -> None:
+        """The last checkpoint, unless the last step just saved one."""
+        if self.cfg.save_every == 0 or self.last_step % self.cfg.save_every:
+            self.final_path = await save_checkpoint(self.tc, self.last_step, self.log_dir)
+            if self.replay is not None:
+                self.replay.save(self.log_dir / "replay.json")
+
+
+async def _sync_loop(run: _Run) -> None:
+    """Each step samples with the current policy, then trains on what it sampled."""
+    for step in range(run.start, run.cfg.steps):
+        t0 = time.monotonic()
+        groups = await run.rollouts(step, run.policy, run.version)
+        m = await run.train(groups, step, run.version, time.monotonic() - t0)
+        if await run.end_step(step, m):
+            break
+
+
+async def _async_loop(run: _Run) -> None:
+    """A producer samples ahead (step ``s`` from a policy of version >= ``s - max_staleness``)
+    while this loop trains on what it produced, in step order."""
+    cfg = run.cfg
+    queue: asyncio.Queue[tuple[list[TrajectoryGroup], int, float]] = asyncio.Queue(
+        maxsize=max(1, cfg.max_staleness)
+    )
+
+    async def producer() -> None:
+        for step in range(run.start, cfg.steps):
+            async with run.refreshed:  # step is trained at version `step`: sample it from >= step - bound
+                await run.refreshed.wait_for(lambda s=step: run.version >= s - cfg.max_staleness)
+            pol, ver = run.policy, run.version
+            t0 = time.monotonic()
+            groups = await run.rollouts(step, pol, ver)
+            await queue.put((groups, ver, time.monotonic() - t0))
+
+    prod = asyncio.create_task(producer())
+    try:
+        for step in range(run.start, cfg.steps):
+            groups, ver, t_sample = await _next_batch(queue, prod)
+            m = await run.train(groups, step, ver, t_sample)
+            if await run.end_step(step, m):
+                break
+    finally:
+        prod.cancel()
+
+
+async def _next_batch(queue: asyncio.Queue, prod: asyncio.Task) -> Any:
+    """The producer's next batch; the producer's own failure (e.g. a dead sampler) if it died."""
+    get = asyncio.ensure_future(queue.get())
+    await asyncio.wait({get, prod}, return_when=asyncio.FIRST_COMPLETED)
+    if not get.done():
+        if prod.exception() is not None:  # (a cancelled producer raises CancelledError here)
+            get.cancel()
+            raise prod.exception()  # type: ignore[misc]
+        await get  # it finished: its last batch is in the queue
+    return get.result()
 
 
 async def run_rl(
@@ -212,30 +290,6 @@ async def run_rl(
         log_dir, cfg, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
         show=("reward/mean", "eval/accuracy", "loss/per_token"),
     )  # fmt: skip
-    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-    rows: list[dict[str, Any]] = []
-    final_path: str | None = None
-
-    async def rollouts(step: int, policy: Any, version: int) -> list[TrajectoryGroup]:
-        builders = dataset.batch(step)
-        seed = cfg.seed * 1_000_003 + step * 10_007
-        return list(
-            await asyncio.gather(
-                *(
-                    rollout_group(b, policy, params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version)
-                    for k, b in enumerate(builders)
-                )
-            )
-        )  # fmt: skip
-
-    async def evaluate(policy: Any, step: int) -> dict[str, float]:
-        if evaluator is None:
-            return {}
-        t = time.monotonic()
-        out = {f"eval/{k}": v for k, v in (await evaluator(policy, step)).items()}
-        out["time/eval_s"] = time.monotonic() - t
-        return out
-
     replay = (
         SuccessReplay(cfg.replay_size, cfg.replay_per_step, cfg.replay_weight, cfg.seed)
         if cfg.replay_size
@@ -243,123 +297,19 @@ async def run_rl(
     )
     if replay is not None and resume:
         replay.load(log_dir / "replay.json")
-
-    async def train_on(groups: list[TrajectoryGroup], step: int) -> dict[str, float]:
-        lr = learning_rate_at(cfg, step, time.monotonic() - t_start - eval_total)
-        adam = types.AdamParams(learning_rate=lr)
-        datums, m = await build_datums(groups, cfg, base_policy)
-        m["train/lr"] = lr
-        replayed = replay.datums(step) if replay is not None else []
-        if replay is not None:
-            m["replay/added"] = float(replay.add(groups))
-            m["replay/size"] = float(len(replay.items))
-        replay_fb = None
-        if replayed:  # imitation of past successes rides in the same optimizer step
-            replay_fb = tc.forward_backward(replayed, "cross_entropy")
-            m["replay/datums"] = float(len(replayed))
-        if not datums:
-            if replayed or cfg.step_on_empty:  # with zero fresh gradient AdamW's momentum still moves
-                await tc.optim_step(adam)
-            if replay_fb is not None:
-                await replay_fb
-            return {**m, "train/datums": 0.0}
-        # ``substeps`` passes over the same batch (PPO-style epochs): the sampler logprobs stay the
-        # behaviour policy's, so the loss's ratio corrects for the updates already made.
-        futs = []
-        for _ in range(cfg.substeps):
-            fb = tc.forward_backward(datums, cfg.loss_fn, cfg.loss_fn_config)
-            futs.append((fb, tc.optim_step(adam)))
-        outs = []
-        for fb, opt in futs:
-            outs.append(await fb)
-            await opt
-        if replay_fb is not None:
-            await replay_fb
-        loss = float(outs[0].metrics.get("loss:sum", float("nan")))
-        per_tok = loss / max(1.0, m["train/action_tokens"])
-        return {**m, "train/datums": float(len(datums)), "loss/sum": loss, "loss/per_token": per_tok}
-
-    policy = await tc.save_weights_and_get_sampling_client()
-    current: dict[str, Any] = {"policy": policy, "version": start}
-    t_start = time.monotonic()
-    eval_total = 0.0
-    pending_eval = await evaluate(policy, start) if evaluator is not None else {}
-    eval_total += float(pending_eval.get("time/eval_s", 0.0))
-    queue: asyncio.Queue = asyncio.Queue(maxsize=max(1, cfg.max_staleness))
-    prod: asyncio.Task | None = None
-
-    refreshed = asyncio.Condition()
-
-    async def producer() -> None:  # async mode: sampling runs ahead of training, boundedly
-        for step in range(start, cfg.steps):
-            async with refreshed:  # step is trained at version `step`: sample it from >= step - bound
-                await refreshed.wait_for(lambda s=step: current["version"] >= s - cfg.max_staleness)
-            pol, ver = current["policy"], current["version"]
-            t0 = time.monotonic()
-            groups = await rollouts(step, pol, ver)
-            await queue.put((groups, ver, time.monotonic() - t0))
-
-    async def next_batch(step: int) -> tuple[list[TrajectoryGroup], int, float]:
-        if prod is not None:
-            return await queue.get()
-        t0 = time.monotonic()
-        groups = await rollouts(step, current["policy"], current["version"])
-        return groups, current["version"], time.monotonic() - t0
-
-    last_step = start
+    run = _Run(cfg, dataset, evaluator, tc, start, log_dir, logger, base_policy, replay, on_step)
     try:
-        if cfg.mode == "async":
-            prod = asyncio.create_task(producer())
-        for step in range(start, cfg.steps):
-            groups, ver, t_sample = await next_batch(step)
-            stale = current["version"] - ver
-            t1 = time.monotonic()
-            m = group_metrics(groups)
-            if stale > cfg.max_staleness:  # the producer's wait prevents it; kept as a guard
-                m["train/dropped_stale"] = 1.0
-            else:
-                m.update(await train_on(groups, step))
-                current["policy"] = await tc.save_weights_and_get_sampling_client()
-                async with refreshed:
-                    current["version"] += 1
-                    refreshed.notify_all()
-            m.update({
-                "time/sample_s": t_sample, "time/train_s": time.monotonic() - t1,
-                "policy/version": float(current["version"]), "policy/staleness": float(stale),
-            })  # fmt: skip
-            last_step = step + 1
-            final_path = await _maybe_save(tc, cfg, step + 1, log_dir, final_path)
-            if replay is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
-                replay.save(log_dir / "replay.json")
-            if evaluator is not None and (
-                step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-            ):
-                ev = await evaluate(current["policy"], step + 1)
-                eval_total += ev["time/eval_s"]
-                m.update(ev)
-            m["time/train_clock_s"] = time.monotonic() - t_start - eval_total  # wall clock minus evals
-            rows.append(logger.log(step, {**pending_eval, **m}))
-            if on_step is not None:
-                on_step(cfg.name or log_dir.name, rows[-1])
-            pending_eval = {}
-            if _should_stop(cfg, m):
-                break
-        if prod is not None:
-            prod.cancel()
-        if cfg.save_every == 0 or last_step % cfg.save_every:
-            final_path = await save_checkpoint(tc, last_step, log_dir)
-            if replay is not None:
-                replay.save(log_dir / "replay.json")
+        await run.begin()
+        await (_async_loop(run) if cfg.mode == "async" else _sync_loop(run))
+        await run.finish()
     finally:
-        if prod is not None:
-            prod.cancel()
         logger.close()
-        if rows or (log_dir / "metrics.jsonl").exists():
+        if run.rows or (log_dir / "metrics.jsonl").exists():
             try:
                 plot_metrics({cfg.name or log_dir.name: log_dir}, list(cfg.plot_keys), log_dir / "curves.png")
             except Exception as e:
                 log.warning("plotting failed: %r", e)
-    return RLResult(tc, rows, final_path)
+    return RLResult(tc, run.rows, run.final_path)
 
 
 def learning_rate_at(cfg: RLConfig, step: int, train_clock_s: float) -> float:
@@ -386,12 +336,6 @@ def _should_stop(cfg: RLConfig, m: dict[str, Any]) -> bool:
     return cfg.max_train_s is not None and m["time/train_clock_s"] >= cfg.max_train_s
 
 
-async def _maybe_save(tc: Any, cfg: RLConfig, step: int, log_dir: Path, last: str | None) -> str | None:
-    if cfg.save_every and step % cfg.save_every == 0:
-        return await save_checkpoint(tc, step, log_dir)
-    return last
-
-
 def train_rl(
     cfg: RLConfig, service: Any, dataset: RLDataset, evaluator: Evaluator | None = None, **kw: Any
 ) -> RLResult:
@@ -406,8 +350,3 @@ async def run_rl_many(
 ) -> list[RLResult]:
     """Several RL runs (one adapter each) at once over one service: a multi-LoRA run."""
     return list(await asyncio.gather(*(run_rl(c, service, d, e, on_step=on_step) for c, d, e in jobs)))
-
-
-async def _awaited(fut: Any) -> Any:
-    """A client future (ours or the SDK's: awaitable, not an asyncio future) as a coroutine."""
-    return await fut

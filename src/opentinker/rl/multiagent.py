@@ -7,29 +7,32 @@ by the renderer: each agent may see the game differently), answers with one mess
 :meth:`~MultiAgentEnv.rewards` gives each agent its reward. By default every turn's prompt is
 rendered afresh (a board game: each move's prompt is the position); with ``continue_chat = True`` an
 agent's turns form one conversation (its previous prompt + its reply + the new messages), so its
-whole game is one token sequence, as in :class:`~opentinker.rl.env.MessageEnv`.
+whole game is one token sequence, as in :class:`~opentinker.rl.types.MessageEnv`. The game's
+contract (:class:`~opentinker.rl.types.MultiAgentEnv`, its builders and results) is in rl/types.py.
 
 **Rollouts** (:func:`play_game`, :func:`play_group`): each agent's turn is sampled from *its own*
 policy (a Tinker ``SamplingClient``), or answered by a :class:`ScriptedPolicy` (e.g. a random
 opponent, never trained; a group may script an agent in some of its games:
-:meth:`GameGroupBuilder.scripted`). A game yields one :class:`~opentinker.data.Trajectory` per agent (its own
-prompts and actions, the game's reward for it as ``final_reward``). All games of a step run
-concurrently, so the sample requests of all agents reach the sampler together and share its
-batches. A game whose environment raises (or times out) is counted (``game/errors``) and skipped.
+:meth:`GameGroupBuilder.scripted`). A game yields one :class:`~opentinker.rl.types.Trajectory` per
+agent (its own prompts and actions, the game's reward for it as ``final_reward``). All games of a
+step run concurrently, so the sample requests of all agents reach the sampler together and share
+its batches. A game whose environment raises (or times out) is counted (``game/errors``) and
+skipped; a failing sampler stops the run (:class:`~opentinker.rl.rollout.SamplerError`).
 
 **Training** (:func:`run_multiagent`): one training client per agent. Each step: a sampling client
 per agent from its current weights, ``groups_per_step`` groups of ``group_size`` games (a group's
 games start from the same position), group-relative advantages *per agent* (an agent's trajectories
 in a group are compared with each other; an agent that did not move in a game has no trajectory
-there), datums per agent (:func:`opentinker.rl.loop.build_datums`), then every agent's
-``forward_backward`` and ``optim_step`` are submitted before any is awaited, so the agents'
-updates fuse into one scheduler tick. Metrics go to ``cfg.log_dir/metrics.jsonl`` with per-agent keys
+there), then each agent's update through the single-agent loop's own
+:func:`~opentinker.rl.train_step.train_steps` (datums, ``forward_backward``, ``optim_step``, metrics),
+every agent's requests submitted before any is awaited, so the agents' updates fuse into one
+scheduler tick. Metrics go to ``cfg.log_dir/metrics.jsonl`` with per-agent keys
 ``<agent>/reward/mean``, ``<agent>/loss/per_token``, ... and game keys ``game/<metric>``; the
 evaluator's keys under ``eval/``; ``curves.png`` has one line per agent.
 
 Of :class:`~opentinker.rl.loop.RLConfig`, the sync mode is implemented (``mode="sync"``), with
 ``substeps``, ``step_on_empty``, ``kl_coef``, ``drop_constant_groups``, ``normalize_std``,
-``save_every``, and resume (``resume=True``: every agent reloads, with its optimizer, from the last
+``lr_schedule``, ``save_every``, and resume (``resume=True``: every agent reloads, with its optimizer, from the last
 step at which all of them were saved, and the run continues from there on the same data); not
 (yet) the async mode, success replay, ``stop_when``, ``max_train_s``.
 
@@ -48,153 +51,32 @@ import json
 import logging
 import math
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tinker import types
 
-from opentinker.data import Trajectory, Transition, rl_datums, trajectory_segments
-from opentinker.renderers import Message, Renderer
 from opentinker.rl.advantages import group_advantages, is_constant
-from opentinker.rl.loop import RLConfig, build_datums, group_metrics
-from opentinker.rl.rollout import TrajectoryGroup, env_call, sample_tokens
+from opentinker.rl.datums import rl_datums, trajectory_segments
+from opentinker.rl.loop import RLConfig, learning_rate_at
+from opentinker.rl.rollout import SamplerError, env_call, gather_or_cancel, group_metrics, sample_tokens
+from opentinker.rl.train_step import Learner, train_steps
+from opentinker.rl.types import (
+    GameGroup,
+    GameGroupBuilder,
+    GameResult,
+    MultiAgentEnv,
+    MultiAgentTask,
+    ScriptedPolicy,
+    Trajectory,
+    TrajectoryGroup,
+    Transition,
+)
 from opentinker.tracking import RunLogger, plot_metrics
 
 log = logging.getLogger(__name__)
-
-# (policies by agent name, step) -> metrics; keys naming an agent are best written "<agent>/<metric>"
-MultiAgentEvaluator = Callable[[dict[str, Any], int], Awaitable[dict[str, float]]]
-
-
-class MultiAgentEnv(ABC):
-    """One game between named agents (see the module docstring). Subclasses implement the game at
-    the message level; the token level (:meth:`observation`, :meth:`step`) is built on it."""
-
-    agents: tuple[str, ...] = ()
-    continue_chat: bool = False
-
-    def __init__(self, renderer: Renderer) -> None:
-        self.renderer = renderer
-        self.stop = renderer.stop
-        self._ctx: dict[str, list[int]] = {}
-        self._ended: dict[str, bool] = {}
-
-    # -- the game ---------------------------------------------------------------------------------
-    async def reset(self) -> None:
-        """Start the game (called once, before the first turn)."""
-        self._ctx.clear()
-        self._ended.clear()
-
-    @abstractmethod
-    def current_agent(self) -> str | None:
-        """The coordinator: the agent to move now, or None when the game is over."""
-
-    @abstractmethod
-    def observe(self, agent: str) -> list[Message]:
-        """What ``agent`` is prompted with now: the whole prompt, or with ``continue_chat`` only the
-        messages that are new to it since its last reply."""
-
-    @abstractmethod
-    async def act(self, agent: str, reply: Message, ended: bool) -> dict[str, float]:
-        """Apply ``agent``'s reply (``ended``: False when cut by the token limit); per-move metrics."""
-
-    @abstractmethod
-    def rewards(self) -> dict[str, float]:
-        """Each agent's reward, once the game is over."""
-
-    def move_rewards(self, agent: str) -> list[float] | None:
-        """Optional, once the game is over: ``agent``'s reward split over its moves (one value per
-        move it made, summing to its :meth:`rewards`), for per-move advantages. Default None (the
-        whole reward on its last move)."""
-        return None
-
-    def metrics(self) -> dict[str, float]:
-        """Game-level metrics, once the game is over (logged as ``game/<key>``, mean over games)."""
-        return {}
-
-    # -- tokens -----------------------------------------------------------------------------------
-    def observation(self, agent: str) -> list[int]:
-        """The token prompt of ``agent``'s turn."""
-        msgs = self.observe(agent)
-        prev = self._ctx.get(agent)
-        if self.continue_chat and prev is not None:
-            ob = prev + self.renderer.next_turn_tokens(self._ended[agent], msgs)
-        else:
-            ob = self.renderer.build_generation_prompt(msgs)
-        self._ctx[agent] = ob
-        return ob
-
-    async def step(self, agent: str, action: list[int]) -> dict[str, float]:
-        """Apply sampled tokens as ``agent``'s reply."""
-        reply, ended = self.renderer.parse_response(action)
-        if self.continue_chat:
-            self._ctx[agent] = self._ctx.get(agent, []) + list(action)
-            self._ended[agent] = ended
-        return await self.act(agent, reply, ended)
-
-
-class ScriptedPolicy(ABC):
-    """A policy that is not a model (a random or rule-based opponent): it answers from the game's
-    state. Its moves are not recorded and never trained on."""
-
-    @abstractmethod
-    async def reply(self, env: MultiAgentEnv, agent: str) -> str: ...
-
-
-class GameGroupBuilder(ABC):
-    """Makes the games of one group (their per-agent rewards are compared for advantages)."""
-
-    @abstractmethod
-    async def make_games(self) -> Sequence[MultiAgentEnv]: ...
-
-    def scripted(self, game: int) -> Mapping[str, ScriptedPolicy]:
-        """Agents played by a script instead of their policy in game ``game`` of this group (an
-        opponent pool: e.g. a random opponent in some games). Default: none."""
-        return {}
-
-    def tags(self) -> list[str]:
-        return []
-
-
-class MultiAgentDataset(ABC):
-    """``batch(step)``: the game groups of one step, deterministic in ``step``."""
-
-    @abstractmethod
-    def batch(self, step: int) -> list[GameGroupBuilder]: ...
-
-
-@dataclass
-class MultiAgentTask:
-    """What a ``kind="multiagent"`` task's ``build(renderer, cfg)`` returns."""
-
-    agents: tuple[str, ...]
-    dataset: MultiAgentDataset
-    evaluator: MultiAgentEvaluator | None = None
-    plot_keys: tuple[str, ...] = ()  # per-agent keys without the agent prefix, e.g. "eval/win_rate"
-    show_keys: tuple[str, ...] = ()  # progress-bar keys, e.g. "game/draws"
-    per_move_advantages: bool = False  # one advantage per move (return-to-go), see per_move_datums
-
-
-@dataclass
-class GameResult:
-    trajectories: dict[str, Trajectory]  # one per agent (empty when the agent never moved)
-    rewards: dict[str, float]
-    metrics: dict[str, float]
-
-
-@dataclass
-class GameGroup:
-    games: list[GameResult]
-    tags: list[str] = field(default_factory=list)
-    errors: int = 0
-
-    def trajectory_group(self, agent: str) -> TrajectoryGroup:
-        """``agent``'s trajectories in this group's games (games where it never moved left out)."""
-        trajs = [g.trajectories[agent] for g in self.games if g.trajectories[agent].transitions]
-        return TrajectoryGroup(trajs, list(self.tags))
 
 
 async def play_game(
@@ -224,16 +106,14 @@ async def play_game(
             text = await env_call("scripted reply", policy.reply(env, agent), timeout_s)
             await env_call("move", env.act(agent, {"role": "assistant", "content": text}, True), timeout_s)
             continue
-        ob = list(env.observation(agent))
+        ob_T = list(env.observation(agent))
         s = None if seed is None else seed + 7919 * moves
         (sampled,) = await sample_tokens(
-            policy, ob, 1, params.model_copy(update={"stop": env.stop, "seed": s})
+            policy, ob_T, 1, params.model_copy(update={"stop": env.stop, "seed": s})
         )
-        if any(not math.isfinite(x) for x in sampled.logprobs):
-            raise RuntimeError("non-finite sampler logprob")
-        m = await env_call("move", env.step(agent, sampled.tokens), timeout_s)
+        m = await env_call("move", env.step(agent, sampled.tokens_T), timeout_s)
         trajs[agent].transitions.append(
-            Transition(ob, sampled.tokens, sampled.logprobs, 0.0, False, dict(m or {}))
+            Transition(ob_T, sampled.tokens_T, sampled.logprobs_T, 0.0, False, dict(m or {}))
         )
     rewards = {a: float(r) for a, r in env.rewards().items()}
     for a, t in trajs.items():
@@ -277,12 +157,14 @@ async def play_group(
             return await play_game(
                 env, pols, params, seed=s, policy_versions=policy_versions, timeout_s=timeout_s
             )
+        except SamplerError:
+            raise
         except Exception as e:
             errors += 1
             log.warning("game %s failed: %r", type(env).__name__, e)
             return None
 
-    results = await asyncio.gather(*(one(i, g) for i, g in enumerate(games)))
+    results = await gather_or_cancel(*(one(i, g) for i, g in enumerate(games)))
     return GameGroup([r for r in results if r is not None], builder.tags(), errors)
 
 
@@ -317,9 +199,9 @@ def returns_to_go(traj: Trajectory) -> list[float]:
 
 
 def move_token_advantages(traj: Trajectory, advs: Sequence[float]) -> list[list[float]]:
-    """Per segment of :func:`~opentinker.data.trajectory_segments`, per token: the advantage of the
+    """Per segment of :func:`~opentinker.rl.datums.trajectory_segments`, per token: the advantage of the
     move that sampled the token (action tokens come in move order), 0 elsewhere."""
-    per_token = iter([a for t, a in zip(traj.transitions, advs, strict=True) for _ in t.ac])
+    per_token = iter([a for t, a in zip(traj.transitions, advs, strict=True) for _ in t.ac_T])
     return [[next(per_token) if is_act else 0.0 for is_act in act] for _, _, act in trajectory_segments(traj)]
 
 
@@ -359,33 +241,6 @@ class MultiAgentResult:
     training_clients: dict[str, Any]
     metrics: list[dict[str, Any]]
     final_paths: dict[str, str]
-
-
-async def train_agents(
-    tcs: Mapping[str, Any], datums: Mapping[str, list[types.Datum]], cfg: RLConfig
-) -> dict[str, dict[str, float]]:
-    """One update per agent, as :func:`~opentinker.rl.loop.run_rl` makes it (``cfg.substeps`` passes
-    over the batch; with ``cfg.step_on_empty`` an agent without datums still takes its optimizer
-    step): all agents' ``forward_backward`` then all their ``optim_step`` are submitted before
-    anything is awaited, so the agents share the scheduler's ticks. Loss metrics per trained agent."""
-    adam = types.AdamParams(learning_rate=cfg.learning_rate)
-    todo = [a for a in tcs if datums.get(a)]
-    futs: dict[str, list[tuple[Any, Any]]] = {a: [] for a in todo}
-    for _ in range(cfg.substeps):
-        fbs = {a: tcs[a].forward_backward(datums[a], cfg.loss_fn, cfg.loss_fn_config) for a in todo}
-        for a in todo:
-            futs[a].append((fbs[a], tcs[a].optim_step(adam)))
-    empty = [tcs[a].optim_step(adam) for a in tcs if a not in futs] if cfg.step_on_empty else []
-    out: dict[str, dict[str, float]] = {}
-    for a, pairs in futs.items():
-        results = []
-        for fb, opt in pairs:
-            results.append(await fb)
-            await opt
-        out[a] = {"loss/sum": float(results[0].metrics.get("loss:sum", float("nan")))}
-    for opt in empty:
-        await opt
-    return out
 
 
 async def run_multiagent(
@@ -459,37 +314,33 @@ async def run_multiagent(
 
     policies = await policies_now()
     version = start
+    t_start = time.monotonic()
     pending_eval = await evaluate(policies, start)
     try:
         for step in range(start, cfg.steps):
             t0 = time.monotonic()
             seed = cfg.seed * 1_000_003 + step * 10_007
             versions = dict.fromkeys(agents, version)
-            groups = list(
-                await asyncio.gather(
-                    *(
-                        play_group(b, policies, params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_versions=versions)
-                        for k, b in enumerate(task.dataset.batch(step))
-                    )
+            groups = await gather_or_cancel(
+                *(
+                    play_group(b, policies, params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_versions=versions)
+                    for k, b in enumerate(task.dataset.batch(step))
                 )
             )  # fmt: skip
             t1 = time.monotonic()
             m: dict[str, float] = game_metrics(groups)
-            datums: dict[str, list[types.Datum]] = {}
-            for a in agents:
-                tgroups = [g.trajectory_group(a) for g in groups]
-                am = group_metrics(tgroups)
+            tgroups = {a: [g.trajectory_group(a) for g in groups] for a in agents}
+            lr = learning_rate_at(cfg, step, t1 - t_start)
+            datums_fn = per_move_datums if task.per_move_advantages else None
+            # every agent's update is submitted before any is awaited: they share scheduler ticks
+            updates = await train_steps(
+                {a: Learner(tcs[a], tgroups[a]) for a in agents}, cfg, learning_rate=lr, step=step,
+                base_policy=base_policy, datums_fn=datums_fn,
+            )  # fmt: skip
+            for a, um in updates.items():
+                am = group_metrics(tgroups[a])
                 am.pop("env/errors", None)  # game errors are counted once, in game/errors
-                if task.per_move_advantages:
-                    datums[a], dm = per_move_datums(tgroups, cfg)
-                else:
-                    datums[a], dm = await build_datums(tgroups, cfg, base_policy)
-                am.update(dm)
-                am["train/datums"] = float(len(datums[a]))
-                m.update({f"{a}/{k}": v for k, v in am.items()})
-            for a, lm in (await train_agents(tcs, datums, cfg)).items():
-                lm["loss/per_token"] = lm["loss/sum"] / max(1.0, m[f"{a}/train/action_tokens"])
-                m.update({f"{a}/{k}": v for k, v in lm.items()})
+                m.update({f"{a}/{k}": v for k, v in {**am, **um}.items()})
             t2 = time.monotonic()
             policies = await policies_now()
             version += 1

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from tinker import types
 
-from opentinker.data import supervised_datum, trajectory_segments
-from opentinker.rl.rollout import TrajectoryGroup
+from opentinker.data import supervised_datum
+from opentinker.rl.datums import trajectory_segments
+from opentinker.rl.types import TrajectoryGroup
 
 
 class SuccessReplay:
@@ -36,7 +37,7 @@ class SuccessReplay:
         """Keep each group's best trajectory if it earned > 0 and beat the group's mean."""
         added = 0
         for g in groups:
-            rewards = g.rewards
+            rewards = g.rewards_G
             if len(rewards) < 2:
                 continue
             best = max(range(len(rewards)), key=rewards.__getitem__)

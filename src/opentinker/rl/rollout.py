@@ -3,8 +3,18 @@
 All episodes of all groups of a step run concurrently as coroutines, so their sample requests
 reach the sampler together and share its batches. Environments of a group that open with the
 same observation are sampled with one request of ``num_samples = n`` (the prompt is prefilled
-once). An episode whose environment raises, times out, or whose context outgrows the model fails
-alone: it is dropped from its group, counted (``env/errors``) and logged; the run goes on.
+once).
+
+Two kinds of failure, told apart:
+
+* **The environment's**: its reset or step raises or times out, it returns a non-finite reward,
+  or its context is one the sampler refuses (longer than the model's, a token outside the
+  vocabulary). That episode fails alone: it is dropped from its group, counted
+  (``env/errors``) and logged; the run goes on.
+* **The sampler's** (the infrastructure): the sample request fails for any other reason (the
+  sampler is shut down, its weights are gone, the server is unreachable or failed internally),
+  or it returns tokens without finite logprobs. No episode can be trusted then, and training on
+  what is left would train on nothing: :class:`SamplerError` propagates and stops the run.
 """
 
 from __future__ import annotations
@@ -12,47 +22,77 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tinker import types
 
-from opentinker.data import Trajectory, Transition
-from opentinker.rl.env import Env, EnvGroupBuilder
+from opentinker.rl.types import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition
 
 log = logging.getLogger(__name__)
 
+# HTTP statuses with which a Tinker server refuses a request because of what it contains
+REQUEST_REFUSED = (400, 413, 422)
 
-@dataclass
-class TrajectoryGroup:
-    trajectories: list[Trajectory]
-    tags: list[str] = field(default_factory=list)
-    errors: int = 0
 
-    @property
-    def rewards(self) -> list[float]:
-        return [t.total_reward for t in self.trajectories]
+class SamplerError(RuntimeError):
+    """The sampler (not an environment) failed; the run cannot go on."""
+
+
+def refused_for_its_prompt(e: BaseException) -> bool:
+    """Whether a failed sample request was refused for what it asked (the episode's context), not
+    because the sampler failed. Embedded clients raise ``ValueError`` for a refused request (an
+    unknown policy is a ``KeyError`` too: the sampler's weights are gone); the SDK raises an
+    ``APIStatusError`` with a 4xx status."""
+    if isinstance(e, KeyError):
+        return False
+    if isinstance(e, ValueError):
+        return True
+    return getattr(e, "status_code", None) in REQUEST_REFUSED
 
 
 @dataclass
 class Sampled:
-    tokens: list[int]
-    logprobs: list[float]
+    tokens_T: list[int]
+    logprobs_T: list[float]
     stop_reason: str
+
+
+async def gather_or_cancel(*aws: Any) -> list[Any]:
+    """``asyncio.gather``, but the first failure cancels the rest (a dead sampler must not leave
+    episodes running in the background)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
 
 def _params(base: types.SamplingParams, env: Env, seed: int | None) -> types.SamplingParams:
     return base.model_copy(update={"stop": env.stop if env.stop is not None else base.stop, "seed": seed})
 
 
-async def sample_tokens(policy: Any, ob: list[int], n: int, params: types.SamplingParams) -> list[Sampled]:
-    """``n`` samples of a continuation of ``ob`` from any Tinker sampling client, with logprobs."""
-    resp = await policy.sample(prompt=types.ModelInput.from_ints(ob), num_samples=n, sampling_params=params)
+async def sample_tokens(policy: Any, ob_T: list[int], n: int, params: types.SamplingParams) -> list[Sampled]:
+    """``n`` samples of a continuation of ``ob_T`` from any Tinker sampling client, with logprobs.
+    A request refused for its prompt raises as it came; any other failure is a :class:`SamplerError`."""
+    try:
+        resp = await policy.sample(
+            prompt=types.ModelInput.from_ints(ob_T), num_samples=n, sampling_params=params
+        )
+    except Exception as e:
+        if refused_for_its_prompt(e):
+            raise
+        raise SamplerError(f"the sampler failed: {type(e).__name__}: {e}") from e
     out = []
     for s in resp.sequences:
         if s.logprobs is None or len(s.logprobs) != len(s.tokens):
-            raise RuntimeError("the sampler returned no logprob per sampled token")
-        out.append(Sampled(list(s.tokens), [float(x) for x in s.logprobs], str(s.stop_reason)))
+            raise SamplerError("the sampler returned no logprob per sampled token")
+        lps = [float(x) for x in s.logprobs]
+        if not all(math.isfinite(x) for x in lps):
+            raise SamplerError("the sampler returned a non-finite logprob")
+        out.append(Sampled(list(s.tokens), lps, str(s.stop_reason)))
     return out
 
 
@@ -71,7 +111,7 @@ async def _episode(
     env: Env,
     policy: Any,
     params: types.SamplingParams,
-    ob: list[int],
+    ob_T: list[int],
     first: Sampled,
     seed: int | None,
     timeout_s: float | None = None,
@@ -80,22 +120,22 @@ async def _episode(
     sampled = first
     turn = 0
     while True:
-        if any(not math.isfinite(x) for x in sampled.logprobs):
-            raise RuntimeError("non-finite sampler logprob")
-        res = await env_call("step", env.step(sampled.tokens), timeout_s)
+        res = await env_call("step", env.step(sampled.tokens_T), timeout_s)
         if not math.isfinite(res.reward):
             raise ValueError(f"environment returned a non-finite reward ({res.reward})")
         traj.transitions.append(
-            Transition(ob, sampled.tokens, sampled.logprobs, float(res.reward), res.done, dict(res.metrics))
+            Transition(
+                ob_T, sampled.tokens_T, sampled.logprobs_T, float(res.reward), res.done, dict(res.metrics)
+            )
         )
         if res.done:
             return traj
-        if not res.next_ob:
+        if not res.next_ob_T:
             raise ValueError("environment is not done but returned an empty next observation")
-        ob = list(res.next_ob)
+        ob_T = list(res.next_ob_T)
         turn += 1
         step_seed = None if seed is None else seed + 7919 * turn
-        (sampled,) = await sample_tokens(policy, ob, 1, _params(params, env, step_seed))
+        (sampled,) = await sample_tokens(policy, ob_T, 1, _params(params, env, step_seed))
 
 
 async def rollout_group(
@@ -137,11 +177,13 @@ async def rollout_group(
         s = None if seed is None else seed + 104729 * k
         try:
             return await sample_tokens(policy, obs[idx[0]] or [], len(idx), _params(params, env0, s))
-        except Exception as e:
+        except SamplerError:
+            raise
+        except Exception as e:  # refused for the environment's context: those episodes' failure
             return e
 
     keys = list(by_key.values())
-    firsts = await asyncio.gather(*(first_samples(idx, k) for k, idx in enumerate(keys)))
+    firsts = await gather_or_cancel(*(first_samples(idx, k) for k, idx in enumerate(keys)))
 
     async def run(i: int, sampled: Sampled) -> Trajectory | None:
         nonlocal errors
@@ -150,6 +192,8 @@ async def rollout_group(
             traj = await _episode(envs[i], policy, params, obs[i] or [], sampled, s, timeout_s)
             traj.policy_version = policy_version
             return traj
+        except SamplerError:
+            raise
         except Exception as e:
             errors += 1
             log.warning("episode of %s failed: %r", type(envs[i]).__name__, e)
@@ -159,10 +203,10 @@ async def rollout_group(
     for idx, got in zip(keys, firsts, strict=True):
         if isinstance(got, BaseException):
             errors += len(idx)
-            log.warning("sampling the first turn failed: %r", got)
+            log.warning("the sampler refused the first turn's context: %r", got)
             continue
         jobs += [run(i, s) for i, s in zip(idx, got, strict=True)]
-    trajs = [t for t in await asyncio.gather(*jobs) if t is not None]
+    trajs = [t for t in await gather_or_cancel(*jobs) if t is not None]
     if trajs:
         try:
             extra = builder.group_rewards(trajs)
@@ -175,3 +219,25 @@ async def rollout_group(
             log.warning("group rewards failed: %r", e)
             trajs = []
     return TrajectoryGroup(trajs, builder.tags(), errors)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def group_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """A step's rollout metrics: mean reward, episodes, environment errors, lengths, and the mean
+    of each per-turn metric the environments reported (``env/<key>``)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    m: dict[str, float] = {
+        "reward/mean": _mean([t.total_reward for t in trajs]),
+        "env/episodes": float(len(trajs)),
+        "env/errors": float(sum(g.errors for g in groups)),
+        "tokens/action_mean": _mean([float(t.num_action_tokens) for t in trajs]),
+        "env/turns_mean": _mean([float(len(t.transitions)) for t in trajs]),
+    }
+    keys = {k for t in trajs for tr in t.transitions for k in tr.metrics}
+    for k in sorted(keys):
+        vals = [float(tr.metrics[k]) for t in trajs for tr in t.transitions if k in tr.metrics]
+        m[f"env/{k}"] = _mean(vals)
+    return m

@@ -19,8 +19,8 @@ from typing import Any
 from tinker import types
 
 from opentinker.renderers import Message, Renderer
-from opentinker.rl.env import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 from opentinker.rl.rollout import rollout_group
+from opentinker.rl.types import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 from opentinker.tasks.arithmetic import AdditionDataset, eval_problems, first_int_reward, question
 
 FEEDBACK = "That is not correct. Answer with just the number."

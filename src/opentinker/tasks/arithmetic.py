@@ -16,7 +16,7 @@ from typing import Any
 from tinker import types
 
 from opentinker.renderers import Message, Renderer
-from opentinker.rl.env import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
+from opentinker.rl.types import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 
 INT = re.compile(r"-?\d+")
 EVAL_SEED = 20_261_129

@@ -32,8 +32,8 @@ from typing import Any
 from tinker import types
 
 from opentinker.renderers import Message, Renderer
-from opentinker.rl.env import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 from opentinker.rl.rollout import rollout_group
+from opentinker.rl.types import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 
 NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
 EXPR = re.compile(r"(-?\d+)\s*([-+*x×])\s*(-?\d+)")

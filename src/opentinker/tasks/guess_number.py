@@ -28,8 +28,8 @@ from typing import Any
 from tinker import types
 
 from opentinker.renderers import Message, Renderer
-from opentinker.rl.env import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 from opentinker.rl.rollout import rollout_group
+from opentinker.rl.types import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 
 PROMPT = "I'm thinking of a number between 1 and 100. Guess it."
 INT = re.compile(r"-?\d+")

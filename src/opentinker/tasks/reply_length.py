@@ -15,7 +15,7 @@ from typing import Any
 from tinker import types
 
 from opentinker.renderers import Message, Renderer
-from opentinker.rl.env import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
+from opentinker.rl.types import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 
 QUESTIONS = [
     "What is the capital of France?", "Why is the sky blue?", "How do plants make food?",

@@ -44,13 +44,13 @@ from typing import Any
 from tinker import types
 
 from opentinker.renderers import Message, Renderer
-from opentinker.rl.multiagent import (
+from opentinker.rl.multiagent import play_game
+from opentinker.rl.types import (
     GameGroupBuilder,
     MultiAgentDataset,
     MultiAgentEnv,
     MultiAgentTask,
     ScriptedPolicy,
-    play_game,
 )
 
 LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]

@@ -1,0 +1,131 @@
+"""Trajectories -> training datums: advantages (and the sampler's logprobs) on the action tokens,
+0 on everything the policy did not generate (context, environment observations).
+
+A multi-turn episode whose every observation extends the previous observation + action is one
+token sequence, so it becomes one datum (its environment replies are context, weight 0); a turn
+whose context was rewritten starts a new datum. :func:`build_datums` is the step's whole datum
+path: group-relative advantages (constant groups dropped on request), optional KL shaping to the
+base model, datums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from tinker import types
+
+from opentinker.data import datum_from_tokens
+from opentinker.rl.advantages import group_advantages, is_constant
+from opentinker.rl.types import Trajectory, TrajectoryGroup
+
+Segment = tuple[list[int], list[float], list[bool]]  # (tokens_T, sampler logprobs_T, is_action_T)
+
+
+class DatumConfig(Protocol):
+    """What :func:`build_datums` reads of a run's config (``RLConfig`` has it)."""
+
+    drop_constant_groups: bool
+    normalize_std: bool
+    kl_coef: float
+
+
+def trajectory_segments(traj: Trajectory) -> list[Segment]:
+    """Split a trajectory into full sequences: consecutive turns whose observation extends the
+    previous observation + action are merged into one sequence; a turn whose context was rewritten
+    starts a new one. Each segment: (tokens_T, sampler logprob per token, is-action per token)."""
+    segs: list[Segment] = []
+    tokens_T: list[int] = []
+    logprobs_T: list[float] = []
+    is_action_T: list[bool] = []
+    for t in traj.transitions:
+        if tokens_T and t.ob_T[: len(tokens_T)] == tokens_T:
+            new_ob_T = t.ob_T[len(tokens_T) :]
+        else:
+            if tokens_T:
+                segs.append((tokens_T, logprobs_T, is_action_T))
+            tokens_T, logprobs_T, is_action_T = [], [], []
+            new_ob_T = t.ob_T
+        tokens_T = tokens_T + list(new_ob_T) + list(t.ac_T)
+        logprobs_T = logprobs_T + [0.0] * len(new_ob_T) + list(t.logprobs_T)
+        is_action_T = is_action_T + [False] * len(new_ob_T) + [True] * len(t.ac_T)
+    if tokens_T:
+        segs.append((tokens_T, logprobs_T, is_action_T))
+    return segs
+
+
+def rl_datums(
+    traj: Trajectory, advantage: float, token_advantages: list[list[float]] | None = None
+) -> list[types.Datum]:
+    """RL: advantages on the action tokens (``advantage``, plus per-token shaping such as a KL
+    penalty in ``token_advantages``, one list per segment), sampler ``logprobs`` on them, 0 on
+    everything else."""
+    out = []
+    for k, (tokens_T, logprobs_T, is_action_T) in enumerate(trajectory_segments(traj)):
+        extra_T = token_advantages[k] if token_advantages is not None else [0.0] * len(tokens_T)
+        adv_T = [(advantage + e) if a else 0.0 for a, e in zip(is_action_T, extra_T, strict=True)]
+        lp_T = [lp if a else 0.0 for lp, a in zip(logprobs_T, is_action_T, strict=True)]
+        out.append(datum_from_tokens(tokens_T, advantages=adv_T, logprobs=lp_T))
+    return out
+
+
+async def build_datums(
+    groups: list[TrajectoryGroup], cfg: DatumConfig, base_policy: Any | None
+) -> tuple[list[types.Datum], dict[str, float]]:
+    """Advantages per group (constant groups dropped on request), optional KL shaping, datums."""
+    datums: list[types.Datum] = []
+    kept = dropped = 0
+    kls: list[float] = []
+    chosen: list[tuple[Trajectory, float]] = []  # (trajectory, advantage) of every kept group
+    for g in groups:
+        rewards_G = g.rewards_G
+        if len(rewards_G) == 0:
+            continue
+        if cfg.drop_constant_groups and is_constant(rewards_G):
+            dropped += 1
+            continue
+        kept += 1
+        advantages_G = group_advantages(rewards_G, normalize_std=cfg.normalize_std)
+        chosen += list(zip(g.trajectories, advantages_G, strict=True))
+    base_lps: list[list[list[float | None]]] = []
+    if cfg.kl_coef > 0 and base_policy is not None and chosen:
+        # every segment's base logprobs in one go: they share one sampler batch
+        segs = [[tokens_T for tokens_T, _, _ in trajectory_segments(t)] for t, _ in chosen]
+        flat = await asyncio.gather(
+            *(
+                _awaited(base_policy.compute_logprobs(types.ModelInput.from_ints(s)))
+                for ss in segs
+                for s in ss
+            )
+        )
+        it = iter(flat)
+        base_lps = [[next(it) for _ in ss] for ss in segs]
+    for k, (traj, a) in enumerate(chosen):
+        shaping = None
+        if base_lps:
+            shaping = []
+            for (_, lp_T, is_action_T), base_lp_T in zip(trajectory_segments(traj), base_lps[k], strict=True):
+                seg = []
+                for i, (is_act, blp) in enumerate(zip(is_action_T, base_lp_T, strict=True)):
+                    if is_act and i > 0 and blp is not None:
+                        kl = lp_T[i] - float(blp)
+                        kls.append(kl)
+                        seg.append(-cfg.kl_coef * kl)
+                    else:
+                        seg.append(0.0)
+                shaping.append(seg)
+        datums += rl_datums(traj, a, shaping)
+    n_tok = sum(t.num_action_tokens for g in groups for t in g.trajectories) if datums else 0
+    m = {
+        "groups/kept": float(kept),
+        "groups/dropped_constant": float(dropped),
+        "train/action_tokens": float(n_tok),
+    }
+    if kls:
+        m["kl/sampler_vs_base"] = sum(kls) / len(kls)
+    return datums, m
+
+
+async def _awaited(fut: Any) -> Any:
+    """A client future (ours or the SDK's: awaitable, not an asyncio future) as a coroutine."""
+    return await fut
