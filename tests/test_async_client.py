@@ -67,14 +67,20 @@ async def _while_gated(
     return result, during, opened_by_ticker == [True]
 
 
-def test_save_weights_and_get_sampling_client_async_does_not_block_the_loop(runtime: Runtime) -> None:
+@pytest.mark.parametrize("form", ["awaited_future", "async_method"])
+def test_save_weights_and_get_sampling_client_does_not_block_the_loop(runtime: Runtime, form: str) -> None:
+    """Both SDK 0.38 forms: ``await tc.save_weights_and_get_sampling_client()`` (what the loops
+    call) and the deprecated ``save_weights_and_get_sampling_client_async()``."""
     service = opentinker.ServiceClient(runtime=runtime)
     tc = service.create_lora_training_client(TEST_MODEL, rank=4, seed=0)
 
+    async def call() -> Any:
+        if form == "awaited_future":
+            return await tc.save_weights_and_get_sampling_client()
+        return await tc.save_weights_and_get_sampling_client_async()
+
     async def main() -> tuple[Any, int, bool]:
-        return await _while_gated(
-            runtime, tc.model_id, lambda: tc.save_weights_and_get_sampling_client_async(), 30.0
-        )
+        return await _while_gated(runtime, tc.model_id, call, 30.0)
 
     t = time.perf_counter()
     sampler, ticks, opened_by_ticker = asyncio.run(main())
@@ -83,7 +89,7 @@ def test_save_weights_and_get_sampling_client_async_does_not_block_the_loop(runt
     assert time.perf_counter() - t < 20.0
 
     # the same policy version as the blocking form's: both sample the same tokens and logprobs
-    reference = tc.save_weights_and_get_sampling_client()
+    reference = tc.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints([1, 5, 6, 7])
     params = types.SamplingParams(max_tokens=6, seed=3, temperature=1.0)
     got = sampler.sample(prompt, 2, params).result().sequences
@@ -98,7 +104,7 @@ def test_the_check_catches_a_call_that_blocks_the_loop(runtime: Runtime) -> None
     tc = service.create_lora_training_client(TEST_MODEL, rank=4, seed=0)
 
     async def blocking() -> Any:
-        return tc.save_weights_and_get_sampling_client()
+        return tc.save_weights_and_get_sampling_client().result()
 
     async def main() -> tuple[Any, int, bool]:
         return await _while_gated(runtime, tc.model_id, blocking, 0.3)
@@ -106,3 +112,14 @@ def test_the_check_catches_a_call_that_blocks_the_loop(runtime: Runtime) -> None
     _, ticks, opened_by_ticker = asyncio.run(main())
     assert not opened_by_ticker
     assert ticks == 0
+
+
+def test_the_future_can_be_used_as_the_client(runtime: Runtime) -> None:
+    """SDK backcompat: code that treats the returned future as the SamplingClient keeps working."""
+    service = opentinker.ServiceClient(runtime=runtime)
+    tc = service.create_lora_training_client(TEST_MODEL, rank=4, seed=0)
+    prompt = types.ModelInput.from_ints([1, 5, 6, 7])
+    params = types.SamplingParams(max_tokens=4, seed=1, temperature=1.0)
+    direct = tc.save_weights_and_get_sampling_client().sample(prompt, 1, params).result()
+    resolved = tc.save_weights_and_get_sampling_client().result().sample(prompt, 1, params).result()
+    assert direct.sequences[0].tokens == resolved.sequences[0].tokens

@@ -1,7 +1,9 @@
 """Futures shaped like the SDK's: ``.result(timeout)``, ``await``, ``.result_async()``.
 
 We reuse the SDK's own ``AwaitableConcurrentFuture`` for results, and give clients the SDK 0.38
-"future of a client that is also the client" behaviour with :class:`ReadyClient`.
+"future of a client that is also the client" behaviour: :class:`ClientFuture` for a client that
+is still being made (a snapshot queued behind a model's training), :class:`ReadyClient` for one
+that exists already.
 """
 
 from __future__ import annotations
@@ -33,6 +35,25 @@ def mapped(fut: Future, fn: Callable[[Any], U]) -> AwaitableConcurrentFuture[U]:
 
     fut.add_done_callback(done)
     return AwaitableConcurrentFuture(out)
+
+
+class ClientFuture(AwaitableConcurrentFuture[T]):
+    """A future of a client, as the SDK 0.38 returns from ``save_weights_and_get_sampling_client``.
+
+    ``await`` it (the event loop stays free while the scheduler works) or call ``.result()``.
+    Like the SDK's backcompat wrapper, calling a client method on the future itself waits for the
+    client first, so code that treats the return value as the client keeps working.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy/pickle protocols look these up: never wait for them
+            raise AttributeError(name)
+        return getattr(self.result(), name)
+
+
+def client_future(fut: Future, make: Callable[[Any], U]) -> ClientFuture[U]:
+    """A :class:`ClientFuture` of ``make(result)``."""
+    return ClientFuture(mapped(fut, make).future())
 
 
 def ready(value: T) -> AwaitableConcurrentFuture[T]:

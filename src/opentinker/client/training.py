@@ -6,7 +6,6 @@ program can submit ``forward_backward`` then ``optim_step`` before waiting (both
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +16,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from opentinker.client.checkpoints import CheckpointRef, check_name
 from opentinker.client.convert import datum_to_example, forward_output
-from opentinker.client.futures import ReadyClient, mapped
+from opentinker.client.futures import ClientFuture, ReadyClient, client_future, mapped
 from opentinker.client.runtime import ModelRecord, Runtime
 from opentinker.client.sampling import SamplingClient
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult, SnapshotInfo
@@ -158,16 +157,17 @@ class TrainingClient(ReadyClient):
         return mapped(fut, lambda _: types.LoadWeightsResponse(path=path, model_id=self.model_id))
 
     # ---------------------------------------------------------------- sampling
-    def save_weights_and_get_sampling_client(self, name: str | None = None, **_: Any) -> SamplingClient:
-        return self._sampling_client(self._runtime.snapshot(self.model_id).result())
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, **_: Any
+    ) -> ClientFuture[SamplingClient]:
+        # a future of the client, as in the SDK 0.38: awaiting it leaves the event loop free
+        # (other runs of ``run_rl_many`` keep going) while the scheduler takes the snapshot
+        return client_future(self._runtime.snapshot(self.model_id), self._sampling_client)
 
     async def save_weights_and_get_sampling_client_async(
         self, name: str | None = None, **_: Any
     ) -> SamplingClient:
-        # awaits the queued snapshot instead of blocking: other coroutines on this loop (other
-        # runs of ``run_rl_many``) keep going while the scheduler takes it
-        snap = await asyncio.wrap_future(self._runtime.snapshot(self.model_id))
-        return self._sampling_client(snap)
+        return await self.save_weights_and_get_sampling_client(name)
 
     def _sampling_client(self, snap: SnapshotInfo) -> SamplingClient:
         client = SamplingClient(self._runtime, self._base_model, snap.snapshot_id)
