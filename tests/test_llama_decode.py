@@ -202,8 +202,8 @@ def test_fused_lora_terms_equal_the_per_projection_deltas(engine: Engine, polici
         for key, names, t in [(k, n, t) for k, n in FUSED.items() for t in (1, 3)]:  # decode, prefill
             d_in = groups[names[0]].d_in
             d_out = sum(groups[n].d_out for n in names)
-            x = torch.randn(len(rows), t, d_in, generator=g)
-            y = torch.randn(len(rows), t, d_out, generator=g)
+            x = torch.randn(len(rows), t, d_in, generator=g).to(engine.device)
+            y = torch.randn(len(rows), t, d_out, generator=g).to(engine.device)
             for layer in range(groups[names[0]].n_layers):
                 with torch.no_grad():
                     got = lora.apply(y.clone(), x, key, layer) - y
