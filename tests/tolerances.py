@@ -33,7 +33,8 @@ so a row routed to the wrong adapter, a dropped LoRA term or a wrong position is
   each gradient coordinate by its own magnitude, so a coordinate whose gradient is near 0 takes a
   full-size step whose sign is set by rounding, and two paths' weights can drift apart by much
   more than one step's rounding (the losses of 8 clients' 3 steps, fused vs alone, differ by
-  3.8e-7 here; nothing bounds it below the amplification), so bounded here, not zero. Their logits then differ by up to
+  3.8e-7 here, but one sign flip on a near-zero coordinate moves that weight by 2 * lr), so
+  bounded here, not zero. Their logits then differ by up to
   ``TRAJECTORY_LOGIT_ATOL = 1e-2`` (TRAJECTORY_REL times |logit| ≲ 10), so greedy tokens after
   training are compared only up to the first near tie (``assert_greedy_equal(gaps=...)``).
 
