@@ -28,7 +28,9 @@ CPU, SmolLM2-135M at B = 16 × 128 takes ~7 s per forward on one thread; use e.g
 ``--model HuggingFaceTB/SmolLM2-135M-Instruct --seq 32 --repeats 5`` to stay within a few minutes.
 On a shared machine add ``--threads 1``: two OpenMP threads on two busy cores stall each other and
 make single runs 2-10x slower at random (torch's thread count is otherwise left at its default).
-The last line printed is ``P1 <mixed/single>``.
+``--device cuda`` (and ``--dtype bfloat16``) runs it on an accelerator, ``--json`` writes the
+ratios and the table (``benchmarks/device_check.py`` does both). The last line printed is
+``P1 <mixed/single>``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import interleaved, print_table
+from timing import add_device_args, device_of, interleaved, medians_ms, print_table, write_json
 
 from opentinker.engine import Engine
 from opentinker.engine.types import Example, ForwardRequest
@@ -57,15 +59,15 @@ def randomize_b(engine: Engine, adapter_id: str, gen: torch.Generator, std: floa
             b.copy_(torch.randn(b.shape, generator=gen) * std)
 
 
-def build_peft_model(engine: Engine, adapter_ids: list[str], workdir: Path) -> torch.nn.Module:
+def build_peft_model(
+    engine: Engine, adapter_ids: list[str], workdir: Path, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """A separate HF copy of the base model wrapped as a PeftModel holding the same adapters."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        engine.base.path, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    hf.eval()
+    hf = AutoModelForCausalLM.from_pretrained(engine.base.path, dtype=dtype, attn_implementation="sdpa")
+    hf.to(engine.device).eval()
     model = None
     with warnings.catch_warnings():  # peft warns that lm_head is tied to the embeddings: we only run it
         warnings.simplefilter("ignore")
@@ -76,7 +78,7 @@ def build_peft_model(engine: Engine, adapter_ids: list[str], workdir: Path) -> t
             else:
                 model.load_adapter(str(folder), adapter_name=aid)
     assert model is not None
-    model.eval()
+    model.to(engine.device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -96,20 +98,25 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (default 0: leave torch's own default)"
     )
+    add_device_args(ap)
     args = ap.parse_args()
+    dev, dtype = device_of(args)
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
-    engine = Engine(args.model)
+    engine = Engine(args.model, device=dev, dtype=dtype)
     ids = [engine.create_adapter(LoRAConfig(rank=args.rank, seed=args.seed + k)) for k in range(args.batch)]
     for aid in ids:
         randomize_b(engine, aid, gen, args.b_std)
-    tokens = torch.randint(0, engine.vocab_size, (args.batch, args.seq), generator=gen)
+    tokens_cpu = torch.randint(0, engine.vocab_size, (args.batch, args.seq), generator=gen)
+    tokens = tokens_cpu.to(dev)  # the routed forward's input; the engine moves datums itself
     examples = [
-        Example(tokens[i], {"target_tokens": torch.roll(tokens[i], -1), "weights": torch.ones(args.seq)})
+        Example(
+            tokens_cpu[i], {"target_tokens": torch.roll(tokens_cpu[i], -1), "weights": torch.ones(args.seq)}
+        )
         for i in range(args.batch)
     ]
     mixed_policies: list[str | None] = list(ids)
@@ -143,7 +150,7 @@ def main() -> None:
 
     if not args.no_peft:
         with tempfile.TemporaryDirectory(prefix="p1-peft-") as tmp:
-            peft_model = build_peft_model(engine, ids, Path(tmp))
+            peft_model = build_peft_model(engine, ids, Path(tmp), dtype)
 
         def peft_run(names: list[str] | None) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
@@ -157,10 +164,10 @@ def main() -> None:
         peft_model.set_adapter(ids[0])  # type: ignore[operator]
         alternatives["peft mixed (adapter_names)"] = peft_run(list(ids))
         alternatives["peft single (set_adapter)"] = peft_run(None)
-        ours_mixed = alternatives["ours mixed (routing)"]()
-        theirs_mixed = alternatives["peft mixed (adapter_names)"]()
-        ours_single = alternatives["ours single (routing)"]()
-        theirs_single = alternatives["peft single (set_adapter)"]()
+        ours_mixed = alternatives["ours mixed (routing)"]().float()  # type: ignore[union-attr]
+        theirs_mixed = alternatives["peft mixed (adapter_names)"]().float()  # type: ignore[union-attr]
+        ours_single = alternatives["ours single (routing)"]().float()  # type: ignore[union-attr]
+        theirs_single = alternatives["peft single (set_adapter)"]().float()  # type: ignore[union-attr]
         diff_mixed = float((ours_mixed - theirs_mixed).abs().max())  # type: ignore[operator]
         diff_single = float((ours_single - theirs_single).abs().max())  # type: ignore[operator]
         scale = float(ours_mixed.abs().max())  # type: ignore[union-attr]
@@ -172,17 +179,26 @@ def main() -> None:
     print(
         f"model {args.model}: B={args.batch} rows x T={args.seq} tokens, rank {args.rank}, "
         f"K={args.batch} adapters in the mixed batch; {args.warmup} warm-up + {args.repeats} timed runs each, "
-        f"{torch.get_num_threads()} threads; setup {time.perf_counter() - t0:.1f} s"
+        f"{torch.get_num_threads()} threads, {dev} {args.dtype}; setup {time.perf_counter() - t0:.1f} s"
     )
-    times = interleaved(alternatives, args.repeats, args.warmup)
+    times = interleaved(alternatives, args.repeats, args.warmup, dev)
     print_table(times, "ours single (routing)")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     p1 = med["ours mixed (routing)"] / med["ours single (routing)"]
     p1_engine = med["ours mixed (fwd_bwd_many, no bwd)"] / med["ours single (fwd_bwd_many, no bwd)"]
+    results: dict[str, object] = {"P1": p1, "P1engine": p1_engine, "B": args.batch, "T": args.seq}
     print(f"P1engine {p1_engine:.2f}")
     if not args.no_peft:
-        print(f"P1peftself {med['peft mixed (adapter_names)'] / med['peft single (set_adapter)']:.2f}")
-        print(f"P1peft {med['peft mixed (adapter_names)'] / med['ours mixed (routing)']:.2f}")
+        results["P1peftself"] = med["peft mixed (adapter_names)"] / med["peft single (set_adapter)"]
+        results["P1peft"] = med["peft mixed (adapter_names)"] / med["ours mixed (routing)"]
+        results["max_abs_logit_diff_vs_peft"] = {
+            "mixed": diff_mixed,
+            "single": diff_single,
+            "max_logit": scale,
+        }
+        print(f"P1peftself {results['P1peftself']:.2f}")
+        print(f"P1peft {results['P1peft']:.2f}")
+    write_json(args, {**results, "median_ms": medians_ms(times)})
     print(f"P1 {p1:.2f}")
 
 

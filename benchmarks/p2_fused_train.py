@@ -23,7 +23,8 @@ CPU SmolLM2-135M needs about half a minute for one fused step of 16 × 128 token
 ``--model HuggingFaceTB/SmolLM2-135M-Instruct --seq 32 --repeats 5`` to stay within a few minutes.
 On a shared machine add ``--threads 1``: two OpenMP threads on two busy cores stall each other and
 make single runs 2-10x slower at random (torch's thread count is otherwise left at its default).
-The last line printed is ``P2 <fused/one-adapter>``.
+``--device cuda`` (and ``--dtype bfloat16``) runs it on an accelerator, ``--json`` writes the
+ratios and the table. The last line printed is ``P2 <fused/one-adapter>``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from timing import check, interleaved, print_table
+from timing import add_device_args, check, device_of, interleaved, medians_ms, print_table, write_json
 
 from opentinker.engine import Engine
 from opentinker.engine.types import AdamParams, Example, ForwardRequest
@@ -55,7 +56,9 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads (default 0: leave torch's own default)"
     )
+    add_device_args(ap)
     args = ap.parse_args()
+    dev, dtype = device_of(args)
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -63,7 +66,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     k, b, t = args.adapters, args.rows, args.seq
     t0 = time.perf_counter()
-    engine = Engine(args.model)
+    engine = Engine(args.model, device=dev, dtype=dtype)
     ids = [engine.create_adapter(LoRAConfig(rank=args.rank, seed=args.seed + i)) for i in range(k)]
     solo = engine.create_adapter(LoRAConfig(rank=args.rank, seed=args.seed + k))
     tokens = torch.randint(0, engine.vocab_size, (k * b, t), generator=gen)
@@ -99,12 +102,15 @@ def main() -> None:
     print(
         f"model {args.model}: K={k} adapters x b={b} rows x T={t} tokens ({k * b * t} tokens a step), "
         f"rank {args.rank}; {args.warmup} warm-up + {args.repeats} timed runs each, "
-        f"{torch.get_num_threads()} threads; setup {time.perf_counter() - t0:.1f} s"
+        f"{torch.get_num_threads()} threads, {dev} {args.dtype}; setup {time.perf_counter() - t0:.1f} s"
     )
-    times = interleaved(alternatives, args.repeats, args.warmup)
+    times = interleaved(alternatives, args.repeats, args.warmup, dev)
     names = list(alternatives)
     print_table(times, names[0])
     one, fuse, seq = (statistics.median(times[n]) for n in names)
+    write_json(
+        args, {"P2": fuse / one, "P2seq": seq / fuse, "K": k, "b": b, "T": t, "median_ms": medians_ms(times)}
+    )
     print(f"P2seq {seq / fuse:.2f}")
     print(f"P2 {fuse / one:.2f}")
 

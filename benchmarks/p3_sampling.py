@@ -6,6 +6,8 @@ samples the same batch with every row on a *different* adapter, through the nati
 backend. Both produce exactly ``--new-tokens`` tokens per row (no early stop) at temperature 1.
 Runs are interleaved (ours, HF, ours, HF, ...) and medians quoted; the last line is ``P3 <ratio>``
 (ours tokens/s ÷ HF tokens/s; DESIGN.md §6 target ≥ 1.5 on the tiny model, ≥ 1.0 on SmolLM2).
+``--device cuda`` (and ``--dtype bfloat16``) runs both on an accelerator (each timed run ends with
+a device synchronisation); ``--json`` writes the ratio and the tokens/s.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import statistics
 import time
 
 import torch
+from timing import add_device_args, device_of, sync, write_json
 from transformers import AutoModelForCausalLM
 
 from opentinker.engine import Engine
@@ -33,11 +36,13 @@ def main() -> None:
     ap.add_argument(
         "--no-lean", action="store_true", help="sample through the HF module tree, not the lean Llama path"
     )
+    add_device_args(ap)
     args = ap.parse_args()
+    dev, dtype = device_of(args)
     torch.manual_seed(0)
 
-    base = load_base_model(args.model)
-    engine = Engine(base)
+    base = load_base_model(args.model, dtype=dtype, device=dev)
+    engine = Engine(base, dtype=dtype)
     ids = [engine.create_adapter(LoRAConfig(rank=8, seed=i)) for i in range(args.adapters)]
     for aid in ids:  # non-zero B so every adapter really changes the function
         for t in engine.adapter_weights(aid).b.values():
@@ -50,12 +55,13 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0, stop=[])
     reqs = [SampleRequest(aid, p, params) for aid, p in zip(ids, prompts, strict=True)]
 
-    hf = AutoModelForCausalLM.from_pretrained(base.path, dtype=torch.float32).eval()  # "merged" weights
-    x = torch.tensor(prompts)
+    hf = AutoModelForCausalLM.from_pretrained(base.path, dtype=dtype).to(dev).eval()  # "merged" weights
+    x = torch.tensor(prompts, device=dev)
 
     def ours() -> float:
         t = time.perf_counter()
         res = sampler.generate(reqs)
+        sync(dev)
         dt = time.perf_counter() - t
         assert all(
             not isinstance(r, Exception) and len(r.sequences[0].tokens) == args.new_tokens for r in res
@@ -75,6 +81,7 @@ def main() -> None:
             top_k=0,
             pad_token_id=0,
         )
+        sync(dev)
         dt = time.perf_counter() - t
         assert out.shape[1] == args.prompt_len + args.new_tokens
         return dt
@@ -93,6 +100,7 @@ def main() -> None:
         f"  ours (K={args.adapters} adapters, native KV cache): {n_tokens / ta:8.1f} tok/s  (median {ta:.3f}s)"
     )
     print(f"  HF generate (merged weights, 1 model):  {n_tokens / tb:8.1f} tok/s  (median {tb:.3f}s)")
+    write_json(args, {"P3": tb / ta, "tokens_per_s": {"ours": n_tokens / ta, "hf_generate": n_tokens / tb}})
     print(f"P3 {tb / ta:.2f}")
 
 

@@ -1,31 +1,83 @@
-"""Shared timing helpers for the benchmark scripts: interleaved repeats, medians, a result table.
+"""Shared helpers for the benchmark scripts: interleaved repeats, medians, a result table, and the
+``--device`` / ``--dtype`` / ``--json`` options of P1-P3.
 
 Time on the project's machines is noisy, so every comparison alternates its runs (A B, B A, ...)
-after warm-ups on each, and quotes medians.
+after warm-ups on each, and quotes medians. On an accelerator each timed run ends with a device
+synchronisation (kernels run asynchronously: without it the clock would time only the launches).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_device_args(ap: argparse.ArgumentParser) -> None:
+    """``--device`` (cpu, cuda, cuda:1, ...), ``--dtype`` and ``--json`` (write the ratios there)."""
+    ap.add_argument("--device", default="cpu", help="where the engine and the baselines run")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--json", type=Path, default=None, help="also write the results to this file")
+
+
+def device_of(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """The requested device (refused clearly if absent; TF32 off on CUDA: fp32 means fp32) and dtype."""
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: torch sees no CUDA device here")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return dev, DTYPES[args.dtype]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write_json(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    if args.json is not None:
+        out = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(), **results}
+        if torch.device(args.device).type == "cuda":
+            out["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        args.json.write_text(json.dumps(out, indent=1, default=str))
 
 
 def interleaved(
-    alternatives: dict[str, Callable[[], object]], repeats: int, warmup: int
+    alternatives: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int,
+    device: torch.device | None = None,
 ) -> dict[str, list[float]]:
-    """Warm each alternative up, then time them in rounds (A B C, C B A, ...); seconds per run."""
+    """Warm each alternative up, then time them in rounds (A B C, C B A, ...); seconds per run,
+    each run followed by a synchronisation of ``device``."""
+    dev = device or torch.device("cpu")
     for _ in range(warmup):
         for fn in alternatives.values():
             fn()
+    sync(dev)
     times: dict[str, list[float]] = {name: [] for name in alternatives}
     names = list(alternatives)
     for rep in range(repeats):
         for name in names if rep % 2 == 0 else reversed(names):
             t0 = time.perf_counter()
             alternatives[name]()
+            sync(dev)
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def medians_ms(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def print_table(times: dict[str, list[float]], baseline: str, width: int = 40) -> None:

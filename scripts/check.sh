@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: lint, format check, type check, then the whole test suite.
+# The test command: lint, format check, type check, then the whole test suite twice: on one thread
+# and on torch's default thread count (another split of every reduction: tests/tolerances.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -7,4 +8,7 @@ BIN=.venv/bin
 "$BIN/ruff" format --check src tests benchmarks scripts recipes
 "$BIN/pyright" --pythonpath "$BIN/python" src
 # every tier, the slow SmolLM2 ones too (they fit CI's time); `pytest` alone skips them
-"$BIN/python" -m pytest -m "slow or not slow" "$@"
+echo "== pytest, OMP_NUM_THREADS=1"
+OMP_NUM_THREADS=1 "$BIN/python" -m pytest -m "slow or not slow" "$@"
+echo "== pytest, default thread count"
+env -u OMP_NUM_THREADS "$BIN/python" -m pytest -m "slow or not slow" "$@"

@@ -1,4 +1,11 @@
-"""Shared fixtures: the tiny model (loaded once per session) and small helpers to build data."""
+"""Shared fixtures: the tiny model (loaded once per session, on the test device) and data helpers.
+
+``OPENTINKER_TEST_DEVICE`` (default ``cpu``) is where the engine-level tests build the base model,
+the engine and their own models: ``OPENTINKER_TEST_DEVICE=cuda pytest tests/test_engine_invariants.py
+tests/test_sampling.py ...`` runs the invariants on a GPU (``benchmarks/device_check.py`` does that
+and the P1-P3 benchmarks in one go). TF32 is turned off there: the tolerances of
+``tests/tolerances.py`` are fp32's. Asked for a device that is not there, those tests are skipped.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from opentinker.engine import Engine, Example
 from opentinker.models import BaseModel, load_base_model
 
 TEST_MODEL = os.environ.get("OPENTINKER_TEST_MODEL", "opentinker/tiny")
+TEST_DEVICE = os.environ.get("OPENTINKER_TEST_DEVICE", "cpu")
 
 
 def other_family_model(folder: Path, family: str) -> str:
@@ -40,14 +48,31 @@ def other_family_model(folder: Path, family: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_base() -> BaseModel:
+def device() -> torch.device:
+    """The device the engine-level tests run on (``OPENTINKER_TEST_DEVICE``); skips if absent."""
+    dev = torch.device(TEST_DEVICE)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip(f"OPENTINKER_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device")
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (tests/tolerances.py)
+        torch.backends.cudnn.allow_tf32 = False
+    elif dev.type != "cpu":
+        try:
+            torch.zeros(1, device=dev)
+        except (RuntimeError, AssertionError) as e:
+            pytest.skip(f"OPENTINKER_TEST_DEVICE={TEST_DEVICE} is not usable here: {e}")
+    return dev
+
+
+@pytest.fixture(scope="session")
+def tiny_base(device: torch.device) -> BaseModel:
     torch.manual_seed(0)
-    return load_base_model(TEST_MODEL)
+    return load_base_model(TEST_MODEL, device=device)
 
 
 @pytest.fixture
 def engine(tiny_base: BaseModel) -> Engine:
-    """A fresh engine (no adapters) over the shared, frozen tiny base model."""
+    """A fresh engine (no adapters) over the shared, frozen tiny base model, on its device."""
     return Engine(tiny_base, max_rank=64)
 
 
@@ -69,14 +94,6 @@ def make_examples(
             inputs["weights"] = w
         out.append(Example(seq[:-1].clone(), inputs))
     return out
-
-
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
-    """Relative error in norm: ||actual - expected|| <= rel * ||expected|| (fp32 batching noise is
-    per element tiny but not relative to elements that are themselves ~0)."""
-    err = float((actual.double() - expected.double()).norm())
-    scale = float(expected.double().norm())
-    assert err <= rel * max(scale, 1e-12), f"relative error {err / max(scale, 1e-30):.3g} > {rel}"
 
 
 class SlowSampler:

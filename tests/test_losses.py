@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opentinker.engine.losses import LOSSES, resolve_config
+from tests.tolerances import ELEMENTWISE_REL, assert_rel_close
 
 LP = torch.tensor([-1.0, -2.0, -0.5])
 Q = torch.tensor([-1.2, -1.5, -0.5])
@@ -35,7 +36,7 @@ def test_importance_sampling_hand_value() -> None:
     r = [math.exp(0.2), math.exp(-0.5), 1.0]
     expected = -(r[0] * 1.0 + r[1] * -2.0 + r[2] * 0.5)
     assert _loss("importance_sampling", LP, {"logprobs": Q, "advantages": ADV}) == pytest.approx(
-        expected, rel=1e-6
+        expected, rel=ELEMENTWISE_REL
     )
 
 
@@ -43,20 +44,26 @@ def test_ppo_hand_value_and_config() -> None:
     r = [math.exp(0.2), math.exp(-0.5), 1.0]  # 1.2214, 0.6065, 1.0
     # token 0: A>0, r>hi -> min(r·A, 1.2·A) = 1.2;  token 1: A<0, r<lo -> min(-2r, -2·0.8) = -1.6
     expected = -(1.2 + min(r[1] * -2.0, 0.8 * -2.0) + 0.5)
-    assert _loss("ppo", LP, {"logprobs": Q, "advantages": ADV}) == pytest.approx(expected, rel=1e-6)
+    assert _loss("ppo", LP, {"logprobs": Q, "advantages": ADV}) == pytest.approx(
+        expected, rel=ELEMENTWISE_REL
+    )
     wide = -(r[0] + min(r[1] * -2.0, 0.5 * -2.0) + 0.5)
     cfg = {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
-    assert _loss("ppo", LP, {"logprobs": Q, "advantages": ADV}, cfg) == pytest.approx(wide, rel=1e-6)
+    assert _loss("ppo", LP, {"logprobs": Q, "advantages": ADV}, cfg) == pytest.approx(
+        wide, rel=ELEMENTWISE_REL
+    )
 
 
 def test_cispo_hand_value_and_gradient_is_clipped_ratio_times_advantage() -> None:
     lp = LP.clone().requires_grad_(True)
     loss = LOSSES["cispo"].fn(lp, {"logprobs": Q, "advantages": ADV}, resolve_config("cispo", {})).sum()
     clipped = [1.2, 0.8, 1.0]
-    assert float(loss) == pytest.approx(-(1.2 * -1.0 * 1.0 + 0.8 * -2.0 * -2.0 + 1.0 * -0.5 * 0.5), rel=1e-6)
+    assert float(loss) == pytest.approx(
+        -(1.2 * -1.0 * 1.0 + 0.8 * -2.0 * -2.0 + 1.0 * -0.5 * 0.5), rel=ELEMENTWISE_REL
+    )
     loss.backward()
     assert lp.grad is not None
-    torch.testing.assert_close(lp.grad, -torch.tensor(clipped) * ADV)
+    assert_rel_close(lp.grad, -torch.tensor(clipped) * ADV, ELEMENTWISE_REL)
 
 
 def test_dro_hand_value() -> None:
@@ -66,7 +73,7 @@ def test_dro_hand_value() -> None:
         lp * a - 0.5 * beta * dd**2 for lp, a, dd in zip([-1.0, -2.0, -0.5], [1.0, -2.0, 0.5], d, strict=True)
     )
     assert _loss("dro", LP, {"logprobs": Q, "advantages": ADV}, {"beta": beta}) == pytest.approx(
-        expected, rel=1e-6
+        expected, rel=ELEMENTWISE_REL
     )
 
 
@@ -78,10 +85,10 @@ def test_gspo_hand_value_and_token_gradients() -> None:
     lp = LP.clone().requires_grad_(True)
     inputs = {"logprobs": Q, "advantages": ADV, "sequence_ratio_mask": mask}
     loss = LOSSES["gspo"].fn(lp, inputs, resolve_config("gspo", {})).sum()
-    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    assert float(loss) == pytest.approx(expected, rel=ELEMENTWISE_REL)
     loss.backward()
     assert lp.grad is not None
-    torch.testing.assert_close(lp.grad, -s * ADV)  # d(s·exp(lp - sg lp))/dlp = s, per token
+    assert_rel_close(lp.grad, -s * ADV, ELEMENTWISE_REL)  # d(s·exp(lp - sg lp))/dlp = s, per token
 
 
 def test_every_tinker_loss_is_registered() -> None:

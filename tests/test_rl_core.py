@@ -4,7 +4,9 @@ environments (each fails alone, counted), sync/async, KL shaping, resume, severa
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from opentinker.rl import (
 from opentinker.tasks import get_task
 from opentinker.tracking import read_metrics
 from tests.conftest import TEST_MODEL, SlowSampler
+from tests.tolerances import LOGPROB_ATOL, assert_logprobs_close, assert_rel_close, assert_scalar_close
 
 # ------------------------------------------------------------------------------ trajectory -> Datum
 
@@ -230,7 +233,7 @@ def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, rend
         assert f["advantages"] == pytest.approx([0.0] * (n_ob - 1) + [adv] * len(tr.ac_T))
         # and the sampler's logprobs are the trainer's (importance ratio 1 on fresh data)
         fwd = tc.forward([d], "importance_sampling").result().loss_fn_outputs[0]["logprobs"].tolist()
-        assert fwd[n_ob - 1 :] == pytest.approx(tr.logprobs_T, abs=1e-4)
+        assert_logprobs_close(fwd[n_ob - 1 :], tr.logprobs_T)
 
 
 def test_update_moves_towards_rewarded_replies(service: ServiceClient, renderer: Renderer) -> None:
@@ -350,26 +353,73 @@ def test_nan_reward_never_reaches_the_update(
     for a, b in zip(with_nan.metrics, clean.metrics, strict=True):
         assert a["env/errors"] == 1 and b["env/errors"] == 0
         assert a["reward/mean"] == b["reward/mean"]
-        assert a.get("loss/sum", 0.0) == pytest.approx(b.get("loss/sum", 0.0), abs=1e-5)
+        assert_scalar_close(a.get("loss/sum", 0.0), b.get("loss/sum", 0.0))
     assert "loss/sum" in with_nan.metrics[0]
     w_nan, w_clean = _weights(service, with_nan.training_client), _weights(service, clean.training_client)
     for x, y in zip(w_nan, w_clean, strict=True):
         assert torch.isfinite(x).all()
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        assert_rel_close(x, y)
     assert any(float(t.abs().max()) > 0 for t in w_nan)  # it did train
 
 
+def _greedy_accuracy(policy: Any, renderer: Renderer, problems: list[tuple[int, int]]) -> float:
+    """The reference evaluation: each held-out problem alone, greedy, the first integer == a + b."""
+    params = types.SamplingParams(max_tokens=8, temperature=0.0, stop=renderer.stop)
+    right = 0
+    for a, b in problems:
+        prompt = renderer.build_generation_prompt(
+            [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}]
+        )
+        res = policy.sample(types.ModelInput.from_ints(prompt), 1, params).result()
+        found = re.search(r"-?\d+", renderer.parse_response(list(res.sequences[0].tokens))[0]["content"])
+        right += found is not None and int(found.group()) == a + b
+    return right / len(problems)
+
+
 def test_addition_smoke(service: ServiceClient, renderer: Renderer, tmp_path: Path) -> None:
+    """The fixed task end to end: it trains (datums, moved weights), it writes its metrics,
+    checkpoint, config and plot, and the accuracies it logs are those of the base model (before)
+    and of the saved final weights (after) on the held-out problems, recomputed here one by one."""
+    from opentinker.tasks.arithmetic import eval_problems
+
     spec = get_task("addition")
-    cfg = _cfg(tmp_path, steps=3, groups_per_step=2, eval_every=2, extra={"eval_problems": 10}, max_tokens=8)
+    cfg = _cfg(
+        tmp_path,
+        steps=3,
+        groups_per_step=2,
+        eval_every=2,
+        extra={"eval_problems": 20},
+        max_tokens=8,
+        learning_rate=5e-3,
+    )
     dataset, evaluator = spec.build()(renderer, cfg)
     res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
-    rows = read_metrics(cfg.log_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2] and len(res.metrics) == 3
-    assert (Path(cfg.log_dir) / "curves.png").stat().st_size > 0
-    assert (Path(cfg.log_dir) / "config.json").exists()
-    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0 and "eval/accuracy" in rows[0]
-    assert all(0.0 <= r["reward/mean"] <= 1.0 and r["env/episodes"] == 8 for r in rows)
+    log_dir = Path(cfg.log_dir)
+    rows = read_metrics(log_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows == res.metrics
+    assert (log_dir / "curves.png").stat().st_size > 0 and (log_dir / "config.json").exists()
+    assert all(r["env/episodes"] == 8 and r["env/errors"] == 0 for r in rows)
+    # it trained: some groups had differing rewards, so there were datums and the weights moved
+    assert sum(r.get("train/datums", 0) for r in rows) > 0
+    final = _weights(service, res.training_client)
+    assert any(float(t.abs().max()) > 0 for t in final)  # B = 0 at creation
+    # the checkpoint of the last step holds exactly those weights
+    assert res.final_path is not None
+    ckpt = (log_dir / "checkpoints.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in ckpt][-1] == {"step": 3, "path": res.final_path}
+    reloaded = service.create_training_client_from_state(res.final_path)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(service, reloaded), final, strict=True))
+    # held out: no training problem is an evaluation problem
+    held = eval_problems(20)
+    trained_on = {(g.a, g.b) for s in range(cfg.steps) for g in dataset.batch(s)}  # type: ignore[attr-defined]
+    assert trained_on and not trained_on & set(eval_problems())
+    # the logged accuracies are the base model's (step 0) and the final weights' (last row); at this
+    # learning rate the policy moves enough for the two to differ (0.25 and 0.15 here), so a run
+    # that evaluated the wrong weights would fail
+    base = service.create_sampling_client(base_model=TEST_MODEL)
+    assert rows[0]["eval/accuracy"] == _greedy_accuracy(base, renderer, held)
+    policy = reloaded.save_weights_and_get_sampling_client()
+    assert rows[-1]["eval/accuracy"] == _greedy_accuracy(policy, renderer, held)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
@@ -460,7 +510,7 @@ def test_kl_penalty_logged(service: ServiceClient, renderer: Renderer, tmp_path:
     rows = asyncio.run(run_rl(cfg, service, Dataset([["", "", "", ""]], renderer))).metrics
     kls = [r["kl/sampler_vs_base"] for r in rows]
     assert all(math.isfinite(k) for k in kls)
-    assert abs(kls[0]) < 1e-4  # step 0: B = 0, the policy is the base model
+    assert abs(kls[0]) < LOGPROB_ATOL  # step 0: B = 0, the policy is the base model (2 paths' logprobs)
     assert abs(kls[1]) > 1e-6  # after an update they differ
 
 
@@ -478,11 +528,11 @@ def test_resume_continues_identically(service: ServiceClient, renderer: Renderer
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for want, got in zip(full.metrics[2:], resumed.metrics, strict=True):
         assert got["reward/mean"] == want["reward/mean"]
-        assert got["loss/sum"] == pytest.approx(want["loss/sum"], abs=1e-5)
+        assert_scalar_close(got["loss/sum"], want["loss/sum"])
     for x, y in zip(
         _weights(service, full.training_client), _weights(service, resumed.training_client), strict=True
     ):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        assert_rel_close(x, y)
 
 
 def test_run_rl_many_two_adapters(service: ServiceClient, renderer: Renderer, tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from tinker import types
 from opentinker.server.local import LocalServer
 from tests.conftest import TEST_MODEL
 from tests.test_server_conformance import DEV_KEY, _datum
+from tests.tolerances import TRAJECTORY_REL, assert_scalar_close
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +116,8 @@ def test_parallel_clients_match_solo(server: LocalServer) -> None:
         solo = run_client(server.base_url, i)
         print(f"solo client {i}: {time.monotonic() - t:.1f}s, step mean {np.mean(solo['step_s']):.2f}s")
         assert solo["model_id"] != results[i]["model_id"]
-        assert results[i]["losses"] == pytest.approx(solo["losses"], rel=1e-4)
+        for got, want in zip(results[i]["losses"], solo["losses"], strict=True):
+            assert_scalar_close(got, want, TRAJECTORY_REL)  # fused with 15 others vs alone, 3 steps
         if results[i]["samples"] != solo["samples"]:  # seeded sampling: reported, not required
             print(f"client {i}: seeded samples differ between the parallel and the solo run")
 

@@ -20,6 +20,7 @@ from opentinker.tasks import get_task
 from opentinker.tasks.arithmetic import eval_problems, question
 from opentinker.tracking import read_metrics
 from tests.conftest import TEST_MODEL
+from tests.tolerances import ELEMENTWISE_REL, assert_scalar_close
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -184,7 +185,7 @@ def test_loss_decreases_and_eval_hook_logs(tmp_path: Path, runtime: Runtime, ren
     # eval before step s = the loss of step s (one full batch: the same data, the same weights)
     for r in rows[:8]:
         if "eval/nll_per_token" in r:
-            assert math.isclose(r["eval/nll_per_token"], r["loss/nll_per_token"], rel_tol=1e-5)
+            assert_scalar_close(r["eval/nll_per_token"], r["loss/nll_per_token"])
     assert rows[-1]["eval/nll_per_token"] < 0.6 * rows[0]["eval/nll_per_token"]
     assert rows[0]["data/train_examples"] == 8 and rows[0]["data/eval_examples"] == 8
     assert set(rows[-1]) == {
@@ -251,7 +252,7 @@ def test_resume_equals_uninterrupted(tmp_path: Path, runtime: Runtime, renderer:
         assert {k for k in keys if k in ra} == {k for k in keys if k in rb}
         for k in keys:
             if k in ra:
-                assert abs(ra[k] - rb[k]) <= 1e-6 * max(1.0, abs(ra[k])), (ra["step"], k, ra[k], rb[k])
+                assert_scalar_close(rb[k], ra[k], ELEMENTWISE_REL)  # the same computations, reloaded
     steps = [
         json.loads(x)["step"] for x in (Path(cut.log_dir) / "checkpoints.jsonl").read_text().splitlines()
     ]

@@ -72,7 +72,7 @@ class Engine:
         *,
         max_rank: int = 128,
         max_batch_tokens: int = 1 << 17,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         share_prefixes: bool = True,
     ) -> None:
@@ -80,9 +80,12 @@ class Engine:
         self.base = (
             base_model
             if isinstance(base_model, BaseModel)
-            else load_base_model(base_model, dtype=dtype, device=device)
+            else load_base_model(base_model, dtype=dtype, device=device or "cpu")
         )
-        self.device = torch.device(device)
+        # a loaded base model brings its device (an engine on another device than its base can't run)
+        self.device = (
+            torch.device(device) if device is not None else next(self.base.model.parameters()).device
+        )
         self.max_rank = max_rank
         self.max_batch_tokens = max_batch_tokens
         self.lora = MultiLoRA.attach(self.base.model)
