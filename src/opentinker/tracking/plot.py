@@ -9,9 +9,19 @@ from opentinker.tracking.logger import read_metrics
 
 
 def plot_metrics(
-    runs: dict[str, str | Path | list[dict[str, Any]]], keys: list[str], out: str | Path, *, title: str = ""
+    runs: dict[str, str | Path | list[dict[str, Any]]],
+    keys: list[str],
+    out: str | Path,
+    *,
+    title: str = "",
+    guides: dict[str, dict[str, float]] | None = None,
+    log_y: tuple[str, ...] = (),
+    labels: dict[str, str] | None = None,
 ) -> Path:
-    """One panel per metric key, one line per run; x is the step. Returns the PNG's path."""
+    """One panel per metric key, one line per run; x is the step. Returns the PNG's path.
+
+    ``guides[key][run]`` draws a dashed horizontal line in that run's colour on ``key``'s panel
+    (a run's target, say); keys in ``log_y`` get a log y axis; ``labels[key]`` titles a panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,8 +35,13 @@ def plot_metrics(
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="." if len(pts) < 40 else None, label=name)
-        ax.set_title(key)
+                (line,) = ax.plot(xs, ys, marker="." if len(pts) < 40 else None, label=name)
+                guide = (guides or {}).get(key, {}).get(name)
+                if guide is not None:
+                    ax.axhline(guide, color=line.get_color(), linestyle="--", linewidth=1, alpha=0.8)
+        if key in log_y:
+            ax.set_yscale("log")
+        ax.set_title((labels or {}).get(key, key))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     if len(data) > 1:
