@@ -1,7 +1,7 @@
 """The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
-Each adapter gets questions from the same pool but its own objective: reply in about 3, 8, 20 or
-40 words (the ``reply_length`` task, a dense reward on the ratio of words to target). All of them
+Each adapter gets questions from the same pool but its own objective: reply in about 2, 5, 12 or
+30 words (the ``reply_length`` task, a dense reward on the ratio of words to target). All of them
 sample in one mixed batch and train in one fused forward/backward per scheduler tick, through
 the same client API a remote Tinker server offers. At the end every adapter and the bare base
 answer ten held-out questions, greedily, in one mixed sampling batch; the demo prints each
@@ -25,10 +25,11 @@ from typing import Any
 
 from tinker import types
 
-TARGETS = (3, 8, 20, 40)
-# SmolLM2 writes ~1.3 tokens a word: 40 words fit in ~55 tokens, so a reply cut at 80 overshoots
-# the largest target by half again, and a cut reply's reward of 0 never rewards "shorter" wrongly.
-MAX_TOKENS = 80
+TARGETS = (2, 5, 12, 30)  # a factor ~2.5 apart: a reply on one target earns < 0.4 for its neighbours
+# SmolLM2 writes ~1.3 tokens a word: 30 words fit in ~40 tokens, so a reply cut at 64 (~49 words)
+# overshoots the largest target by half again, and a cut reply's reward of 0 never rewards
+# "shorter" where longer was wanted.
+MAX_TOKENS = 64
 
 
 @dataclass
@@ -72,7 +73,7 @@ def run_demo(
     seed: int = 0,
     max_tokens: int = MAX_TOKENS,
     groups_per_step: int = 2,
-    group_size: int = 6,
+    group_size: int = 4,
     log_dir: str = "runs/demo",
 ) -> int:
     """Train one adapter per target at once, print progress and the held-out result. Returns 0."""
@@ -126,8 +127,7 @@ def run_demo(
     plot = plot_metrics(
         {c.name: Path(c.log_dir) for c, _, _ in jobs}, ["env/words", "reward/mean"], Path(log_dir) / "curves.png",
         title=f"{len(targets)} LoRA adapters, one base ({base_model.split('/')[-1]}), one batch per step",
-        guides={"env/words": dict(zip(names, map(float, targets), strict=True)),
-                "reward/mean": dict.fromkeys(names, 1.0)},
+        guides={"env/words": dict(zip(names, map(float, targets), strict=True))},
         log_y=("env/words",),
         labels={"env/words": "mean words per reply (dashed: target)", "reward/mean": "mean reward (1 = on target)"},
     )  # fmt: skip

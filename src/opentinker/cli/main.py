@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="RL on several LoRA adapters at once (one objective each) over one base; plot"
     )
     demo.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    demo.add_argument("--targets", default="3,8,20,40", help="one adapter per target word count")
+    demo.add_argument("--targets", default="2,5,12,30", help="one adapter per target word count")
     demo.add_argument("--steps", type=int, default=16)
     demo.add_argument("--rank", type=int, default=8)
     demo.add_argument("--lr", type=float, default=1e-3)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--max-tokens", type=int, default=80)
+    demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--groups-per-step", type=int, default=2, help="questions per adapter per step")
-    demo.add_argument("--group-size", type=int, default=6, help="replies per question")
+    demo.add_argument("--group-size", type=int, default=4, help="replies per question")
     demo.add_argument("--log-dir", default="runs/demo")
     demo.set_defaults(run=_demo)
 

@@ -42,7 +42,7 @@ QUESTIONS = [
 EVAL = QUESTIONS[-10:]
 TRAIN = QUESTIONS[:-10]
 # Shared by every adapter, so they differ only in what they learned. It starts SmolLM2 near the
-# middle of the targets (~30 words, 6-70, most replies finished within 80 tokens) instead of at
+# middle of the targets (~30 words, 6-70, most replies finished within 64 tokens) instead of at
 # ~90 words where nearly every reply is cut: every target then has finished replies on both sides
 # of it to compare from the first step, and the adapters must move apart, some shorter, some longer.
 SYSTEM = "Answer in one sentence."

@@ -26,6 +26,7 @@ def plot_metrics(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullFormatter
 
     data = {name: (rows if isinstance(rows, list) else read_metrics(rows)) for name, rows in runs.items()}
     keys = [k for k in keys if any(k in r for rows in data.values() for r in rows)] or keys[:1]
@@ -41,6 +42,11 @@ def plot_metrics(
                     ax.axhline(guide, color=line.get_color(), linestyle="--", linewidth=1, alpha=0.8)
         if key in log_y:
             ax.set_yscale("log")
+            marks = sorted(set((guides or {}).get(key, {}).values()))
+            if marks:  # label the guides themselves (the targets), as plain numbers
+                ax.set_yticks(marks, [f"{m:g}" for m in marks])
+                ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title((labels or {}).get(key, key))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
