@@ -128,8 +128,8 @@ def run_demo(
         {c.name: Path(c.log_dir) for c, _, _ in jobs}, ["env/words", "reward/mean"], Path(log_dir) / "curves.png",
         title=f"{len(targets)} LoRA adapters, one base ({base_model.split('/')[-1]}), one batch per step",
         guides={"env/words": dict(zip(names, map(float, targets), strict=True))},
-        log_y=("env/words",),
-        labels={"env/words": "mean words per reply (dashed: target)", "reward/mean": "mean reward (1 = on target)"},
+        log_y=("env/words",), smooth=3,
+        labels={"env/words": "words per reply (3-step mean; dashed: target)", "reward/mean": "mean reward (1 = on target)"},
     )  # fmt: skip
 
     # held-out: every adapter and the base answer the same questions in one mixed batch

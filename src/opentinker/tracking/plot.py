@@ -17,11 +17,14 @@ def plot_metrics(
     guides: dict[str, dict[str, float]] | None = None,
     log_y: tuple[str, ...] = (),
     labels: dict[str, str] | None = None,
+    smooth: int = 1,
 ) -> Path:
     """One panel per metric key, one line per run; x is the step. Returns the PNG's path.
 
     ``guides[key][run]`` draws a dashed horizontal line in that run's colour on ``key``'s panel
-    (a run's target, say); keys in ``log_y`` get a log y axis; ``labels[key]`` titles a panel."""
+    (a run's target, say); keys in ``log_y`` get a log y axis; ``labels[key]`` titles a panel.
+    ``smooth`` > 1 draws each step as a faint dot and the line as the mean of the last ``smooth``
+    steps (a few samples per step are noisy; the trend is what the eye should follow)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,7 +39,15 @@ def plot_metrics(
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                (line,) = ax.plot(xs, ys, marker="." if len(pts) < 40 else None, label=name)
+                if smooth > 1:
+                    trend = [
+                        sum(ys[max(0, i - smooth + 1) : i + 1]) / len(ys[max(0, i - smooth + 1) : i + 1])
+                        for i in range(len(ys))
+                    ]
+                    (line,) = ax.plot(xs, trend, label=name, linewidth=2)
+                    ax.plot(xs, ys, ".", color=line.get_color(), alpha=0.35)
+                else:
+                    (line,) = ax.plot(xs, ys, marker="." if len(pts) < 40 else None, label=name)
                 guide = (guides or {}).get(key, {}).get(name)
                 if guide is not None:
                     ax.axhline(guide, color=line.get_color(), linestyle="--", linewidth=1, alpha=0.8)
