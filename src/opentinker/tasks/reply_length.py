@@ -8,8 +8,10 @@ target, so a policy that starts at ~90 words (SmolLM2's habit) gets a direction 
 A reply cut by the token limit or an empty one earns 0, below every finished reply: with a token
 limit well above the largest target, a cut reply overshoots every target anyway.
 
-The main demo trains several adapters on the same prompts, each towards its own target length,
-in one run. ``cfg.extra["target_words"]`` sets the target.
+The reward counts words only, so the shortest adapters may answer with fragments ("Awful.",
+"1.1.1.1"): it is a length objective, not a quality one. The main demo trains several adapters on
+the same prompts, each towards its own target length, in one run. ``cfg.extra["target_words"]``
+sets the target.
 """
 
 from __future__ import annotations
