@@ -1,86 +1,187 @@
 """The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
-Each adapter gets the same questions but its own objective — reply in about 3, 6, 12 or 24 words
-(the ``reply_length`` task, a dense reward). All of them sample in one mixed batch and train in
-one fused forward/backward per scheduler tick, through the same client API a remote Tinker
-server offers. At the end every adapter and the bare base answer one held-out question in one
-mixed sampling batch, and ``<log-dir>/curves.png`` shows each adapter's reward rising.
+Each adapter gets questions from the same pool but its own objective: reply in about 2, 5, 12 or
+30 words (the ``reply_length`` task, a dense reward on the ratio of words to target). All of them
+sample in one mixed batch and train in one fused forward/backward per scheduler tick, through
+the same client API a remote Tinker server offers. At the end every adapter and the bare base
+answer ten held-out questions, greedily, in one mixed sampling batch; the demo prints each
+adapter's mean words and reward there and whether the adapters *separated*:
+
+    every adapter's held-out mean word count is nearer (as a ratio) to its own target than to any
+    other adapter's target, and its held-out reward is above the base model's for that target.
+
+``<log-dir>/curves.png`` shows each adapter's mean words per step against its target (dashed)
+and its mean reward.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tinker import types
 
-TARGETS = (3, 6, 12, 24)
+TARGETS = (2, 5, 12, 30)  # a factor ~2.5 apart: a reply on one target earns < 0.4 for its neighbours
+# SmolLM2 writes ~1.3 tokens a word: 30 words fit in ~40 tokens, so a reply cut at 64 (~49 words)
+# overshoots the largest target by half again, and a cut reply's reward of 0 never rewards
+# "shorter" where longer was wanted.
+MAX_TOKENS = 64
+
+
+@dataclass
+class HeldOut:
+    """One adapter's (or the base's) greedy replies to the held-out questions, scored for a target."""
+
+    target: int
+    words: float  # mean words per reply
+    reward: float  # mean reply_length reward for `target`
+    base_reward: float  # the base model's mean reward for the same target
+    texts: list[str]
+
+
+def nearest_target(words: float, targets: list[int]) -> int:
+    """The target nearest to ``words`` as a ratio (``|log(words / t)|``), the reward's own scale."""
+    return min(targets, key=lambda t: abs(math.log(max(words, 0.5) / t)))
+
+
+def separated(held: list[HeldOut]) -> bool:
+    """Each adapter nearest its own target, and above the base model's reward for it."""
+    targets = [h.target for h in held]
+    return all(nearest_target(h.words, targets) == h.target and h.reward > h.base_reward for h in held)
+
+
+def check_settings(targets: list[int], **counts: float) -> None:
+    """Raise ValueError naming the first bad setting: ``targets`` distinct and >= 1, each count >= 1."""
+    if len(set(targets)) != len(targets) or not targets or min(targets) < 1:
+        raise ValueError(f"targets must be distinct word counts >= 1, got {targets}")
+    for name, v in counts.items():
+        if not v >= 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
 
 
 def run_demo(
-    *, base_model: str, n_adapters: int, steps: int, rank: int, lr: float, log_dir: str = "runs/demo"
+    *,
+    base_model: str,
+    targets: list[int] | None = None,
+    steps: int = 16,
+    rank: int = 8,
+    lr: float = 1e-3,
+    seed: int = 0,
+    max_tokens: int = MAX_TOKENS,
+    groups_per_step: int = 2,
+    group_size: int = 4,
+    log_dir: str = "runs/demo",
 ) -> int:
+    """Train one adapter per target at once, print progress and the held-out result. Returns 0."""
     import opentinker
     from opentinker.renderers import get_renderer
     from opentinker.rl.loop import RLConfig, run_rl_many
     from opentinker.tasks import reply_length
     from opentinker.tracking import plot_metrics
 
+    targets = list(targets or TARGETS)
+    check_settings(
+        targets, steps=steps, rank=rank, max_tokens=max_tokens, groups_per_step=groups_per_step,
+        group_size=group_size,
+    )  # fmt: skip
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be a positive number, got {lr}")
     t0 = time.perf_counter()
     service = opentinker.ServiceClient()
-    targets = [TARGETS[i % len(TARGETS)] * (1 + i // len(TARGETS)) for i in range(n_adapters)]
+    base = service.create_sampling_client(base_model=base_model)
+    renderer = get_renderer("auto", base.get_tokenizer())
+    names = [f"words-{t}" for t in targets]
     jobs = []
-    for i, target in enumerate(targets):
+    for i, (name, target) in enumerate(zip(names, targets, strict=True)):
         cfg = RLConfig(
-            base_model=base_model, log_dir=str(Path(log_dir) / f"words-{target}"), steps=steps,
-            groups_per_step=2, group_size=4, lora_rank=rank, learning_rate=lr, max_tokens=48,
-            eval_every=0, seed=i, progress=False, name=f"words-{target}",
-            plot_keys=("reward/mean", "env/words"), extra={"target_words": target},
+            base_model=base_model, log_dir=str(Path(log_dir) / name), steps=steps,
+            groups_per_step=groups_per_step, group_size=group_size, lora_rank=rank, learning_rate=lr,
+            max_tokens=max_tokens, normalize_std=True, eval_every=0, seed=seed * 1000 + i,
+            progress=False, name=name, plot_keys=("reward/mean", "env/words"),
+            extra={"target_words": target},
         )  # fmt: skip
-        renderer = get_renderer("auto", service.create_sampling_client(base_model=base_model).get_tokenizer())
         dataset, _ = reply_length.build(renderer, cfg)
         jobs.append((cfg, dataset, None))
-    print(f"{n_adapters} adapters (rank {rank}) on {base_model}, RL towards {targets} words, {steps} steps")
-    print("step  " + "  ".join(f"{f'words-{t}':>16}" for t in targets) + "   (mean reward / mean words)")
+    print(
+        f"{len(targets)} adapters (rank {rank}) on {base_model}, RL towards {targets} words, "
+        f"{steps} steps, seed {seed}"
+    )
+    print("step  " + "  ".join(f"{n:>16}" for n in names) + "   (mean reward / mean words)")
     latest: dict[str, dict[str, Any]] = {}
     printed = -1
 
     def on_step(name: str, row: dict[str, Any]) -> None:
         nonlocal printed
         latest[name] = row
-        if len(latest) == len(targets) and all(r["step"] > printed for r in latest.values()):
+        if len(latest) == len(names) and all(r["step"] > printed for r in latest.values()):
             printed = min(r["step"] for r in latest.values())
-            cells = [
-                f"{latest[f'words-{t}']['reward/mean']:6.2f} / {latest[f'words-{t}']['env/words']:5.1f}"
-                for t in targets
-            ]
-            print(
-                f"{printed:4d}  "
-                + "  ".join(f"{c:>16}" for c in cells)
-                + f"   ({time.perf_counter() - t0:.0f}s)"
-            )
+            cells = [f"{latest[n]['reward/mean']:6.2f} / {latest[n]['env/words']:5.1f}" for n in names]
+            elapsed = time.perf_counter() - t0
+            print(f"{printed:4d}  " + "  ".join(f"{c:>16}" for c in cells) + f"   ({elapsed:.0f}s)")
 
     results = asyncio.run(run_rl_many(jobs, service, on_step=on_step))
     plot = plot_metrics(
-        {c.name: Path(c.log_dir) for c, _, _ in jobs}, ["reward/mean", "env/words"], Path(log_dir) / "curves.png",
-        title=f"{n_adapters} LoRA policies, one base ({base_model.split('/')[-1]})",
+        {c.name: Path(c.log_dir) for c, _, _ in jobs}, ["env/words", "reward/mean"], Path(log_dir) / "curves.png",
+        title=f"{len(targets)} LoRA adapters, one base ({base_model.split('/')[-1]}), one batch per step",
+        guides={"env/words": dict(zip(names, map(float, targets), strict=True))},
+        log_y=("env/words",), smooth=3,
+        labels={"env/words": "words per reply (3-step mean; dashed: target)", "reward/mean": "mean reward (1 = on target)"},
     )  # fmt: skip
 
+    # held-out: every adapter and the base answer the same questions in one mixed batch
+    policies = [r.training_client.save_weights_and_get_sampling_client() for r in results] + [base]
+    held, base_texts = held_out(policies, renderer, targets, max_tokens)
+    print(f"\nheld-out: {len(reply_length.EVAL)} questions, greedy")
+    print(f"  {'adapter':>10}  target  mean words  reward  base model's reward")
+    for name, h in zip(names, held, strict=True):
+        near = nearest_target(h.words, targets)
+        ok = "ok" if near == h.target else f"nearest {near}"
+        cells = f"{h.target:6d}  {h.words:10.1f}  {h.reward:6.2f}  {h.base_reward:19.2f}"
+        print(f"  {name:>10}  {cells}   {ok}")
+    verdict = "yes" if separated(held) else "NO"
+    print(f"separated: {verdict} (each adapter nearest its own target, reward above the base model's)")
     question = reply_length.EVAL[0]
-    sampler_tokenizer = service.create_sampling_client(base_model=base_model).get_tokenizer()
-    renderer = get_renderer("auto", sampler_tokenizer)
-    prompt = types.ModelInput.from_ints(
-        renderer.build_generation_prompt([{"role": "user", "content": question}])
-    )
-    params = types.SamplingParams(max_tokens=48, temperature=0.0, stop=renderer.stop)
-    policies = [r.training_client.save_weights_and_get_sampling_client() for r in results]
-    policies.append(service.create_sampling_client(base_model=base_model))
-    futures = [p.sample(prompt, 1, params) for p in policies]  # one mixed batch: 4 adapters + base
     print(f"\n{question!r}")
-    for name, fut in zip([*(f"words-{t}" for t in targets), "base model"], futures, strict=True):
-        text = renderer.parse_response(list(fut.result().sequences[0].tokens))[0]["content"]
+    examples = [(n, h.texts[0]) for n, h in zip(names, held, strict=True)] + [("base model", base_texts[0])]
+    for name, text in examples:
         print(f"  {name:>10} ({len(text.split()):2d} words) -> {text!r}")
     print(f"\nmetrics: {log_dir}/*/metrics.jsonl   plot: {plot}   ({time.perf_counter() - t0:.0f}s in all)")
     return 0
+
+
+def held_out(
+    policies: list[Any], renderer: Any, targets: list[int], max_tokens: int
+) -> tuple[list[HeldOut], list[str]]:
+    """Greedy replies of ``policies`` (one per target, then the base) to the held-out questions,
+    all sampled at once, scored with ``reply_length``'s reward. Returns (adapters, base's texts)."""
+    from opentinker.tasks import reply_length
+
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=renderer.stop)
+    prompts = [
+        types.ModelInput.from_ints(renderer.build_generation_prompt(reply_length.prompt_messages(q)))
+        for q in reply_length.EVAL
+    ]
+    futures = [[p.sample(prompt, 1, params) for prompt in prompts] for p in policies]  # one mixed batch
+    replies = [
+        [renderer.parse_response(list(f.result().sequences[0].tokens)) for f in fs] for fs in futures
+    ]  # [policy][question] -> (message, ended)
+
+    def score(rs: list[tuple[Any, bool]], target: int) -> float:
+        return sum(reply_length.length_reward(m["content"], target) if e else 0.0 for m, e in rs) / len(rs)
+
+    base = replies[-1]
+    out = [
+        HeldOut(
+            target=t,
+            words=sum(len(m["content"].split()) for m, _ in rs) / len(rs),
+            reward=score(rs, t),
+            base_reward=score(base, t),
+            texts=[m["content"] for m, _ in rs],
+        )
+        for rs, t in zip(replies[:-1], targets, strict=True)
+    ]
+    return out, [m["content"] for m, _ in base]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -34,10 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="RL on several LoRA adapters at once (one objective each) over one base; plot"
     )
     demo.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    demo.add_argument("--adapters", type=int, default=4)
+    demo.add_argument("--targets", default="2,5,12,30", help="one adapter per target word count")
     demo.add_argument("--steps", type=int, default=16)
     demo.add_argument("--rank", type=int, default=8)
     demo.add_argument("--lr", type=float, default=1e-3)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--groups-per-step", type=int, default=2, help="questions per adapter per step")
+    demo.add_argument("--group-size", type=int, default=4, help="replies per question")
     demo.add_argument("--log-dir", default="runs/demo")
     demo.set_defaults(run=_demo)
 
@@ -54,11 +59,26 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from opentinker.cli.demo import run_demo
+    from opentinker.cli.demo import check_settings, run_demo
 
+    try:  # what the user asked for is checked before anything starts: one line, exit 2
+        try:
+            targets = [int(t) for t in args.targets.split(",")]
+        except ValueError:
+            raise ValueError(f"--targets expects comma-separated word counts, got {args.targets!r}") from None
+        check_settings(
+            targets, steps=args.steps, rank=args.rank, max_tokens=args.max_tokens,
+            groups_per_step=args.groups_per_step, group_size=args.group_size,
+        )  # fmt: skip
+        if not (args.lr > 0 and math.isfinite(args.lr)):
+            raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    except ValueError as e:
+        print(f"opentinker demo: error: {e}", file=sys.stderr)
+        return 2
     return run_demo(
-        base_model=args.base_model, n_adapters=args.adapters, steps=args.steps, rank=args.rank, lr=args.lr,
-        log_dir=args.log_dir,
+        base_model=args.base_model, targets=targets, steps=args.steps, rank=args.rank, lr=args.lr,
+        seed=args.seed, max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
+        group_size=args.group_size, log_dir=args.log_dir,
     )  # fmt: skip
 
 

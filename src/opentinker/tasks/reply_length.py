@@ -1,13 +1,23 @@
 """Reply length control: the reward is how close the reply's word count is to a target.
 
-A dense reward the base model already earns partly (it just talks too long or too short), so
-learning shows within a few steps: the main demo trains several adapters on the same prompts,
-each towards its own target length, in one run. ``cfg.extra["target_words"]`` sets the target.
+The reward is measured on the *ratio* of words to target (``1 / (1 + log2(n / target)^2)``): 1 on
+target, 1/2 at twice or half of it, 1/5 at four times, never 0 for a finished reply. So it is
+sharp enough that neighbouring targets (a factor 2-3 apart) earn clearly less than the own one,
+symmetric so that undershoot costs as much as overshoot, and still ranks replies far from the
+target, so a policy that starts at ~90 words (SmolLM2's habit) gets a direction from the start.
+A reply cut by the token limit or an empty one earns 0, below every finished reply: with a token
+limit well above the largest target, a cut reply overshoots every target anyway.
+
+The reward counts words only, so the shortest adapters may answer with fragments ("Awful.",
+"1.1.1.1"): it is a length objective, not a quality one. The main demo trains several adapters on
+the same prompts, each towards its own target length, in one run. ``cfg.extra["target_words"]``
+sets the target.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -33,13 +43,24 @@ QUESTIONS = [
 ]  # fmt: skip
 EVAL = QUESTIONS[-10:]
 TRAIN = QUESTIONS[:-10]
+# Shared by every adapter, so they differ only in what they learned. It starts SmolLM2 near the
+# middle of the targets (~30 words, 6-70, most replies finished within 64 tokens) instead of at
+# ~90 words where nearly every reply is cut: every target then has finished replies on both sides
+# of it to compare from the first step, and the adapters must move apart, some shorter, some longer.
+SYSTEM = "Answer in one sentence."
+
+
+def prompt_messages(question: str) -> list[Message]:
+    """The conversation every policy (adapter or base) answers: the shared system line, the question."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
 def length_reward(text: str, target: int) -> float:
-    """min(n, target) / max(n, target) for a reply of n words: 1 on target, never flat at 0, so a
-    policy far from its target still gets a gradient."""
+    """``1 / (1 + log2(n / target)^2)`` for a reply of n >= 1 words, 0 for an empty one."""
+    if target < 1:
+        raise ValueError(f"target must be >= 1 word, got {target}")
     n = len(text.split())
-    return min(n, target) / max(n, target) if n else 0.0
+    return 1.0 / (1.0 + math.log2(n / target) ** 2) if n else 0.0
 
 
 class LengthEnv(MessageEnv):
@@ -48,7 +69,7 @@ class LengthEnv(MessageEnv):
         self.question, self.target = question, target
 
     def initial_messages(self) -> list[Message]:
-        return [{"role": "user", "content": self.question}]
+        return prompt_messages(self.question)
 
     async def respond(self, reply: Message, ended: bool) -> Reply:
         # a reply cut by the token limit earns nothing: otherwise "one endless word" games the count
@@ -89,7 +110,7 @@ def make_evaluator(renderer: Renderer, target: int, max_tokens: int):
 
     async def evaluate(policy: Any, step: int) -> dict[str, float]:
         async def one(q: str) -> tuple[float, float]:
-            prompt = renderer.build_generation_prompt([{"role": "user", "content": q}])
+            prompt = renderer.build_generation_prompt(prompt_messages(q))
             resp = await policy.sample(
                 prompt=types.ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
             )

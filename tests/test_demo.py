@@ -1,0 +1,105 @@
+"""The main job (``opentinker demo``) and its task: the reply-length reward against a plain
+formula, what "separated" means, and the whole command on the tiny model (files, summary, usage
+errors)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+
+from opentinker.cli.demo import TARGETS, HeldOut, nearest_target, separated
+from opentinker.cli.main import main
+from opentinker.tasks.reply_length import LengthEnv, length_reward
+from opentinker.tracking import read_metrics
+from tests.conftest import TEST_MODEL
+
+
+def words(n: int) -> str:
+    return " ".join(["word"] * n)
+
+
+@pytest.mark.parametrize(("n", "target"), [(1, 3), (3, 3), (6, 3), (13, 8), (20, 20), (57, 40), (200, 40)])
+def test_length_reward_is_the_formula(n: int, target: int) -> None:
+    assert length_reward(words(n), target) == pytest.approx(1 / (1 + math.log2(n / target) ** 2))
+
+
+def test_length_reward_shape() -> None:
+    assert length_reward(words(8), 8) == 1.0
+    assert length_reward("", 8) == 0.0 and length_reward("   \n ", 8) == 0.0  # empty earns nothing
+    # symmetric on the ratio: half and twice the target cost the same, 1/2
+    assert length_reward(words(4), 8) == pytest.approx(0.5) == length_reward(words(16), 8)
+    # strictly better the nearer, from either side, and never 0 for a finished reply
+    below = [length_reward(words(n), 20) for n in range(1, 21)]
+    above = [length_reward(words(n), 20) for n in range(20, 400)]
+    assert all(a < b for a, b in itertools.pairwise(below))
+    assert all(a > b > 0 for a, b in itertools.pairwise(above))
+    with pytest.raises(ValueError, match="target must be >= 1"):
+        length_reward("hi", 0)
+
+
+def test_each_demo_target_pays_most_on_its_own_length() -> None:
+    for n in TARGETS:
+        own = length_reward(words(n), n)
+        assert all(length_reward(words(n), t) <= 0.5 * own for t in TARGETS if t != n)
+
+
+def test_a_cut_reply_earns_nothing_whatever_its_length() -> None:
+    class Plain:  # the env only needs the renderer's stop tokens here
+        stop = ()
+
+    env = LengthEnv(Plain(), "Describe a forest.", 3)  # type: ignore[arg-type]
+    cut = asyncio.run(env.respond({"role": "assistant", "content": words(3)}, ended=False))
+    done = asyncio.run(env.respond({"role": "assistant", "content": words(3)}, ended=True))
+    assert cut.reward == 0.0 and done.reward == 1.0
+    assert cut.metrics == {"words": 3.0, "ended": 0.0}
+
+
+def test_separated_means_nearest_own_target_and_above_base() -> None:
+    def h(target: int, w: float, reward: float = 0.8, base: float = 0.1) -> HeldOut:
+        return HeldOut(target=target, words=w, reward=reward, base_reward=base, texts=[])
+
+    targets = [3, 8, 20, 40]
+    assert nearest_target(4.8, targets) == 3 and nearest_target(5.0, targets) == 8  # sqrt(24) = 4.9
+    assert nearest_target(28.0, targets) == 20 and nearest_target(29.0, targets) == 40
+    assert nearest_target(0.0, targets) == 3
+    good = [h(3, 3.2), h(8, 7.0), h(20, 24.0), h(40, 33.0)]
+    assert separated(good)
+    assert not separated([*good[:3], h(40, 12.0)])  # the 40-word adapter collapsed towards 20
+    assert not separated([*good[:3], h(40, 40.0, reward=0.1, base=0.2)])  # no better than the base
+
+
+def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "demo"
+    rc = main(["demo", "--base-model", TEST_MODEL, "--targets", "2,5", "--steps", "2", "--groups-per-step", "1",
+               "--group-size", "2", "--max-tokens", "6", "--seed", "3", "--log-dir", str(d)])  # fmt: skip
+    assert rc == 0
+    for name in ("words-2", "words-5"):
+        rows = read_metrics(d / name)
+        assert [r["step"] for r in rows] == [0, 1]
+        assert all(r["env/errors"] == 0 and "env/words" in r for r in rows)
+    assert (d / "curves.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "RL towards [2, 5] words, 2 steps, seed 3" in out
+    assert "held-out: 10 questions, greedy" in out and "separated: " in out and "base model" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--targets", "3,3"], "targets must be distinct word counts >= 1"),
+        (["--targets", "0,4"], "targets must be distinct word counts >= 1"),
+        (["--targets", "three"], "--targets expects comma-separated word counts"),
+        (["--steps", "0"], "steps must be >= 1"),
+    ],
+)
+def test_demo_usage_errors_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(["demo", "--base-model", TEST_MODEL, "--log-dir", str(tmp_path / "x"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
