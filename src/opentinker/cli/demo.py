@@ -133,7 +133,7 @@ def run_demo(
     )  # fmt: skip
 
     # held-out: every adapter and the base answer the same questions in one mixed batch
-    policies = [r.training_client.save_weights_and_get_sampling_client() for r in results] + [base]
+    policies = [r.training_client.save_weights_and_get_sampling_client().result() for r in results] + [base]
     held, base_texts = held_out(policies, renderer, targets, max_tokens)
     print(f"\nheld-out: {len(reply_length.EVAL)} questions, greedy")
     print(f"  {'adapter':>10}  target  mean words  reward  base model's reward")
