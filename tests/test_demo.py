@@ -84,7 +84,11 @@ def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFi
     assert (d / "curves.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "RL towards [2, 5] words, 2 steps, seed 3" in out
-    assert "held-out: 10 questions, greedy" in out and "separated: " in out and "base model" in out
+    assert (
+        "held-out: 10 questions, 4 replies each at temperature 1" in out
+        and "separated: " in out
+        and "base model" in out
+    )
 
 
 @pytest.mark.parametrize(
