@@ -114,6 +114,36 @@ def test_max_tokens_and_eos_semantics(setup) -> None:
     assert by_id.sequences[0].stop_reason == "stop"
 
 
+def test_non_empty_stop_list_also_stops_at_eos(setup) -> None:
+    """The SDK's contract: ``None`` stops at EOS, a non-empty list at its entries *and* at EOS,
+    only ``[]`` at nothing. The EOS set is pointed at a token greedy decoding is known to emit, so
+    every case is exercised whatever the tiny model's weights make of the real EOS."""
+    engine, sampler, _, prompts = setup
+    [free] = sampler.generate(
+        [SampleRequest(None, prompts[0], SamplingParams(max_tokens=8, temperature=0.0, stop=[]))]
+    )
+    assert not isinstance(free, Exception)
+    tokens = free.sequences[0].tokens
+    eos = tokens[3]
+    cut = tokens.index(eos) + 1
+    sampler.eos_ids = {eos}
+    never = next(t for t in range(engine.vocab_size) if t not in tokens)  # an id greedy never emits
+    cases = {
+        "None": (None, cut),
+        "[]": ([], len(tokens)),
+        "ids": ([never], cut),
+        "strings": (["\x00never-in-text\x00"], cut),
+    }
+    for name, (stop, n) in cases.items():
+        [res] = sampler.generate(
+            [SampleRequest(None, prompts[0], SamplingParams(max_tokens=8, temperature=0.0, stop=stop))]
+        )
+        assert not isinstance(res, Exception)
+        seq = res.sequences[0]
+        assert seq.tokens == tokens[:n], name
+        assert seq.stop_reason == ("length" if n == len(tokens) else "stop"), name
+
+
 def test_stop_string_spanning_tokens(setup) -> None:
     engine, sampler, _, prompts = setup
     tok = engine.base.tokenizer

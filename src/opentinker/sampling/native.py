@@ -237,12 +237,16 @@ class NativeBackend(RolloutBackend):
         else:
             gen.manual_seed((int(seed) * 1_000_003 + k) % (1 << 63))
         stop = r.params.stop
+        # the SDK's contract: None stops at EOS; a non-empty list stops at its entries *and* at
+        # EOS; only [] disables every stop, EOS included
         if stop is None:
             ids, strs = frozenset(self.eos_ids), ()
+        elif not stop:
+            ids, strs = frozenset(), ()
         elif all(isinstance(s, int) for s in stop):
-            ids, strs = frozenset(int(s) for s in stop), ()
+            ids, strs = frozenset(self.eos_ids | {int(s) for s in stop}), ()
         else:
-            ids, strs = frozenset(), tuple(str(s) for s in stop)
+            ids, strs = frozenset(self.eos_ids), tuple(str(s) for s in stop)
         return Row(i, r.policy, r.params, prompt_len, gen, ids, strs)
 
     def _stop_reason(self, row: Row, ctx: int) -> StopReason | None:

@@ -25,7 +25,8 @@ class SamplingParams:
     top_k: int = -1  # -1 = off
     top_p: float = 1.0
     seed: int | None = None  # same seed and request -> same tokens
-    stop: list[str] | list[int] | None = None  # None = stop at EOS; [] = never stop at EOS
+    # None = stop at EOS; a non-empty list = its entries and EOS; [] = no stop at all, EOS included
+    stop: list[str] | list[int] | None = None
 
 
 @dataclass(frozen=True)
