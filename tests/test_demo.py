@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 from pathlib import Path
 
 import pytest
 
-from opentinker.cli.demo import TARGETS, HeldOut, nearest_target, separated
+from opentinker.cli.demo import HELD_OUT_SAMPLES, TARGETS, HeldOut, nearest_target, separated, typical_words
 from opentinker.cli.main import main
 from opentinker.tasks.reply_length import LengthEnv, length_reward
 from opentinker.tracking import read_metrics
@@ -58,6 +59,16 @@ def test_a_cut_reply_earns_nothing_whatever_its_length() -> None:
     assert cut.metrics == {"words": 3.0, "ended": 0.0}
 
 
+def test_typical_words_is_the_geometric_mean() -> None:
+    assert typical_words([2, 8]) == pytest.approx(4.0)  # not 5: the ratio scale
+    assert typical_words([3, 3, 3]) == pytest.approx(3.0)
+    assert typical_words([0, 2]) == pytest.approx(1.0)  # an empty reply counts as half a word
+    # one long ramble moves a short adapter's figure much less than an arithmetic mean would
+    assert typical_words([2] * 9 + [60]) < 3 < (2 * 9 + 60) / 10
+    with pytest.raises(ValueError, match="no replies"):
+        typical_words([])
+
+
 def test_separated_means_nearest_own_target_and_above_base() -> None:
     def h(target: int, w: float, reward: float = 0.8, base: float = 0.1) -> HeldOut:
         return HeldOut(target=target, words=w, reward=reward, base_reward=base, texts=[])
@@ -82,6 +93,12 @@ def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFi
         assert [r["step"] for r in rows] == [0, 1]
         assert all(r["env/errors"] == 0 and "env/words" in r for r in rows)
     assert (d / "curves.png").stat().st_size > 0
+    held = json.loads((d / "held_out.json").read_text())
+    for name, target in (("words-2", 2), ("words-5", 5)):
+        h = held["adapters"][name]
+        assert h["target"] == target and len(h["replies"]) == 10 * HELD_OUT_SAMPLES
+        assert h["typical_words"] == pytest.approx(typical_words([len(t.split()) for t in h["replies"]]))
+    assert len(held["base_model"]["replies"]) == 10 * HELD_OUT_SAMPLES
     out = capsys.readouterr().out
     assert "RL towards [2, 5] words, 2 steps, seed 3" in out
     assert (

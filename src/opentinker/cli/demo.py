@@ -4,19 +4,24 @@ Each adapter gets questions from the same pool but its own objective: reply in a
 30 words (the ``reply_length`` task, a dense reward on the ratio of words to target). All of them
 sample in one mixed batch and train in one fused forward/backward per scheduler tick, through
 the same client API a remote Tinker server offers. At the end every adapter and the bare base
-answer ten held-out questions, greedily, in one mixed sampling batch; the demo prints each
-adapter's mean words and reward there and whether the adapters *separated*:
+answer ten held-out questions (four sampled replies each, in one mixed sampling batch); the demo
+prints each adapter's typical reply length and reward there and whether the adapters *separated*:
 
-    every adapter's held-out mean word count is nearer (as a ratio) to its own target than to any
-    other adapter's target, and its held-out reward is above the base model's for that target.
+    every adapter's held-out typical word count is nearer (as a ratio) to its own target than to
+    any other adapter's target, and its held-out reward is above the base model's for that target.
 
-``<log-dir>/curves.png`` shows each adapter's mean words per step against its target (dashed)
+"Typical" is the geometric mean of the replies' word counts: the reward and "nearer" both judge
+ratios (twice the target costs as much as half of it), so lengths are averaged on that scale too,
+and one 60-word ramble does not move a 2-word adapter's figure as far as an arithmetic mean would.
+
+``<log-dir>/held_out.json`` keeps every held-out reply; ``<log-dir>/curves.png`` shows each adapter's mean words per step against its target (dashed)
 and its mean reward.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -26,23 +31,36 @@ from typing import Any
 from tinker import types
 
 TARGETS = (2, 5, 12, 30)  # a factor ~2.5 apart: a reply on one target earns < 0.4 for its neighbours
-# SmolLM2 writes ~1.3 tokens a word: 30 words fit in ~40 tokens, so a reply cut at 64 (~49 words)
-# overshoots the largest target by half again, and a cut reply's reward of 0 never rewards
-# "shorter" where longer was wanted.
-MAX_TOKENS = 64
+# SmolLM2 writes ~1.3 tokens a word: 30 words fit in ~40 tokens, and a reply cut at 80 tokens
+# (~60 words) is twice the largest target. At 64 tokens (~49 words) the cut, which earns 0, sat so
+# close above 30 words that the 30-word adapter was pushed towards shorter replies and crossed the
+# 12-word one in some runs.
+MAX_TOKENS = 80
+STEPS = 18
+RANK = 8
+LR = 1e-3
+GROUPS_PER_STEP = 2  # questions per adapter per step
+GROUP_SIZE = 4  # replies per question
 HELD_OUT_SAMPLES = 4  # replies per held-out question and policy
 HELD_OUT_SEED = 1234
 
 
 @dataclass
 class HeldOut:
-    """One adapter's (or the base's) greedy replies to the held-out questions, scored for a target."""
+    """One adapter's held-out replies, scored for its target (and the base's, for the same one)."""
 
     target: int
-    words: float  # mean words per reply
+    words: float  # typical words per reply: the geometric mean (see typical_words)
     reward: float  # mean reply_length reward for `target`
     base_reward: float  # the base model's mean reward for the same target
     texts: list[str]
+
+
+def typical_words(counts: list[int]) -> float:
+    """Geometric mean of word counts, an empty reply counted as half a word (log 0 is undefined)."""
+    if not counts:
+        raise ValueError("no replies to average")
+    return math.exp(sum(math.log(max(n, 0.5)) for n in counts) / len(counts))
 
 
 def nearest_target(words: float, targets: list[int]) -> int:
@@ -69,13 +87,13 @@ def run_demo(
     *,
     base_model: str,
     targets: list[int] | None = None,
-    steps: int = 16,
-    rank: int = 8,
-    lr: float = 1e-3,
+    steps: int = STEPS,
+    rank: int = RANK,
+    lr: float = LR,
     seed: int = 0,
     max_tokens: int = MAX_TOKENS,
-    groups_per_step: int = 2,
-    group_size: int = 4,
+    groups_per_step: int = GROUPS_PER_STEP,
+    group_size: int = GROUP_SIZE,
     log_dir: str = "runs/demo",
 ) -> int:
     """Train one adapter per target at once, print progress and the held-out result. Returns 0."""
@@ -138,12 +156,21 @@ def run_demo(
     policies = [r.training_client.save_weights_and_get_sampling_client().result() for r in results] + [base]
     held, base_texts = held_out(policies, renderer, targets, max_tokens)
     print(f"\nheld-out: {len(reply_length.EVAL)} questions, {HELD_OUT_SAMPLES} replies each at temperature 1")
-    print(f"  {'adapter':>10}  target  mean words  reward  base model's reward")
+    print(f"  {'adapter':>10}  target  typical words  reward  base model's reward")
     for name, h in zip(names, held, strict=True):
         near = nearest_target(h.words, targets)
         ok = "ok" if near == h.target else f"nearest {near}"
-        cells = f"{h.target:6d}  {h.words:10.1f}  {h.reward:6.2f}  {h.base_reward:19.2f}"
+        cells = f"{h.target:6d}  {h.words:13.1f}  {h.reward:6.2f}  {h.base_reward:19.2f}"
         print(f"  {name:>10}  {cells}   {ok}")
+    record = {
+        "questions": reply_length.EVAL,
+        "samples_per_question": HELD_OUT_SAMPLES,
+        "adapters": {n: {"target": h.target, "typical_words": h.words, "reward": h.reward,
+                         "base_reward": h.base_reward, "replies": h.texts} for n, h in zip(names, held, strict=True)},
+        "base_model": {"replies": base_texts},
+        "separated": separated(held),
+    }  # fmt: skip
+    (Path(log_dir) / "held_out.json").write_text(json.dumps(record, indent=1))
     verdict = "yes" if separated(held) else "NO"
     print(f"separated: {verdict} (each adapter nearest its own target, reward above the base model's)")
     question = reply_length.EVAL[0]
@@ -188,7 +215,7 @@ def held_out(
     out = [
         HeldOut(
             target=t,
-            words=sum(len(m["content"].split()) for m, _ in rs) / len(rs),
+            words=typical_words([len(m["content"].split()) for m, _ in rs]),
             reward=score(rs, t),
             base_reward=score(base, t),
             texts=[m["content"] for m, _ in rs],

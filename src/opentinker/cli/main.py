@@ -31,18 +31,23 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("keys", help="create | list | revoke API keys (opentinker keys -h)", add_help=False)
     sub.add_parser("train", help="train adapters on a task: rl | sft (opentinker train -h)", add_help=False)
 
+    from opentinker.cli import demo as d  # the demo's defaults live beside the demo
+
     demo = sub.add_parser(
         "demo", help="RL on several LoRA adapters at once (one objective each) over one base; plot"
     )
     demo.add_argument("--base-model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    demo.add_argument("--targets", default="2,5,12,30", help="one adapter per target word count")
-    demo.add_argument("--steps", type=int, default=16)
-    demo.add_argument("--rank", type=int, default=8)
-    demo.add_argument("--lr", type=float, default=1e-3)
+    targets = ",".join(map(str, d.TARGETS))
+    demo.add_argument("--targets", default=targets, help="one adapter per target word count")
+    demo.add_argument("--steps", type=int, default=d.STEPS)
+    demo.add_argument("--rank", type=int, default=d.RANK)
+    demo.add_argument("--lr", type=float, default=d.LR)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--groups-per-step", type=int, default=2, help="questions per adapter per step")
-    demo.add_argument("--group-size", type=int, default=4, help="replies per question")
+    demo.add_argument("--max-tokens", type=int, default=d.MAX_TOKENS)
+    demo.add_argument(
+        "--groups-per-step", type=int, default=d.GROUPS_PER_STEP, help="questions per adapter per step"
+    )
+    demo.add_argument("--group-size", type=int, default=d.GROUP_SIZE, help="replies per question")
     demo.add_argument("--log-dir", default="runs/demo")
     demo.set_defaults(run=_demo)
 
