@@ -16,15 +16,18 @@ no ``..``. A refused id is a user error (:class:`EngineError`) that names what i
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from opentinker.engine import EngineError
-from opentinker.engine.checkpoint import CheckpointError, clean_partial_writes, read_manifest
+from opentinker.engine.checkpoint import MANIFEST, CheckpointError, clean_partial_writes, read_manifest
 
 Kind = Literal["weights", "sampler_weights"]
 KINDS: tuple[Kind, ...] = ("weights", "sampler_weights")
@@ -157,6 +160,29 @@ class CheckpointStore:
 
     def model_ids(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    def link(self, src: CheckpointRef, dst: CheckpointRef, meta: dict[str, Any]) -> None:
+        """Make ``dst`` a checkpoint sharing ``src``'s tensor files (hard links: no bytes copied,
+        and deleting either leaves the other whole), with its own manifest carrying ``meta``.
+        It appears whole or not at all: written aside, then renamed into place."""
+        source, final = self.folder(src), self.folder(dst)
+        manifest = read_manifest(source)
+        if final.exists():
+            raise CheckpointError(f"checkpoint {dst.tinker_path} already exists")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+        try:
+            for name in manifest["files"]:
+                try:
+                    os.link(source / name, tmp / name)
+                except OSError:  # a filesystem without hard links: a plain copy still works
+                    shutil.copy2(source / name, tmp / name)
+            manifest["meta"] = meta
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def delete(self, ref: CheckpointRef) -> None:
         folder = self.folder(ref)

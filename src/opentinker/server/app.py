@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import APIKeyHeader
 
@@ -29,8 +29,11 @@ from opentinker.server.futures import FutureStore
 from opentinker.server.limits import BodyLimit
 from opentinker.server.ops import Operations
 from opentinker.server.ordering import Sequencer
+from opentinker.server.projects import AssignProjectRequest, CopyWeightsRequest, ProjectApi, check_project
 from opentinker.server.registry import Registry, SamplerNotLoaded
+from opentinker.server.sessions import SessionApi, SessionSearchRequest
 from opentinker.server.store import Store
+from opentinker.server.tokens import TokenSigner, load_secret
 
 log = logging.getLogger(__name__)
 PROTO = "application/x-protobuf"
@@ -43,6 +46,7 @@ async def _tenant(request: Request, key: Annotated[str | None, Depends(_api_key)
 
 
 Tenant = Annotated[str, Depends(_tenant)]
+Credential = Annotated[str | None, Depends(_api_key)]
 
 
 class Server:
@@ -55,7 +59,10 @@ class Server:
         )
         self.store = Store(config.data_dir)
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client
-        self.auth = Authenticator(self.store, dev=config.dev)
+        signer = (
+            TokenSigner(load_secret(config.data_dir), config.token_ttl_s) if config.token_ttl_s > 0 else None
+        )
+        self.auth = Authenticator(self.store, dev=config.dev, signer=signer)
         self.futures = FutureStore(
             max_pending=config.max_pending_per_tenant, result_ttl_s=config.result_ttl_s
         )
@@ -63,6 +70,8 @@ class Server:
         self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
         self.ops = Operations(config, self.registry, self.futures, self.sequencer)
         self.checkpoints = CheckpointApi(self.runtime.store, self.store)
+        self.sessions = SessionApi(self.store, config.session_inactive_s)
+        self.projects = ProjectApi(self.registry)
         reconcile(self.runtime.store, self.store)
 
     def close(self) -> None:
@@ -76,10 +85,12 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(_watch_gaps(server))
+        idle = asyncio.create_task(_watch_sessions(server))
         try:
             yield
         finally:
             task.cancel()
+            idle.cancel()
             server.close()
 
     app = FastAPI(
@@ -93,7 +104,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": server.redact(exc.message)}, status_code=exc.status)
+        headers = getattr(exc, "headers", None)  # e.g. WWW-Authenticate on a refused token
+        return JSONResponse({"detail": server.redact(exc.message)}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -109,6 +121,17 @@ async def _watch_gaps(server: Server) -> None:
         server.sequencer.skip_gaps(server.config.gap_timeout_s)
 
 
+async def _watch_sessions(server: Server) -> None:
+    """Evict the models of sessions gone quiet (their state saved first; see registry)."""
+    period = min(5.0, max(0.5, server.config.session_inactive_s / 10))
+    while True:
+        await asyncio.sleep(period)
+        try:
+            server.registry.evict_idle(server.config.session_inactive_s)
+        except Exception:
+            log.exception("evicting inactive sessions' models failed")
+
+
 def _routes(app: FastAPI, server: Server) -> None:
     ops, ckpts, reg = server.ops, server.checkpoints, server.registry
 
@@ -121,7 +144,12 @@ def _routes(app: FastAPI, server: Server) -> None:
 
     @app.post(f"{api}/client/config", tags=["service"])
     async def client_config(req: S.ClientConfigRequest, t: Tenant) -> dict[str, Any]:
-        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False}
+        return {
+            "pjwt_auth_enabled": server.auth.signer is not None,
+            "credential_default_source": "api_key",
+            "parallel_fwdbwd_chunks": True,
+            "proto_compress_fwdbwd": False,
+        }
 
     @app.post(f"{api}/client/dynamic_config", tags=["service"])
     async def client_dynamic_config(req: S.ClientConfigRequest, t: Tenant) -> dict[str, Any]:
@@ -137,6 +165,20 @@ def _routes(app: FastAPI, server: Server) -> None:
             )
         return {"supported_models": models}
 
+    # ---------------------------------------------------------------- auth
+    @app.post(f"{api}/auth/token", tags=["auth"])
+    async def auth_token(key: Credential) -> dict[str, str]:
+        return {"jwt": server.auth.issue(key)}
+
+    @app.get(f"{api}/auth/apikey/me", tags=["auth"])
+    async def apikey_me(key: Credential) -> dict[str, Any]:
+        return server.auth.key_info(key)
+
+    @app.delete(f"{api}/auth/apikey/me", tags=["auth"])
+    async def apikey_delete(key: Credential) -> dict[str, Any]:
+        server.auth.delete_key(key)
+        return {}
+
     @app.post(f"{api}/telemetry", tags=["service"])
     async def telemetry(t: Tenant) -> dict[str, str]:
         return {"status": "accepted"}
@@ -144,6 +186,8 @@ def _routes(app: FastAPI, server: Server) -> None:
     # ---------------------------------------------------------------- sessions
     @app.post(f"{api}/create_session", tags=["sessions"])
     async def create_session(req: S.CreateSessionRequest, t: Tenant) -> dict[str, Any]:
+        if req.project_id is not None:
+            check_project(req.project_id)
         sess = reg.create_session(t, req.model_dump(mode="json"))
         return {"session_id": sess.id, "type": "create_session"}
 
@@ -159,6 +203,38 @@ def _routes(app: FastAPI, server: Server) -> None:
         if not sess.finished:
             reg.finish_session(sess, str((req.reason or {}).get("type", "unknown")))
         return {}
+
+    @app.get(f"{api}/sessions", tags=["sessions"])
+    async def list_sessions(
+        t: Tenant,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        access_scope: S.AccessScope = "owned",
+    ) -> dict[str, Any]:
+        return server.sessions.list(t, limit, offset)
+
+    @app.post(f"{api}/sessions/search", tags=["sessions"])
+    async def search_sessions(req: SessionSearchRequest, t: Tenant) -> dict[str, Any]:
+        return server.sessions.search(t, req)
+
+    @app.get(f"{api}/sessions/{{session_id}}", tags=["sessions"])
+    async def get_session(
+        session_id: str, t: Tenant, access_scope: S.AccessScope = "owned"
+    ) -> dict[str, Any]:
+        return server.sessions.get(t, session_id)
+
+    @app.put(f"{api}/sessions/{{session_id}}/project", tags=["sessions"])
+    async def assign_project(session_id: str, req: AssignProjectRequest, t: Tenant) -> dict[str, Any]:
+        server.projects.assign(t, session_id, req)
+        return {}
+
+    @app.post(f"{api}/copy_weights", tags=["checkpoints"])
+    async def copy_weights(
+        req: CopyWeightsRequest,
+        t: Tenant,
+        idempotency_key: Annotated[str | None, Header(alias="X-Idempotency-Key")] = None,
+    ) -> dict[str, Any]:
+        return await asyncio.to_thread(server.projects.copy_weights, t, req, idempotency_key)
 
     # ---------------------------------------------------------------- training
     @app.post(f"{api}/create_model", tags=["training"])
@@ -244,9 +320,12 @@ def _routes(app: FastAPI, server: Server) -> None:
     # ---------------------------------------------------------------- checkpoints (REST)
     @app.get(f"{api}/training_runs", tags=["checkpoints"])
     async def training_runs(
-        t: Tenant, limit: Annotated[int, Query(ge=1, le=1000)] = 20, offset: Annotated[int, Query(ge=0)] = 0
+        t: Tenant,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        project_id: str | None = None,
     ) -> dict[str, Any]:
-        return ckpts.training_runs(t, limit, offset)
+        return ckpts.training_runs(t, limit, offset, project_id)
 
     @app.get(f"{api}/training_runs/{{model_id}}", tags=["checkpoints"])
     async def training_run(model_id: str, t: Tenant) -> dict[str, Any]:

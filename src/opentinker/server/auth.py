@@ -6,6 +6,12 @@ Keys made by ``keys create`` look like ``tml-<40 url-safe chars>`` and are sent 
 in the database (one indexed read), so a revoked key is refused from the very next request — by a
 running server too, with no restart and no delay.
 
+Every route also takes, in the same header, a short-lived signed token (:mod:`tokens`) that
+``POST /auth/token`` gives for a key: the SDK 0.38 exchanges its key for one when ``/client/config``
+says ``pjwt_auth_enabled``. A token names the key it came from, and that key is looked up on every
+use just like a key, so revoking a key stops its tokens at once too (not at their expiry): a
+revocation means "now" for a key, and a token must not outlive that by up to its lifetime.
+
 In ``--dev`` mode any key the SDK accepts (``tml-`` followed by anything printable, ``tml-dummy``
 included) is accepted and its tenant is ``dev-<hash prefix>``: distinct keys are still distinct,
 isolated tenants. Keys created with ``keys create`` keep their named tenant in dev mode too.
@@ -19,11 +25,14 @@ import re
 import secrets
 import sys
 import threading
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, ClassVar
 
-from opentinker.server.errors import Unauthorized
+from opentinker.server.errors import BadRequest, Unauthorized
 from opentinker.server.store import Store
+from opentinker.server.tokens import TokenError, TokenSigner, looks_like_token
 
 MAX_KEY_CHARS = 512
 KEY_PATTERN = re.compile(r"tml-[\x21-\x7e]*")  # what the SDK sends: tml- and printable ASCII
@@ -38,18 +47,85 @@ def new_key() -> str:
     return "tml-" + secrets.token_urlsafe(30)
 
 
-class Authenticator:
-    """Maps the ``X-API-Key`` of each request to a tenant (or refuses it with 401)."""
+class InvalidToken(Unauthorized):
+    """A token refused as a token: the header tells the SDK to get a new one and replay once."""
 
-    def __init__(self, store: Store, *, dev: bool) -> None:
+    headers: ClassVar[dict[str, str]] = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+
+
+@dataclass(frozen=True)
+class Identity:
+    tenant: str
+    key_hash: str  # the SHA-256 of the API key (for a token: of the key it was issued for)
+    token: bool  # whether the credential was a token rather than the key itself
+
+
+class Authenticator:
+    """Maps the ``X-API-Key`` of each request (a key or a token) to a tenant, or refuses it (401)."""
+
+    def __init__(self, store: Store, *, dev: bool, signer: TokenSigner | None = None) -> None:
         self.store = store
         self.dev = dev
+        self.signer = signer  # None: tokens are off, only keys are accepted
         self._dev_tenants: set[str] = set()  # dev tenants already written to the store
         self._lock = threading.Lock()
 
     def tenant(self, key: str | None) -> str:
+        return self.identify(key).tenant
+
+    def identify(self, key: str | None) -> Identity:
         if not key:
             raise Unauthorized("missing X-API-Key header")
+        if looks_like_token(key):
+            return self._token(key)
+        return Identity(self._key_tenant(key), hash_key(key), token=False)
+
+    def _token(self, token: str) -> Identity:
+        if self.signer is None:
+            raise InvalidToken("tokens are disabled on this server: send the API key itself")
+        try:
+            claims = self.signer.verify(token)
+        except TokenError as e:
+            raise InvalidToken(str(e)) from None
+        row = self.store.key(claims.key_hash)  # not cached: a revocation takes effect at once
+        if row is not None:
+            if row.revoked is not None:
+                raise InvalidToken("the API key this token was issued for is revoked")
+            if row.tenant == claims.tenant:
+                return Identity(row.tenant, claims.key_hash, token=True)
+        elif self.dev and claims.tenant == _dev_tenant(claims.key_hash):
+            return Identity(claims.tenant, claims.key_hash, token=True)
+        raise InvalidToken("the API key this token was issued for is unknown")
+
+    def issue(self, key: str | None) -> str:
+        """``POST /auth/token``: a fresh token for the request's key (or token)."""
+        if self.signer is None:
+            raise BadRequest("tokens are disabled on this server (it was started with --token-ttl 0)")
+        who = self.identify(key)
+        return self.signer.mint(who.tenant, who.key_hash)
+
+    def key_info(self, key: str | None) -> dict[str, Any]:
+        """``GET /auth/apikey/me``: the presented key's public record, as ``tinker auth login`` reads it."""
+        who = self.identify(key)
+        row = self.store.key_record(who.key_hash)
+        key_id, name = (row[0], row[1]) if row is not None else (0, "dev key")
+        return {
+            "key_id": key_id,
+            "name": name,
+            "note": "" if row is not None else "any tml- key is its own tenant on a --dev server",
+            "details": {"org_details": {"name": who.tenant}, "user_details": {"email": ""}},
+        }
+
+    def delete_key(self, key: str | None) -> None:
+        """``DELETE /auth/apikey/me``: revoke the presented key itself (``tinker auth logout``)."""
+        who = self.identify(key)
+        if who.token:
+            raise BadRequest("send the API key itself to delete it, not a token issued for it")
+        if self.store.key(who.key_hash) is None:  # a dev key: recorded, so that it stays refused
+            self.store.add_key(who.key_hash, who.tenant, "dev key")
+        self.store.revoke_hash(who.key_hash)
+
+    def _key_tenant(self, key: str) -> str:
         if len(key) > MAX_KEY_CHARS or not KEY_PATTERN.fullmatch(key):
             raise Unauthorized(
                 f"malformed API key: expected tml- followed by printable characters (at most {MAX_KEY_CHARS})"
@@ -59,7 +135,7 @@ class Authenticator:
         if row is not None and row.revoked is None:
             return row.tenant
         if row is None and self.dev:
-            tenant = f"dev-{digest[:16]}"
+            tenant = _dev_tenant(digest)
             with self._lock:
                 known = tenant in self._dev_tenants
                 self._dev_tenants.add(tenant)
@@ -67,6 +143,10 @@ class Authenticator:
                 self.store.ensure_tenant(tenant)
             return tenant
         raise Unauthorized("invalid or revoked API key")
+
+
+def _dev_tenant(key_hash: str) -> str:
+    return f"dev-{key_hash[:16]}"
 
 
 # ---------------------------------------------------------------------------- the CLI

@@ -103,8 +103,10 @@ class CheckpointApi:
             "user_metadata": row.user_metadata,
         }
 
-    def training_runs(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
-        rows, total = self.store.models(tenant, limit, offset)
+    def training_runs(
+        self, tenant: str, limit: int, offset: int, project_id: str | None = None
+    ) -> dict[str, Any]:
+        rows, total = self.store.models(tenant, limit, offset, project_id)
         return {
             "training_runs": [self._run_json(r) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},

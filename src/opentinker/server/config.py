@@ -24,3 +24,9 @@ class ServerConfig:
     max_num_samples: int = 256
     # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
     prefix_cache_bytes: int = 512 << 20
+    # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
+    # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
+    token_ttl_s: float = 900.0
+    # a session with no heartbeat and no request this long is inactive: its models' state is
+    # saved to a checkpoint and they are evicted from memory (the SDK heartbeats every 10 s)
+    session_inactive_s: float = 600.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from opentinker.server.config import ServerConfig
@@ -21,6 +22,16 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _seconds(minimum: float, strict: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        if value < minimum or (strict and value == minimum) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {minimum:g}, got {text}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--gap-timeout", type=float, default=120.0, help="seconds a request waits for a missing seq_id"
     )
     p.add_argument(
+        "--token-ttl",
+        type=_seconds(0, strict=False),
+        default=900.0,
+        help="seconds a signed token from /auth/token lasts (0 = tokens off; keys only)",
+    )
+    p.add_argument(
+        "--session-inactive-after",
+        type=_seconds(0, strict=True),
+        default=600.0,
+        help="seconds without heartbeat or request after which a session is inactive and its "
+        "models are saved and evicted from memory",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=_non_negative,
         default=512,
@@ -74,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         poll_timeout_s=args.poll_timeout,
         gap_timeout_s=args.gap_timeout,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
+        token_ttl_s=args.token_ttl,
+        session_inactive_s=args.session_inactive_after,
     )
 
 

@@ -6,6 +6,12 @@ all over the one shared :class:`~opentinker.client.Runtime` (one engine and one 
 model). This module resolves the ids the SDK sends to those objects — refusing with 404 any id
 that is unknown *or another tenant's* — and records them in the store.
 
+A session that goes quiet — no heartbeat and no request for ``session_inactive_s`` — is inactive,
+and :meth:`Registry.evict_idle` takes its models out of memory: each one's state (weights and
+optimizer) is saved first, to ``tinker://<model>/weights/evicted-<unix time>``, in the model's
+order, and only once that save has succeeded is its adapter freed. A request for an evicted model
+then names that checkpoint, which ``create_training_client_from_state_with_optimizer`` restores.
+
 Model ids are ``<session_id>:train:<model_seq_id>`` (the SDK derives them itself after
 create-from-state), sampler ids ``<session_id>:sample:<sampling_session_seq_id>``.
 """
@@ -13,6 +19,7 @@ create-from-state), sampler ids ``<session_id>:sample:<sampling_session_seq_id>`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -29,6 +36,8 @@ from opentinker.models.registry import canonical_name
 from opentinker.server.errors import Gone, NotFound, UserError
 from opentinker.server.ordering import Sequencer
 from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +72,10 @@ class Registry:
         self.trainers: dict[str, TrainingClient] = {}
         self._lock = threading.Lock()
         self._touched: dict[str, float] = {}
+        self._seen: dict[str, float] = {}  # session id -> monotonic time of its last heartbeat/request
+        self.evicting: set[str] = set()  # models whose state is being saved before eviction
+        self.evicted: dict[str, str] = {}  # model id -> the checkpoint its state was saved to
+        self._evict_failed: dict[str, float] = {}  # model id -> when its last eviction save failed
 
     # ------------------------------------------------------------------ base models
     def base_model(self, name: str) -> str:
@@ -82,6 +95,7 @@ class Registry:
         self.store.add_session(sess.id, tenant, meta)
         with self._lock:
             self.sessions[sess.id] = sess
+            self._seen[sess.id] = time.monotonic()
         return sess
 
     def session(self, tenant: str, session_id: str, *, live: bool = True) -> Session:
@@ -104,7 +118,13 @@ class Registry:
             raise NotFound(f"unknown session {session_id!r}")
         if live and sess.finished:
             raise Gone(f"session {session_id!r} is finished")
+        self._seen[sess.id] = time.monotonic()
         return sess
+
+    def seen(self, session_id: str) -> None:
+        """The session is active: a heartbeat or a request of one of its models just came."""
+        self._seen[session_id] = time.monotonic()
+        self.touch(session_id, self.store.touch_session, session_id)
 
     def touch(self, key: str, fn: Any, *args: Any) -> None:
         """Write a last-seen time at most every few seconds per id."""
@@ -136,21 +156,104 @@ class Registry:
     def model(self, tenant: str, model_id: str) -> TrainingClient:
         try:
             self.runtime.model(model_id, tenant)
+            if model_id in self.evicting:
+                raise EngineError("evicting")
         except UnknownPolicyError:
             row = self.store.model(model_id)
             if row is not None and row.tenant == tenant:
+                if row.parent is not None and self._is_copy(row):
+                    raise NotFound(
+                        f"training run {model_id!r} holds a copy of {row.parent} and cannot be trained "
+                        "on; create a training client from its checkpoint"
+                    ) from None
                 raise NotFound(
                     f"model {model_id!r} is not loaded: it was live in an earlier server process. "
                     "Create a training client from one of its checkpoints."
                 ) from None
             raise NotFound(f"unknown model {model_id!r}") from None
         except EngineError:
+            path = self.evicted.get(model_id)
+            if path is not None or model_id in self.evicting:
+                where = f"its state is saved at {path}" if path else "its state is being saved"
+                raise NotFound(
+                    f"model {model_id!r} was evicted from memory because its session was inactive "
+                    f"(no heartbeat or request for a while); {where}: restore it with "
+                    "create_training_client_from_state_with_optimizer"
+                ) from None
             raise NotFound(f"model {model_id!r} is closed (its session finished)") from None
         tc = self.trainers.get(model_id)
         if tc is None:
             tc = self.trainers[model_id] = TrainingClient(self.runtime, model_id)
         self.touch(model_id, self.store.touch_model, model_id)
+        self.seen(model_id.split(":train:", 1)[0])
         return tc
+
+    def _is_copy(self, row: ModelRow) -> bool:
+        """Whether the run only holds checkpoints that ``copy_weights`` made."""
+        ckpts, _ = self.store.checkpoints(row.tenant, row.id)
+        return bool(ckpts) and all(c.meta.get("copied_from") for c in ckpts)
+
+    # ------------------------------------------------------------------ inactive sessions
+    def evict_idle(self, inactive_s: float) -> list[str]:
+        """Start evicting the live models of every session quiet for ``inactive_s``; returns them.
+
+        Each model's state is saved in its order (after what it has queued); it is dropped only
+        when the save succeeded. Until then its requests are refused, so nothing it does after
+        the save can be lost. A failed save leaves it loaded; it is tried again ``inactive_s`` later.
+        """
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                s
+                for s in self.sessions.values()
+                if not s.finished and s.models and now - self._seen.get(s.id, now) > inactive_s
+            ]
+        started = []
+        for sess in idle:
+            with self._lock:
+                models = sorted(sess.models)
+            for model_id in models:
+                if (
+                    model_id in self.evicting
+                    or now - self._evict_failed.get(model_id, -inactive_s) < inactive_s
+                ):
+                    continue
+                rec = self.runtime.models.get(model_id)
+                if rec is None or rec.deleted:
+                    continue
+                self._evict(sess, model_id)
+                started.append(model_id)
+        return started
+
+    def _evict(self, sess: Session, model_id: str) -> None:
+        self.evicting.add(model_id)
+        tc = self.trainers.get(model_id) or TrainingClient(self.runtime, model_id)
+        name = f"evicted-{int(time.time())}"
+        try:
+            fut = tc.save_state(name, overwrite=True).future()
+        except BaseException:
+            self.evicting.discard(model_id)
+            raise
+
+        def saved(f: Future[Any]) -> None:
+            try:
+                path = f.result().path
+                self.record_checkpoint(sess.tenant, path)
+            except BaseException:
+                log.exception("saving the state of inactive model %s failed; it stays loaded", model_id)
+                self._evict_failed[model_id] = time.monotonic()
+                self.evicting.discard(model_id)
+                return
+            self.evicted[model_id] = path
+            self.seq.close(model_id, f"model {model_id} was evicted; its state is saved at {path}")
+            self.runtime.delete_model(model_id)
+            self.trainers.pop(model_id, None)
+            with self._lock:
+                sess.models.discard(model_id)
+            self.evicting.discard(model_id)
+            log.info("session %s is inactive: model %s saved to %s and evicted", sess.id, model_id, path)
+
+        fut.add_done_callback(saved)
 
     def new_model(
         self,

@@ -8,7 +8,7 @@ them — a wrong type answers 422 naming the field — and publishes them at ``/
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from tinker import types
@@ -20,6 +20,9 @@ MAX_SEQ = 2**63 - 1
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+AccessScope = Literal["owned", "accessible"]  # one tenant is one user: both name its own
 
 
 class ClientConfigRequest(_Wire):

@@ -18,9 +18,11 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+DEFAULT_PROJECT = "default"  # the project of sessions created without one
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (id TEXT PRIMARY KEY, created REAL NOT NULL);
@@ -60,7 +62,22 @@ class SessionRow:
     tenant: str
     created: float
     last_seen: float
-    finished: str | None
+    finished: str | None  # the reason the client gave (success, errored, interrupted), or None
+    meta: dict[str, Any] = field(default_factory=dict)  # the create_session body (+ project_id)
+
+    @property
+    def project_id(self) -> str:
+        return str(self.meta.get("project_id") or DEFAULT_PROJECT)
+
+    @property
+    def display_name(self) -> str | None:
+        name = self.meta.get("display_name")
+        return None if name is None else str(name)
+
+    @property
+    def user_metadata(self) -> dict[str, str] | None:
+        md = self.meta.get("user_metadata")
+        return None if md is None else {str(k): str(v) for k, v in dict(md).items()}
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,16 @@ class Store:
         )
         return KeyRow(*rows[0]) if rows else None
 
+    def key_record(self, key_hash: str) -> tuple[int, str] | None:
+        """The key's numeric id (its row id) and name, as ``GET /auth/apikey/me`` shows them."""
+        rows = self._all("SELECT rowid, name FROM api_keys WHERE key_hash=?", (key_hash,))
+        return (int(rows[0][0]), str(rows[0][1])) if rows else None
+
+    def revoke_hash(self, key_hash: str) -> None:
+        self._exec(
+            "UPDATE api_keys SET revoked=? WHERE key_hash=? AND revoked IS NULL", (time.time(), key_hash)
+        )
+
     def api_keys(self) -> list[KeyRow]:
         rows = self._all("SELECT key_hash, tenant, name, created, revoked FROM api_keys ORDER BY created")
         return [KeyRow(*r) for r in rows]
@@ -160,10 +187,48 @@ class Store:
         )
 
     def session(self, session_id: str) -> SessionRow | None:
+        rows = self._all(f"SELECT {_SESSION_COLS} FROM sessions WHERE id=?", (session_id,))
+        return _session_row(rows[0]) if rows else None
+
+    def sessions(
+        self, tenant: str, *, before: tuple[float, str] | None = None, limit: int = -1, offset: int = 0
+    ) -> list[SessionRow]:
+        """``tenant``'s sessions, newest first (ties by id, descending), optionally only those
+        strictly older than ``before`` = (created, id): the position a search cursor names."""
+        where, args = "tenant=?", [tenant]
+        if before is not None:
+            where += " AND (created < ? OR (created = ? AND id < ?))"
+            args += [before[0], before[0], before[1]]
         rows = self._all(
-            "SELECT id, tenant, created, last_seen, finished FROM sessions WHERE id=?", (session_id,)
+            f"SELECT {_SESSION_COLS} FROM sessions WHERE {where} ORDER BY created DESC, id DESC "
+            "LIMIT ? OFFSET ?",
+            (*args, limit, offset),
         )
-        return SessionRow(*rows[0]) if rows else None
+        return [_session_row(r) for r in rows]
+
+    def projects(self, tenant: str) -> set[str]:
+        """The projects ``tenant``'s sessions are in (projects exist by being used)."""
+        rows = self._all(
+            "SELECT DISTINCT json_extract(meta, '$.project_id') FROM sessions WHERE tenant=?", (tenant,)
+        )
+        return {str(r[0]) for r in rows if r[0]} | {DEFAULT_PROJECT}
+
+    def set_session_project(self, session_id: str, project_id: str) -> None:
+        self._exec(
+            "UPDATE sessions SET meta=json_set(meta, '$.project_id', ?) WHERE id=?", (project_id, session_id)
+        )
+
+    def session_contents(self, session_id: str) -> tuple[list[str], list[str], int, int]:
+        """The session's model ids and sampler ids (in creation order), and the count and total
+        size of its models' checkpoints."""
+        models = self._all("SELECT id FROM models WHERE session_id=? ORDER BY created, id", (session_id,))
+        samplers = self._all("SELECT id FROM samplers WHERE session_id=? ORDER BY created, id", (session_id,))
+        count, size = self._all(
+            "SELECT COUNT(*), COALESCE(SUM(c.size_bytes), 0) FROM checkpoints c "
+            "JOIN models m ON c.model_id = m.id WHERE m.session_id=?",
+            (session_id,),
+        )[0]
+        return [r[0] for r in models], [r[0] for r in samplers], int(count), int(size)
 
     def touch_session(self, session_id: str) -> None:
         self._exec("UPDATE sessions SET last_seen=? WHERE id=?", (time.time(), session_id))
@@ -196,12 +261,21 @@ class Store:
         rows = self._all(f"SELECT {_MODEL_COLS} FROM models WHERE id=?", (model_id,))
         return _model_row(rows[0]) if rows else None
 
-    def models(self, tenant: str, limit: int, offset: int) -> tuple[list[ModelRow], int]:
+    def models(
+        self, tenant: str, limit: int, offset: int, project_id: str | None = None
+    ) -> tuple[list[ModelRow], int]:
+        where, args = "tenant=?", [tenant]
+        if project_id is not None:  # runs of the project's sessions
+            where += (
+                " AND session_id IN (SELECT id FROM sessions WHERE tenant=? AND "
+                "COALESCE(json_extract(meta, '$.project_id'), ?) = ?)"
+            )
+            args += [tenant, DEFAULT_PROJECT, project_id]
         rows = self._all(
-            f"SELECT {_MODEL_COLS} FROM models WHERE tenant=? ORDER BY created DESC LIMIT ? OFFSET ?",
-            (tenant, limit, offset),
+            f"SELECT {_MODEL_COLS} FROM models WHERE {where} ORDER BY created DESC LIMIT ? OFFSET ?",
+            (*args, limit, offset),
         )
-        total = self._all("SELECT COUNT(*) FROM models WHERE tenant=?", (tenant,))[0][0]
+        total = self._all(f"SELECT COUNT(*) FROM models WHERE {where}", args)[0][0]
         return [_model_row(r) for r in rows], int(total)
 
     # ------------------------------------------------------------------ samplers
@@ -272,8 +346,13 @@ class Store:
         return {r[0] for r in self._all("SELECT tinker_path FROM checkpoints")}
 
 
+_SESSION_COLS = "id, tenant, created, last_seen, finished, meta"
 _MODEL_COLS = "id, tenant, session_id, base_model, lora, parent, created, last_request, user_metadata"
 _CKPT_COLS = "tinker_path, tenant, model_id, kind, name, created, size_bytes, meta"
+
+
+def _session_row(r: tuple[Any, ...]) -> SessionRow:
+    return SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]) if r[5] else {})
 
 
 def _model_row(r: tuple[Any, ...]) -> ModelRow:
