@@ -151,7 +151,25 @@ def test_sessions_are_tenant_scoped(server: LocalServer) -> None:
     assert sid not in rest_b.list_sessions(limit=1000).result().sessions
     assert rest_b.search_sessions(types.SessionSearchRequest(session_id=sid)).result().sessions == []
     assert _rest(server).get_session(sid).result().display_name == "private"
+    # nor can another tenant copy its weights, into a project or into its own session
+    path = (
+        sc.create_lora_training_client(base_model=TEST_MODEL, rank=2)
+        .result()
+        .save_state("mine")
+        .result()
+        .path
+    )
+    thief = tinker.ServiceClient(base_url=server.base_url, api_key=KEY_B, project_id="loot")
+    with pytest.raises(tinker.NotFoundError, match="unknown checkpoint"):
+        thief.copy_weights(path).result()
+    with _http(server, KEY_B) as http:
+        r = http.post("/copy_weights", json={"source_path": path, "session_id": sid, "model_seq_id": 9})
+        assert r.status_code == 404
+    assert all(
+        s.project_id != "loot" for s in rest_b.search_sessions(types.SessionSearchRequest()).result().sessions
+    )
     sc.close("success").result()
+    thief.close("success").result()
 
 
 def test_assign_session_project_moves_it_and_its_runs(server: LocalServer) -> None:
