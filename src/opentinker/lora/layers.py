@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -120,8 +121,12 @@ class LoRABatch:
 
     def select(self, rows: torch.Tensor) -> LoRABatch:
         """The same stacked adapters for a subset of rows (decoding drops finished rows)."""
+        return self.with_rows(self.row_index[rows])
+
+    def with_rows(self, row_index: torch.Tensor) -> LoRABatch:
+        """The same stacked adapters for other rows (``row_index``: [B] entry of each row)."""
         sub = copy.copy(self)
-        sub._set_rows(self.row_index[rows])
+        sub._set_rows(row_index)
         return sub
 
     def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
@@ -216,11 +221,14 @@ class MultiLoRA:
 
     The model is changed in place; ``batch`` is the routing every wrapped layer reads during a
     forward (set it with :meth:`use`). ``groups`` describes every wrapped projection kind.
+
+    ``batch`` is per thread: the training scheduler's forward and the rollout loop's (on its own
+    thread, over the same shared base model) each see only the routing they set.
     """
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.batch: LoRABatch | None = None
+        self._local = threading.local()
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         found: dict[str, list[tuple[int, str, nn.Module, int, int, bool, str]]] = {}
         for path, module in list(model.named_modules()):
@@ -248,6 +256,15 @@ class MultiLoRA:
             self.groups[name] = TargetGroup(name, kind, d_in, d_out, tuple(t[1] for t in items), fifo)
             for layer, path, module, *_ in items:
                 _replace_module(model, path, MultiLoRALinear(module, self, name, layer))
+
+    @property
+    def batch(self) -> LoRABatch | None:
+        """The routing of the forward this thread is running (None: the bare base model)."""
+        return getattr(self._local, "batch", None)
+
+    @batch.setter
+    def batch(self, batch: LoRABatch | None) -> None:
+        self._local.batch = batch
 
     @classmethod
     def attach(cls, model: nn.Module) -> MultiLoRA:

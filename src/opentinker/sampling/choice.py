@@ -23,13 +23,14 @@ UNIFORM_CHUNK = 64  # uniforms drawn at once from a row's generator
 class Row:
     """One sequence being decoded."""
 
-    req: int  # index into the batch's requests
-    policy: str | None
+    req: int  # its request's id in the batch
+    policy: str | None  # its slot in the batch's routing plan
     params: SamplingParams
     prompt_len: int
     gen: torch.Generator
     stop_ids: frozenset[int]
     stop_strs: tuple[str, ...]
+    sample: int = 0  # which of its request's num_samples rows
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: StopReason | None = None

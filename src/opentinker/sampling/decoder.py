@@ -1,0 +1,362 @@
+"""The step-wise decoder: a running batch that requests join and leave between decode steps.
+
+``NativeBackend.generate`` and the rollout loop (:mod:`opentinker.sampling.rollout`) both drive
+one :class:`StepDecoder` through four moves:
+
+* **pin** (:meth:`StepDecoder.pin`): validate a request and resolve its policy to the weights it
+  will sample (a snapshot's immutable copy, or None for the bare base model). From then on the
+  request holds those weights: a snapshot retired afterwards keeps serving it.
+* **admit** (:meth:`StepDecoder.admit`): prefill a group of pinned requests (left-padded, each row
+  routed through its own policy; a prompt continuing a finished sequence starts from the prefix
+  cache's keys and values, prompts sharing a common prefix under one policy prefill it once), fan
+  out ``num_samples`` rows per request, choose every row's first token, and merge the rows that
+  go on into the running batch (:meth:`~opentinker.sampling.forward.Forward.merge`).
+* **step** (:meth:`StepDecoder.step`): one decode step of every running row, old and new alike,
+  each with its own policy, sampling parameters and seeded generator.
+* **retire**: rows that stop leave the batch (and the KV cache) at once; a request whose rows have
+  all stopped is returned by the ``admit``/``step`` call that finished it.
+
+What a row computes does not depend on what shares its batch: its keys and values are its own,
+its draws come from its own generator (seeded per request and sample index), and padding is
+masked. Only float rounding differs with the batch's shape (tests/tolerances.py).
+
+A decoder is driven by one thread at a time (it owns the backend's prefix cache and stacked-LoRA
+cache while it runs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from opentinker.engine import Engine, EngineError
+from opentinker.engine.types import PolicyRef
+from opentinker.lora import LoRABatch, LoRAWeights
+from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs
+from opentinker.sampling.forward import (
+    Forward,
+    HFForward,
+    LeanForward,
+    LoRACache,
+    SharedPrefix,
+    make_plan,
+    replan,
+)
+from opentinker.sampling.llama_decode import LlamaLean
+from opentinker.sampling.prefix_cache import PrefixCache, PrefixHit
+from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
+
+MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
+
+# (request id, its result or the error that refused or failed it)
+Finished = tuple[int, SampleResult | Exception]
+
+
+@dataclass
+class Pinned:
+    """A validated request and the weights it samples (None: the bare base model)."""
+
+    req: SampleRequest
+    weights: LoRAWeights | None
+
+    @property
+    def slot(self) -> PolicyRef:
+        """The batch's name for these weights: the policy id and the weights' identity, so two
+        requests naming one id for different weights (released and reused) never share a slot."""
+        return None if self.weights is None else f"{self.req.policy}#{self.weights.uid}"
+
+
+@dataclass
+class _Job:
+    rid: int
+    pinned: Pinned
+    cached: bool  # its finished rows' keys and values go to the prefix cache
+    key: Hashable  # its policy key there
+    result: SampleResult = field(default_factory=lambda: SampleResult(sequences=[]))
+    seqs: list[SampledSequence | None] = field(default_factory=list)
+    left: int = 0  # rows still decoding
+
+
+class StepDecoder:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        validate: Callable[[SampleRequest], None],
+        prefix_cache: PrefixCache,
+        loras: LoRACache,
+        lean: LlamaLean | None,
+        share_prefix: bool,
+        eos_ids: set[int],
+        cache_kw: str,
+        first_decode_cols: int,
+        snapshots_only: bool = False,
+    ) -> None:
+        """``snapshots_only``: refuse requests naming a live adapter (a decoder on its own thread
+        must never read weights the training thread updates in place)."""
+        self.engine = engine
+        self.validate = validate
+        self.prefix_cache = prefix_cache
+        self.loras = loras
+        self.lean = lean
+        self.share_prefix = share_prefix
+        self.eos_ids = eos_ids
+        self.tokenizer = engine.base.tokenizer
+        self.cache_kw = cache_kw
+        self.first_decode_cols = first_decode_cols
+        self.snapshots_only = snapshots_only
+        self._model: Forward | None = None
+        self._plan: LoRABatch | None = None
+        self._rows: list[Row] = []
+        self._jobs: dict[int, _Job] = {}
+        self._weights: dict[PolicyRef, LoRAWeights | None] = {}
+        self.steps = 0  # decode steps run
+
+    @property
+    def live_rows(self) -> int:
+        return len(self._rows)
+
+    def running(self) -> list[int]:
+        """The ids of the requests with rows in the running batch."""
+        return list(self._jobs)
+
+    def pin(self, req: SampleRequest) -> Pinned:
+        """Validate ``req`` and resolve its policy now; raises :class:`EngineError` naming the problem."""
+        self.validate(req)
+        if req.policy is not None and self.snapshots_only and self.engine.has_adapter(req.policy):
+            raise EngineError(
+                f"{req.policy!r} is a model being trained; sample from a snapshot of it "
+                "(save_weights_for_sampler) so training cannot change the weights mid-sample"
+            )
+        weights = None if req.policy is None else self.engine.adapter_weights(req.policy)
+        return Pinned(req, weights)
+
+    # ------------------------------------------------------------------ admit
+    @torch.no_grad()
+    def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
+        """Prefill ``items`` (request id, pinned request) and merge their rows into the running
+        batch; returns the requests that finished already (their first token stopped them)."""
+        if not items:
+            return []
+        try:
+            return self._admit(items)
+        except Exception as e:  # a failed prefill fails its group, never the running batch
+            for rid, _ in items:
+                self._jobs.pop(rid, None)
+            return [(rid, e) for rid, _ in items]
+
+    def _admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
+        eng, dev = self.engine, self.engine.device
+        pins = [p for _, p in items]
+        reqs = [p.req for p in pins]
+        want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
+        cached = self.prefix_cache.max_bytes > 0 and not want_prompt
+        jobs = [_Job(rid, p, cached, _policy_key(p) if cached else None) for rid, p in items]
+        weights = {p.slot: p.weights for p in pins}
+        slots = [p.slot for p in pins]
+        hits, shared = self._prompt_starts(reqs, slots, [j.key for j in jobs] if cached else [], want_prompt)
+        skip = [shared] * len(reqs) if shared else [h.length if h is not None else 0 for h in hits]
+        lens = [len(r.prompt) - k for r, k in zip(reqs, skip, strict=True)]
+        width = max(lens)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
+        for i, r in enumerate(reqs):
+            ids[i, width - lens[i] :] = torch.tensor(r.prompt[skip[i] :], device=dev)
+            mask[i, width - lens[i] :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(skip, device=dev)[:, None]
+        prefixes = [h.kv if h is not None else None for h in hits] if any(hits) else None
+        model: Forward
+        if self.lean is not None:
+            # columns the decode may feed: every row's new tokens but its last
+            most = max(_limit(r, eng.max_context) for r in reqs)
+            model = LeanForward(
+                eng, self.lean, max(skip) + width, most - 1, self.loras, prefixes, self.first_decode_cols
+            )
+        else:
+            model = HFForward(eng, self.cache_kw, prefixes)
+        prefill_plan = model.plan(slots, weights)
+        prefix = None
+        if shared:
+            prefix = SharedPrefix(reqs[0].prompt[:shared], make_plan(eng, [slots[0]], weights))
+        logits = model.prefill(ids, mask, pos, want_prompt, prefill_plan, prefix)
+        for i, r in enumerate(reqs):
+            if r.prompt_logprobs or r.topk_prompt_logprobs:
+                prompt_logprobs(jobs[i].result, logits[i, width - lens[i] :], r)
+
+        rows: list[Row] = []
+        index: list[int] = []
+        for i, job in enumerate(jobs):
+            r = job.pinned.req
+            job.seqs = [None] * r.num_samples
+            job.left = r.num_samples
+            self._jobs[job.rid] = job
+            for k in range(r.num_samples):
+                rows.append(self._new_row(job.rid, slots[i], r, k))
+                index.append(i)
+        select = torch.tensor(index, device=dev)
+        model.select(select)
+        # the prefill's stacked adapters serve the decode (rows follow their requests in order)
+        plan = model.fan_out(prefill_plan, select, [row.policy for row in rows], weights)
+        done, keep = self._advance(model, rows, logits[select, -1])
+        if not keep:
+            return done
+        if len(keep) < len(rows):
+            idx = torch.tensor(keep, device=dev)
+            model.select(idx)
+            plan = plan.select(idx) if plan is not None else None
+            rows = [rows[j] for j in keep]
+        self._weights.update(weights)
+        if self._model is None:
+            self._model, self._plan, self._rows = model, plan, rows
+        else:
+            self._rows = self._rows + rows
+            room = max(_limit_row(row, eng.max_context) - len(row.tokens) for row in self._rows)
+            self._model.merge(model, room)
+            self._plan = replan(eng, self._plan, [row.policy for row in self._rows], self._weights)
+        return done
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """One decode step of every running row; returns the requests it finished."""
+        if self._model is None:
+            return []
+        model, rows, dev = self._model, self._rows, self.engine.device
+        try:
+            ids = torch.tensor([[row.tokens[-1]] for row in rows], device=dev)
+            # the fed token's position: the row's own (not its column in the cache)
+            pos = torch.tensor([[row.prompt_len + len(row.tokens) - 1] for row in rows], device=dev)
+            logits = model.step(ids, pos, self._plan)
+            self.steps += 1
+            done, keep = self._advance(model, rows, logits)
+        except Exception as e:  # fail what was running, keep serving what comes next
+            failed = [(rid, e) for rid in self._jobs]
+            self._reset()
+            return failed
+        if not keep:
+            self._reset()
+        elif len(keep) < len(rows):
+            idx = torch.tensor(keep, device=dev)
+            model.select(idx)
+            self._plan = self._plan.select(idx) if self._plan is not None else None
+            self._rows = [rows[j] for j in keep]
+            live = {row.policy for row in self._rows}
+            self._weights = {p: w for p, w in self._weights.items() if p in live}
+        return done
+
+    def _reset(self) -> None:
+        self._model, self._plan, self._rows = None, None, []
+        self._jobs.clear()
+        self._weights.clear()
+
+    def _advance(
+        self, model: Forward, rows: list[Row], last: torch.Tensor
+    ) -> tuple[list[Finished], list[int]]:
+        """Choose each row's next token from ``last`` ([rows, V]); finished rows are stored in
+        their requests (and their keys and values in the prefix cache). Returns the requests
+        finished and the indices of the rows that go on."""
+        ctx = self.engine.max_context
+        for row, (tok, lp) in zip(rows, choose_tokens(last, rows), strict=True):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            row.reason = self._stop_reason(row, ctx)
+        done: list[Finished] = []
+        keep: list[int] = []
+        for j, row in enumerate(rows):
+            if row.reason is None:
+                keep.append(j)
+                continue
+            job = self._jobs[row.req]
+            if job.cached:  # keep what the finished row computed
+                tokens = job.pinned.req.prompt + row.tokens[:-1]
+                self.prefix_cache.put(job.key, tokens, model.row_kv(j))
+            job.seqs[row.sample] = SampledSequence(row.tokens, row.logprobs, row.reason)
+            job.left -= 1
+            if job.left == 0:
+                job.result.sequences = [s for s in job.seqs if s is not None]
+                done.append((job.rid, job.result))
+                del self._jobs[job.rid]
+        return done, keep
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt_starts(
+        self, reqs: list[SampleRequest], slots: list[PolicyRef], keys: list[Hashable], want_prompt: bool
+    ) -> tuple[list[PrefixHit | None], int]:
+        """Where each prompt's prefill starts: the prefix cache's hit per request (``keys``: their
+        policy keys; empty = the cache is not used), or else the length of the prefix common to
+        all prompts, prefilled once and shared (0 = none)."""
+        hits: list[PrefixHit | None] = [None] * len(reqs)
+        if keys:
+            hits = [self.prefix_cache.match(k, r.prompt) for k, r in zip(keys, reqs, strict=True)]
+        if any(hits) or want_prompt or not self.share_prefix or len(set(slots)) > 1:
+            return hits, 0
+        return hits, common_prompt_prefix(reqs)
+
+    def _new_row(self, rid: int, slot: PolicyRef, r: SampleRequest, k: int) -> Row:
+        seed = r.params.seed
+        gen = torch.Generator(device="cpu")
+        if seed is None:
+            gen.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        else:
+            gen.manual_seed((int(seed) * 1_000_003 + k) % (1 << 63))
+        stop = r.params.stop
+        # the SDK's contract: None stops at EOS; a non-empty list stops at its entries *and* at
+        # EOS; only [] disables every stop, EOS included
+        if stop is None:
+            ids, strs = frozenset(self.eos_ids), ()
+        elif not stop:
+            ids, strs = frozenset(), ()
+        elif all(isinstance(s, int) for s in stop):
+            ids, strs = frozenset(self.eos_ids | {int(s) for s in stop}), ()
+        else:
+            ids, strs = frozenset(self.eos_ids), tuple(str(s) for s in stop)
+        return Row(rid, slot, r.params, len(r.prompt), gen, ids, strs, sample=k)
+
+    def _stop_reason(self, row: Row, ctx: int) -> StopReason | None:
+        if row.tokens[-1] in row.stop_ids:
+            return "stop"
+        if row.stop_strs:
+            # decode the whole completion: a stop string may span several tokens
+            text = self.tokenizer.decode(row.tokens, skip_special_tokens=False)
+            if any(s in text for s in row.stop_strs):
+                return "stop"
+        if len(row.tokens) >= row.params.max_tokens or row.prompt_len + len(row.tokens) >= ctx:
+            return "length"
+        return None
+
+
+def _limit(r: SampleRequest, ctx: int) -> int:
+    """The most tokens a row of ``r`` can sample."""
+    return min(r.params.max_tokens, ctx - len(r.prompt))
+
+
+def _limit_row(row: Row, ctx: int) -> int:
+    return min(row.params.max_tokens, ctx - row.prompt_len)
+
+
+def _policy_key(p: Pinned) -> Hashable:
+    """What the keys and values a policy computes depend on: the base model's (None), or a
+    policy's id with its weights' process-unique id and version counters (an adapter that
+    trained, or a snapshot id released and reused for other weights, never matches)."""
+    if p.weights is None:
+        return None
+    return (p.req.policy, p.weights.uid, tuple(t._version for t in p.weights.tensors()))
+
+
+def common_prompt_prefix(reqs: list[SampleRequest]) -> int:
+    """Length of the prompt prefix that every request shares under one policy (each keeps at least
+    one token of its own to prefill), or 0 when it is not worth sharing."""
+    if len(reqs) < 2 or len({r.policy for r in reqs}) > 1:
+        return 0
+    first = reqs[0].prompt
+    n = min(len(r.prompt) for r in reqs) - 1
+    for r in reqs[1:]:
+        p = r.prompt
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return n if n >= MIN_SHARED_PREFIX else 0
