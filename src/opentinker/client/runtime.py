@@ -33,6 +33,7 @@ from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
 from opentinker.sampling import NativeBackend
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
+from opentinker.sampling.rollout import RolloutCore, RolloutLoop
 from opentinker.scheduler import Scheduler
 
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -92,13 +93,17 @@ class Runtime:
         max_rank: int = 128,
         device: str = "cpu",
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        sample_in_ticks: bool = False,
     ) -> None:
+        """``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
+        a time (the serialized reference), instead of on its own rollout loop (the default)."""
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
         self.max_rank = max_rank
         self.device = device
         self.prefix_cache_bytes = prefix_cache_bytes  # per base model's sampler
+        self.sample_in_ticks = sample_in_ticks
         self.models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
@@ -115,7 +120,10 @@ class Runtime:
                     load_base_model(name, device=self.device), max_rank=self.max_rank, device=self.device
                 )
                 sampler = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
-                b = Backend(engine, sampler, Scheduler(engine, sampler))
+                rollout = None
+                if not self.sample_in_ticks:  # sampling on its own thread, continuous batching
+                    rollout = RolloutLoop(RolloutCore(sampler.decoder(snapshots_only=True), sampler))
+                b = Backend(engine, sampler, Scheduler(engine, sampler, rollout=rollout))
                 self._backends[name] = b
             return b
 

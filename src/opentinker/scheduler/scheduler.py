@@ -9,8 +9,14 @@ A model's operations run strictly in submission order. One **tick** is:
 3. every model whose next operation (after that request, or at the head) is ``optim_step`` takes
    the step — so a client that pipelines ``forward_backward`` + ``optim_step`` before waiting
    gets both in the same tick;
-4. all waiting sample requests (up to ``max_sample_rows`` sequences, oldest first) decode as one
-   mixed-policy batch.
+4. only when the scheduler serves sampling itself (it was given a plain ``RolloutBackend``, the
+   serialized reference): all waiting sample requests (up to ``max_sample_rows`` sequences, oldest
+   first) decode as one mixed-policy batch.
+
+**Sampling runs elsewhere.** Given a :class:`~opentinker.sampling.rollout.RolloutLoop` (what the
+``Runtime`` does), ``submit_sample`` hands the request to that loop, which serves it on its own
+thread with continuous batching, overlapped with the ticks: this scheduler then only decides when
+training runs. A client whose request is sampling is not waited for by the batching window.
 
 **Fairness.** Each model gets at most one forward/backward request and one optimizer step per
 tick, whatever its queue holds. A tenant with huge batches (the SDK splits them into several
@@ -46,6 +52,7 @@ from typing import Any, Literal
 
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.sampling import RolloutBackend, SampleRequest
+from opentinker.sampling.rollout import RolloutLoop
 
 OpKind = Literal["forward", "optim", "call"]
 
@@ -73,6 +80,7 @@ class Scheduler:
         engine: Engine,
         sampler: RolloutBackend,
         *,
+        rollout: RolloutLoop | None = None,
         max_sample_rows: int = 256,
         gather_s: float = 0.002,
         max_gather_s: float = 0.02,
@@ -82,6 +90,7 @@ class Scheduler:
         self.max_gather_s = max_gather_s
         self._submissions = 0
         self.sampler = sampler
+        self.rollout = rollout  # None: sampling runs in the ticks (serialized)
         self.max_sample_rows = max_sample_rows
         self.stats = TickStats()
         self._queues: dict[str, deque[_Op]] = {}
@@ -107,6 +116,12 @@ class Scheduler:
         return self._submit(model_id, _Op("call", fn, Future()))
 
     def submit_sample(self, req: SampleRequest) -> Future:
+        if self.rollout is not None:
+            with self._cv:
+                self._check_open()
+                # its client is sampling now: the next tick's window does not wait for it
+                self._last_sources.discard(_client(req.policy))
+            return self.rollout.submit(req)
         fut: Future = Future()
         with self._cv:
             self._check_open()
@@ -132,6 +147,8 @@ class Scheduler:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=60)
+        if self.rollout is not None:
+            self.rollout.shutdown()
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:

@@ -1,0 +1,290 @@
+"""The rollout loop: sampling served on its own thread, with continuous batching.
+
+Sampling is a service of its own, separate from the training scheduler (which only decides when
+training runs). :class:`RolloutCore` owns a :class:`~opentinker.sampling.decoder.StepDecoder` and
+runs one **tick** at a time: admit every waiting request that fits (prefill the newcomers, merge
+them into the running batch), then one decode step of all running rows. A request that arrives
+while a batch decodes therefore joins it at the next step, and a request whose rows stop is
+answered at once, not when the batch ends. ``continuous=False`` admits only into an empty batch
+(each batch runs to completion, as ``generate`` does): the reference the benchmarks compare with.
+
+**Messages, not shared objects.** The core speaks a small protocol: :class:`Sample` (a request
+and its id), :class:`Publish` / :class:`Retire` (a policy version's weights in, out) in;
+:class:`Done` (a request's result or error) out. :class:`RolloutLoop` drives it on a thread in
+this process, resolving ``Future``s from the ``Done``s; a worker process (or actor) holding its own
+base model runs the same core on the messages it receives (the weights of a ``Publish`` as bytes).
+
+**Policy versions, exactly.** A request is *pinned* to the weights its policy names when it enters
+(:meth:`StepDecoder.pin`); in this process that is at :meth:`RolloutLoop.submit`, on the caller's
+thread, against the engine's snapshots. The rows hold those weights until they stop, so:
+
+* a request pinned to snapshot ``m@v3`` samples ``m@v3``, whatever is published after it;
+* a snapshot is never seen half-published: the engine builds the copy first and registers it with
+  one dict assignment (atomic under the GIL), and a request that finds no snapshot fails with the
+  usual unknown-policy error;
+* retiring a snapshot with requests in flight: the requests already submitted finish on its
+  weights (their rows keep the tensors alive; they are freed when the last one stops); requests
+  submitted after the retire fail with the unknown-policy error.
+
+**Threads and data races.** The loop thread reads: the frozen base weights (never written after
+load; the lean decoder's fused copies are built before the thread starts), snapshot weights
+(immutable copies: ``Engine.snapshot`` clones under the scheduler thread before publishing) and
+its own KV caches. The training thread writes adapters in place (``optim_step``) — tensors the
+loop never reads, because it refuses requests that name a live adapter (``snapshots_only``).
+The only shared mutable state is the engine's snapshot and adapter dicts (single lookups and
+assignments, atomic) and the LoRA routing of the HF forward, which is per thread
+(``MultiLoRA.batch``). torch ops release the GIL, so a decode step and a training step run on
+the machine's cores at once (benchmarks/p10_long_tail.py measures it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from opentinker.engine import EngineError
+from opentinker.lora import LoRAWeights
+from opentinker.sampling.backend import RolloutBackend
+from opentinker.sampling.decoder import Pinned, StepDecoder
+from opentinker.sampling.types import SampleRequest, SampleResult
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Sample ``request``; answered by a :class:`Done` with the same ``rid``."""
+
+    rid: int
+    request: SampleRequest
+    # in-process only: the request already pinned by the submitter (a worker pins on receipt)
+    pinned: Pinned | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Make ``weights`` sampleable as ``policy_id``."""
+
+    policy_id: str
+    weights: LoRAWeights
+
+
+@dataclass(frozen=True)
+class Retire:
+    """Stop serving ``policy_id`` (requests already pinned to it finish)."""
+
+    policy_id: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The answer to :class:`Sample` ``rid``: its result, or the error that refused or failed it."""
+
+    rid: int
+    result: SampleResult | None = None
+    error: Exception | None = None
+
+
+Inbound = Sample | Publish | Retire
+
+
+@dataclass
+class RolloutStats:
+    steps: int = 0  # decode steps run
+    admitted: int = 0  # requests admitted
+    joined: int = 0  # requests admitted into a batch that was already decoding
+    max_rows: int = 0  # the most rows decoded at once
+
+
+class RolloutCore:
+    """One decoder, its waiting requests and the admission rule (see the module docstring)."""
+
+    def __init__(
+        self,
+        decoder: StepDecoder,
+        backend: RolloutBackend,
+        *,
+        continuous: bool = True,
+        max_rows: int = 256,
+    ) -> None:
+        self.decoder = decoder
+        self.backend = backend
+        self.continuous = continuous
+        self.max_rows = max_rows
+        self.stats = RolloutStats()
+        self._waiting: deque[tuple[int, Pinned]] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting) or self.decoder.live_rows > 0
+
+    def handle(self, msg: Inbound) -> list[Done]:
+        """Take one message; returns what it answers at once (a refused request)."""
+        try:
+            if isinstance(msg, Sample):
+                self._waiting.append((msg.rid, msg.pinned or self.decoder.pin(msg.request)))
+            elif isinstance(msg, Publish):
+                self.backend.publish(msg.policy_id, msg.weights)
+            else:
+                self.backend.retire(msg.policy_id)
+        except EngineError as e:
+            return [Done(msg.rid, error=e)] if isinstance(msg, Sample) else []
+        return []
+
+    def tick(self) -> list[Done]:
+        """Admit what may join, then one decode step; returns the requests that finished."""
+        dec, stats = self.decoder, self.stats
+        live = dec.live_rows
+        take: list[tuple[int, Pinned]] = []
+        if self.continuous or live == 0:
+            rows = live
+            while self._waiting and (
+                rows == 0 or rows + self._waiting[0][1].req.num_samples <= self.max_rows
+            ):
+                rid, pinned = self._waiting.popleft()
+                take.append((rid, pinned))
+                rows += pinned.req.num_samples
+        finished = dec.admit(take) if take else []
+        stats.admitted += len(take)
+        if live:
+            stats.joined += len(take)
+        stats.max_rows = max(stats.max_rows, dec.live_rows)
+        if dec.live_rows:
+            finished += dec.step()
+            stats.steps = dec.steps
+        return [_done(rid, res) for rid, res in finished]
+
+
+def _done(rid: int, res: SampleResult | Exception) -> Done:
+    return Done(rid, error=res) if isinstance(res, Exception) else Done(rid, result=res)
+
+
+class RolloutLoop:
+    """A :class:`RolloutCore` on its own thread in this process: ``submit`` returns a ``Future``."""
+
+    def __init__(
+        self,
+        core: RolloutCore,
+        *,
+        gather_s: float = 0.002,
+        max_gather_s: float = 0.02,
+        name: str = "opentinker-rollout",
+    ) -> None:
+        """``gather_s``: when idle, how long the loop waits for a quiet moment before its first
+        prefill, so that requests submitted together (an RL step's prompts) prefill together
+        (never longer than ``max_gather_s``)."""
+        self.core = core
+        self.gather_s = gather_s
+        self.max_gather_s = max_gather_s
+        self._inbox: deque[Inbound] = deque()
+        self._futures: dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self._received = 0
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+        atexit.register(_stop_at_exit, weakref.ref(self))
+
+    @property
+    def stats(self) -> RolloutStats:
+        return self.core.stats
+
+    def submit(self, req: SampleRequest) -> Future:
+        """Sample ``req``, pinned now to the weights its policy names (see the module docstring)."""
+        fut: Future = Future()
+        try:
+            pinned = self.core.decoder.pin(req)
+        except EngineError as e:
+            fut.set_exception(e)
+            return fut
+        with self._cv:
+            self._check_open()
+            rid = next(self._ids)
+            self._futures[rid] = fut
+            self._inbox.append(Sample(rid, req, pinned))
+            self._received += 1
+            self._cv.notify()
+        return fut
+
+    def send(self, msg: Publish | Retire) -> None:
+        """Queue a publish or retire, run on the loop's thread in order with the requests."""
+        with self._cv:
+            self._check_open()
+            self._inbox.append(msg)
+            self._cv.notify()
+
+    def _check_open(self) -> None:
+        if self._stopped:
+            raise RuntimeError("the rollout loop is shut down")
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        core = self.core
+        while True:
+            with self._cv:
+                while not self._stopped and not self._inbox and not core.busy:
+                    self._cv.wait()
+                if self._stopped:
+                    self._fail_pending()
+                    return
+                if not core.busy:
+                    self._gather()
+                msgs = list(self._inbox)
+                self._inbox.clear()
+            done: list[Done] = []
+            for msg in msgs:
+                done += core.handle(msg)
+            try:
+                done += core.tick()
+            except Exception as e:  # a bug must fail the requests it touched, never the thread
+                done += [Done(rid, error=e) for rid in core.decoder.running()]
+            self._resolve(done)
+            del msgs, done
+
+    def _gather(self) -> None:
+        """Idle: wait (lock held) until no request arrived for ``gather_s``, at most ``max_gather_s``."""
+        deadline = time.perf_counter() + self.max_gather_s
+        seen = self._received
+        while not self._stopped:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._cv.wait(min(self.gather_s, remaining))
+            if self._received == seen:
+                return
+            seen = self._received
+
+    def _resolve(self, done: list[Done]) -> None:
+        with self._cv:
+            futs = [(self._futures.pop(d.rid, None), d) for d in done]
+        for fut, d in futs:
+            if fut is None:
+                continue
+            if d.error is not None:
+                fut.set_exception(d.error)
+            else:
+                fut.set_result(d.result)
+
+    def _fail_pending(self) -> None:
+        err = RuntimeError("the rollout loop was shut down")
+        for fut in self._futures.values():
+            fut.set_exception(err)
+        self._futures.clear()
+        self._inbox.clear()
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    loop = ref()
+    if loop is not None:
+        loop.shutdown()
