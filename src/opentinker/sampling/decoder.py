@@ -146,7 +146,8 @@ class StepDecoder:
         except Exception as e:  # a failed prefill fails its group, never the running batch
             for rid, _ in items:
                 self._jobs.pop(rid, None)
-            return [(rid, e) for rid, _ in items]
+            failed: list[Finished] = [(rid, e) for rid, _ in items]
+            return failed
 
     def _admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
         eng, dev = self.engine, self.engine.device
@@ -233,7 +234,7 @@ class StepDecoder:
             self.steps += 1
             done, keep = self._advance(model, rows, logits)
         except Exception as e:  # fail what was running, keep serving what comes next
-            failed = [(rid, e) for rid in self._jobs]
+            failed: list[Finished] = [(rid, e) for rid in self._jobs]
             self._reset()
             return failed
         if not keep:
