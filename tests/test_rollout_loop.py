@@ -15,12 +15,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
+from tinker import types
 
+import opentinker
+from opentinker.client.runtime import Runtime
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.rollout import Publish, Retire, RolloutCore, RolloutLoop
-from tests.conftest import make_examples
+from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import assert_greedy_equal, assert_logprobs_close
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, stop=[])
@@ -296,3 +299,31 @@ def test_sampling_beside_a_training_thread(engine: Engine, snaps: list[str | Non
     assert not errors
     for got, ref in zip(results, refs, strict=True):
         _assert_same(got, ref)
+
+
+def test_embedded_sdk_samples_on_the_rollout_loop(tmp_path) -> None:
+    """Through the embedded SDK clients, sampling runs on the rollout loop (not in the training
+    ticks) and gives what the serialized in-tick sampler gives; ``topk_sample_logprobs`` comes
+    back per sampled token."""
+    out = {}
+    for mode, in_ticks in (("loop", False), ("ticks", True)):
+        rt = Runtime(tmp_path / mode, sample_in_ticks=in_ticks)
+        try:
+            service = opentinker.ServiceClient(runtime=rt)
+            tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0).result()
+            sampler = tc.save_weights_and_get_sampling_client()
+            res = sampler.sample(
+                types.ModelInput.from_ints([5, 6, 7, 8]),
+                num_samples=2,
+                sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3),
+                topk_sample_logprobs=3,
+            ).result()
+            assert (rt.backend(TEST_MODEL).scheduler.rollout is None) == in_ticks
+            out[mode] = res
+        finally:
+            rt.shutdown()
+    for got, ref in zip(out["loop"].sequences, out["ticks"].sequences, strict=True):
+        assert got.tokens == ref.tokens
+        assert_logprobs_close(got.logprobs, ref.logprobs)
+        assert got.topk_logprobs is not None and len(got.topk_logprobs) == len(got.tokens)
+        assert all(len(top or []) == 3 for top in got.topk_logprobs)

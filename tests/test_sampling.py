@@ -210,6 +210,44 @@ def test_prompt_logprobs_and_topk(setup) -> None:
         assert actual is not None and actual <= values[0] + 1e-6
 
 
+def _forward_logits(engine: Engine, policy: str | None, tokens: list[int]) -> torch.Tensor:
+    """fp32 logits [T, V] of one plain HF forward of ``tokens`` routed through ``policy``."""
+    with torch.no_grad(), engine.routing([policy]):
+        return engine.base.model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_topk_sample_logprobs_match_a_forward_pass(setup, temperature: float) -> None:
+    """At each sampled position, the k most likely (token, logprob) under softmax(logits / T)
+    (T = 1 when greedy, the sampled logprobs' distribution), from a forward pass of prompt +
+    completion: same tokens, logprobs within tolerance; the sampled token's own logprob is its
+    entry there when it is among them. Requests that do not ask get None."""
+    engine, sampler, (a, b), prompts = setup
+    params = SamplingParams(max_tokens=10, temperature=temperature, seed=4, top_k=-1, stop=[])
+    k = 5
+    reqs = [
+        SampleRequest(a, prompts[0], params, num_samples=2, topk_sample_logprobs=k),
+        SampleRequest(b, prompts[1], params),
+    ]
+    res, plain = sampler.generate(reqs)
+    assert not isinstance(res, Exception) and not isinstance(plain, Exception)
+    assert plain.sequences[0].topk_logprobs is None
+    for seq in res.sequences:
+        assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
+        full = prompts[0] + seq.tokens
+        logits = _forward_logits(engine, a, full)[len(prompts[0]) - 1 : -1]  # [n, V]
+        t = temperature if temperature > 0 else 1.0
+        ref_v, ref_i = torch.topk(torch.log_softmax(logits / t, -1), k)
+        for pos, top in enumerate(seq.topk_logprobs):
+            assert [tok for tok, _ in top] == ref_i[pos].tolist()
+            assert_logprobs_close([lp for _, lp in top], ref_v[pos].tolist())
+            own = dict(top).get(seq.tokens[pos])
+            if own is not None:
+                assert abs(own - seq.logprobs[pos]) <= 1e-5
+        if temperature == 0:  # greedy: the sampled token is the most likely one
+            assert [top[0][0] for top in seq.topk_logprobs] == seq.tokens
+
+
 def test_topk_topp_restrict_the_support(setup) -> None:
     engine, sampler, (a, _), prompts = setup
     [greedy] = sampler.generate([SampleRequest(a, prompts[1], SamplingParams(max_tokens=1, temperature=0.0))])
@@ -254,6 +292,7 @@ def test_topk_topp_restrict_the_support(setup) -> None:
         (dict(num_samples=0), "num_samples"),
         (dict(policy="no-such-snapshot@v3"), "unknown"),
         (dict(prompt=[1, 10**7]), "outside the vocabulary"),
+        (dict(topk_sample_logprobs=-1), "topk_sample_logprobs"),
     ],
 )
 def test_bad_sampling_requests_fail_alone(setup, req_kwargs, message: str) -> None:

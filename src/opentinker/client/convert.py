@@ -70,6 +70,7 @@ def sample_response(res: SampleResult) -> types.SampleResponse:
             sequence_id=uuid.uuid4().hex,
             tokens_np=np.asarray(s.tokens, dtype=np.int32),
             logprobs_np=np.asarray(s.logprobs, dtype=np.float32),
+            _topk_logprobs_list=list(s.topk_logprobs) if s.topk_logprobs is not None else None,
         )
         for s in res.sequences
     ]

@@ -40,6 +40,7 @@ class SamplingClient(ReadyClient):
         sampling_params: types.SamplingParams,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
         **unsupported: Any,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
         for key, value in unsupported.items():
@@ -52,6 +53,7 @@ class SamplingClient(ReadyClient):
             num_samples=num_samples,
             prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
         )
         self._note_use()
         return mapped(self._submit(req), sample_response)

@@ -31,8 +31,10 @@ class Row:
     stop_ids: frozenset[int]
     stop_strs: tuple[str, ...]
     sample: int = 0  # which of its request's num_samples rows
+    topk: int = 0  # top-k logprobs to report at each sampled position (0 = none)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     reason: StopReason | None = None
     _uniforms: list[float] = field(default_factory=list)
 
@@ -87,6 +89,21 @@ def _choose(
     toks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
     lps = logp.gather(-1, toks[:, None]).squeeze(-1)
     return list(zip(toks.tolist(), lps.tolist(), strict=True))
+
+
+def topk_logprobs(logits_SV: torch.Tensor, rows: list[Row]) -> list[list[tuple[int, float]] | None]:
+    """For each row asking for them (``row.topk`` > 0), the ``topk`` most likely (token, logprob)
+    of ``logits_SV`` [S, V] under the distribution its sampled logprob uses (softmax(logits / T),
+    T = 1 when greedy); None for the other rows."""
+    out: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    for j, row in enumerate(rows):
+        if row.topk <= 0:
+            continue
+        temp = row.params.temperature
+        logits = logits_SV[j] if temp in (0, 1) else logits_SV[j] / temp
+        values, indices = torch.topk(torch.log_softmax(logits, -1), min(row.topk, logits.shape[-1]))
+        out[j] = list(zip(indices.tolist(), values.tolist(), strict=True))
+    return out
 
 
 def prompt_logprobs(res: SampleResult, logits_PV: torch.Tensor, r: SampleRequest) -> None:

@@ -35,7 +35,7 @@ import torch
 from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
-from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs
+from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs, topk_logprobs
 from opentinker.sampling.forward import (
     Forward,
     HFForward,
@@ -260,9 +260,12 @@ class StepDecoder:
         their requests (and their keys and values in the prefix cache). Returns the requests
         finished and the indices of the rows that go on."""
         ctx = self.engine.max_context
-        for row, (tok, lp) in zip(rows, choose_tokens(last, rows), strict=True):
+        topk = topk_logprobs(last, rows) if any(row.topk for row in rows) else None
+        for j, (row, (tok, lp)) in enumerate(zip(rows, choose_tokens(last, rows), strict=True)):
             row.tokens.append(tok)
             row.logprobs.append(lp)
+            if topk is not None and (top := topk[j]) is not None:
+                row.topk_logprobs.append(top)
             row.reason = self._stop_reason(row, ctx)
         done: list[Finished] = []
         keep: list[int] = []
@@ -274,7 +277,8 @@ class StepDecoder:
             if job.cached:  # keep what the finished row computed
                 tokens = job.pinned.req.prompt + row.tokens[:-1]
                 self.prefix_cache.put(job.key, tokens, model.row_kv(j))
-            job.seqs[row.sample] = SampledSequence(row.tokens, row.logprobs, row.reason)
+            top = row.topk_logprobs if row.topk else None
+            job.seqs[row.sample] = SampledSequence(row.tokens, row.logprobs, row.reason, top)
             job.left -= 1
             if job.left == 0:
                 job.result.sequences = [s for s in job.seqs if s is not None]
@@ -314,7 +318,7 @@ class StepDecoder:
             ids, strs = frozenset(self.eos_ids | {int(s) for s in stop}), ()
         else:
             ids, strs = frozenset(self.eos_ids), tuple(str(s) for s in stop)
-        return Row(rid, slot, r.params, len(r.prompt), gen, ids, strs, sample=k)
+        return Row(rid, slot, r.params, len(r.prompt), gen, ids, strs, sample=k, topk=r.topk_sample_logprobs)
 
     def _stop_reason(self, row: Row, ctx: int) -> StopReason | None:
         if row.tokens[-1] in row.stop_ids:

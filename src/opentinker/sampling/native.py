@@ -100,6 +100,10 @@ class NativeBackend(RolloutBackend):
             raise EngineError(f"num_samples must be at least 1, got {req.num_samples!r}")
         if req.topk_prompt_logprobs < 0:
             raise EngineError("topk_prompt_logprobs must be >= 0")
+        if not isinstance(req.topk_sample_logprobs, int) or req.topk_sample_logprobs < 0:
+            raise EngineError(
+                f"topk_sample_logprobs must be an integer >= 0, got {req.topk_sample_logprobs!r}"
+            )
         if p.stop is not None:
             kinds = {type(s) for s in p.stop}
             if len(kinds) > 1 or not kinds <= {str, int}:

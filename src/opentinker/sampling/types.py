@@ -37,6 +37,7 @@ class SampleRequest:
     num_samples: int = 1
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0  # k most likely (token, logprob) at each sampled position
 
 
 @dataclass
@@ -44,6 +45,9 @@ class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    # one per sampled token when asked (``topk_sample_logprobs``): the k most likely (token,
+    # logprob) at that position, under the same distribution as ``logprobs``
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
