@@ -89,7 +89,8 @@ def test_a_row_does_not_depend_on_what_joins_its_batch(
     backend = NativeBackend(engine, lean_decode=lean, prefix_cache_bytes=0)
     a, b, base = snaps
     first = [
-        SampleRequest(a, _prompt(engine, 9, 1), GREEDY),
+        # long enough to be still decoding when the last joiner arrives, even on a loaded machine
+        SampleRequest(a, _prompt(engine, 9, 1), SamplingParams(max_tokens=200, temperature=0.0, stop=[])),
         SampleRequest(b, _prompt(engine, 5, 2), SEEDED, num_samples=2),
     ]
     joiners = [
