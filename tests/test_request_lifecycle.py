@@ -32,7 +32,8 @@ from opentinker.engine import Engine
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.scheduler import Scheduler
 from opentinker.server.completions import CompletionQueues
-from opentinker.server.errors import BadRequest
+from opentinker.server.errors import BadRequest, TooManyPending
+from opentinker.server.futures import FutureStore
 from opentinker.server.local import LocalServer
 from opentinker.server.ordering import GapTimeout, Sequencer
 from opentinker.server.refusals import refused_seq, sdk_gives_up
@@ -94,6 +95,21 @@ def test_the_gap_timeout_fails_the_requests_behind_the_gap_and_the_model_goes_on
     assert log == [5, 6]
     with pytest.raises(BadRequest, match="seq_id 2 of model m arrived after later requests"):
         seq.submit("m", 2, "d2", "r2", Future(), _runner(log, 2))
+
+
+def test_the_seq_id_held_requests_wait_for_gets_past_the_pending_limit() -> None:
+    async def run() -> None:
+        store, seq = FutureStore(max_pending=1, result_ttl_s=60), Sequencer()
+        seq.open("m")
+        _, held = store.create("t")
+        seq.submit("m", 2, "d2", "r2", held, lambda: None)  # the tenant's one slot: waits for 1
+        assert seq.awaited("m", 1) and not seq.awaited("m", 3)
+        with pytest.raises(TooManyPending):
+            store.create("t")
+        _, first = store.create("t", exempt=seq.awaited("m", 1))  # would deadlock otherwise
+        assert store.pending("t") == 2
+
+    asyncio.run(run())
 
 
 def test_refused_bodies_name_their_seq_id() -> None:

@@ -20,7 +20,8 @@ polling is off unless ``serve --batch-polling``: per-request polling answers a l
 "unknown" at once (see :mod:`futures`).
 
 Limits: a queue nobody polls (a client with the flag off) keeps at most ``max_events`` events,
-each at most ``ttl_s`` — as long as the results themselves are kept.
+each at most ``ttl_s`` — as long as the results themselves are kept; an empty queue whose sampler
+has sent nothing for ``ttl_s`` is dropped.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class _Queue:
     loop: asyncio.AbstractEventLoop
     events: deque[tuple[int, float, dict[str, Any]]] = field(default_factory=deque)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    used: float = field(default_factory=time.monotonic)  # last tracked request
 
 
 class CompletionQueues:
@@ -55,14 +57,22 @@ class CompletionQueues:
         self._issued = 0
         self._queues: dict[Key, _Queue] = {}
         self._lock = threading.Lock()
+        self._swept = time.monotonic()
 
     def track(self, key: Key, request_id: str, result: Future) -> None:
         """Report ``request_id`` on ``key``'s queue when ``result`` (its wire payload) is done.
         Called on the event loop."""
         loop = asyncio.get_running_loop()
+        now = time.monotonic()
         with self._lock:
-            if key not in self._queues:
-                self._queues[key] = _Queue(loop)
+            if now - self._swept > min(60.0, self.ttl_s):  # queues of samplers long idle
+                self._swept = now
+                for k in [k for k, q in self._queues.items() if not q.events and now - q.used > self.ttl_s]:
+                    del self._queues[k]
+            q = self._queues.get(key)
+            if q is None:
+                q = self._queues[key] = _Queue(loop)
+            q.used = now
 
         def done(f: Future) -> None:
             if f.exception() is None:
@@ -115,9 +125,3 @@ class CompletionQueues:
                 return [], prev_cursor
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(q.changed.wait(), remaining)
-
-    def forget(self, sampling_session_id: str) -> None:
-        """Drop every queue of a sampling session that is gone."""
-        with self._lock:
-            for key in [k for k in self._queues if k[0] == sampling_session_id]:
-                del self._queues[key]
