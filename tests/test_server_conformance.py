@@ -410,11 +410,17 @@ def test_seq_id_order_and_idempotency(server: LocalServer, tokens: list[int]) ->
         # the weights changed at seq 2, so seq 3 differs from seq 1's result
         out1 = deserialize_forward_backward_output(first.content)
         assert out1.metrics["loss:sum"] != pytest.approx(out3.metrics["loss:sum"], rel=1e-6)
-        # a seq_id that never comes: the next one runs after the gap timeout (4 s here)
+        # seq_ids that never come: after the gap timeout (4 s here) the one waiting for them fails,
+        # naming them, and the model goes on with the next
         rid7 = http.post("/forward_backward", content=_fb_body(model_id, 7, data), headers=PROTO).json()[
             "request_id"
         ]
-        assert "loss:sum" in deserialize_forward_backward_output(_result(http, rid7).content).metrics
+        failed = _result(http, rid7).json()
+        assert failed["category"] == "user" and "seq_ids 5..6" in failed["error"], failed
+        rid8 = http.post("/forward_backward", content=_fb_body(model_id, 8, data), headers=PROTO).json()[
+            "request_id"
+        ]
+        assert "loss:sum" in deserialize_forward_backward_output(_result(http, rid8).content).metrics
         late = http.post("/forward_backward", content=_fb_body(model_id, 5, data), headers=PROTO)
         assert late.status_code == 400 and "after later requests" in late.json()["detail"]
 
@@ -432,11 +438,16 @@ def test_pending_requests_per_tenant_are_bounded(server: LocalServer, tokens: li
             "/forward_backward", content=_fb_body(model_id, 2 + MAX_PENDING, data), headers=PROTO
         )
         assert over.status_code == 429 and "unfinished requests" in over.json()["detail"]
-        for r in held:  # after the gap timeout they all run
-            assert (
-                "loss:sum"
-                in deserialize_forward_backward_output(_result(http, r.json()["request_id"]).content).metrics
-            )
+        for r in held:  # after the gap timeout they all fail, naming the seq_id they waited for
+            failed = _result(http, r.json()["request_id"]).json()
+            assert "for seq_id 1," in failed["error"] and "never arrived" in failed["error"], failed
+        after = http.post(  # their slots are free again, and the model goes on
+            "/forward_backward", content=_fb_body(model_id, 2 + MAX_PENDING, data), headers=PROTO
+        )
+        assert (
+            "loss:sum"
+            in deserialize_forward_backward_output(_result(http, after.json()["request_id"]).content).metrics
+        )
 
 
 # ---------------------------------------------------------------------------- bad input

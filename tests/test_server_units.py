@@ -193,9 +193,13 @@ def test_sequencer_fails_a_refused_request_alone_and_skips_gaps() -> None:
     out1 = Future()
     seq.submit("m", 1, "d", "r1", out1, boom)
     assert isinstance(out1.exception(), ValueError)
-    seq.submit("m", 5, "d5", "r5", Future(), _done_future(log, 5))
+    out5: Future = Future()
+    seq.submit("m", 5, "d5", "r5", out5, _done_future(log, 5))
     assert seq.skip_gaps(gap_timeout_s=60) == 0 and log == []
-    assert seq.skip_gaps(gap_timeout_s=-1) == 3 and log == [5]
+    assert seq.skip_gaps(gap_timeout_s=-1) == 1 and log == []  # 5 waited for 2..4: it fails, unrun
+    assert "waited" in str(out5.exception()) and "seq_ids 2..4" in str(out5.exception())
+    seq.submit("m", 6, "d6", "r6", Future(), _done_future(log, 6))  # the model goes on
+    assert log == [6]
     held = Future()
     seq.submit("m", 9, "d9", "r9", held, _done_future(log, 9))
     seq.close("m", "session finished")

@@ -83,6 +83,23 @@ class SamplingClient(ReadyClient):
         fut._opentinker_client = self  # type: ignore[attr-defined]
         return fut
 
+    def last_ticket(self) -> int:
+        """The scheduler ticket of this thread's last sample request (see the scheduler)."""
+        return self._scheduler.last_sample_ticket()
+
+    def held_back(self, ticket: int) -> bool:
+        """Is that request waiting because full ticks of the sampler ran without it?"""
+        return self._scheduler.sample_state(ticket) == "held_back"
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop that request if no tick has taken it yet."""
+        return self._scheduler.cancel_sample(ticket)
+
+    @property
+    def max_rows(self) -> int:
+        """Sampled sequences the sampler decodes together at most (one tick)."""
+        return self._scheduler.max_sample_rows
+
     async def compute_logprobs_async(self, prompt: types.ModelInput) -> list[float | None]:
         return await self.compute_logprobs(prompt)
 

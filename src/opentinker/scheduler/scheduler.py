@@ -36,6 +36,12 @@ A client is its training model: a sample request counts for the model its snapsh
 (``<model>@v<n>``).
 
 The tick number is reported in each result's metrics as ``clock_cycle:unique``.
+
+**Sample tickets.** Each sample request gets a ticket (1, 2, 3, … in submission order; the
+submitting thread reads its own with :meth:`Scheduler.last_sample_ticket`). Since sampling is FIFO,
+a ticket says where its request stands: taken by a tick, *held back* (a tick ran without it because
+its row budget was full: the sampler's capacity holds it back), or queued; and a queued one can be
+cancelled — it is dropped when its turn comes, never decoded.
 """
 
 from __future__ import annotations
@@ -95,6 +101,11 @@ class Scheduler:
         self.stats = TickStats()
         self._queues: dict[str, deque[_Op]] = {}
         self._samples: deque[tuple[SampleRequest, Future]] = deque()
+        self._tickets = 0  # sample tickets handed out
+        self._taken_upto = 0  # every ticket up to this one was taken by a tick
+        self._passed_upto = 0  # ... up to this one was passed over by a full tick at least once
+        self._cancelled: set[int] = set()
+        self._local = threading.local()
         self._cv = threading.Condition()
         self._last_sources: set[str] = set()  # the clients served by the previous tick
         self._stopped = False
@@ -125,10 +136,30 @@ class Scheduler:
         fut: Future = Future()
         with self._cv:
             self._check_open()
+            self._tickets += 1
+            fut._opentinker_ticket = self._local.ticket = self._tickets  # type: ignore[attr-defined]
             self._samples.append((req, fut))
             self._submissions += 1
             self._cv.notify()
         return fut
+
+    def last_sample_ticket(self) -> int:
+        """The ticket of the last sample request this thread submitted (0: none)."""
+        return int(getattr(self._local, "ticket", 0))
+
+    def sample_state(self, ticket: int) -> Literal["queued", "held_back", "taken"]:
+        with self._cv:
+            if ticket <= self._taken_upto:
+                return "taken"
+            return "held_back" if ticket <= self._passed_upto else "queued"
+
+    def cancel_sample(self, ticket: int) -> bool:
+        """Drop a sample request that no tick has taken yet (True), else False."""
+        with self._cv:
+            if not self._taken_upto < ticket <= self._tickets or ticket in self._cancelled:
+                return False
+            self._cancelled.add(ticket)
+            return True
 
     def _submit(self, model_id: str, op: _Op) -> Future:
         with self._cv:
@@ -228,9 +259,17 @@ class Scheduler:
             not samples or rows + self._samples[0][0].num_samples <= self.max_sample_rows
         ):
             req, fut = self._samples.popleft()
+            ticket: int = fut._opentinker_ticket  # type: ignore[attr-defined]
+            self._taken_upto = ticket
+            if ticket in self._cancelled:
+                self._cancelled.discard(ticket)
+                fut.set_exception(SampleCancelled(f"sample request {ticket} was cancelled"))
+                continue
             samples.append((req, fut))
             sources.add(_client(req.policy))
             rows += req.num_samples
+        if self._samples:  # this tick is full: what is left waits for capacity
+            self._passed_upto = self._samples[-1][1]._opentinker_ticket  # type: ignore[attr-defined]
         self._last_sources = sources
         return calls, forwards, optims, samples
 
@@ -288,6 +327,10 @@ class Scheduler:
             fut.set_exception(err)
         self._queues.clear()
         self._samples.clear()
+
+
+class SampleCancelled(RuntimeError):
+    """A queued sample request was cancelled before a tick took it."""
 
 
 def _client(key: str | None) -> str:

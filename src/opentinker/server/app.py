@@ -15,8 +15,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import APIKeyHeader
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opentinker.client import Runtime
 from opentinker.engine import EngineError
@@ -26,10 +29,18 @@ from opentinker.server.checkpoints import CheckpointApi, reconcile
 from opentinker.server.config import ServerConfig
 from opentinker.server.errors import ApiError, Redactor, error_category, error_message
 from opentinker.server.futures import FutureStore
-from opentinker.server.limits import BodyLimit
+from opentinker.server.lifecycle import (
+    CancelFutureRequest,
+    FuturesRetrieveRequest,
+    JoinSamplingSessionRequest,
+    Lifecycle,
+    UnloadModelRequest,
+)
+from opentinker.server.limits import BODY_KEY, BodyLimit
 from opentinker.server.ops import Operations
 from opentinker.server.ordering import Sequencer
 from opentinker.server.projects import AssignProjectRequest, CopyWeightsRequest, ProjectApi, check_project
+from opentinker.server.refusals import note_refused
 from opentinker.server.registry import Registry, SamplerNotLoaded
 from opentinker.server.sessions import SessionApi, SessionSearchRequest
 from opentinker.server.store import Store
@@ -69,6 +80,7 @@ class Server:
         self.sequencer = Sequencer()
         self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
         self.ops = Operations(config, self.registry, self.futures, self.sequencer)
+        self.lifecycle = Lifecycle(config, self.registry, self.futures, self.ops)
         self.checkpoints = CheckpointApi(self.runtime.store, self.store)
         self.sessions = SessionApi(self.store, config.session_inactive_s)
         self.projects = ProjectApi(self.registry)
@@ -102,14 +114,39 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     app.state.server = server
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
+    async def refused(request: Request, status: int) -> None:
+        """A refused training request spends its seq_id (see refusals.py)."""
+
+        def owns(model_id: str) -> bool:
+            try:
+                server.registry.model(server.auth.tenant(request.headers.get("X-API-Key")), model_id)
+            except (ApiError, EngineError):
+                return False
+            return True
+
+        body, kind = request.scope.get(BODY_KEY), request.headers.get("content-type", "")
+        note_refused(server.sequencer, status, body, kind, owns)
+
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        await refused(request, exc.status)
         headers = getattr(exc, "headers", None)  # e.g. WWW-Authenticate on a refused token
         return JSONResponse({"detail": server.redact(exc.message)}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        await refused(request, 400)
         return JSONResponse({"detail": server.redact(error_message(exc))}, status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        await refused(request, 422)
+        return await request_validation_exception_handler(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        await refused(request, exc.status_code)  # e.g. 404: a route this server does not serve
+        return await http_exception_handler(request, exc)
 
     _routes(app, server)
     return app
@@ -117,7 +154,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
 async def _watch_gaps(server: Server) -> None:
     while True:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(min(1.0, server.config.gap_timeout_s / 4))
         server.sequencer.skip_gaps(server.config.gap_timeout_s)
 
 
@@ -149,11 +186,14 @@ def _routes(app: FastAPI, server: Server) -> None:
             "credential_default_source": "api_key",
             "parallel_fwdbwd_chunks": True,
             "proto_compress_fwdbwd": False,
+            # batch polling (/retrieve_futures) and server-allocated clone ids (lifecycle.py)
+            "sample_use_retrieve_futures": server.config.batch_polling,
+            "sample_join_sampling_session": True,
         }
 
     @app.post(f"{api}/client/dynamic_config", tags=["service"])
     async def client_dynamic_config(req: S.ClientConfigRequest, t: Tenant) -> dict[str, Any]:
-        return {}
+        return {"sample_cancel_enabled": True}  # abandoned samples are cancelled (lifecycle.py)
 
     @app.get(f"{api}/get_server_capabilities", tags=["service"])
     async def capabilities(t: Tenant) -> dict[str, Any]:
@@ -301,7 +341,9 @@ def _routes(app: FastAPI, server: Server) -> None:
             msg = f"request {req.request_id!r} is unknown or lost (server restarted?)"
             return JSONResponse({"error": msg, "category": "user"})
         if state == "pending" or fut is None:
-            return JSONResponse({"type": "try_again", "request_id": req.request_id, "queue_state": "active"})
+            queue_state, reason = server.futures.queue_state(req.request_id)
+            answer = {"type": "try_again", "request_id": req.request_id, "queue_state": queue_state}
+            return JSONResponse(answer if reason is None else {**answer, "queue_state_reason": reason})
         exc = fut.exception()
         if exc is not None:
             if error_category(exc) == "server":
@@ -314,8 +356,20 @@ def _routes(app: FastAPI, server: Server) -> None:
         return JSONResponse(result)
 
     @app.post(f"{api}/cancel_future", tags=["futures"])
-    async def cancel_future(t: Tenant) -> dict[str, Any]:
-        return {}  # best effort: queued work runs to completion
+    async def cancel_future(req: CancelFutureRequest, t: Tenant) -> dict[str, Any]:
+        return server.lifecycle.cancel_future(t, req)
+
+    @app.post(f"{api}/retrieve_futures", tags=["futures"])
+    async def retrieve_futures(req: FuturesRetrieveRequest, t: Tenant) -> dict[str, Any]:
+        return await server.lifecycle.retrieve_futures(t, req)
+
+    @app.post(f"{api}/join_sampling_session", tags=["sampling"])
+    async def join_sampling_session(req: JoinSamplingSessionRequest, t: Tenant) -> dict[str, Any]:
+        return server.lifecycle.join_sampling_session(t, req)
+
+    @app.post(f"{api}/unload_model", tags=["training"])
+    async def unload_model(req: UnloadModelRequest, t: Tenant) -> dict[str, Any]:
+        return server.lifecycle.unload_model(t, req)
 
     # ---------------------------------------------------------------- checkpoints (REST)
     @app.get(f"{api}/training_runs", tags=["checkpoints"])

@@ -15,13 +15,27 @@ class ServerConfig:
     device: str = "cpu"
     max_body_bytes: int = 64 << 20
     max_pending_per_tenant: int = 2048
+    # of those, queued on the engines at once; the rest wait in the server (admission.py) and their
+    # polls say paused_rate_limit. The scheduler serves one request per model per tick, so this
+    # only binds a tenant with hundreds of models all busy
+    max_running_per_tenant: int = 512
     # a long-poll of /retrieve_future answers try_again after this long (the SDK gives up at 45 s)
     poll_timeout_s: float = 25.0
-    # a model's request waiting this long for a lower seq_id that never came runs anyway
-    gap_timeout_s: float = 120.0
+    # a model's requests waiting this long for a lower seq_id that never came fail, naming it, and
+    # the model goes on. A refused send's seq_id is skipped at once (ordering.py), so this only
+    # covers a send that never reached the server. The SDK sends a model's next call only once the
+    # previous send was answered (the chunks of one forward_backward go together, within
+    # milliseconds), so a healthy client never leaves a gap this long; 10 s also covers the SDK's
+    # first three resends (1 + 2 + 4 s backoff) of a chunk lost on the way, while a dead client
+    # stalls its model for seconds, not for good.
+    gap_timeout_s: float = 10.0
     # a finished result stays retrievable this long
     result_ttl_s: float = 1800.0
     max_num_samples: int = 256
+    # tell the SDK to poll sampling results per session (/retrieve_futures) instead of per request;
+    # off by default: the SDK's batch poller cannot learn that a request in flight at a server
+    # crash is lost (completions.py), per-request polling is told so at once
+    batch_polling: bool = False
     # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
     prefix_cache_bytes: int = 512 << 20
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);

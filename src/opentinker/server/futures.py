@@ -9,7 +9,13 @@ Request ids carry a per-process boot id: after a restart every old id is simply 
 answers an error saying so — a request in flight at a crash never hangs a client.
 
 Limits: each tenant may have at most ``max_pending`` unfinished futures (429 beyond); finished
-ones are kept ``result_ttl_s`` for retried polls, then dropped.
+ones are kept ``result_ttl_s`` for retried polls, then dropped (or as soon as the SDK reports them
+retrieved, see :meth:`FutureStore.drop`).
+
+An unfinished request's try-again answer carries the SDK's queue state (``active``,
+``paused_capacity``, ``paused_rate_limit``) and a reason: whoever queued the work may attach a
+function saying whether a limit holds it back right now (:meth:`FutureStore.hooks`), and one that
+cancels it while it has not started (``/cancel_future``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from opentinker.server.errors import TooManyPending
+from opentinker.server.errors import TooManyPending, UserError
+
+QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
+StateFn = Callable[[], tuple[QueueState, str | None]]  # (the SDK's queue state, why)
+CancelFn = Callable[[], bool]  # True if the work was stopped before it started
 
 
 @dataclass
@@ -37,9 +47,16 @@ class _Entry:
     loop: asyncio.AbstractEventLoop
     done_at: float | None = None
     created: float = field(default_factory=time.monotonic)
+    state: StateFn | None = None
+    cancel: CancelFn | None = None
 
 
 PollState = Literal["unknown", "pending", "done"]
+CancelOutcome = Literal["unknown", "finished", "cancelled", "running"]
+
+
+class Cancelled(UserError):
+    """The client cancelled the request (``/cancel_future``) before it ran."""
 
 
 class FutureStore:
@@ -53,12 +70,13 @@ class FutureStore:
         self._ids = itertools.count(1)
         self._last_sweep = time.monotonic()
 
-    def create(self, tenant: str) -> tuple[str, Future]:
-        """A new request id and the future its result goes into; 429 if the tenant has too many."""
+    def create(self, tenant: str, *, exempt: bool = False) -> tuple[str, Future]:
+        """A new request id and the future its result goes into; 429 if the tenant has too many
+        (unless ``exempt``: a request others already accepted wait for, which must get in)."""
         loop = asyncio.get_running_loop()
         self._maybe_sweep()
         with self._lock:
-            if self._pending[tenant] >= self.max_pending:
+            if self._pending[tenant] >= self.max_pending and not exempt:
                 raise TooManyPending(
                     f"this tenant has {self._pending[tenant]} unfinished requests (the limit is "
                     f"{self.max_pending}); retry when some have finished"
@@ -76,6 +94,47 @@ class FutureStore:
             self._pending[entry.tenant] -= 1
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is polling
             entry.loop.call_soon_threadsafe(entry.event.set)
+
+    def hooks(self, request_id: str, *, state: StateFn | None = None, cancel: CancelFn | None = None) -> None:
+        """Attach what says a request's queue state, and what cancels it before it starts."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is not None:
+                entry.state = state or entry.state
+                entry.cancel = cancel or entry.cancel
+
+    def queue_state(self, request_id: str) -> tuple[QueueState, str | None]:
+        with self._lock:
+            entry = self._entries.get(request_id)
+        if entry is None or entry.state is None:
+            return "active", None
+        return entry.state()
+
+    def future_of(self, request_id: str) -> Future | None:
+        with self._lock:
+            entry = self._entries.get(request_id)
+        return None if entry is None else entry.future
+
+    def cancel(self, request_id: str, tenant: str) -> CancelOutcome:
+        """Stop a request of ``tenant`` that has not started; its poll then answers an error."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+        if entry is None or entry.tenant != tenant:
+            return "unknown"
+        if entry.future.done():
+            return "finished"
+        if entry.cancel is None or not entry.cancel():
+            return "running"
+        fail(entry.future, Cancelled(f"request {request_id} was cancelled by the client before it ran"))
+        return "cancelled"
+
+    def drop(self, request_ids: list[str], tenant: str) -> None:
+        """Forget finished results the client reports it has retrieved (others are left alone)."""
+        with self._lock:
+            for rid in request_ids:
+                entry = self._entries.get(rid)
+                if entry is not None and entry.tenant == tenant and entry.done_at is not None:
+                    del self._entries[rid]
 
     def pending(self, tenant: str) -> int:
         with self._lock:

@@ -15,6 +15,7 @@ from opentinker.server.errors import ApiError
 from opentinker.server.wire import decompress
 
 ASGIApp = Any
+BODY_KEY = "opentinker.body"  # the scope entry holding the whole (decompressed) body
 _DRAIN_FACTOR = 8  # past this many times the limit, stop reading and let the connection drop
 
 
@@ -59,6 +60,7 @@ class BodyLimit:
                 return
             kept = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
             scope = {**scope, "headers": [*kept, (b"content-length", str(len(raw)).encode())]}
+        scope = {**scope, BODY_KEY: raw}  # for handlers of refused requests (see refusals.py)
         replayed = False
 
         async def replay() -> dict[str, Any]:

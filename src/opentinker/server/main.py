@@ -34,6 +34,20 @@ def _seconds(minimum: float, strict: bool) -> Callable[[str], float]:
     return parse
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="opentinker serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -56,10 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
     p.add_argument("--max-pending", type=int, default=2048, help="unfinished requests per tenant before 429")
     p.add_argument(
+        "--max-running",
+        type=_positive_int,
+        default=512,
+        help="requests per tenant queued on the engines at once; more wait in the server, their "
+        "polls answering try_again with queue_state paused_rate_limit",
+    )
+    p.add_argument(
         "--poll-timeout", type=float, default=25.0, help="seconds a /retrieve_future long-poll waits"
     )
     p.add_argument(
-        "--gap-timeout", type=float, default=120.0, help="seconds a request waits for a missing seq_id"
+        "--gap-timeout",
+        type=_positive_float,
+        default=10.0,
+        help="seconds a model's requests wait for a lower seq_id that never arrives before they fail "
+        "(naming it) and the model goes on; a refused send's seq_id is skipped at once",
     )
     p.add_argument(
         "--token-ttl",
@@ -81,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="MiB of finished sequences' keys and values kept per base model so that the next turn "
         "of a conversation prefills only its new tokens (0 = off)",
     )
+    p.add_argument(
+        "--batch-polling",
+        action="store_true",
+        help="have the SDK poll sampling results per sampling session (/retrieve_futures) rather "
+        "than per request; a sample in flight at a server crash then waits for the SDK's "
+        "stuck-detection instead of failing at once",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -95,8 +127,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         max_body_bytes=args.max_body_bytes,
         max_pending_per_tenant=args.max_pending,
+        max_running_per_tenant=args.max_running,
         poll_timeout_s=args.poll_timeout,
         gap_timeout_s=args.gap_timeout,
+        batch_polling=args.batch_polling,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
         token_ttl_s=args.token_ttl,
         session_inactive_s=args.session_inactive_after,

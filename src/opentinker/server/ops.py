@@ -20,9 +20,11 @@ from tinker import types
 from opentinker.client import SamplingClient
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
+from opentinker.server.admission import Admission
+from opentinker.server.completions import CLONE_BLOCK, CompletionQueues
 from opentinker.server.config import ServerConfig
 from opentinker.server.errors import BadRequest, UserError
-from opentinker.server.futures import FutureStore, chain, fail
+from opentinker.server.futures import FutureStore, QueueState, chain, fail
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
 from opentinker.server.wire import (
@@ -45,16 +47,28 @@ class Operations:
         self.futures = futures
         self.seq = sequencer
         self.once = Idempotency()
+        self.completions = CompletionQueues(ttl_s=config.result_ttl_s)
+        self.admit = Admission(config.max_running_per_tenant)
 
     # ------------------------------------------------------------------ plumbing
-    def _run(self, tenant: str, submit: Submit, encode: Encode) -> str:
+    def run(self, tenant: str, submit: Submit, encode: Encode) -> str:
         """An unordered operation: submit now; a request id for its encoded result."""
+        return self._run(tenant, submit, encode)
+
+    def _run(self, tenant: str, submit: Submit, encode: Encode) -> str:
+        """An unordered operation: submit now (or when the tenant's admission lets it); a request
+        id for its encoded result."""
         request_id, out = self.futures.create(tenant)
-        try:
-            chain(submit(), out, encode)
-        except BaseException as e:
-            fail(out, e)
+        self._admit(tenant, request_id, out, submit, encode)
         return request_id
+
+    def _admit(self, tenant: str, request_id: str, out: Future, submit: Submit, encode: Encode) -> None:
+        self.futures.hooks(
+            request_id,
+            state=lambda: self.admit.state(tenant, out),
+            cancel=lambda: self.admit.cancel(tenant, out),
+        )
+        self.admit.submit(tenant, out, lambda: chain(submit(), out, encode))
 
     def _ordered(
         self, tenant: str, model_id: str, seq_id: int | None, digest: str, submit: Submit, encode: Encode
@@ -65,9 +79,18 @@ class Operations:
         hit = self.seq.lookup(model_id, seq_id, digest)
         if hit is not None:
             return hit
-        request_id, out = self.futures.create(tenant)
+        # the one its model's held requests wait for must get in, or they would hold the
+        # tenant's pending slots while it is refused for want of one
+        request_id, out = self.futures.create(tenant, exempt=self.seq.awaited(model_id, seq_id))
         try:
-            self.seq.submit(model_id, seq_id, digest, request_id, out, lambda: chain(submit(), out, encode))
+            self.seq.submit(
+                model_id,
+                seq_id,
+                digest,
+                request_id,
+                out,
+                lambda: self._admit(tenant, request_id, out, submit, encode),
+            )
         except BaseException as e:
             fail(out, e)
             raise
@@ -303,7 +326,29 @@ class Operations:
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
-            rid = self._run(tenant, lambda: self._sample(client, req), self._encode_sample(req))
+            ticket = 0
+
+            def submit() -> Future:
+                nonlocal ticket
+                fut = self._sample(client, req)
+                ticket = client.last_ticket()  # this thread's request, just queued
+                return fut
+
+            rid = self._run(tenant, submit, self._encode_sample(req))
+            out = self.futures.future_of(rid)
+            if out is not None:  # held by admission first, then (once queued) by the sampler
+
+                def state() -> tuple[QueueState, str | None]:
+                    held = self.admit.state(tenant, out)
+                    return held if held[0] != "active" or not ticket else _capacity_state(client, ticket)
+
+                def cancel() -> bool:
+                    return self.admit.cancel(tenant, out) or (ticket > 0 and client.cancel(ticket))
+
+                self.futures.hooks(rid, state=state, cancel=cancel)
+            if req.sampling_session_id is not None and out is not None:
+                clone = max(req.seq_id or 0, 0) // CLONE_BLOCK
+                self.completions.track((req.sampling_session_id, clone), rid, out)
             return {"request_id": rid, "sample_sequence_ids": ids}
 
         if req.seq_id is None or req.sampling_session_id is None:
@@ -336,3 +381,12 @@ class Operations:
     @staticmethod
     def _encode_sample(req: S.SampleRequest) -> Encode:
         return lambda res: encode_sample_response(res, prompt_logprobs_last_n=req.prompt_logprobs_last_n)
+
+
+def _capacity_state(client: SamplingClient, ticket: int) -> tuple[QueueState, str | None]:
+    if client.held_back(ticket):
+        return "paused_capacity", (
+            f"the sampler is at capacity: it decodes at most {client.max_rows} sequences at a time, "
+            "and requests queued earlier are decoding first"
+        )
+    return "active", None

@@ -76,6 +76,7 @@ class Registry:
         self.evicting: set[str] = set()  # models whose state is being saved before eviction
         self.evicted: dict[str, str] = {}  # model id -> the checkpoint its state was saved to
         self._evict_failed: dict[str, float] = {}  # model id -> when its last eviction save failed
+        self.unloaded: set[str] = set()  # models freed by /unload_model (their checkpoints stay)
 
     # ------------------------------------------------------------------ base models
     def base_model(self, name: str) -> str:
@@ -172,6 +173,11 @@ class Registry:
                 ) from None
             raise NotFound(f"unknown model {model_id!r}") from None
         except EngineError:
+            if model_id in self.unloaded:
+                raise NotFound(
+                    f"model {model_id!r} was unloaded; its checkpoints remain: create a training "
+                    "client from one of them to train on"
+                ) from None
             path = self.evicted.get(model_id)
             if path is not None or model_id in self.evicting:
                 where = f"its state is saved at {path}" if path else "its state is being saved"
@@ -254,6 +260,26 @@ class Registry:
             log.info("session %s is inactive: model %s saved to %s and evicted", sess.id, model_id, path)
 
         fut.add_done_callback(saved)
+
+    def unload_model(self, tenant: str, model_id: str) -> Future[None]:
+        """Free ``tenant``'s model after the requests already queued for it; requests still held
+        for their turn fail; later ones are refused. Unloading it again is a no-op."""
+        if model_id in self.unloaded:
+            row = self.store.model(model_id)
+            if row is None or row.tenant != tenant:
+                raise NotFound(f"unknown model {model_id!r}")
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        self.model(tenant, model_id)  # 404 unless it is the tenant's live model
+        self.unloaded.add(model_id)
+        self.seq.close(model_id, f"model {model_id} was unloaded before this request's turn came")
+        freed = self.runtime.delete_model(model_id, tenant)
+        self.trainers.pop(model_id, None)
+        with self._lock:
+            for sess in self.sessions.values():
+                sess.models.discard(model_id)
+        return freed
 
     def new_model(
         self,
