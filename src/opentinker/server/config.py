@@ -22,6 +22,8 @@ class ServerConfig:
     # a finished result stays retrievable this long
     result_ttl_s: float = 1800.0
     max_num_samples: int = 256
+    # expired checkpoints are deleted at start-up and then this often
+    checkpoint_sweep_s: float = 60.0
     # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
     prefix_cache_bytes: int = 512 << 20
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
