@@ -8,7 +8,8 @@ the cookbook's ``weights.download`` works on both path kinds (the training one g
 age-encrypted temporary export); TTLs out of range are refused with nothing changed, an expired
 checkpoint leaves listings at once and disk at the next sweep — but not while a live sampler uses
 it; a published checkpoint can be sampled and trained from by B, read-only, and is 404 for B again
-once unpublished (B's sampler included).
+once unpublished (B's sampler included). Unit tests first: the signing secret (made once, 0600),
+the TTL range, an older database's migration, and start-up re-indexing of external weights.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ import tinker
 import torch
 from tinker import types
 
+from opentinker.client.checkpoints import CheckpointStore
+from opentinker.client.external import ExternalStore
+from opentinker.server.checkpoints import MAX_TTL_S, MIN_TTL_S, check_ttl, reconcile
+from opentinker.server.errors import UserError
 from opentinker.server.local import LocalServer
-from opentinker.server.signing import UrlSigner
+from opentinker.server.signing import SECRET_FILE, UrlSigner, load_secret
+from opentinker.server.store import Store
 from tests.conftest import TEST_MODEL
 from tests.tolerances import assert_logprobs_close
 
@@ -40,6 +46,71 @@ DATUM = types.Datum(
     model_input=types.ModelInput.from_ints(TOKENS[:-1]),
     loss_fn_inputs={"target_tokens": TOKENS[1:]},  # type: ignore[dict-item]  # lists: the SDK converts
 )
+
+
+# ---------------------------------------------------------------------------- units
+def test_signing_secret_is_made_once_with_mode_0600(tmp_path: Path) -> None:
+    first = load_secret(tmp_path)
+    f = tmp_path / SECRET_FILE
+    assert len(first) == 32 and f.stat().st_mode & 0o777 == 0o600
+    assert load_secret(tmp_path) == first  # reused, so URLs survive a restart
+    f.chmod(0o644)
+    assert load_secret(tmp_path) == first and f.stat().st_mode & 0o777 == 0o600  # tightened again
+    other = tmp_path / "other"
+    other.mkdir()
+    assert load_secret(other) != first  # per data dir
+
+
+def test_check_ttl_accepts_the_documented_range_only() -> None:
+    assert check_ttl(None) is None and check_ttl(MIN_TTL_S) == MIN_TTL_S and check_ttl(MAX_TTL_S) == MAX_TTL_S
+    for bad in (MIN_TTL_S - 1, MAX_TTL_S + 1, -5, 0):
+        with pytest.raises(UserError, match="between 3600"):
+            check_ttl(bad)
+    for bad in (True, 3600.5, "3600"):
+        with pytest.raises(UserError, match="integer"):
+            check_ttl(bad)
+
+
+def test_an_older_database_gains_the_ttl_and_published_columns(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "server.sqlite3")
+    db.execute(
+        "CREATE TABLE checkpoints (tinker_path TEXT PRIMARY KEY, tenant TEXT NOT NULL, model_id TEXT NOT "
+        "NULL, kind TEXT NOT NULL, name TEXT NOT NULL, created REAL NOT NULL, size_bytes INTEGER NOT NULL, "
+        "meta TEXT NOT NULL)"
+    )
+    db.execute(
+        "INSERT INTO checkpoints VALUES ('tinker://m/weights/a', 't', 'm', 'weights', 'a', 1, 2, '{}')"
+    )
+    db.commit()
+    db.close()
+    store = Store(tmp_path)
+    try:
+        [row] = store.checkpoints("t")[0]
+        assert row.expires_at is None and row.public is False
+        store.set_checkpoint_public(row.tinker_path, True)
+        assert store.checkpoint(row.tinker_path).public  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_reconcile_indexes_external_weights_and_forgets_deleted_ones(tmp_path: Path) -> None:
+    ext = ExternalStore(tmp_path)
+    ext.write("sess-1:train:0", "e", lambda d: (d / "adapter_config.json").write_text("{}"), {"tenant": "t"})
+    (ext.root / "sess-1:train:0" / "external_weights" / ".half.tmp-0000").mkdir()  # a crash's leftover
+    store = Store(tmp_path)
+    try:
+        assert reconcile(CheckpointStore(tmp_path), store, ext) == 1
+        [row] = store.checkpoints("t")[0]
+        assert (
+            row.kind == "external_weights" and row.tinker_path == "tinker://sess-1:train:0/external_weights/e"
+        )
+        assert row.size_bytes == 2
+        assert not list((ext.root / "sess-1:train:0" / "external_weights").glob(".*"))
+        ext.delete("sess-1:train:0", "e")
+        reconcile(CheckpointStore(tmp_path), store, ext)
+        assert store.checkpoints("t")[0] == []
+    finally:
+        store.close()
 
 
 @pytest.fixture(scope="module")

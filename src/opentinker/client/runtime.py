@@ -312,7 +312,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ tenancy of checkpoints
     def checkpoint(self, path: str, tenant: str) -> tuple[CheckpointRef, dict[str, Any]]:
-        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` may use it.
+        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` may use it: it is
+        theirs, or :attr:`is_public` says it is published.
 
         Raises ``EngineError`` for a malformed path, ``CheckpointError`` when nothing usable is
         there, and ``UnknownPolicyError`` for another tenant's: to them it does not exist.
