@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
         from opentinker.server import keys_main, serve
 
         return int((serve if argv[0] == "serve" else keys_main)(argv[1:]) or 0)
+    if argv[:1] == ["export"]:  # `opentinker export TINKER_PATH OUT_DIR [--merged]` (cli/export.py)
+        from opentinker.cli.export import main as export_main
+
+        return export_main(argv[1:])
     if argv[:1] == ["train"]:  # `opentinker train rl|sft` has its own parser (opentinker/cli/train.py)
         from opentinker.cli.train import main as train_main
 
@@ -30,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("keys", help="create | list | revoke API keys (opentinker keys -h)", add_help=False)
     sub.add_parser("train", help="train adapters on a task: rl | sft (opentinker train -h)", add_help=False)
+    sub.add_parser(
+        "export", help="a checkpoint as a PEFT folder, or --merged a full HF model (opentinker export -h)",
+        add_help=False,
+    )  # fmt: skip
 
     from opentinker.cli import demo as d  # the demo's defaults live beside the demo
 

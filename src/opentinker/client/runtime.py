@@ -14,6 +14,7 @@ the embedded clients wait on it, the server chains it to a request id.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
+from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
 from opentinker.engine import Engine, EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.lora import LoRAConfig
@@ -100,6 +102,9 @@ class Runtime:
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
+        self.external = ExternalStore(self.data_dir)
+        # tinker path -> readable by every tenant (published); the server sets it from its store
+        self.is_public: Callable[[str], bool] = lambda path: False
         self.max_rank = max_rank
         self.device = device
         self.prefix_cache_bytes = prefix_cache_bytes  # per base model's sampler
@@ -287,9 +292,36 @@ class Runtime:
 
         return backend.scheduler.submit_call(ref.model_id, load)
 
+    def save_external(
+        self, model_id: str, name: str, *, recipients: list[str] | None = None
+    ) -> Future[ExternalRecord]:
+        """Export live model ``model_id`` in PEFT format to ``tinker://<model_id>/external_weights/
+        <name>`` (encrypted to ``recipients`` if given), in the model's order."""
+        rec = self.model(model_id)
+        parsed = parse_recipients(recipients)  # a bad recipient is refused before anything is queued
+        if self.external.exists(model_id, name):
+            raise CheckpointError(
+                f"external weights tinker://{model_id}/external_weights/{name} already exist"
+            )
+        meta = {
+            "tenant": rec.tenant,
+            "model_id": model_id,
+            "base_model": rec.base_model,
+            "lora": dataclasses.asdict(rec.lora),
+            "parent": rec.parent,
+        }
+
+        def export(eng: Engine) -> ExternalRecord:
+            return self.external.write(
+                model_id, name, lambda folder: eng.export_peft(model_id, folder), meta, parsed
+            )
+
+        return self.backend(rec.base_model).scheduler.submit_call(model_id, export)
+
     # ------------------------------------------------------------------ tenancy of checkpoints
     def checkpoint(self, path: str, tenant: str) -> tuple[CheckpointRef, dict[str, Any]]:
-        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` may use it.
+        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` may use it: it is
+        theirs, or :attr:`is_public` says it is published.
 
         Raises ``EngineError`` for a malformed path, ``CheckpointError`` when nothing usable is
         there, and ``UnknownPolicyError`` for another tenant's: to them it does not exist.
@@ -301,7 +333,7 @@ class Runtime:
         except CheckpointError as e:  # the reason, with the tinker path in place of the folder
             reason = str(e).replace(str(folder), ref.tinker_path)
             raise CheckpointError(f"no usable checkpoint at {ref.tinker_path}: {reason}") from e
-        if checkpoint_owner(meta) != tenant:
+        if checkpoint_owner(meta) != tenant and not self.is_public(ref.tinker_path):
             raise UnknownPolicyError(f"unknown checkpoint {path!r}")
         return ref, meta
 

@@ -146,6 +146,19 @@ class TrainingClient(ReadyClient):
             rec.sampled_versions.clear()
         return ref.tinker_path
 
+    def save_weights_external(
+        self,
+        name: str,
+        ttl_seconds: int | None = None,
+        age_encryption_recipients: list[str] | None = None,
+    ) -> AwaitableConcurrentFuture[types.SaveWeightsExternalResponse]:
+        """The adapter in PEFT format at ``tinker://<model_id>/external_weights/<name>`` (see
+        :mod:`opentinker.client.external`)."""
+        fut = self._runtime.save_external(
+            self.model_id, check_name(name), recipients=age_encryption_recipients
+        )
+        return mapped(fut, lambda rec: types.SaveWeightsExternalResponse(path=rec.tinker_path))
+
     def load_state(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
         return self._load(path, optimizer=False)
 

@@ -10,6 +10,7 @@ from one thread at a time. The API, in the order an adapter's life uses it::
     snap = eng.snapshot(aid)                                       # immutable policy version
     eng.save_state(aid, path) / eng.load_state(path)               # weights + optimizer, checksummed
     eng.export_peft(aid, out_dir)                                  # PEFT / vLLM format
+    eng.export_merged(aid, out_dir)                                # full HF model, adapter merged
     with eng.routing([aid, snap.snapshot_id, None]): model(...)    # per-row policies, for samplers
 
 ``forward_backward_many`` is the "clock cycle": all requests — any adapters, snapshots, losses,
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from opentinker.engine.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from opentinker.engine.export import export_peft
+from opentinker.engine.export import export_merged, export_peft
 from opentinker.engine.losses import LOSSES, resolve_config
 from opentinker.engine.optim import AdapterOptimizer
 from opentinker.engine.prefix import plan_shared_prefixes, shared_prefix_logprobs
@@ -491,7 +492,12 @@ class Engine:
         self._resolve(ref)
 
     def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
-        return export_peft(self.adapter_weights(ref), self.lora.groups, out_dir, base_model=self.base.path)
+        """The adapter (or snapshot) ``ref`` as a PEFT folder (see :mod:`opentinker.engine.export`)."""
+        return export_peft(self.adapter_weights(ref), self.lora.groups, out_dir, base_model=self.base.name)
+
+    def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
+        """The base model with ``ref``'s delta merged in, as a full HF model folder."""
+        return export_merged(self.adapter_weights(ref), self.lora.groups, self.base.path, out_dir)
 
 
 def _named(weights: LoRAWeights) -> dict[str, torch.Tensor]:

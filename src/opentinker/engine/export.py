@@ -1,18 +1,48 @@
-"""Export an adapter in PEFT's format: ``adapter_model.safetensors`` + ``adapter_config.json``.
+"""Export an adapter for other tools: PEFT's format, or a full HF model with the adapter merged in.
 
-The result loads with ``peft.PeftModel.from_pretrained(base, folder)`` (and vLLM's LoRA loader):
-keys ``base_model.model.<module path>.lora_A.weight`` [r, in] and ``.lora_B.weight`` [out, r],
-``lora_alpha``/``r`` giving the same ``alpha / r`` scale the engine uses.
+:func:`export_peft` writes ``adapter_model.safetensors`` + ``adapter_config.json``, what
+``peft.PeftModel.from_pretrained(base, folder)`` and vLLM's ``LoRARequest`` load:
+
+- keys ``base_model.model.<module path>.lora_A.weight`` [r, in] and ``.lora_B.weight`` [out, r]
+  (PEFT's saved names: no adapter name in them; vLLM parses the module path out of the same keys);
+- ``target_modules`` the short module names (``q_proj``, ``down_proj``, ``lm_head``), as PEFT's
+  own configs and vLLM's supported-module checks expect, unless a short name would also match a
+  module this adapter does not train (then the full module paths, which PEFT matches exactly);
+- ``r`` and ``lora_alpha`` giving the engine's own ``alpha / r`` scale; no rsLoRA, no DoRA, no bias;
+- ``base_model_name_or_path`` the base model's canonical name (an HF id such as
+  ``HuggingFaceTB/SmolLM2-135M-Instruct``), never a folder of the machine that wrote it.
+
+:func:`export_merged` loads the base model fresh (fp32) and adds ``scale * B @ A`` to each
+targeted weight (transposed for GPT-2's ``Conv1D``), then saves it with ``save_pretrained``
+(safetensors) and the tokenizer. A base whose unembedding is tied to its embedding is untied first
+when the adapter trains the unembedding: the merged ``lm_head`` must not change the input
+embeddings too.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors.torch import save_file
 
 from opentinker.lora import LoRAWeights, TargetGroup
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+
+
+def peft_target_modules(weights: LoRAWeights, groups: dict[str, TargetGroup]) -> list[str]:
+    """Short module names when each one names only trained modules, else the full paths."""
+    trained = sorted(weights.a)
+    short = {name: name.rsplit(".", 1)[-1] for name in groups}
+    mine = {short[n] for n in trained}
+    others = {short[n] for n in groups if n not in weights.a}
+    if len(mine) == len(trained) and not mine & others:
+        return sorted(mine)
+    return [path for n in trained for path in groups[n].paths]
 
 
 def export_peft(
@@ -21,7 +51,6 @@ def export_peft(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    targets: list[str] = []
     fan_in_fan_out = False
     for name in sorted(weights.a):
         group = groups[name]
@@ -29,9 +58,8 @@ def export_peft(
         for layer, path in enumerate(group.paths):
             tensors[f"base_model.model.{path}.lora_A.weight"] = a[layer].contiguous().cpu()
             tensors[f"base_model.model.{path}.lora_B.weight"] = b[layer].contiguous().cpu()
-            targets.append(path)
         fan_in_fan_out |= group.fan_in_fan_out
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -40,12 +68,53 @@ def export_peft(
         "lora_alpha": weights.config.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": targets,
+        "target_modules": peft_target_modules(weights, groups),
         "fan_in_fan_out": fan_in_fan_out,
         "use_rslora": False,
         "use_dora": False,
         "modules_to_save": None,
         "inference_mode": True,
     }
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
+    return out
+
+
+def merge_into(model: Any, weights: LoRAWeights, groups: dict[str, TargetGroup]) -> None:
+    """Add the adapter's delta to ``model``'s weights in place (an HF model, not LoRA-wrapped)."""
+    if "unembed" in {groups[n].kind for n in weights.a}:
+        _untie_unembedding(model)
+    with torch.no_grad():
+        for name in sorted(weights.a):
+            group = groups[name]
+            a, b = weights.a[name].detach(), weights.b[name].detach()
+            for layer, path in enumerate(group.paths):
+                w = model.get_submodule(path).weight  # [out, in] ([in, out] for Conv1D)
+                delta = weights.scale * (b[layer].to(w) @ a[layer].to(w))  # [out, in]
+                w.add_(delta.T if group.fan_in_fan_out else delta)
+
+
+def _untie_unembedding(model: Any) -> None:
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out_emb is None or in_emb is None or out_emb.weight is not in_emb.weight:
+        return
+    out_emb.weight = torch.nn.Parameter(out_emb.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    get_text_config = getattr(model.config, "get_text_config", None)
+    if callable(get_text_config):
+        text_config: Any = get_text_config()
+        text_config.tie_word_embeddings = False
+
+
+def export_merged(
+    weights: LoRAWeights, groups: dict[str, TargetGroup], base_path: str, out_dir: str | Path
+) -> Path:
+    """A full HF model folder (safetensors, config, tokenizer) of the base with ``weights`` merged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merge_into(model, weights, groups)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(str(out))
     return out

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +27,7 @@ from opentinker.server import schemas as S
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
 from opentinker.server.config import ServerConfig
+from opentinker.server.downloads import Downloads
 from opentinker.server.errors import ApiError, Redactor, error_category, error_message
 from opentinker.server.futures import FutureStore
 from opentinker.server.lifecycle import (
@@ -43,6 +44,7 @@ from opentinker.server.projects import AssignProjectRequest, CopyWeightsRequest,
 from opentinker.server.refusals import note_refused
 from opentinker.server.registry import Registry, SamplerNotLoaded
 from opentinker.server.sessions import SessionApi, SessionSearchRequest
+from opentinker.server.signing import UrlSigner
 from opentinker.server.store import Store
 from opentinker.server.tokens import TokenSigner, load_secret
 
@@ -81,10 +83,12 @@ class Server:
         self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
         self.ops = Operations(config, self.registry, self.futures, self.sequencer)
         self.lifecycle = Lifecycle(config, self.registry, self.futures, self.ops)
-        self.checkpoints = CheckpointApi(self.runtime.store, self.store)
+        self.checkpoints = CheckpointApi(self.runtime.store, self.store, self.runtime.external)
+        self.runtime.is_public = self.checkpoints.is_public  # published checkpoints: readable by all
+        self.downloads = Downloads(self.checkpoints, self.runtime.external, UrlSigner(config.data_dir))
         self.sessions = SessionApi(self.store, config.session_inactive_s)
         self.projects = ProjectApi(self.registry)
-        reconcile(self.runtime.store, self.store)
+        reconcile(self.runtime.store, self.store, self.runtime.external)
 
     def close(self) -> None:
         self.runtime.shutdown()
@@ -96,13 +100,16 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_watch_gaps(server))
-        idle = asyncio.create_task(_watch_sessions(server))
+        tasks = [
+            asyncio.create_task(_watch_gaps(server)),
+            asyncio.create_task(_watch_sessions(server)),
+            asyncio.create_task(_sweep_checkpoints(server)),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            idle.cancel()
+            for task in tasks:
+                task.cancel()
             server.close()
 
     app = FastAPI(
@@ -167,6 +174,17 @@ async def _watch_sessions(server: Server) -> None:
             server.registry.evict_idle(server.config.session_inactive_s)
         except Exception:
             log.exception("evicting inactive sessions' models failed")
+
+
+async def _sweep_checkpoints(server: Server) -> None:
+    """Delete expired checkpoints at start-up, then every ``checkpoint_sweep_s``."""
+    while True:
+        try:
+            in_use = server.registry.in_use_checkpoints()
+            await asyncio.to_thread(server.checkpoints.sweep, in_use)
+        except Exception:
+            log.exception("checkpoint sweep failed")
+        await asyncio.sleep(server.config.checkpoint_sweep_s)
 
 
 def _routes(app: FastAPI, server: Server) -> None:
@@ -311,6 +329,10 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def save_weights_for_sampler(req: S.SaveWeightsForSamplerRequest, t: Tenant) -> dict[str, Any]:
         return {"request_id": ops.save_weights_for_sampler(t, req)}
 
+    @app.post(f"{api}/save_weights_external", tags=["checkpoints"])
+    async def save_weights_external(req: S.SaveWeightsExternalRequest, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.save_weights_external(t, req)}
+
     @app.post(f"{api}/load_weights", tags=["checkpoints"])
     async def load_weights(req: S.LoadWeightsRequest, t: Tenant) -> dict[str, Any]:
         return {"request_id": ops.load_weights(t, req)}
@@ -403,3 +425,41 @@ def _routes(app: FastAPI, server: Server) -> None:
         t: Tenant, limit: Annotated[int, Query(ge=1, le=1000)] = 100, offset: Annotated[int, Query(ge=0)] = 0
     ) -> dict[str, Any]:
         return ckpts.user_checkpoints(t, limit, offset)
+
+    ckpt = f"{api}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}"
+
+    @app.put(f"{ckpt}/ttl", tags=["checkpoints"])
+    async def set_ttl(model_id: str, kind: str, name: str, req: S.CheckpointTtlRequest, t: Tenant) -> None:
+        ckpts.set_ttl(t, model_id, kind, name, req.ttl_seconds)
+
+    @app.post(f"{ckpt}/publish", tags=["checkpoints"])
+    async def publish(model_id: str, kind: str, name: str, t: Tenant) -> None:
+        ckpts.publish(t, model_id, kind, name, True)
+
+    @app.delete(f"{ckpt}/publish", tags=["checkpoints"])
+    async def unpublish(model_id: str, kind: str, name: str, t: Tenant) -> None:
+        ckpts.publish(t, model_id, kind, name, False)
+
+    @app.get(f"{ckpt}/external_weights_urls", tags=["checkpoints"])
+    async def external_weights_urls(
+        model_id: str, kind: str, name: str, request: Request, t: Tenant
+    ) -> dict[str, Any]:
+        return server.downloads.urls(t, str(request.base_url), model_id, kind, name)
+
+    @app.get(f"{api}/downloads/{{model_id}}/{{kind}}/{{name}}/{{file}}", tags=["checkpoints"])
+    async def download(
+        model_id: str,
+        kind: str,
+        name: str,
+        file: str,
+        key: Annotated[str | None, Depends(_api_key)],
+        tenant: str = "",
+        expires: str = "",
+        sig: str = "",
+    ) -> FileResponse:
+        """A file behind a signed URL (no API key needed; one of another tenant is refused)."""
+        caller = server.auth.tenant(key) if key else None
+        found = server.downloads.file(
+            model_id, kind, name, file, tenant=tenant, expires=expires, sig=sig, caller=caller
+        )
+        return FileResponse(found, media_type="application/octet-stream", filename=file)

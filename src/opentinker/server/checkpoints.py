@@ -1,31 +1,94 @@
-"""The checkpoint REST routes' logic (``RestClient``): training runs, checkpoints, weights info.
+"""The checkpoint REST routes' logic (``RestClient``): training runs, checkpoints, weights info,
+TTLs and publishing.
 
 Everything is filtered by tenant: another tenant's runs and checkpoints do not exist (404). The
 folders under ``<data-dir>/checkpoints`` are the truth; :func:`reconcile` re-indexes them into the
 store at start-up, so checkpoints written by an earlier process — even one killed mid-way — are
 listed and loadable after a restart, and deleted folders drop out of the index.
+
+**TTL.** Every save may name ``ttl_seconds`` and ``set_checkpoint_ttl`` changes it later (``None``
+removes it); the documented range is 1 hour to 10 years (:data:`MIN_TTL_S`, :data:`MAX_TTL_S`),
+anything else is refused before anything is saved or changed. From its expiry time on a checkpoint
+is gone from every listing and can no longer be loaded, sampled or downloaded (404). Its files are
+deleted by :meth:`CheckpointApi.sweep`, which the server runs at start-up and then every
+``checkpoint_sweep_s`` (60 s by default) — except while a live sampler (a sampler session of this
+process, not finished) was created from it: its weights stay on disk until that sampler's session
+finishes, so the sampler keeps sampling (a restart or a reload never finds them torn away); the
+next sweep after that deletes them. TTLs and the published flag live in the store only.
+
+**Publishing.** Only a checkpoint's owner may publish or unpublish it. Publishing what is
+already public (or unpublishing what is private) answers 400 saying so — not the 409 the SDK's
+docstring names, because the SDK retries every 409 for five minutes before raising it. While published, every tenant may read it: weights info, a training client from
+its state, a sampling client, the download URLs of external weights. Nothing else: other tenants
+still get 404 for deleting, TTLs and publishing it, and it is never in their listings. Unpublishing
+makes it 404 for them again, including for sampling sessions they made from it meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 from opentinker.client.checkpoints import KINDS, CheckpointStore, checkpoint_ref
+from opentinker.client.external import KIND as EXTERNAL
+from opentinker.client.external import ExternalRecord, ExternalStore
 from opentinker.client.runtime import checkpoint_owner
 from opentinker.engine import EngineError
-from opentinker.server.errors import NotFound
+from opentinker.server.errors import BadRequest, NotFound, UserError
 from opentinker.server.store import CheckpointRow, ModelRow, Store
 
 log = logging.getLogger(__name__)
+MIN_TTL_S = 3600  # 1 hour, the SDK's documented lower bound
+MAX_TTL_S = 315_576_000  # 10 years of 365.25 days, the documented upper bound
+CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", EXTERNAL: "external"}
 
 
-def reconcile(disk: CheckpointStore, store: Store) -> int:
+def check_ttl(ttl_seconds: object) -> int | None:
+    """``ttl_seconds`` if it is None or an integer in the documented range, else a user error."""
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int):
+        raise UserError(f"ttl_seconds must be an integer number of seconds, got {ttl_seconds!r}")
+    if not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise UserError(
+            f"ttl_seconds must be between {MIN_TTL_S} (1 hour) and {MAX_TTL_S} (10 years), got {ttl_seconds}"
+        )
+    return ttl_seconds
+
+
+def expiry(ttl_seconds: int | None, now: float | None = None) -> float | None:
+    return None if ttl_seconds is None else (time.time() if now is None else now) + ttl_seconds
+
+
+def external_row(rec: ExternalRecord, expires_at: float | None = None) -> CheckpointRow:
+    return CheckpointRow(
+        rec.tinker_path,
+        rec.tenant,
+        rec.model_id,
+        EXTERNAL,
+        rec.name,
+        rec.created,
+        rec.size_bytes,
+        rec.meta,
+        expires_at,
+    )
+
+
+def reconcile(disk: CheckpointStore, store: Store, external: ExternalStore | None = None) -> int:
     """Index every checkpoint folder on disk (and its model); forget rows whose folder is gone."""
     on_disk = disk.list()
     known = store.all_checkpoint_paths()
     added = 0
+    exports = []
+    if external is not None:
+        external.clean_partial_writes()
+        exports = external.list()
+        for ext in exports:
+            if ext.tinker_path not in known:
+                store.add_checkpoint(external_row(ext))
+                added += 1
     for rec in on_disk:
         path = rec.ref.tinker_path
         tenant = checkpoint_owner(rec.meta)
@@ -58,7 +121,7 @@ def reconcile(disk: CheckpointStore, store: Store) -> int:
                 None,
             )
             store.add_model(row)
-    for path in known - {r.ref.tinker_path for r in on_disk}:
+    for path in known - {r.ref.tinker_path for r in on_disk} - {e.tinker_path for e in exports}:
         store.delete_checkpoint(path)
     if added:
         log.info("indexed %d checkpoint(s) found on disk", added)
@@ -68,17 +131,20 @@ def reconcile(disk: CheckpointStore, store: Store) -> int:
 def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
     return {
         "checkpoint_id": f"{row.kind}/{row.name}",
-        "checkpoint_type": "training" if row.kind == "weights" else "sampler",
+        "checkpoint_type": CHECKPOINT_TYPES.get(row.kind, "sampler"),
         "time": _iso(row.created),
         "tinker_path": row.tinker_path,
         "size_bytes": row.size_bytes,
+        "public": row.public,
+        "expires_at": None if row.expires_at is None else _iso(row.expires_at),
     }
 
 
 class CheckpointApi:
-    def __init__(self, disk: CheckpointStore, store: Store) -> None:
+    def __init__(self, disk: CheckpointStore, store: Store, external: ExternalStore | None = None) -> None:
         self.disk = disk
         self.store = store
+        self.external = external or ExternalStore(disk.root.parent)
 
     def _run(self, tenant: str, model_id: str) -> ModelRow:
         row = self.store.model(model_id)
@@ -128,23 +194,82 @@ class CheckpointApi:
         }
 
     def _row(self, tenant: str, path: str) -> CheckpointRow:
+        """``tenant``'s own, unexpired checkpoint at ``path`` (else 404)."""
         row = self.store.checkpoint(path)
-        if row is None or row.tenant != tenant:
+        if row is None or row.tenant != tenant or row.expired():
             raise NotFound(f"unknown checkpoint {path!r}")
         return row
 
-    def delete(self, tenant: str, model_id: str, kind: str, name: str) -> None:
+    def readable(self, tenant: str, path: str) -> CheckpointRow:
+        """The unexpired checkpoint at ``path`` if ``tenant`` owns it or it is published (else 404)."""
+        row = self.store.checkpoint(path)
+        if row is None or (row.tenant != tenant and not row.public) or row.expired():
+            raise NotFound(f"unknown checkpoint {path!r}")
+        return row
+
+    def is_public(self, path: str) -> bool:
+        row = self.store.checkpoint(path)
+        return row is not None and row.public and not row.expired()
+
+    @staticmethod
+    def path_of(model_id: str, kind: str, name: str) -> str:
+        """The tinker path of a route's ``{model_id}/checkpoints/{kind}/{name}``, every part checked."""
         try:
-            ref = checkpoint_ref(model_id, kind, name)
+            if kind == EXTERNAL:
+                checkpoint_ref(model_id, "weights", name)  # the same rules for the id and the name
+                return f"tinker://{model_id}/{EXTERNAL}/{name}"
+            return checkpoint_ref(model_id, kind, name).tinker_path
         except EngineError as e:
             raise NotFound(str(e)) from e
-        self._row(tenant, ref.tinker_path)
-        if self.disk.exists(ref):
-            self.disk.delete(ref)
-        self.store.delete_checkpoint(ref.tinker_path)
+
+    def delete(self, tenant: str, model_id: str, kind: str, name: str) -> None:
+        path = self.path_of(model_id, kind, name)
+        self._remove(self._row(tenant, path))
+
+    def _remove(self, row: CheckpointRow) -> None:
+        if row.kind == EXTERNAL:
+            self.external.delete(row.model_id, row.name)
+        else:
+            ref = checkpoint_ref(row.model_id, row.kind, row.name)
+            if self.disk.exists(ref):
+                self.disk.delete(ref)
+        self.store.delete_checkpoint(row.tinker_path)
+
+    def set_ttl(self, tenant: str, model_id: str, kind: str, name: str, ttl_seconds: object) -> None:
+        path = self.path_of(model_id, kind, name)
+        try:
+            ttl = check_ttl(ttl_seconds)
+        except UserError as e:
+            raise BadRequest(str(e)) from None
+        self._row(tenant, path)
+        self.store.set_checkpoint_expiry(path, expiry(ttl))
+
+    def publish(self, tenant: str, model_id: str, kind: str, name: str, public: bool) -> None:
+        path = self.path_of(model_id, kind, name)
+        row = self._row(tenant, path)
+        if row.public == public:  # 400, not the 409 the SDK names: it retries a 409 for 5 minutes
+            raise BadRequest(f"checkpoint {path} is already {'public' if public else 'private'}")
+        self.store.set_checkpoint_public(path, public)
+
+    def sweep(self, in_use: set[str], now: float | None = None) -> list[str]:
+        """Delete every expired checkpoint that no live sampler uses; returns their paths."""
+        now = time.time() if now is None else now
+        gone = []
+        for row in self.store.expired_checkpoints(now):
+            if row.tinker_path in in_use:
+                continue  # kept until the sampler's session finishes (see the module docstring)
+            try:
+                self._remove(row)
+            except (OSError, EngineError):
+                log.exception("could not delete expired checkpoint %s", row.tinker_path)
+                continue
+            gone.append(row.tinker_path)
+        if gone:
+            log.info("deleted %d expired checkpoint(s)", len(gone))
+        return gone
 
     def weights_info(self, tenant: str, tinker_path: str) -> dict[str, Any]:
-        meta = self._row(tenant, tinker_path).meta
+        meta = self.readable(tenant, tinker_path).meta
         lora = meta.get("lora", {})
         return {
             "base_model": meta.get("base_model", ""),

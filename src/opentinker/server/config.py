@@ -36,6 +36,8 @@ class ServerConfig:
     # off by default: the SDK's batch poller cannot learn that a request in flight at a server
     # crash is lost (completions.py), per-request polling is told so at once
     batch_polling: bool = False
+    # expired checkpoints are deleted at start-up and then this often
+    checkpoint_sweep_s: float = 60.0
     # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
     prefix_cache_bytes: int = 512 << 20
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);

@@ -53,6 +53,12 @@ class NotFound(ApiError):
     status = 404
 
 
+class Forbidden(ApiError):
+    """A signed URL that does not check out (changed, expired, or made for another tenant)."""
+
+    status = 403
+
+
 class Gone(ApiError):
     status = 410
 
@@ -103,7 +109,7 @@ class Redactor:
         part = r"[^/\s'\"]+"
         self._checkpoint = (
             re.compile(
-                rf"(?:{alternatives})/checkpoints/(?P<model>{part})/(?P<kind>weights|sampler_weights)"
+                rf"(?:{alternatives})/checkpoints/(?P<model>{part})/(?P<kind>weights|sampler_weights|external_weights)"
                 rf"/(?P<name>{part})(?P<file>/[^\s'\"]*)?"
             )
             if roots

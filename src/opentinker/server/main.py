@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         "models are saved and evicted from memory",
     )
     p.add_argument(
+        "--checkpoint-sweep",
+        type=float,
+        default=60.0,
+        help="seconds between deletions of expired checkpoints (also run at start-up)",
+    )
+    p.add_argument(
         "--prefix-cache-mb",
         type=_non_negative,
         default=512,
@@ -134,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefix_cache_bytes=args.prefix_cache_mb << 20,
         token_ttl_s=args.token_ttl,
         session_inactive_s=args.session_inactive_after,
+        checkpoint_sweep_s=args.checkpoint_sweep,
     )
 
 

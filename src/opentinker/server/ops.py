@@ -21,6 +21,7 @@ from opentinker.client import SamplingClient
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.admission import Admission
+from opentinker.server.checkpoints import check_ttl
 from opentinker.server.completions import CLONE_BLOCK, CompletionQueues
 from opentinker.server.config import ServerConfig
 from opentinker.server.errors import BadRequest, UserError
@@ -230,17 +231,14 @@ class Operations:
         name = req.path if req.path is not None else f"seq-{req.seq_id or uuid.uuid4().hex[:8]}"
 
         def saved(res: types.SaveWeightsResponse) -> dict[str, Any]:
-            self.reg.record_checkpoint(tenant, res.path)
+            self.reg.record_checkpoint(tenant, res.path, ttl_seconds=req.ttl_seconds)
             return {"path": res.path, "type": "save_weights"}
 
-        return self._ordered(
-            tenant,
-            req.model_id,
-            req.seq_id,
-            digest,
-            lambda: tc.save_state(name, overwrite=req.overwrite).future(),
-            saved,
-        )
+        def submit() -> Future:
+            check_ttl(req.ttl_seconds)  # refused in the model's order: nothing is saved
+            return tc.save_state(name, overwrite=req.overwrite).future()
+
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved)
 
     def save_weights_for_sampler(self, tenant: str, req: S.SaveWeightsForSamplerRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
@@ -248,17 +246,14 @@ class Operations:
         if req.path is not None:  # named, durable sampler weights
 
             def saved(res: types.SaveWeightsForSamplerResponse) -> dict[str, Any]:
-                self.reg.record_checkpoint(tenant, res.path)
+                self.reg.record_checkpoint(tenant, res.path, ttl_seconds=req.ttl_seconds)
                 return {"path": res.path, "type": "save_weights_for_sampler"}
 
-            return self._ordered(
-                tenant,
-                req.model_id,
-                req.seq_id,
-                digest,
-                lambda: tc.save_weights_for_sampler(req.path or "").future(),
-                saved,
-            )
+            def submit() -> Future:
+                check_ttl(req.ttl_seconds)
+                return tc.save_weights_for_sampler(req.path or "").future()
+
+            return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved)
         # ephemeral: an in-memory snapshot served by a new sampler session (kind "inflight" is
         # served as a snapshot too: a fixed version at least as new as the one asked for)
         if req.sampling_session_seq_id is None:
@@ -275,6 +270,23 @@ class Operations:
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self._ordered(tenant, req.model_id, req.seq_id, digest, snapshot, served)
+
+    def save_weights_external(self, tenant: str, req: S.SaveWeightsExternalRequest) -> str:
+        """The adapter in PEFT format at ``tinker://<model_id>/external_weights/<name>``."""
+        tc = self.reg.model(tenant, req.model_id)
+        digest = digest_json("save_weights_external", req.model_dump(mode="json"))
+
+        def saved(res: types.SaveWeightsExternalResponse) -> dict[str, Any]:
+            size = self.reg.record_external(res.path, ttl_seconds=req.ttl_seconds)
+            return {"path": res.path, "size_bytes": size, "type": "save_weights_external"}
+
+        def submit() -> Future:
+            check_ttl(req.ttl_seconds)
+            return tc.save_weights_external(
+                req.path, age_encryption_recipients=req.age_encryption_recipients
+            ).future()
+
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved)
 
     def _session_of(self, tenant: str, model_id: str) -> Session:
         return self.reg.session(tenant, model_id.split(":train:", 1)[0], live=False)

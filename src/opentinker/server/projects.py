@@ -24,14 +24,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from opentinker.client.checkpoints import CheckpointRef
+from opentinker.server.checkpoints import MAX_TTL_S, MIN_TTL_S
 from opentinker.server.errors import BadRequest, NotFound
 from opentinker.server.registry import Registry
 from opentinker.server.schemas import MAX_SEQ
 from opentinker.server.store import ModelRow
 
 PROJECT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
-MIN_TTL_S = 3600
-MAX_TTL_S = 10 * 365 * 24 * 3600  # "1 hour (3600) to 10 years"
 
 
 def check_project(value: object) -> str:
@@ -150,7 +149,7 @@ class ProjectApi:
         new_meta = copy_meta(meta, tenant, src, dst, req.ttl_seconds)
         self.reg.runtime.store.link(src, dst, new_meta)
         self.store.add_model(copy_model_row(model_id, tenant, sess.id, new_meta))
-        self.reg.record_checkpoint(tenant, dst.tinker_path)
+        self.reg.record_checkpoint(tenant, dst.tinker_path, ttl_seconds=req.ttl_seconds)  # listings, sweep
         answer = {"tinker_path": dst.tinker_path}
         if key is not None:
             self._copies[key] = answer

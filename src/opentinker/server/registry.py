@@ -33,6 +33,7 @@ from opentinker.engine import EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
+from opentinker.server.checkpoints import expiry, external_row
 from opentinker.server.errors import Gone, NotFound, UserError
 from opentinker.server.ordering import Sequencer
 from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
@@ -57,6 +58,7 @@ class Sampler:
     client: SamplingClient
     model_path: str | None
     owner: str | None = None  # the model an ephemeral snapshot was taken from
+    foreign: bool = False  # made from another tenant's published checkpoint
 
 
 class Registry:
@@ -342,15 +344,33 @@ class Registry:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, tenant: str, path: str) -> tuple[CheckpointRef, dict[str, Any]]:
-        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` owns it (else 404)."""
+        """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` owns it or it is
+        published, and it has not expired (else 404)."""
         try:
-            return self.runtime.checkpoint(path, tenant)
+            found = self.runtime.checkpoint(path, tenant)
         except (CheckpointError, UnknownPolicyError):
             raise NotFound(f"unknown checkpoint {path!r}") from None
         except EngineError as e:  # a malformed path: the message says what is expected
             raise NotFound(str(e)) from None
+        row = self.store.checkpoint(found[0].tinker_path)
+        if row is not None and row.expired():
+            raise NotFound(f"unknown checkpoint {path!r} (it expired)")
+        return found
 
-    def record_checkpoint(self, tenant: str, path: str) -> None:
+    def record_external(self, path: str, *, ttl_seconds: int | None = None) -> int:
+        """Index the external weights just written at ``path``; returns their size in bytes."""
+        model_id, _, name = path.removeprefix("tinker://").partition("/external_weights/")
+        rec = self.runtime.external.record(model_id, name)
+        assert rec is not None
+        self.store.add_checkpoint(external_row(rec, expiry(ttl_seconds)))
+        return rec.size_bytes
+
+    def in_use_checkpoints(self) -> set[str]:
+        """Tinker paths that a live sampler was made from (the TTL sweep keeps their files)."""
+        with self._lock:
+            return {s.model_path for s in self.samplers.values() if s.model_path is not None}
+
+    def record_checkpoint(self, tenant: str, path: str, *, ttl_seconds: int | None = None) -> None:
         rec = self.runtime.store.record(parse_tinker_path(path))
         row = CheckpointRow(
             rec.ref.tinker_path,
@@ -361,6 +381,7 @@ class Registry:
             rec.time.timestamp(),
             rec.size_bytes,
             rec.meta,
+            expiry(ttl_seconds),
         )
         self.store.add_checkpoint(row)
 
@@ -369,6 +390,9 @@ class Registry:
         self, sess: Session, sampler_id: str, client: SamplingClient, *, owner: str | None = None
     ) -> Sampler:
         sampler = Sampler(sampler_id, sess.tenant, client, client.model_path, owner)
+        if client.model_path is not None:
+            row = self.store.checkpoint(client.model_path)
+            sampler.foreign = row is not None and row.tenant != sess.tenant
         self.store.add_sampler(
             SamplerRow(
                 sampler_id, sess.tenant, sess.id, client.base_model, client.model_path, owner is not None
@@ -389,6 +413,9 @@ class Registry:
         with self._lock:
             sampler = self.samplers.get(sampler_id)
         if sampler is not None and sampler.tenant == tenant:
+            if sampler.foreign and sampler.model_path and not self.runtime.is_public(sampler.model_path):
+                # another tenant's checkpoint, unpublished since: as unknown as the checkpoint
+                raise NotFound(f"unknown checkpoint {sampler.model_path!r} (it is no longer published)")
             return sampler
         row = self.store.sampler(sampler_id)
         if row is None or row.tenant != tenant:

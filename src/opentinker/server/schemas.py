@@ -104,6 +104,18 @@ class SaveWeightsForSamplerRequest(_Wire):
     user_metadata: dict[str, str] | None = None
 
 
+class SaveWeightsExternalRequest(_Wire):
+    model_id: str
+    path: str
+    seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ)
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
+class CheckpointTtlRequest(_Wire):
+    ttl_seconds: int | None = None
+
+
 class LoadWeightsRequest(_Wire):
     path: str
     optimizer: bool = False

@@ -6,7 +6,7 @@ use at the same time (WAL lets readers and one writer proceed together), and it 
 futures (a request in flight at a crash is lost; its id answers a clear error after a restart).
 
 The checkpoint folders are the truth about checkpoints; the ``checkpoints`` table is an index of
-them with their tenant, rebuilt from the folders' manifests at start-up
+them with their tenant (and what only the index holds: each one's expiry time and published flag), rebuilt from the folders' manifests at start-up
 (:func:`opentinker.server.checkpoints.reconcile`),
 so a checkpoint written just before a crash is still listed.
 """
@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS samplers (
     model_path TEXT, ephemeral INTEGER NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS checkpoints (
     tinker_path TEXT PRIMARY KEY, tenant TEXT NOT NULL, model_id TEXT NOT NULL, kind TEXT NOT NULL,
-    name TEXT NOT NULL, created REAL NOT NULL, size_bytes INTEGER NOT NULL, meta TEXT NOT NULL);
+    name TEXT NOT NULL, created REAL NOT NULL, size_bytes INTEGER NOT NULL, meta TEXT NOT NULL,
+    expires_at REAL, public INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS checkpoints_by_model ON checkpoints (model_id);
 CREATE INDEX IF NOT EXISTS models_by_tenant ON models (tenant);
 """
@@ -113,6 +114,11 @@ class CheckpointRow:
     created: float
     size_bytes: int
     meta: dict[str, Any]
+    expires_at: float | None = None  # unix time it expires at (None = never)
+    public: bool = False  # published: every tenant may load and sample it (read-only)
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (time.time() if now is None else now)
 
 
 class Store:
@@ -126,6 +132,12 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(SCHEMA)
+            # databases made before checkpoints had a TTL and a published flag
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(checkpoints)").fetchall()}
+            if "expires_at" not in cols:
+                self._db.execute("ALTER TABLE checkpoints ADD COLUMN expires_at REAL")
+            if "public" not in cols:
+                self._db.execute("ALTER TABLE checkpoints ADD COLUMN public INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         with self._lock:
@@ -308,7 +320,7 @@ class Store:
     def add_checkpoint(self, row: CheckpointRow) -> None:
         self._exec(
             "INSERT OR REPLACE INTO checkpoints (tinker_path, tenant, model_id, kind, name, created, "
-            "size_bytes, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "size_bytes, meta, expires_at, public) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.tinker_path,
                 row.tenant,
@@ -318,8 +330,22 @@ class Store:
                 row.created,
                 row.size_bytes,
                 json.dumps(row.meta),
+                row.expires_at,
+                int(row.public),
             ),
         )
+
+    def set_checkpoint_expiry(self, tinker_path: str, expires_at: float | None) -> None:
+        self._exec("UPDATE checkpoints SET expires_at=? WHERE tinker_path=?", (expires_at, tinker_path))
+
+    def set_checkpoint_public(self, tinker_path: str, public: bool) -> None:
+        self._exec("UPDATE checkpoints SET public=? WHERE tinker_path=?", (int(public), tinker_path))
+
+    def expired_checkpoints(self, now: float) -> list[CheckpointRow]:
+        rows = self._all(
+            f"SELECT {_CKPT_COLS} FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+        )
+        return [_ckpt_row(r) for r in rows]
 
     def delete_checkpoint(self, tinker_path: str) -> None:
         self._exec("DELETE FROM checkpoints WHERE tinker_path=?", (tinker_path,))
@@ -331,7 +357,8 @@ class Store:
     def checkpoints(
         self, tenant: str, model_id: str | None = None, limit: int = -1, offset: int = 0
     ) -> tuple[list[CheckpointRow], int]:
-        where, args = "tenant=?", [tenant]
+        # an expired checkpoint is gone from listings at once, before the sweep deletes its files
+        where, args = "tenant=? AND (expires_at IS NULL OR expires_at > ?)", [tenant, time.time()]
         if model_id is not None:
             where += " AND model_id=?"
             args.append(model_id)
@@ -348,7 +375,7 @@ class Store:
 
 _SESSION_COLS = "id, tenant, created, last_seen, finished, meta"
 _MODEL_COLS = "id, tenant, session_id, base_model, lora, parent, created, last_request, user_metadata"
-_CKPT_COLS = "tinker_path, tenant, model_id, kind, name, created, size_bytes, meta"
+_CKPT_COLS = "tinker_path, tenant, model_id, kind, name, created, size_bytes, meta, expires_at, public"
 
 
 def _session_row(r: tuple[Any, ...]) -> SessionRow:
@@ -362,4 +389,4 @@ def _model_row(r: tuple[Any, ...]) -> ModelRow:
 
 
 def _ckpt_row(r: tuple[Any, ...]) -> CheckpointRow:
-    return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]))
+    return CheckpointRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], json.loads(r[7]), r[8], bool(r[9]))

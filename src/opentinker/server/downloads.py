@@ -1,0 +1,70 @@
+"""Download URLs for external weights (``RestClient.get_external_weights_urls``) and serving them.
+
+``GET /training_runs/<model>/checkpoints/external_weights/<name>/external_weights_urls`` answers
+``{"urls": {file: url}, "expires": iso time}`` (the SDK's ``ExternalWeightsUrlsResponse``): one
+signed URL per file of the export (see :mod:`opentinker.server.signing`), for the asking tenant,
+which must own the export or find it published. ``GET /downloads/<model>/<kind>/<name>/<file>``
+serves one file to whoever holds a valid URL, without an API key (``urllib.request.urlretrieve``,
+as ``tinker_cookbook.weights.download`` does). A URL is refused (403, saying why) when its
+signature does not match (changed or made up), when it has expired, or when the request carries
+an API key of another tenant than the one the URL was made for; and (404) when the export was
+deleted, expired, or is no longer readable by that tenant (unpublished).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from opentinker.client.external import KIND as EXTERNAL
+from opentinker.client.external import ExternalStore
+from opentinker.server.checkpoints import CheckpointApi
+from opentinker.server.errors import BadRequest, Forbidden, NotFound
+from opentinker.server.signing import UrlSigner
+
+
+class Downloads:
+    def __init__(self, checkpoints: CheckpointApi, external: ExternalStore, signer: UrlSigner) -> None:
+        self.ckpts = checkpoints
+        self.external = external
+        self.signer = signer
+
+    def urls(self, tenant: str, base_url: str, model_id: str, kind: str, name: str) -> dict[str, Any]:
+        if kind != EXTERNAL:
+            raise BadRequest(
+                f"only external weights have download URLs (tinker://<run>/{EXTERNAL}/<name>), not {kind!r}"
+            )
+        path = self.ckpts.path_of(model_id, kind, name)
+        self.ckpts.readable(tenant, path)
+        rec = self.external.record(model_id, name)
+        if rec is None:
+            raise NotFound(f"unknown checkpoint {path!r}")
+        expires = int(datetime.now(UTC).timestamp() + self.signer.ttl_s)
+        urls = {f: self.signer.sign(base_url, tenant, path, f, expires=expires) for f in sorted(rec.files)}
+        return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
+
+    def file(
+        self,
+        model_id: str,
+        kind: str,
+        name: str,
+        file: str,
+        *,
+        tenant: str,
+        expires: str,
+        sig: str,
+        caller: str | None,
+    ) -> Path:
+        """The file a signed URL names, once the URL checks out (see the module docstring)."""
+        if kind != EXTERNAL:
+            raise NotFound(f"no downloads under {kind!r}")
+        path = self.ckpts.path_of(model_id, kind, name)
+        self.signer.verify(tenant, path, file, expires, sig)
+        if caller is not None and caller != tenant:
+            raise Forbidden("this download URL was made for another tenant")
+        self.ckpts.readable(tenant, path)  # deleted, expired or unpublished since: 404
+        rec = self.external.record(model_id, name)
+        if rec is None or file not in rec.files:
+            raise NotFound(f"{path} has no file {file!r}")
+        return rec.folder / file
