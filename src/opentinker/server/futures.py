@@ -77,6 +77,12 @@ class FutureStore:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is polling
             entry.loop.call_soon_threadsafe(entry.event.set)
 
+    def future(self, request_id: str) -> Future | None:
+        """The future of a known request id (its result, once done), or None."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+        return None if entry is None else entry.future
+
     def pending(self, tenant: str) -> int:
         with self._lock:
             return self._pending[tenant]
