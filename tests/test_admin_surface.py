@@ -10,7 +10,9 @@ sampler handles, ``holder``, ``get_telemetry`` and ``on_queue_state_change`` are
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import logging
 import warnings
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ import pytest
 import tinker
 from tinker import types
 from tinker.lib.api_future_impl import QueueState
+from tinker.lib.public_interfaces.api_future import APIFuture
 
 from opentinker.server.console import local_console_url
 from opentinker.server.local import LocalServer
@@ -325,3 +328,123 @@ def test_server_capabilities_describe_every_served_model(server: LocalServer, wo
     assert model.model_name == TEST_MODEL == info.model_data.model_name
     assert model.trainable and model.sampleable
     assert model.max_context_length is not None and model.max_context_length > len(PROMPT)
+
+
+# ---------------------------------------------------------------------------- the async twins
+THIRD = "tml-admin-surface-tenant-c"  # its own tenant: tenant A's counted usage stays exact
+
+
+async def _done(value: Any) -> Any:
+    """The deprecated ``*_async`` methods return a value, or an APIFuture to await as well."""
+    value = await value
+    return await value if isinstance(value, APIFuture) else value
+
+
+def _counted(usage: types.BillingUsageResponse) -> list[Any]:
+    """The token and checkpoint events (storage GB-hours grow with every second)."""
+    return [e for e in usage.data if not isinstance(e.event_info, types.StorageBillingEvent)]
+
+
+def _logprobs(out: types.ForwardBackwardOutput) -> list[float]:
+    return out.loss_fn_outputs[0]["logprobs"].tolist()
+
+
+def test_async_twins_give_what_their_sync_methods_give(server: LocalServer) -> None:
+    import torch
+
+    data = [_datum(list(range(3, 17)))]
+    adam = types.AdamParams(learning_rate=1e-2)
+
+    def neg_ll(_: list[types.Datum], lps: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = -sum(lp.sum() for lp in lps)
+        return loss, {}
+
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=THIRD)
+    rest = tinker.RestClient(base_url=server.base_url, api_key=THIRD)
+    admin = _admin(server, THIRD)
+
+    async def main() -> None:
+        a = await service.create_lora_training_client_async(base_model=TEST_MODEL, rank=2, seed=5)
+        b = await service.create_lora_training_client(base_model=TEST_MODEL, rank=2, seed=5)
+        assert _logprobs(await _done(a.forward_async(data, "cross_entropy"))) == _logprobs(
+            await b.forward(data, "cross_entropy")
+        )
+        fa = await _done(a.forward_backward_async(data, "cross_entropy"))
+        fb = await b.forward_backward(data, "cross_entropy")
+        assert fa.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-5)
+        await _done(a.optim_step_async(adam))
+        await b.optim_step(adam)
+        custom = await _done(a.forward_backward_custom_async(data, neg_ll))
+        plain = await b.forward_backward(data, "cross_entropy")
+        assert custom.metrics["loss:sum"] == pytest.approx(plain.metrics["loss:sum"], rel=1e-5)
+        for tc in (a, b):  # clear the accumulated gradients
+            await tc.optim_step(types.AdamParams(learning_rate=0.0))
+        assert (await a.get_info_async()).model_data == b.get_info().model_data
+        state = (await _done(a.save_state_async("twin"))).path
+        weights = (await _done(a.save_weights_for_sampler_async("twin"))).path
+        want = _logprobs(await a.forward(data, "cross_entropy"))
+        for load in (
+            b.load_state_async(state),
+            b.load_state_with_optimizer_async(state),
+            b.load_state_with_optimizer(state),
+        ):
+            await _done(load) if asyncio.iscoroutine(load) else await load
+            assert _logprobs(await b.forward(data, "cross_entropy")) == pytest.approx(want, abs=1e-5)
+        for made in (
+            await service.create_training_client_from_state_async(state),
+            await service.create_training_client_from_state_with_optimizer_async(state),
+        ):
+            assert _logprobs(await made.forward(data, "cross_entropy")) == pytest.approx(want, abs=1e-5)
+        prompt = types.ModelInput.from_ints(PROMPT)
+        s1 = await service.create_sampling_client_async(model_path=weights)
+        s2 = await a.create_sampling_client_async(weights)
+        lp = await s1.compute_logprobs(prompt)
+        assert await s1.compute_logprobs_async(prompt) == lp == await s2.compute_logprobs_async(prompt)
+        assert await s2.get_base_model_async() == TEST_MODEL
+        assert await service.get_server_capabilities_async() == (await rest.get_server_capabilities())
+
+        # the REST reads
+        run = await rest.get_training_run(a.model_id)
+        assert await rest.get_training_run_async(a.model_id) == run
+        assert (await rest.get_training_run_by_tinker_path(state)) == run
+        assert await rest.get_training_run_by_tinker_path_async(state) == run
+        listed = await rest.list_checkpoints(a.model_id)
+        assert await rest.list_checkpoints_async(a.model_id) == listed
+        assert {c.tinker_path for c in listed.checkpoints} == {state, weights}
+        assert await rest.list_training_runs_async() == (await rest.list_training_runs())
+        assert await rest.list_user_checkpoints_async() == (await rest.list_user_checkpoints())
+        sampler_id = json.loads(base64.urlsafe_b64decode(s1.get_sampler_handle()))["sampling_session_id"]
+        got = await rest.get_sampler(sampler_id)
+        assert got.base_model == TEST_MODEL and got.model_path == weights
+        assert await rest.get_sampler_async(sampler_id) == got
+
+        # three more saves, deleted three ways
+        paths = [(await a.save_state(f"gone-{i}")).path for i in range(3)]
+        await rest.delete_checkpoint(a.model_id, "weights/gone-0")
+        await rest.delete_checkpoint_async(a.model_id, "weights/gone-1")
+        await rest.delete_checkpoint_from_tinker_path_async(paths[2])
+        left = {c.tinker_path for c in (await rest.list_checkpoints(a.model_id)).checkpoints}
+        assert left == {state, weights}
+
+        # the admin reads, through both clients
+        log = await admin.get_audit_log()
+        assert await admin.get_audit_log_async() == log
+        assert [e.tinker_path for e in log.entries if e.event == "checkpoint_delete"] == paths
+        window = _window()
+        usage = await admin.get_billing_usage(*window)
+        assert _counted(await admin.get_billing_usage_async(*window)) == _counted(usage)
+        storage = await admin.get_current_checkpoint_storage_usage()
+        assert await admin.get_current_checkpoint_storage_usage_async() == storage
+        assert storage.data[0].checkpoint_count == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            assert await rest.get_audit_log_async() == log
+            assert _counted(await rest.get_billing_usage_async(*window)) == _counted(usage)
+            assert await rest.get_current_checkpoint_storage_usage_async() == storage
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            asyncio.run(main())
+        finally:
+            service.close("success").result()
