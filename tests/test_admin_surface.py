@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 import warnings
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -63,6 +64,7 @@ def _datum(toks: list[int]) -> types.Datum:
 @pytest.fixture(scope="module")
 def work(server: LocalServer) -> Iterator[dict[str, Any]]:
     """Tenant A's history: one run trained, saved twice, one save deleted, sampled; counted here."""
+    started = time.time()
     service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY, project_id=PROJECT)
     tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=2, seed=0).result()
     batches = [[list(range(3, 3 + n)) for n in (9, 14)], [list(range(40, 60))]]
@@ -91,6 +93,7 @@ def work(server: LocalServer) -> Iterator[dict[str, Any]]:
         "trained": trained,
         "prefill": len(PROMPT),
         "generated": generated,
+        "started": started,
     }
     service.close("success").result()
 
@@ -191,6 +194,22 @@ def test_billing_usage_counts_the_tokens_trained_and_sampled(
     assert totals["checkpoint"] == 2  # both saves, the deleted one included
     storage = [e.event_info for e in usage.data if isinstance(e.event_info, types.StorageBillingEvent)]
     assert storage and all(s.gigabyte_hours > 0 for s in storage)
+    # GB-hours: at least the kept checkpoint from its save until the query began, at most both
+    # checkpoints over the whole time since the work started
+    asked = time.time()
+    usage = _usage(server)
+    answered = time.time()
+    gb_hours = sum(
+        e.event_info.gigabyte_hours for e in usage.data if isinstance(e.event_info, types.StorageBillingEvent)
+    )
+    kept = next(
+        c for c in work["rest"].list_user_checkpoints().result().checkpoints if c.tinker_path == work["kept"]
+    )
+    log = _admin(server).get_audit_log("checkpoints").result().entries
+    sizes = {e.tinker_path: int(e.event_details["size_bytes"]) for e in log if e.event == "checkpoint_create"}  # type: ignore[call-overload]
+    low = kept.size_bytes * (asked - kept.time.timestamp()) / 3600 / 1e9
+    high = sum(sizes.values()) * (answered - work["started"]) / 3600 / 1e9
+    assert low * 0.999 <= gb_hours <= high * 1.001, (low, gb_hours, high)
     assert list(usage.sessions) == [work["service"].holder.get_session_id()]
     with pytest.warns(FutureWarning):
         deprecated = work["rest"].get_billing_usage(*_window()).result()
@@ -264,6 +283,8 @@ def test_console_urls_name_pages_this_server_serves(server: LocalServer, work: d
         assert subject in owner.text and fact in owner.text
         stranger = httpx.get(url, headers={"X-API-Key": OTHER}, timeout=30)
         assert fact not in stranger.text  # another tenant's id is not confirmed to exist
+    hostile = httpx.get(f"{server.base_url}/sessions/%3Cscript%3Ex", timeout=30)
+    assert "<script>" not in hostile.text and "&lt;script&gt;x" in hostile.text
     with pytest.raises(ValueError, match="not a console URL"):
         local_console_url("https://example.com/elsewhere", server.base_url)
 
