@@ -262,7 +262,7 @@ def test_storage_usage_is_the_bytes_of_the_tenants_checkpoints_on_disk(
         assert work["rest"].get_current_checkpoint_storage_usage().result().data[0].size_bytes == size
     with _http(server) as http:
         r = http.get("/api/v1/billing/usage/checkpoints/current", params={"project_id": "../etc"})
-    assert r.status_code == 400 and "malformed project_id" in r.json()["detail"]
+    assert r.status_code == 400 and "invalid project id '../etc'" in r.json()["detail"]
 
 
 # ---------------------------------------------------------------------------- console pages
@@ -439,6 +439,16 @@ def test_async_twins_give_what_their_sync_methods_give(server: LocalServer) -> N
         assert got.base_model == TEST_MODEL and got.model_path == weights
         assert await rest.get_sampler_async(sampler_id) == got
 
+        # sessions and projects
+        session_id = service.holder.get_session_id()
+        assert await rest.get_session_async(session_id) == await rest.get_session(session_id)
+        assert await rest.list_sessions_async() == await rest.list_sessions()
+        await rest.assign_session_project_async(session_id, "proj-twin")
+        copied = await rest.copy_weights_async(state, "proj-twin")
+        assert copied != state and copied.startswith("tinker://")
+        twin = await service.create_training_client_from_state_async(copied)
+        assert _logprobs(await twin.forward(data, "cross_entropy")) == pytest.approx(want, abs=1e-5)
+
         # three more saves, deleted three ways
         paths = [(await a.save_state(f"gone-{i}")).path for i in range(3)]
         await rest.delete_checkpoint(a.model_id, "weights/gone-0")
@@ -456,7 +466,17 @@ def test_async_twins_give_what_their_sync_methods_give(server: LocalServer) -> N
         assert _counted(await admin.get_billing_usage_async(*window)) == _counted(usage)
         storage = await admin.get_current_checkpoint_storage_usage()
         assert await admin.get_current_checkpoint_storage_usage_async() == storage
-        assert storage.data[0].checkpoint_count == 2
+        # the state, the sampler weights and the copy, its files hard links of the state's: counted once
+        assert [(d.project_id, d.checkpoint_count) for d in storage.data] == [("proj-twin", 3)]
+        mine = [c.tinker_path for c in (await rest.list_user_checkpoints()).checkpoints]
+        files = [
+            f
+            for path in mine
+            for f in (Path(server.data_dir) / "checkpoints" / path.removeprefix("tinker://")).iterdir()
+        ]
+        unique = {(f.stat().st_dev, f.stat().st_ino): f.stat().st_size for f in files}
+        assert len(mine) == 3 and len(unique) < len(files)  # the copy's tensors are shared
+        assert storage.data[0].size_bytes == sum(unique.values())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             assert await rest.get_audit_log_async() == log

@@ -51,15 +51,6 @@ PENDING_ROUTES: set[tuple[str, str]] = {
     ("POST", "/api/v1/join_sampling_session"),
     # server-side custom losses
     ("POST", "/api/v1/create_custom_loss"),
-    # JWT auth and sessions, projects
-    ("POST", "/api/v1/auth/token"),
-    ("GET", "/api/v1/auth/apikey/me"),
-    ("DELETE", "/api/v1/auth/apikey/me"),
-    ("POST", "/api/v1/copy_weights"),
-    ("GET", "/api/v1/sessions"),
-    ("GET", "/api/v1/sessions/{session_id}"),
-    ("POST", "/api/v1/sessions/search"),
-    ("PUT", "/api/v1/sessions/{session_id}/project"),
     # external weights, signed URLs, checkpoint TTL and publishing
     ("POST", "/api/v1/save_weights_external"),
     ("GET", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id}/external_weights_urls"),
@@ -72,18 +63,6 @@ PENDING_ROUTES: set[tuple[str, str]] = {
 
 # "Client.method" known to be called by no test today, and what will call them.
 PENDING_METHODS: set[str] = {
-    # sessions, projects, JWT auth
-    "RestClient.assign_session_project",
-    "RestClient.assign_session_project_async",
-    "RestClient.copy_weights",
-    "RestClient.copy_weights_async",
-    "ServiceClient.copy_weights",
-    "RestClient.get_session",
-    "RestClient.get_session_async",
-    "RestClient.list_sessions",
-    "RestClient.list_sessions_async",
-    "RestClient.search_sessions",
-    "RestClient.whoami",
     # external weights, signed URLs, checkpoint TTL and publishing
     "TrainingClient.save_weights_external",
     "TrainingClient.save_weights_external_async",

@@ -256,6 +256,7 @@ def _routes(app: FastAPI, server: Server) -> None:
     @app.put(f"{api}/sessions/{{session_id}}/project", tags=["sessions"])
     async def assign_project(session_id: str, req: AssignProjectRequest, t: Tenant) -> dict[str, Any]:
         server.projects.assign(t, session_id, req)
+        server.usage.record(t, "project_session_assign", session_id=session_id, project_id=req.project_id)
         return {}
 
     @app.post(f"{api}/copy_weights", tags=["checkpoints"])
@@ -264,7 +265,9 @@ def _routes(app: FastAPI, server: Server) -> None:
         t: Tenant,
         idempotency_key: Annotated[str | None, Header(alias="X-Idempotency-Key")] = None,
     ) -> dict[str, Any]:
-        return await asyncio.to_thread(server.projects.copy_weights, t, req, idempotency_key)
+        answer = await asyncio.to_thread(server.projects.copy_weights, t, req, idempotency_key)
+        server.usage.record(t, "checkpoint_copy", source=req.source_path, tinker_path=answer["tinker_path"])
+        return answer
 
     # ---------------------------------------------------------------- training
     @app.post(f"{api}/create_model", tags=["training"])

@@ -18,13 +18,14 @@ Billing events are built from those rows: token events from ``usage_counts``, ch
 integrating the size of each checkpoint over the part of the hour it existed (live ones from
 the checkpoint index, deleted ones from their ``checkpoint_delete`` entry). A self-hosted server
 has no prices, so every cost and rate is ``null``. Current storage is measured from the bytes
-of the tenant's checkpoint folders on disk, not from recorded sizes.
+of the tenant's checkpoint folders on disk, not from recorded sizes; a file hard-linked into
+several checkpoints (``copy_weights``) is counted once. Projects are the sessions' (``default``
+for a session created without one), as :mod:`projects` keeps them.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sqlite3
 import threading
 import time
@@ -38,6 +39,8 @@ from typing import Any
 from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
 from opentinker.engine import EngineError
 from opentinker.server.errors import BadRequest
+from opentinker.server.projects import check_project
+from opentinker.server.store import DEFAULT_PROJECT
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_events (
@@ -62,7 +65,6 @@ TOKEN_KINDS = ("training", "sampling_prefill", "sampling_sample")
 MAX_WINDOW = timedelta(days=14)  # the SDK's documented limit for one billing query
 GIGABYTE = 1e9
 HOUR = 3600.0
-PROJECT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}")
 
 
 def _hour(t: float) -> float:
@@ -250,7 +252,7 @@ class Ledger:
         if not rows:
             return None
         project = json.loads(rows[0][0] or "{}").get("project_id")
-        return str(project) if project else None
+        return str(project) if project else DEFAULT_PROJECT
 
     def _session_metadata(self, tenant: str, ids: set[str]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -263,15 +265,22 @@ class Ledger:
     # ------------------------------------------------------------------ GET /billing/usage/checkpoints/current
     def storage_now(self, tenant: str, project_id: str | None) -> dict[str, Any]:
         """The tenant's live checkpoints, counted and measured on disk, grouped by project."""
-        if project_id is not None and not PROJECT_ID.fullmatch(project_id):
-            raise BadRequest(f"malformed project_id {project_id!r}")
+        if project_id is not None:
+            check_project(project_id)
         groups: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])
-        for (path,) in self._all("SELECT tinker_path FROM checkpoints WHERE tenant=?", (tenant,)):
+        seen: set[tuple[int, int]] = set()  # (device, inode): a copy hard-links its source's files
+        rows = self._all("SELECT tinker_path FROM checkpoints WHERE tenant=? ORDER BY created", (tenant,))
+        for (path,) in rows:
             try:
                 ref = parse_tinker_path(path)
                 if not self.disk.exists(ref):
                     continue  # deleted since it was indexed
-                size = self.disk.record(ref).size_bytes
+                size = 0
+                for f in self.disk.folder(ref).iterdir():
+                    st = f.stat()
+                    if f.is_file() and (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        size += st.st_size
             except (EngineError, OSError):
                 continue
             project = self._project_of(ref.model_id.split(":train:", 1)[0])
