@@ -16,6 +16,8 @@ request id. Files, in the order a request meets them:
 - ``futures.py``     request id → future of the encoded result; long-poll; pending limits
 - ``checkpoints.py`` the REST checkpoint routes; re-indexing checkpoints at start-up
 - ``store.py``       SQLite (WAL): tenants, keys, sessions, models, samplers, checkpoints
+- ``usage.py``       the audit log and usage counters (``AdminClient``: audit, billing, storage)
+- ``console.py``     the console pages at the paths the SDK's ``get_console_url()`` builds
 - ``local.py``       run a server in a child process (tests, benchmarks)
 """
 

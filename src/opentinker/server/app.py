@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opentinker.client import Runtime
 from opentinker.engine import EngineError
+from opentinker.server import console
 from opentinker.server import schemas as S
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
@@ -47,6 +48,7 @@ from opentinker.server.sessions import SessionApi, SessionSearchRequest
 from opentinker.server.signing import UrlSigner
 from opentinker.server.store import Store
 from opentinker.server.tokens import TokenSigner, load_secret
+from opentinker.server.usage import Ledger
 
 log = logging.getLogger(__name__)
 PROTO = "application/x-protobuf"
@@ -81,7 +83,8 @@ class Server:
         )
         self.sequencer = Sequencer()
         self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
-        self.ops = Operations(config, self.registry, self.futures, self.sequencer)
+        self.usage = Ledger(self.store.path, self.runtime.store)  # audit log and usage counters
+        self.ops = Operations(config, self.registry, self.futures, self.sequencer, self.usage)
         self.lifecycle = Lifecycle(config, self.registry, self.futures, self.ops)
         self.checkpoints = CheckpointApi(self.runtime.store, self.store, self.runtime.external)
         self.runtime.is_public = self.checkpoints.is_public  # published checkpoints: readable by all
@@ -90,8 +93,31 @@ class Server:
         self.projects = ProjectApi(self.registry)
         reconcile(self.runtime.store, self.store, self.runtime.external)
 
+    def audit_when_done(self, tenant: str, request_id: str, event: str, **details: Any) -> None:
+        """Record ``event`` in the audit log when the request succeeds, with what its result names."""
+
+        def record(result: Any) -> None:
+            found = {k: result[k] for k in ("model_id", "path", "sampling_session_id") if k in result}
+            if event == "checkpoint_create" and "path" not in found:  # ephemeral sampler weights
+                self.usage.record(
+                    tenant, "sampler_create", sampler_id=found.get("sampling_session_id"), **details
+                )
+                return
+            extra = {**details, **found}
+            if "path" in extra:
+                extra["tinker_path"] = extra.pop("path")
+            if event == "checkpoint_create":
+                row = self.store.checkpoint(extra["tinker_path"])
+                if row is not None:
+                    extra |= {"size_bytes": row.size_bytes, "base_model": row.meta.get("base_model")}
+                    extra |= {"session_id": row.model_id.split(":train:", 1)[0]}
+            self.usage.record(tenant, event, **extra)
+
+        self.usage.after(f"{request_id}:{event}", self.futures.future_of(request_id), record)
+
     def close(self) -> None:
         self.runtime.shutdown()
+        self.usage.close()
         self.store.close()
 
 
@@ -156,6 +182,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
         return await http_exception_handler(request, exc)
 
     _routes(app, server)
+    _admin_routes(app, server)
     return app
 
 
@@ -189,6 +216,7 @@ async def _sweep_checkpoints(server: Server) -> None:
 
 def _routes(app: FastAPI, server: Server) -> None:
     ops, ckpts, reg = server.ops, server.checkpoints, server.registry
+    audit = server.audit_when_done
 
     api = "/api/v1"
 
@@ -247,6 +275,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         if req.project_id is not None:
             check_project(req.project_id)
         sess = reg.create_session(t, req.model_dump(mode="json"))
+        server.usage.record(t, "session_create", session_id=sess.id, project_id=req.project_id)
         return {"session_id": sess.id, "type": "create_session"}
 
     @app.post(f"{api}/session_heartbeat", tags=["sessions"])
@@ -260,6 +289,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         sess = reg.session(t, session_id, live=False)
         if not sess.finished:
             reg.finish_session(sess, str((req.reason or {}).get("type", "unknown")))
+            server.usage.record(t, "session_finish", session_id=sess.id)
         return {}
 
     @app.get(f"{api}/sessions", tags=["sessions"])
@@ -284,6 +314,7 @@ def _routes(app: FastAPI, server: Server) -> None:
     @app.put(f"{api}/sessions/{{session_id}}/project", tags=["sessions"])
     async def assign_project(session_id: str, req: AssignProjectRequest, t: Tenant) -> dict[str, Any]:
         server.projects.assign(t, session_id, req)
+        server.usage.record(t, "project_session_assign", session_id=session_id, project_id=req.project_id)
         return {}
 
     @app.post(f"{api}/copy_weights", tags=["checkpoints"])
@@ -292,12 +323,16 @@ def _routes(app: FastAPI, server: Server) -> None:
         t: Tenant,
         idempotency_key: Annotated[str | None, Header(alias="X-Idempotency-Key")] = None,
     ) -> dict[str, Any]:
-        return await asyncio.to_thread(server.projects.copy_weights, t, req, idempotency_key)
+        answer = await asyncio.to_thread(server.projects.copy_weights, t, req, idempotency_key)
+        server.usage.record(t, "checkpoint_copy", source=req.source_path, tinker_path=answer["tinker_path"])
+        return answer
 
     # ---------------------------------------------------------------- training
     @app.post(f"{api}/create_model", tags=["training"])
     async def create_model(req: S.CreateModelRequest, t: Tenant) -> dict[str, Any]:
-        return {"request_id": ops.create_model(t, req)}
+        rid = ops.create_model(t, req)
+        audit(t, rid, "training_run_create", session_id=req.session_id, base_model=req.base_model)
+        return {"request_id": rid}
 
     @app.post(f"{api}/get_info", tags=["training"])
     async def get_info(req: S.GetInfoRequest, t: Tenant) -> dict[str, Any]:
@@ -323,11 +358,15 @@ def _routes(app: FastAPI, server: Server) -> None:
 
     @app.post(f"{api}/save_weights", tags=["checkpoints"])
     async def save_weights(req: S.SaveWeightsRequest, t: Tenant) -> dict[str, Any]:
-        return {"request_id": ops.save_weights(t, req)}
+        rid = ops.save_weights(t, req)
+        audit(t, rid, "checkpoint_create", model_id=req.model_id)
+        return {"request_id": rid}
 
     @app.post(f"{api}/save_weights_for_sampler", tags=["checkpoints"])
     async def save_weights_for_sampler(req: S.SaveWeightsForSamplerRequest, t: Tenant) -> dict[str, Any]:
-        return {"request_id": ops.save_weights_for_sampler(t, req)}
+        rid = ops.save_weights_for_sampler(t, req)
+        audit(t, rid, "checkpoint_create", model_id=req.model_id)  # or sampler_create (ephemeral)
+        return {"request_id": rid}
 
     @app.post(f"{api}/save_weights_external", tags=["checkpoints"])
     async def save_weights_external(req: S.SaveWeightsExternalRequest, t: Tenant) -> dict[str, Any]:
@@ -335,13 +374,21 @@ def _routes(app: FastAPI, server: Server) -> None:
 
     @app.post(f"{api}/load_weights", tags=["checkpoints"])
     async def load_weights(req: S.LoadWeightsRequest, t: Tenant) -> dict[str, Any]:
-        return {"request_id": ops.load_weights(t, req)}
+        rid = ops.load_weights(t, req)
+        if req.session_id is not None:  # a new training run from the checkpoint
+            audit(t, rid, "training_run_create", session_id=req.session_id, from_checkpoint=req.path)
+        audit(t, rid, "checkpoint_read", model_id=req.model_id, tinker_path=req.path, purpose="load_weights")
+        return {"request_id": rid}
 
     # ---------------------------------------------------------------- sampling
     @app.post(f"{api}/create_sampling_session", tags=["sampling"])
     async def create_sampling_session(req: S.CreateSamplingSessionRequest, t: Tenant) -> dict[str, Any]:
         make = ops.create_sampling_session(t, req)
-        return {"sampling_session_id": await asyncio.to_thread(make), "type": "create_sampling_session"}
+        sampler_id = await asyncio.to_thread(make)
+        if req.model_path is not None:
+            server.usage.record(t, "checkpoint_read", tinker_path=req.model_path, purpose="sampling")
+        server.usage.record(t, "sampler_create", sampler_id=sampler_id, base_model=req.base_model)
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
     @app.get(f"{api}/samplers/{{sampler_id}}", tags=["sampling"])
     async def get_sampler(sampler_id: str, t: Tenant) -> dict[str, Any]:
@@ -413,7 +460,18 @@ def _routes(app: FastAPI, server: Server) -> None:
 
     @app.delete(f"{api}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}", tags=["checkpoints"])
     async def delete_checkpoint(model_id: str, kind: str, name: str, t: Tenant) -> dict[str, Any]:
+        row = server.store.checkpoint(f"tinker://{model_id}/{kind}/{name}")
         ckpts.delete(t, model_id, kind, name)
+        if row is not None:  # delete refused any checkpoint but the tenant's own
+            server.usage.record(
+                t,
+                "checkpoint_delete",
+                model_id=model_id,
+                tinker_path=row.tinker_path,
+                created=row.created,
+                size_bytes=row.size_bytes,
+                base_model=row.meta.get("base_model"),
+            )
         return {}
 
     @app.post(f"{api}/weights_info", tags=["checkpoints"])
@@ -463,3 +521,58 @@ def _routes(app: FastAPI, server: Server) -> None:
             model_id, kind, name, file, tenant=tenant, expires=expires, sig=sig, caller=caller
         )
         return FileResponse(found, media_type="application/octet-stream", filename=file)
+
+
+def _admin_routes(app: FastAPI, server: Server) -> None:
+    """The organization-admin reads (``AdminClient``) and the console pages; see :mod:`usage`."""
+    api, usage = "/api/v1", server.usage
+
+    @app.get(f"{api}/audit", tags=["admin"])
+    async def audit_log(t: Tenant, event_type: str = "all", day: str | None = None) -> dict[str, Any]:
+        return usage.audit_log(t, event_type, day)
+
+    @app.get(f"{api}/billing/usage/events", tags=["admin"])
+    async def billing_usage(t: Tenant, starting_on: str, ending_before: str) -> dict[str, Any]:
+        return usage.billing_usage(t, starting_on, ending_before)
+
+    @app.get(f"{api}/billing/usage/checkpoints/current", tags=["admin"])
+    async def storage_usage(t: Tenant, project_id: str | None = None) -> dict[str, Any]:
+        return await asyncio.to_thread(usage.storage_now, t, project_id)  # it walks the folders
+
+    def viewer(key: str | None) -> str | None:
+        try:
+            return server.auth.tenant(key) if key else None
+        except ApiError:
+            return None
+
+    @app.get("/sessions", tags=["console"], include_in_schema=False)
+    async def console_sessions() -> Response:
+        return console.page("sessions", "all sessions", None, f"{api}/sessions")
+
+    @app.get("/sessions/{session_id}", tags=["console"], include_in_schema=False)
+    async def console_session(session_id: str, key: Annotated[str | None, Depends(_api_key)]) -> Response:
+        row, who = server.store.session(session_id), viewer(key)
+        facts = None
+        if row is not None and row.tenant == who:
+            facts = [("owner", row.tenant), ("finished", row.finished or "no")]
+        return console.page("session", session_id, facts, console.api_path("sessions", session_id))
+
+    @app.get("/training_runs/{model_id}", tags=["console"], include_in_schema=False)
+    async def console_run(model_id: str, key: Annotated[str | None, Depends(_api_key)]) -> Response:
+        who, facts = viewer(key), None
+        if who is not None:
+            with contextlib.suppress(ApiError):
+                run = server.checkpoints.training_run(who, model_id)
+                facts = [(k, str(v)) for k, v in run.items() if v is not None and not isinstance(v, dict)]
+        return console.page("training run", model_id, facts, console.api_path("training_runs", model_id))
+
+    @app.get("/checkpoints/{model_id}/{checkpoint_id:path}", tags=["console"], include_in_schema=False)
+    async def console_checkpoint(
+        model_id: str, checkpoint_id: str, key: Annotated[str | None, Depends(_api_key)]
+    ) -> Response:
+        who, facts = viewer(key), None
+        path = f"tinker://{model_id}/{checkpoint_id}"
+        row = server.store.checkpoint(path)
+        if row is not None and row.tenant == who:
+            facts = [("tinker_path", path), ("size_bytes", str(row.size_bytes))]
+        return console.page("checkpoint", path, facts, console.api_path("training_runs", model_id))

@@ -28,6 +28,7 @@ from opentinker.server.errors import BadRequest, UserError
 from opentinker.server.futures import FutureStore, QueueState, chain, fail
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
+from opentinker.server.usage import Ledger
 from opentinker.server.wire import (
     decode_forward_backward,
     digest_json,
@@ -41,9 +42,15 @@ Encode = Callable[[Any], Any]
 
 class Operations:
     def __init__(
-        self, config: ServerConfig, registry: Registry, futures: FutureStore, sequencer: Sequencer
+        self,
+        config: ServerConfig,
+        registry: Registry,
+        futures: FutureStore,
+        sequencer: Sequencer,
+        ledger: Ledger | None = None,
     ) -> None:
         self.config = config
+        self.ledger = ledger  # counts the tokens each tenant trained and sampled
         self.reg = registry
         self.futures = futures
         self.seq = sequencer
@@ -202,7 +209,16 @@ class Operations:
                 raise call.error
             return op(call.data, call.loss_fn, call.loss_fn_config).future()
 
-        return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode_forward_output)
+        ledger, tokens = self.ledger, sum(d.model_input.length for d in call.data)
+        base = self.reg.runtime.model(call.model_id).base_model
+
+        def encode(out: Any) -> Any:
+            if ledger is not None:
+                session = call.model_id.split(":train:", 1)[0]
+                ledger.count(tenant, "training", tokens, session_id=session, base_model=base)
+            return encode_forward_output(out)
+
+        return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode)
 
     def optim_step(self, tenant: str, req: S.OptimStepRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
@@ -346,7 +362,7 @@ class Operations:
                 ticket = client.last_ticket()  # this thread's request, just queued
                 return fut
 
-            rid = self._run(tenant, submit, self._encode_sample(req))
+            rid = self._run(tenant, submit, self._metered(tenant, client, req))
             out = self.futures.future_of(rid)
             if out is not None:  # held by admission first, then (once queued) by the sampler
 
@@ -393,6 +409,22 @@ class Operations:
     @staticmethod
     def _encode_sample(req: S.SampleRequest) -> Encode:
         return lambda res: encode_sample_response(res, prompt_logprobs_last_n=req.prompt_logprobs_last_n)
+
+    def _metered(self, tenant: str, client: Any, req: S.SampleRequest) -> Encode:
+        """The sample's encoder, counting its prompt and generated tokens once it is done."""
+        encode, ledger = self._encode_sample(req), self.ledger
+        if ledger is None:
+            return encode
+        session = (req.sampling_session_id or "").split(":sample:", 1)[0]
+
+        def metered(res: Any) -> Any:
+            base = str(client.base_model)
+            ledger.count(tenant, "sampling_prefill", req.prompt.length, session_id=session, base_model=base)
+            generated = sum(len(s.tokens) for s in res.sequences)
+            ledger.count(tenant, "sampling_sample", generated, session_id=session, base_model=base)
+            return encode(res)
+
+        return metered
 
 
 def _capacity_state(client: SamplingClient, ticket: int) -> tuple[QueueState, str | None]:

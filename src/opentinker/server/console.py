@@ -1,0 +1,54 @@
+"""The console pages: what ``get_console_url()`` of the SDK's clients points at, served here.
+
+The ``tinker`` SDK builds console URLs on its hosted console's origin with fixed paths
+(``/sessions``, ``/sessions/<id>``, ``/training_runs/<id>``, ``/checkpoints/<run>/<id>``, see
+``tinker/lib/console_urls.py``); the unmodified SDK cannot be pointed elsewhere. This server
+serves the same paths, so the URL that ``ServiceClient.get_console_url()`` or
+``TrainingClient.get_console_url()`` returns opens on this server once its origin is replaced by
+the server's (:func:`local_console_url`).
+
+A page always says which session, training run or checkpoint it is about. A browser sends no
+API key, so without one a page shows nothing else (an id of another tenant must not be
+confirmed to exist); with the owner's ``X-API-Key`` it adds what the server knows about it.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from fastapi.responses import HTMLResponse
+
+SDK_CONSOLE_PATHS = ("/sessions", "/training_runs/", "/checkpoints/")
+
+
+def local_console_url(sdk_url: str, base_url: str) -> str:
+    """The URL the SDK's ``get_console_url()`` returned, on this server's origin instead."""
+    path = urlsplit(sdk_url)
+    if not path.path.startswith(SDK_CONSOLE_PATHS):
+        raise ValueError(f"not a console URL of the tinker SDK: {sdk_url!r}")
+    ours = urlsplit(base_url)
+    return urlunsplit((ours.scheme, ours.netloc, path.path, path.query, ""))
+
+
+def page(title: str, subject: str, facts: Iterable[tuple[str, str]] | None, api: str) -> HTMLResponse:
+    """One console page: ``title`` names the resource, ``facts`` (owner only) describe it."""
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in (facts or []))
+    body = (
+        f"<table>{rows}</table>"
+        if facts is not None
+        else "<p>Send the owner's <code>X-API-Key</code> header to see its details, or read them "
+        f"through the API: <code>{html.escape(api)}</code>.</p>"
+    )
+    text = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>OpenTinker · {html.escape(title)}</title></head><body>"
+        f"<h1>OpenTinker console</h1><h2>{html.escape(title)}</h2>"
+        f"<p><code>{html.escape(subject)}</code></p>{body}</body></html>"
+    )
+    return HTMLResponse(text)
+
+
+def api_path(*parts: str) -> str:
+    return "/api/v1/" + "/".join(quote(p, safe="") for p in parts)
