@@ -46,37 +46,17 @@ SAMPLE_PARAMS = {"checkpoint_id": "sampler_weights/ckpt-1", "sampling_session_id
 
 # (METHOD, SDK path template) known to be unserved today, and what serves them.
 PENDING_ROUTES: set[tuple[str, str]] = {
-    # request ordering and polling
-    ("POST", "/api/v1/retrieve_futures"),
-    ("POST", "/api/v1/join_sampling_session"),
     # server-side custom losses
     ("POST", "/api/v1/create_custom_loss"),
-    # external weights, signed URLs, checkpoint TTL and publishing
-    ("POST", "/api/v1/save_weights_external"),
-    ("GET", "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id}/external_weights_urls"),
-    ("POST", "/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/publish"),
-    ("DELETE", "/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/publish"),
-    ("PUT", "/api/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id}/ttl"),
-    # session trace export (not yet assigned)
+    # session trace export
     ("GET", "/api/v1/sessions/{session_id}/trace_export"),
 }
 
 # "Client.method" known to be called by no test today, and what will call them.
 PENDING_METHODS: set[str] = {
-    # external weights, signed URLs, checkpoint TTL and publishing
-    "TrainingClient.save_weights_external",
-    "TrainingClient.save_weights_external_async",
-    "RestClient.get_external_weights_urls",
-    "RestClient.get_external_weights_urls_async",
-    "RestClient.publish_checkpoint_from_tinker_path",
-    "RestClient.publish_checkpoint_from_tinker_path_async",
-    "RestClient.unpublish_checkpoint_from_tinker_path",
-    "RestClient.unpublish_checkpoint_from_tinker_path_async",
-    "RestClient.set_checkpoint_ttl_from_tinker_path",
-    "RestClient.set_checkpoint_ttl_from_tinker_path_async",
     # server-side custom losses
     "ServiceClient.create_custom_loss",
-    # session trace export (not yet assigned)
+    # session trace export
     "RestClient.export_session_trace",
     "RestClient.export_session_trace_async",
 }
