@@ -19,6 +19,7 @@ from opentinker.client.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.client.sampling import SamplingClient
 from opentinker.client.training import TrainingClient
 from opentinker.engine import EngineError, UnknownPolicyError
+from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
 from opentinker.models import BUILTIN_MODELS
 
@@ -63,7 +64,7 @@ class ServiceClient:
             rank=rank, seed=seed, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
         )
         model_id = self.runtime.new_model_id(self.session_id)
-        optimizer_type = "adamw" if optimizer is None else str(getattr(optimizer, "type", "adamw"))
+        optimizer_type = check_optimizer_config(_optimizer_dict(optimizer))
         self.runtime.create_model(
             model_id, base_model, config, tenant=self.tenant, optimizer_type=optimizer_type
         ).result()
@@ -178,3 +179,13 @@ def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
         tinker_path=rec.ref.tinker_path,
         size_bytes=rec.size_bytes,
     )
+
+
+def _optimizer_dict(optimizer: Any) -> dict[str, Any] | None:
+    """An ``optimizer=`` argument (``types.AdamOptimizerConfig``, … or any object with a ``type``)
+    as the plain dict the server receives."""
+    if optimizer is None or isinstance(optimizer, dict):
+        return optimizer
+    if hasattr(optimizer, "model_dump"):
+        return dict(optimizer.model_dump(mode="json"))
+    return dict(vars(optimizer)) if hasattr(optimizer, "__dict__") else {"type": optimizer}

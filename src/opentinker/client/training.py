@@ -21,6 +21,7 @@ from opentinker.client.runtime import ModelRecord, Runtime
 from opentinker.client.sampling import SamplingClient
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult, SnapshotInfo
 from opentinker.engine.checkpoint import CheckpointError
+from opentinker.engine.optim import check_step_params
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -108,6 +109,7 @@ class TrainingClient(ReadyClient):
         p = adam_params or optim_params
         if p is None:
             raise ValueError("optim_step needs AdamParams")
+        check_step_params(getattr(p, "type", None))  # DimuonParams & co. name their type
         params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
         params.validate()  # refuse here, before queuing: the model is untouched
         self._record()

@@ -18,6 +18,7 @@ from typing import Any
 from tinker import types
 
 from opentinker.client import SamplingClient
+from opentinker.engine.optim import check_optimizer_config, check_step_params
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.config import ServerConfig
@@ -101,7 +102,7 @@ class Operations:
                     req.model_seq_id,
                     base,
                     config=config,
-                    optimizer_type=str((req.optimizer_config or {}).get("type", "adamw")),
+                    optimizer_type=check_optimizer_config(req.optimizer_config),
                     user_metadata=req.user_metadata,
                 )
 
@@ -126,6 +127,7 @@ class Operations:
 
             def make() -> str:
                 def submit() -> Future:
+                    check_optimizer_config(req.optimizer_config)
                     base = self.reg.base_model(meta.get("base_model", ""))
                     if req.base_model is not None and self.reg.base_model(req.base_model) != base:
                         raise UserError(
@@ -185,10 +187,8 @@ class Operations:
         digest = digest_json("optim_step", req.model_dump(mode="json"))
 
         def submit() -> Future:
-            if req.optimizer_params is not None and req.optimizer_params.get("type", "adamw") != "adamw":
-                raise UserError(
-                    f"optimizer {req.optimizer_params.get('type')!r} is not supported; only adamw"
-                )
+            if req.optimizer_params is not None:  # the SDK sends non-Adam params under this key
+                check_step_params(str(req.optimizer_params.get("type", "adamw")))
             params = req.adam_params or S.AdamParams()
             return tc.optim_step(types.AdamParams(**params.model_dump())).future()
 
