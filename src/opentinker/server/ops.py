@@ -16,12 +16,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from tinker import types
+from tinker.types.optimizer import OptimParamsBase
 
 from opentinker.client import SamplingClient
-from opentinker.engine.optim import check_optimizer_config, check_step_params
+from opentinker.client.service import optimizer_type
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.config import ServerConfig
+from opentinker.server.custom_losses import CreateCustomLossRequest, CustomLosses
 from opentinker.server.errors import BadRequest, UserError
 from opentinker.server.futures import FutureStore, chain, fail
 from opentinker.server.ordering import Idempotency, Sequencer
@@ -46,6 +48,7 @@ class Operations:
         self.futures = futures
         self.seq = sequencer
         self.once = Idempotency()
+        self.custom_losses = CustomLosses()
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, tenant: str, submit: Submit, encode: Encode) -> str:
@@ -102,7 +105,7 @@ class Operations:
                     req.model_seq_id,
                     base,
                     config=config,
-                    optimizer_type=check_optimizer_config(req.optimizer_config),
+                    optimizer_type=optimizer_type(req.optimizer_config),
                     user_metadata=req.user_metadata,
                 )
 
@@ -127,7 +130,7 @@ class Operations:
 
             def make() -> str:
                 def submit() -> Future:
-                    check_optimizer_config(req.optimizer_config)
+                    optimizer_type(req.optimizer_config)  # refuse what this engine does not run
                     base = self.reg.base_model(meta.get("base_model", ""))
                     if req.base_model is not None and self.reg.base_model(req.base_model) != base:
                         raise UserError(
@@ -170,6 +173,23 @@ class Operations:
         )
 
     # ------------------------------------------------------------------ training
+    def create_custom_loss(self, tenant: str, req: CreateCustomLossRequest) -> str:
+        sess = self.reg.session(tenant, req.session_id)
+        digest = digest_json("create_custom_loss", req.model_dump(mode="json"))
+
+        def make() -> str:
+            def submit() -> Future:
+                done: Future = Future()
+                done.set_result(self.custom_losses.create(tenant, sess.id, req))
+                return done
+
+            return self._run(
+                tenant, submit, lambda loss_id: {"loss_id": loss_id, "type": "create_custom_loss"}
+            )
+
+        key = ("custom_loss", sess.id, req.custom_loss_seq_id)
+        return self._once(key, digest, f"custom_loss_seq_id {req.custom_loss_seq_id}", make)
+
     def forward_backward(self, tenant: str, body: bytes) -> str:
         call = decode_forward_backward(body)
         tc = self.reg.model(tenant, call.model_id)
@@ -178,7 +198,12 @@ class Operations:
         def submit() -> Future:
             if call.error is not None:
                 raise call.error
-            return op(call.data, call.loss_fn, call.loss_fn_config).future()
+            custom = None
+            if call.loss_fn == "custom":  # checked in its turn: a refusal leaves no seq_id gap
+                custom = self.custom_losses.get(
+                    tenant, self._session_of(tenant, call.model_id).id, call.loss_id
+                )
+            return op(call.data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
 
         return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode_forward_output)
 
@@ -187,8 +212,10 @@ class Operations:
         digest = digest_json("optim_step", req.model_dump(mode="json"))
 
         def submit() -> Future:
-            if req.optimizer_params is not None:  # the SDK sends non-Adam params under this key
-                check_step_params(str(req.optimizer_params.get("type", "adamw")))
+            if req.optimizer_params is not None and req.optimizer_params.get("type") != "adamw":
+                # the SDK sends another optimizer's params (DimuonParams, ...) under this key;
+                # the training client refuses those its model's optimizer does not take
+                return tc.optim_step(OptimParamsBase.model_validate(req.optimizer_params)).future()
             params = req.adam_params or S.AdamParams()
             return tc.optim_step(types.AdamParams(**params.model_dump())).future()
 

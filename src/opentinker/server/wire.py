@@ -51,6 +51,7 @@ class ForwardBackwardCall:
     data: list[types.Datum]
     digest: str
     error: BadRequest | None = None  # the data is malformed: the request fails, in its turn
+    loss_id: str | None = None  # loss_fn "custom": the uploaded loss (loss_fn_config's one string)
 
 
 def digest_json(route: str, body: dict[str, Any]) -> str:
@@ -146,17 +147,23 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         raise BadRequest(f"ForwardBackwardRequest.seq_id must be >= 1, got {msg.seq_id}")
     digest = hashlib.sha256(b"forward_backward\n" + msg.SerializeToString(deterministic=True)).hexdigest()
     config: dict[str, float] = dict(msg.loss_fn_config)
+    loss_id = None
     try:
         for key, value in msg.loss_fn_config_v2.items():
+            if key == "loss_id" and value.WhichOneof("value") == "text":
+                loss_id = value.text
+                continue
             if value.WhichOneof("value") == "text":
                 raise BadRequest(f"loss_fn_config[{key!r}] is a string; only numbers are supported")
             config[key] = value.number
         data = [_datum(i, d) for i, d in enumerate(msg.data)]
     except BadRequest as e:
         return ForwardBackwardCall(
-            msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, [], digest, e
+            msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, [], digest, e, loss_id
         )
-    return ForwardBackwardCall(msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, data, digest)
+    return ForwardBackwardCall(
+        msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, data, digest, None, loss_id
+    )
 
 
 def _datum(i: int, d: pb.Datum) -> types.Datum:
