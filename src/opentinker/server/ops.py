@@ -28,6 +28,7 @@ from opentinker.server.errors import BadRequest, UserError
 from opentinker.server.futures import FutureStore, chain, fail
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
+from opentinker.server.stability import StabilityRecords
 from opentinker.server.wire import (
     decode_forward_backward,
     digest_json,
@@ -49,6 +50,7 @@ class Operations:
         self.seq = sequencer
         self.once = Idempotency()
         self.custom_losses = CustomLosses()
+        self.stability = StabilityRecords()
 
     # ------------------------------------------------------------------ plumbing
     def _run(self, tenant: str, submit: Submit, encode: Encode) -> str:
@@ -198,12 +200,13 @@ class Operations:
         def submit() -> Future:
             if call.error is not None:
                 raise call.error
-            custom = None
+            custom, data = None, call.data
+            session = self._session_of(tenant, call.model_id).id
             if call.loss_fn == "custom":  # checked in its turn: a refusal leaves no seq_id gap
-                custom = self.custom_losses.get(
-                    tenant, self._session_of(tenant, call.model_id).id, call.loss_id
-                )
-            return op(call.data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
+                custom = self.custom_losses.get(tenant, session, call.loss_id)
+            elif call.loss_fn == "stable_reinforce":  # provenance -> what the sampler recorded
+                data = self.stability.resolve(tenant, session, data)
+            return op(data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
 
         return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode_forward_output)
 
@@ -330,7 +333,10 @@ class Operations:
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
-            rid = self._run(tenant, lambda: self._sample(client, req), self._encode_sample(req))
+            encode = self._encode_sample(req)
+            if req.record_stability_info and req.sampling_session_id is not None:
+                encode = self._recording(tenant, req.sampling_session_id, ids, req, client, encode)
+            rid = self._run(tenant, lambda: self._sample(client, req), encode)
             return {"request_id": rid, "sample_sequence_ids": ids}
 
         if req.seq_id is None or req.sampling_session_id is None:
@@ -343,7 +349,6 @@ class Operations:
             "topk_sample_logprobs": req.topk_sample_logprobs,
             "target_prompt_logprobs": req.target_prompt_logprobs,
             "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
-            "record_stability_info": req.record_stability_info,
         }
         for key, value in unsupported.items():
             if value not in (None, 0, False):
@@ -359,6 +364,21 @@ class Operations:
             include_prompt_logprobs=bool(req.prompt_logprobs),
             topk_prompt_logprobs=req.topk_prompt_logprobs,
         ).future()
+
+    def _recording(
+        self, tenant: str, sampler_id: str, ids: list[str], req: S.SampleRequest, client: Any, encode: Encode
+    ) -> Encode:
+        """``encode``, recording each returned sequence first (``server/stability.py``)."""
+        session = sampler_id.split(":sample:", 1)[0]
+        weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
+        policy = f"{sampler_id} ({weights})"
+        prompt = req.prompt.to_ints()
+
+        def record(res: types.SampleResponse) -> Any:
+            self.stability.record(tenant, session, ids, prompt, res, policy)
+            return encode(res)
+
+        return record
 
     @staticmethod
     def _encode_sample(req: S.SampleRequest) -> Encode:

@@ -177,7 +177,30 @@ def _datum(i: int, d: pb.Datum) -> types.Datum:
         )
     inputs = {name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
     model_input = types.ModelInput.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=tokens)])
+    if len(d.model_input_spans) or len(d.loss_fn_input_spans):  # provenance (stable_reinforce)
+        spans = (_spans(i, d.model_input_spans), _spans(i, d.loss_fn_input_spans))
+        return types.Datum(
+            model_input=model_input,
+            loss_fn_inputs=inputs,
+            model_input_spans=spans[0],
+            loss_fn_input_spans=spans[1],
+        )
     return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+
+def _spans(i: int, msgs: Any) -> list[types.PromptProvenanceSpan | types.SampledProvenanceSpan]:
+    out: list[types.PromptProvenanceSpan | types.SampledProvenanceSpan] = []
+    for m in msgs:
+        kind = m.WhichOneof("span")
+        if kind is None:
+            raise BadRequest(f"datum {i}: a provenance span names neither prompt nor sampled tokens")
+        arm = getattr(m, kind)
+        cls = types.SampledProvenanceSpan if kind == "sampled_tokens" else types.PromptProvenanceSpan
+        try:
+            out.append(cls(sequence_id=arm.sequence_id, offset=int(arm.offset), length=int(arm.length)))
+        except ValueError as e:
+            raise BadRequest(f"datum {i}: {e}") from e
+    return out
 
 
 def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
