@@ -116,7 +116,7 @@ def test_an_unsupported_optimizer_is_refused_by_both_doors_and_creates_nothing(
 ) -> None:
     service = opentinker.ServiceClient(runtime=runtime)
     before = set(runtime.models)
-    with pytest.raises(EngineError, match="optimizer 'sgd' is not supported; only adamw"):
+    with pytest.raises(EngineError, match="unknown optimizer type .sgd. in optimizer_config"):
         service.create_lora_training_client(TEST_MODEL, rank=2, optimizer=SimpleNamespace(type="sgd"))
     sid = _session(http)
     body = {
@@ -126,7 +126,7 @@ def test_an_unsupported_optimizer_is_refused_by_both_doors_and_creates_nothing(
         "optimizer_config": {"type": "sgd"},
     }
     err = _result(http, http.post("/create_model", json=body).json()["request_id"])
-    assert err["category"] == "user" and "optimizer 'sgd' is not supported; only adamw" in err["error"]
+    assert err["category"] == "user" and "unknown optimizer type 'sgd' in optimizer_config" in err["error"]
     assert set(runtime.models) == before
     assert http.post("/get_info", json={"model_id": f"{sid}:train:0"}).status_code == 404
     assert runtime.backend(TEST_MODEL).engine.adapter_ids() == []

@@ -92,4 +92,39 @@ def test_gspo_hand_value_and_token_gradients() -> None:
 
 
 def test_every_tinker_loss_is_registered() -> None:
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
+    assert set(LOSSES) == {
+        "cross_entropy",
+        "importance_sampling",
+        "ppo",
+        "cispo",
+        "dro",
+        "gspo",
+        "stable_reinforce",
+    }
+
+
+def test_stable_reinforce_hand_value_and_gradient() -> None:
+    """Two sequences in one datum (positions 1-2 from sequence 0, 3-4 from sequence 1), a prompt
+    position 0; the weights, by hand: w_0 = exp(mean(0.2, -0.4)) = exp(-0.1), under the cap;
+    w_1 = exp(mean(1.0, 1.4)) = exp(1.2) = 3.32, truncated to c = 2."""
+    lp = torch.tensor([-3.0, -1.0, -2.0, -0.5, -0.1], requires_grad=True)
+    inputs = {
+        "stability_logprobs": torch.tensor([0.0, -1.2, -1.6, -1.5, -1.5]),
+        "stability_mask": torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]),
+        "stability_sequence": torch.tensor([-1.0, 0.0, 0.0, 1.0, 1.0]),
+        "advantages": torch.tensor([5.0, 1.0, 1.0, -2.0, -2.0]),  # position 0's is masked out
+    }
+    w0, w1 = math.exp(-0.1), 2.0
+    expected = -(w0 * 1 * -1.0 + w0 * 1 * -2.0 + w1 * -2 * -0.5 + w1 * -2 * -0.1)
+    loss = LOSSES["stable_reinforce"].fn(lp, inputs, resolve_config("stable_reinforce", {}))
+    assert float(loss.sum()) == pytest.approx(expected, rel=ELEMENTWISE_REL)
+    loss.sum().backward()
+    assert lp.grad is not None  # the weight is a stop-gradient: d/dlp_t = -w_s · A_t
+    assert_rel_close(lp.grad, torch.tensor([0.0, -w0, -w0, 2 * w1, 2 * w1]), ELEMENTWISE_REL)
+    # another cap: both sequences under it
+    capped = LOSSES["stable_reinforce"].fn(
+        lp, inputs, resolve_config("stable_reinforce", {"max_importance_weight": 5.0})
+    )
+    w1 = math.exp(1.2)
+    expected = -(w0 * -1.0 + w0 * -2.0 + w1 * -2 * -0.5 + w1 * -2 * -0.1)
+    assert float(capped.sum()) == pytest.approx(expected, rel=ELEMENTWISE_REL)

@@ -46,16 +46,12 @@ SAMPLE_PARAMS = {"checkpoint_id": "sampler_weights/ckpt-1", "sampling_session_id
 
 # (METHOD, SDK path template) known to be unserved today, and what serves them.
 PENDING_ROUTES: set[tuple[str, str]] = {
-    # server-side custom losses
-    ("POST", "/api/v1/create_custom_loss"),
     # session trace export
     ("GET", "/api/v1/sessions/{session_id}/trace_export"),
 }
 
 # "Client.method" known to be called by no test today, and what will call them.
 PENDING_METHODS: set[str] = {
-    # server-side custom losses
-    "ServiceClient.create_custom_loss",
     # session trace export
     "RestClient.export_session_trace",
     "RestClient.export_session_trace_async",

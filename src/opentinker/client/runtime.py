@@ -29,6 +29,7 @@ from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_
 from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
 from opentinker.engine import Engine, EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
+from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.models.paths import cache_dir
@@ -175,8 +176,7 @@ class Runtime:
 
         ``on_created`` runs on the scheduler thread right after the model is registered, before
         any later request for it can run (the server records it durably there)."""
-        if optimizer_type != "adamw":
-            raise EngineError(f"optimizer {optimizer_type!r} is not supported; only adamw")
+        check_optimizer_config({"type": optimizer_type})
         self._check_new(model_id)
         backend = self.backend(base_model)
 

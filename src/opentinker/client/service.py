@@ -8,17 +8,20 @@ A program written for the ``tinker`` SDK runs embedded by changing only how the 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from opentinker.client.checkpoints import CheckpointRecord, parse_tinker_path
+from opentinker.client.custom_loss import CustomLoss, trace_custom_loss
 from opentinker.client.futures import ready
 from opentinker.client.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.client.sampling import SamplingClient
 from opentinker.client.training import TrainingClient
 from opentinker.engine import EngineError, UnknownPolicyError
+from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
 from opentinker.models import BUILTIN_MODELS
 
@@ -63,9 +66,8 @@ class ServiceClient:
             rank=rank, seed=seed, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
         )
         model_id = self.runtime.new_model_id(self.session_id)
-        optimizer_type = "adamw" if optimizer is None else str(getattr(optimizer, "type", "adamw"))
         self.runtime.create_model(
-            model_id, base_model, config, tenant=self.tenant, optimizer_type=optimizer_type
+            model_id, base_model, config, tenant=self.tenant, optimizer_type=optimizer_type(optimizer)
         ).result()
         return TrainingClient(self.runtime, model_id)
 
@@ -91,6 +93,13 @@ class ServiceClient:
         self.runtime.delete_model(model_id, self.tenant).result()
 
     # ---------------------------------------------------------------- sampling clients
+    def create_custom_loss(
+        self, fn: Callable[..., Any], input_ranks: Mapping[str, int]
+    ) -> AwaitableConcurrentFuture[CustomLoss]:
+        """A per-datum loss traced as the SDK traces it, run by the engine's restricted
+        interpreter; pass it to ``TrainingClient.forward_backward_custom``."""
+        return ready(trace_custom_loss(fn, input_ranks))
+
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, **_: Any
     ) -> SamplingClient:
@@ -178,3 +187,16 @@ def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
         tinker_path=rec.ref.tinker_path,
         size_bytes=rec.size_bytes,
     )
+
+
+def optimizer_type(optimizer: Any) -> str:
+    """The optimizer an ``optimizer=`` argument selects (``types.AdamOptimizerConfig``, the dict
+    the wire carries, any object with a ``type``; None = adamw), checked: raises ``EngineError``
+    naming an optimizer this engine does not run (see ``engine/optim.py``)."""
+    if optimizer is None or isinstance(optimizer, dict):
+        config = optimizer
+    elif hasattr(optimizer, "model_dump"):
+        config = dict(optimizer.model_dump(mode="json"))
+    else:
+        config = dict(vars(optimizer)) if hasattr(optimizer, "__dict__") else {"type": optimizer}
+    return check_optimizer_config(config)

@@ -21,6 +21,8 @@ from opentinker.client.runtime import ModelRecord, Runtime
 from opentinker.client.sampling import SamplingClient
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult, SnapshotInfo
 from opentinker.engine.checkpoint import CheckpointError
+from opentinker.engine.custom_loss import CustomLoss as CustomLossGraph
+from opentinker.engine.optim import check_step_params
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -38,12 +40,12 @@ class TrainingClient(ReadyClient):
         return self._runtime.model(self.model_id)
 
     def _request(
-        self, data: Sequence[types.Datum], loss_fn: str, config: Any, backward: bool
+        self, data: Sequence[types.Datum], loss_fn: str, config: Any, backward: bool, custom_loss: Any = None
     ) -> ForwardRequest:
         self._record()
         examples = [datum_to_example(d, i) for i, d in enumerate(data)]
         cfg = {k: v for k, v in (config or {}).items()}
-        return ForwardRequest(self.model_id, examples, loss_fn, cfg, backward)
+        return ForwardRequest(self.model_id, examples, loss_fn, cfg, backward, custom_loss)
 
     def _call(self, fn: Callable[[Engine], Any]) -> Any:
         """Queue ``fn`` in this model's order; returns the concurrent future."""
@@ -56,8 +58,10 @@ class TrainingClient(ReadyClient):
         data: list[types.Datum],
         loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, float] | None = None,
+        *,
+        custom_loss: CustomLossGraph | None = None,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
-        req = self._request(data, loss_fn, loss_fn_config, backward=False)
+        req = self._request(data, loss_fn, loss_fn_config, backward=False, custom_loss=custom_loss)
         return mapped(self._scheduler.submit_forward(self.model_id, req), forward_output)
 
     def forward_backward(
@@ -65,16 +69,20 @@ class TrainingClient(ReadyClient):
         data: list[types.Datum],
         loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, float] | None = None,
+        *,
+        custom_loss: CustomLossGraph | None = None,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
-        req = self._request(data, loss_fn, loss_fn_config, backward=True)
+        req = self._request(data, loss_fn, loss_fn_config, backward=True, custom_loss=custom_loss)
         return mapped(self._scheduler.submit_forward(self.model_id, req), forward_output)
 
     def forward_backward_custom(
-        self, data: list[types.Datum], loss_fn: CustomLoss, **_: Any
+        self, data: list[types.Datum], loss_fn: CustomLoss | CustomLossGraph, **_: Any
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         """Any differentiable loss of the logprobs, as Tinker does it: a forward for the logprobs,
         the loss and its gradient g = dL/dlogprobs on the client, then a ``cross_entropy``
         forward_backward with weights -g (same gradient as the loss). Runs as one queued step."""
+        if isinstance(loss_fn, CustomLossGraph):  # made by create_custom_loss: one fused step
+            return self.forward_backward(data, "custom", custom_loss=loss_fn)
         examples = [datum_to_example(d, i) for i, d in enumerate(data)]
         self._record()
         plain = [
@@ -103,11 +111,13 @@ class TrainingClient(ReadyClient):
         return mapped(self._call(run), lambda x: x)
 
     def optim_step(
-        self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None
+        self, optim_params: types.OptimParams | None = None, *, adam_params: types.AdamParams | None = None
     ) -> AwaitableConcurrentFuture[types.OptimStepResponse]:
         p = adam_params or optim_params
         if p is None:
             raise ValueError("optim_step needs AdamParams")
+        check_step_params(getattr(p, "type", None))  # DimuonParams & co. name their type
+        assert isinstance(p, types.AdamParams)  # the only family check_step_params lets through
         params = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
         params.validate()  # refuse here, before queuing: the model is untouched
         self._record()

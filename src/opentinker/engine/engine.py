@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from opentinker.engine.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from opentinker.engine.custom_loss import reduce_metrics
 from opentinker.engine.export import export_merged, export_peft
 from opentinker.engine.losses import LOSSES, resolve_config
 from opentinker.engine.optim import AdapterOptimizer
@@ -238,20 +239,33 @@ class Engine:
             lp_rows = self._row_logprobs(reqs, rows, policies, lengths)
             per_req_loss: dict[int, torch.Tensor] = {}
             per_req_out: dict[int, list[dict[str, torch.Tensor]]] = {i: [] for i in valid}
+            per_req_metrics: dict[int, list[dict[str, torch.Tensor]]] = {}  # custom losses' own
             for b, (i, j) in enumerate(rows):
                 req, ex = reqs[i], reqs[i].examples[j]
                 inputs = {k: v.to(self.device) for k, v in ex.inputs.items()}
                 targets = inputs["target_tokens"]
                 lp = lp_rows[b].reshape(targets.shape)
                 inputs = {k: (v if k == "target_tokens" else v.float()) for k, v in inputs.items()}
-                elementwise = LOSSES[req.loss_fn].fn(
-                    lp, inputs, resolve_config(req.loss_fn, req.loss_fn_config)
-                )
+                if req.custom_loss is not None:  # a scalar per datum (engine/custom_loss.py)
+                    try:
+                        loss, metrics = req.custom_loss(lp, inputs)
+                    except EngineError as e:
+                        results[i] = e
+                        continue
+                    per_req_metrics.setdefault(i, []).append(metrics)
+                    per_req_out[i].append({"logprobs": lp.detach()})
+                else:
+                    elementwise = LOSSES[req.loss_fn].fn(
+                        lp, inputs, resolve_config(req.loss_fn, req.loss_fn_config)
+                    )
+                    loss = elementwise.sum()
+                    per_req_out[i].append({"logprobs": lp.detach(), "elementwise_loss": elementwise.detach()})
                 prev = per_req_loss.get(i)
-                per_req_loss[i] = elementwise.sum() if prev is None else prev + elementwise.sum()
-                per_req_out[i].append({"logprobs": lp.detach(), "elementwise_loss": elementwise.detach()})
+                per_req_loss[i] = loss if prev is None else prev + loss
         ok: list[int] = []
         for i in valid:
+            if results[i] is not None:  # its custom loss failed on this data
+                continue
             if torch.isfinite(per_req_loss[i]).item():
                 ok.append(i)
             else:
@@ -261,7 +275,10 @@ class Engine:
             self._accumulate(reqs, train, per_req_loss, results)
         for i in ok:
             if results[i] is None:
-                results[i] = ForwardResult(per_req_out[i], {"loss:sum": float(per_req_loss[i].detach())})
+                metrics = reduce_metrics(per_req_metrics.get(i, []))
+                results[i] = ForwardResult(
+                    per_req_out[i], {**metrics, "loss:sum": float(per_req_loss[i].detach())}
+                )
 
     def _row_logprobs(
         self,

@@ -10,10 +10,26 @@ Notation: ``lp`` = learner logprobs of the targets (differentiable), ``q`` = sam
     dro                  -Σ [lp·A - ½·β·(lp - q)²]
     gspo                 s = exp(mean_M(sg(lp) - q)); s_t = s·exp(lp_t - sg(lp_t));
                          -Σ min(s_t·A, clip(s_t, lo, hi)·A)       (M = sequence_ratio_mask ≠ 0)
+    stable_reinforce     -Σ m·sg(w_s)·A·lp, w_s = min(exp(mean_{t∈s}(sg(lp_t) - q_t)), c)   (ours; below)
 
 Each function returns the elementwise loss [T]; the engine sums it. ``lo``/``hi`` come from
 ``loss_fn_config`` (``clip_low_threshold`` 0.8, ``clip_high_threshold`` 1.2) or, per datum, from
 ``loss_fn_inputs`` of the same names.
+
+``stable_reinforce`` — Tinker names this loss but does not publish its objective, so the numerics
+here are OpenTinker's own: a REINFORCE whose importance weight is truncated and taken per sampled
+*sequence*. Its inputs come from the server, which resolves a datum's provenance spans against
+what the sampler recorded (``server/stability.py``), never from the client's own claims:
+``stability_logprobs`` q (the logprob the sampler gave each sampled token), ``stability_mask`` m
+(1 where the target is a sampled token, 0 on prompt/observation tokens) and
+``stability_sequence`` (which recorded sequence each position came from; -1 where none). For each
+sequence s with sampled positions S(s): the sequence's log importance ratio is the mean over S(s)
+of ``sg(lp_t) - q_t`` (a geometric mean of the token ratios, so one noisy token cannot swing it),
+its weight ``w_s = min(exp(that), c)`` with ``c`` = ``loss_fn_config["max_importance_weight"]``
+(default 2.0): truncated importance sampling, so stale or numerically different samples are
+down-weighted but never amplified past ``c``. Each sampled token t of s then contributes
+``-w_s · A_t · lp_t`` (its REINFORCE gradient ``-w_s · A_t · ∇lp_t``); other positions contribute 0.
+The client's ``logprobs`` input, if sent, is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -87,9 +103,22 @@ def gspo(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Ten
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
+def stable_reinforce(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
+    q, mask = inputs["stability_logprobs"], inputs["stability_mask"]
+    seq = inputs["stability_sequence"]
+    weight = torch.zeros_like(lp)
+    for s in torch.unique(seq[mask != 0]).tolist():  # each sequence of the datum: its own weight
+        at = (seq == s) & (mask != 0)
+        log_ratio = (lp.detach() - q)[at].mean()
+        weight = torch.where(at, torch.exp(log_ratio).clamp(max=config["max_importance_weight"]), weight)
+    return -(mask * weight * inputs["advantages"] * lp)
+
+
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
 _RL = ("target_tokens", "logprobs", "advantages")
+# what the server resolves from provenance spans and its sampling records (server/stability.py)
+STABILITY_INPUTS = ("stability_logprobs", "stability_mask", "stability_sequence")
 
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, ("target_tokens",), ("weights",), {}),
@@ -98,6 +127,12 @@ LOSSES: dict[str, LossSpec] = {
     "cispo": LossSpec(cispo, _RL, _CLIP_INPUTS, dict(_CLIP)),
     "dro": LossSpec(dro, _RL, (), {"beta": 0.05}),
     "gspo": LossSpec(gspo, _RL, ("sequence_ratio_mask", *_CLIP_INPUTS), dict(_CLIP)),
+    "stable_reinforce": LossSpec(
+        stable_reinforce,
+        ("target_tokens", "advantages", *STABILITY_INPUTS),
+        ("logprobs",),
+        {"max_importance_weight": 2.0},
+    ),
 }
 
 

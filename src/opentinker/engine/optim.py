@@ -9,11 +9,21 @@ A step is all or nothing (invariant 9): the new weights and moments are computed
 and written only if every one of them is finite. Finite inputs can still overflow — a huge
 learning rate, a squared gradient past fp32's range — and such a step is refused with the
 weights, moments and step count exactly as they were.
+
+Which optimizer a model gets is chosen once, at creation (the SDK's ``optimizer_config``):
+:func:`check_optimizer_config` accepts ``AdamOptimizerConfig`` (``{"type": "adamw"}``) and
+refuses everything else by name. ``DimuonOptimizerConfig`` is refused on purpose: Tinker's public
+docs name Dimuon's knobs (a learning rate per direction of Frobenius norm sqrt(rank), a momentum
+``beta1``, damping of row and column preconditioners, a matrix-sign iteration whose count and
+normalisation epsilon are "internal constants") but not its update rule, so any implementation
+here would be a different optimizer under Tinker's name.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -21,6 +31,57 @@ from opentinker.engine.types import AdamParams, EngineError
 
 # one parameter's state, as torch keeps it: step (float32 scalar), exp_avg, exp_avg_sq
 State = dict[str, torch.Tensor]
+
+
+OPTIMIZER_TYPES = ("adamw",)  # what check_optimizer_config accepts
+
+_DIMUON_REFUSAL = (
+    "the Dimuon optimizer (DimuonOptimizerConfig) is not supported by this server: Tinker's public "
+    "documentation names its hyperparameters but does not define its update rule (the matrix-sign "
+    "iteration and its constants are internal to Tinker) precisely enough to implement it exactly; "
+    "create the model with AdamOptimizerConfig (type 'adamw') instead"
+)
+
+
+def check_optimizer_config(config: Mapping[str, Any] | None) -> str:
+    """The optimizer type of a model-creation ``optimizer_config`` (None = adamw, Tinker's default).
+
+    Raises :class:`EngineError` naming the problem for anything this engine does not run."""
+    if config is None:
+        return "adamw"
+    if not isinstance(config, Mapping):
+        raise EngineError(f"optimizer_config must be an object with a 'type', got {type(config).__name__}")
+    kind = config.get("type")
+    if kind == "dimuon":
+        raise EngineError(_DIMUON_REFUSAL)
+    if kind != "adamw":
+        raise EngineError(
+            f"unknown optimizer type {kind!r} in optimizer_config; this server supports "
+            "'adamw' (AdamOptimizerConfig)"
+        )
+    extra = sorted(set(config) - {"type"})
+    if extra:
+        raise EngineError(
+            f"optimizer_config of type 'adamw' takes no other fields, got {', '.join(map(repr, extra))}; "
+            "AdamW's hyperparameters go in each optim_step's AdamParams"
+        )
+    return "adamw"
+
+
+def check_step_params(params_type: str | None, model_optimizer: str = "adamw") -> None:
+    """Refuse an ``optim_step`` whose hyperparameters are for another optimizer than the model's."""
+    kind = params_type or "adamw"
+    if kind == model_optimizer:
+        return
+    if kind == "dimuon":
+        raise EngineError(
+            f"optim_step got DimuonParams, but this model was created with the {model_optimizer} "
+            "optimizer; pass AdamParams (and see DimuonOptimizerConfig: Dimuon is not supported here)"
+        )
+    raise EngineError(
+        f"optim_step got hyperparameters of unknown optimizer type {kind!r}; this model uses "
+        f"{model_optimizer}: pass AdamParams"
+    )
 
 
 class AdapterOptimizer:

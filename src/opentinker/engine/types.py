@@ -7,7 +7,9 @@ datum's length (= number of targets), K the number of soft targets per position.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -37,6 +39,21 @@ class Example:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class CustomLoss(Protocol):
+    """A per-datum loss the engine runs in place of a built-in one (``engine/custom_loss.py``)."""
+
+    @property
+    def input_names(self) -> tuple[str, ...]: ...
+
+    def check_datum(
+        self, where: str, logprobs_shape: Sequence[int], inputs: Mapping[str, torch.Tensor]
+    ) -> None: ...
+
+    def __call__(
+        self, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
 @dataclass(frozen=True)
 class ForwardRequest:
     """A batch of examples for one policy, with one loss; ``backward`` accumulates gradients."""
@@ -46,6 +63,7 @@ class ForwardRequest:
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] = field(default_factory=dict)
     backward: bool = True
+    custom_loss: CustomLoss | None = None  # the checked graph, when loss_fn is "custom"
 
 
 @dataclass

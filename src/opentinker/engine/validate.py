@@ -16,6 +16,9 @@ from opentinker.engine.types import EngineError, Example, ForwardRequest
 def validate_request(
     req: ForwardRequest, *, vocab_size: int, max_context: int, max_batch_tokens: int
 ) -> None:
+    if req.loss_fn == "custom":
+        _validate_custom(req, vocab_size, max_context, max_batch_tokens)
+        return
     spec = LOSSES.get(req.loss_fn)
     if spec is None:
         raise EngineError(f"unknown loss_fn {req.loss_fn!r}; known: {', '.join(sorted(LOSSES))}")
@@ -34,6 +37,36 @@ def validate_request(
         raise EngineError(f"the request has {total} tokens, over the limit of {max_batch_tokens}")
 
 
+def _validate_custom(req: ForwardRequest, vocab_size: int, max_context: int, max_batch_tokens: int) -> None:
+    """A server-side custom loss: each datum has target_tokens, and every input the loss declares
+    at its declared rank (the datum may carry other inputs, which the loss does not read)."""
+    loss = req.custom_loss
+    if loss is None:
+        raise EngineError("loss_fn 'custom' needs a loss made by create_custom_loss (loss_fn_config loss_id)")
+    if req.loss_fn_config:
+        raise EngineError(
+            f"loss_fn 'custom' takes no loss_fn_config besides loss_id, got {sorted(req.loss_fn_config)}"
+        )
+    if not req.examples:
+        raise EngineError("the request has no data")
+    total = 0
+    for i, ex in enumerate(req.examples):
+        read = {k: v for k, v in ex.inputs.items() if k in ("target_tokens", *loss.input_names)}
+        n = _validate_example(
+            i,
+            Example(ex.tokens_T, read),
+            ("target_tokens",),
+            loss.input_names,
+            vocab_size,
+            max_context,
+            custom=True,
+        )
+        loss.check_datum(f"datum {i}", tuple(read["target_tokens"].shape), read)
+        total += n
+    if total > max_batch_tokens:
+        raise EngineError(f"the request has {total} tokens, over the limit of {max_batch_tokens}")
+
+
 def _validate_example(
     i: int,
     ex: Example,
@@ -41,6 +74,8 @@ def _validate_example(
     optional: tuple[str, ...],
     vocab_size: int,
     max_context: int,
+    *,
+    custom: bool = False,
 ) -> int:
     where = f"datum {i}"
     tokens = ex.tokens_T
@@ -61,7 +96,9 @@ def _validate_example(
             raise EngineError(
                 f"{where}: unknown loss_fn_inputs key {key!r} for this loss (allowed: {allowed})"
             )
-        if t.dim() == 0 or t.shape[0] != n:
+        if custom and key != "target_tokens" and t.numel() == 1 and t.dim() <= 1:
+            pass  # a scalar input of a custom loss (rank 0; its rank is checked by the loss)
+        elif t.dim() == 0 or t.shape[0] != n:
             got = tuple(t.shape)
             raise EngineError(
                 f"{where}: loss_fn_inputs[{key!r}] has shape {got}, but model_input has {n} tokens"
@@ -81,9 +118,9 @@ def _validate_example(
                 raise EngineError(
                     f"{where}: weights has shape {tuple(t.shape)} but target_tokens has {tuple(targets.shape)}"
                 )
-            if key != "weights" and key != "target_tokens" and t.dim() != 1:
+            if key != "weights" and key != "target_tokens" and t.dim() != 1 and not custom:
                 raise EngineError(f"{where}: loss_fn_inputs[{key!r}] must be 1-D [T]")
-        if targets.dim() == 2 and set(ex.inputs) - {"target_tokens", "weights"}:
+        if targets.dim() == 2 and set(ex.inputs) - {"target_tokens", "weights"} and not custom:
             raise EngineError(f"{where}: 2-D (soft) target_tokens are only supported by cross_entropy")
     return n
 

@@ -28,6 +28,7 @@ from opentinker.server import schemas as S
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
 from opentinker.server.config import ServerConfig
+from opentinker.server.custom_losses import CreateCustomLossRequest
 from opentinker.server.downloads import Downloads
 from opentinker.server.errors import ApiError, Redactor, error_category, error_message
 from opentinker.server.futures import FutureStore
@@ -235,6 +236,7 @@ def _routes(app: FastAPI, server: Server) -> None:
             # batch polling (/retrieve_futures) and server-allocated clone ids (lifecycle.py)
             "sample_use_retrieve_futures": server.config.batch_polling,
             "sample_join_sampling_session": True,
+            "custom_loss_server_side": True,  # /create_custom_loss (server/custom_losses.py)
         }
 
     @app.post(f"{api}/client/dynamic_config", tags=["service"])
@@ -351,6 +353,10 @@ def _routes(app: FastAPI, server: Server) -> None:
     )
     async def forward_backward(request: Request, t: Tenant) -> dict[str, Any]:
         return {"request_id": ops.forward_backward(t, await request.body())}
+
+    @app.post(f"{api}/create_custom_loss", tags=["training"])
+    async def create_custom_loss(req: CreateCustomLossRequest, t: Tenant) -> dict[str, Any]:
+        return {"request_id": ops.create_custom_loss(t, req)}
 
     @app.post(f"{api}/optim_step", tags=["training"])
     async def optim_step(req: S.OptimStepRequest, t: Tenant) -> dict[str, Any]:

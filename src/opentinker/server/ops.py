@@ -16,18 +16,22 @@ from concurrent.futures import Future
 from typing import Any
 
 from tinker import types
+from tinker.types.optimizer import OptimParamsBase
 
 from opentinker.client import SamplingClient
+from opentinker.client.service import optimizer_type
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.admission import Admission
 from opentinker.server.checkpoints import check_ttl
 from opentinker.server.completions import CLONE_BLOCK, CompletionQueues
 from opentinker.server.config import ServerConfig
+from opentinker.server.custom_losses import CreateCustomLossRequest, CustomLosses
 from opentinker.server.errors import BadRequest, UserError
 from opentinker.server.futures import FutureStore, QueueState, chain, fail
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
+from opentinker.server.stability import StabilityRecords
 from opentinker.server.usage import Ledger
 from opentinker.server.wire import (
     decode_forward_backward,
@@ -57,6 +61,8 @@ class Operations:
         self.once = Idempotency()
         self.completions = CompletionQueues(ttl_s=config.result_ttl_s)
         self.admit = Admission(config.max_running_per_tenant)
+        self.custom_losses = CustomLosses()
+        self.stability = StabilityRecords()
 
     # ------------------------------------------------------------------ plumbing
     def run(self, tenant: str, submit: Submit, encode: Encode) -> str:
@@ -132,7 +138,7 @@ class Operations:
                     req.model_seq_id,
                     base,
                     config=config,
-                    optimizer_type=str((req.optimizer_config or {}).get("type", "adamw")),
+                    optimizer_type=optimizer_type(req.optimizer_config),
                     user_metadata=req.user_metadata,
                 )
 
@@ -157,6 +163,7 @@ class Operations:
 
             def make() -> str:
                 def submit() -> Future:
+                    optimizer_type(req.optimizer_config)  # refuse what this engine does not run
                     base = self.reg.base_model(meta.get("base_model", ""))
                     if req.base_model is not None and self.reg.base_model(req.base_model) != base:
                         raise UserError(
@@ -199,6 +206,23 @@ class Operations:
         )
 
     # ------------------------------------------------------------------ training
+    def create_custom_loss(self, tenant: str, req: CreateCustomLossRequest) -> str:
+        sess = self.reg.session(tenant, req.session_id)
+        digest = digest_json("create_custom_loss", req.model_dump(mode="json"))
+
+        def make() -> str:
+            def submit() -> Future:
+                done: Future = Future()
+                done.set_result(self.custom_losses.create(tenant, sess.id, req))
+                return done
+
+            return self._run(
+                tenant, submit, lambda loss_id: {"loss_id": loss_id, "type": "create_custom_loss"}
+            )
+
+        key = ("custom_loss", sess.id, req.custom_loss_seq_id)
+        return self._once(key, digest, f"custom_loss_seq_id {req.custom_loss_seq_id}", make)
+
     def forward_backward(self, tenant: str, body: bytes) -> str:
         call = decode_forward_backward(body)
         tc = self.reg.model(tenant, call.model_id)
@@ -207,7 +231,13 @@ class Operations:
         def submit() -> Future:
             if call.error is not None:
                 raise call.error
-            return op(call.data, call.loss_fn, call.loss_fn_config).future()
+            custom, data = None, call.data
+            session = self._session_of(tenant, call.model_id).id
+            if call.loss_fn == "custom":  # checked in its turn: a refusal leaves no seq_id gap
+                custom = self.custom_losses.get(tenant, session, call.loss_id)
+            elif call.loss_fn == "stable_reinforce":  # provenance -> what the sampler recorded
+                data = self.stability.resolve(tenant, session, data)
+            return op(data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
 
         ledger, tokens = self.ledger, sum(d.model_input.length for d in call.data)
         base = self.reg.runtime.model(call.model_id).base_model
@@ -225,10 +255,10 @@ class Operations:
         digest = digest_json("optim_step", req.model_dump(mode="json"))
 
         def submit() -> Future:
-            if req.optimizer_params is not None and req.optimizer_params.get("type", "adamw") != "adamw":
-                raise UserError(
-                    f"optimizer {req.optimizer_params.get('type')!r} is not supported; only adamw"
-                )
+            if req.optimizer_params is not None and req.optimizer_params.get("type") != "adamw":
+                # the SDK sends another optimizer's params (DimuonParams, ...) under this key;
+                # the training client refuses those its model's optimizer does not take
+                return tc.optim_step(OptimParamsBase.model_validate(req.optimizer_params)).future()
             params = req.adam_params or S.AdamParams()
             return tc.optim_step(types.AdamParams(**params.model_dump())).future()
 
@@ -362,7 +392,10 @@ class Operations:
                 ticket = client.last_ticket()  # this thread's request, just queued
                 return fut
 
-            rid = self._run(tenant, submit, self._metered(tenant, client, req))
+            encode = self._metered(tenant, client, req)
+            if req.record_stability_info and req.sampling_session_id is not None:
+                encode = self._recording(tenant, req.sampling_session_id, ids, req, client, encode)
+            rid = self._run(tenant, submit, encode)
             out = self.futures.future_of(rid)
             if out is not None:  # held by admission first, then (once queued) by the sampler
 
@@ -389,7 +422,6 @@ class Operations:
             "topk_sample_logprobs": req.topk_sample_logprobs,
             "target_prompt_logprobs": req.target_prompt_logprobs,
             "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
-            "record_stability_info": req.record_stability_info,
         }
         for key, value in unsupported.items():
             if value not in (None, 0, False):
@@ -405,6 +437,21 @@ class Operations:
             include_prompt_logprobs=bool(req.prompt_logprobs),
             topk_prompt_logprobs=req.topk_prompt_logprobs,
         ).future()
+
+    def _recording(
+        self, tenant: str, sampler_id: str, ids: list[str], req: S.SampleRequest, client: Any, encode: Encode
+    ) -> Encode:
+        """``encode``, recording each returned sequence first (``server/stability.py``)."""
+        session = sampler_id.split(":sample:", 1)[0]
+        weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
+        policy = f"{sampler_id} ({weights})"
+        prompt = req.prompt.to_ints()
+
+        def record(res: types.SampleResponse) -> Any:
+            self.stability.record(tenant, session, ids, prompt, res, policy)
+            return encode(res)
+
+        return record
 
     @staticmethod
     def _encode_sample(req: S.SampleRequest) -> Encode:

@@ -51,6 +51,7 @@ class ForwardBackwardCall:
     data: list[types.Datum]
     digest: str
     error: BadRequest | None = None  # the data is malformed: the request fails, in its turn
+    loss_id: str | None = None  # loss_fn "custom": the uploaded loss (loss_fn_config's one string)
 
 
 def digest_json(route: str, body: dict[str, Any]) -> str:
@@ -146,17 +147,23 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         raise BadRequest(f"ForwardBackwardRequest.seq_id must be >= 1, got {msg.seq_id}")
     digest = hashlib.sha256(b"forward_backward\n" + msg.SerializeToString(deterministic=True)).hexdigest()
     config: dict[str, float] = dict(msg.loss_fn_config)
+    loss_id = None
     try:
         for key, value in msg.loss_fn_config_v2.items():
+            if key == "loss_id" and value.WhichOneof("value") == "text":
+                loss_id = value.text
+                continue
             if value.WhichOneof("value") == "text":
                 raise BadRequest(f"loss_fn_config[{key!r}] is a string; only numbers are supported")
             config[key] = value.number
         data = [_datum(i, d) for i, d in enumerate(msg.data)]
     except BadRequest as e:
         return ForwardBackwardCall(
-            msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, [], digest, e
+            msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, [], digest, e, loss_id
         )
-    return ForwardBackwardCall(msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, data, digest)
+    return ForwardBackwardCall(
+        msg.model_id, msg.seq_id, msg.forward_only, msg.loss_fn, config, data, digest, None, loss_id
+    )
 
 
 def _datum(i: int, d: pb.Datum) -> types.Datum:
@@ -170,7 +177,30 @@ def _datum(i: int, d: pb.Datum) -> types.Datum:
         )
     inputs = {name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
     model_input = types.ModelInput.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=tokens)])
+    if len(d.model_input_spans) or len(d.loss_fn_input_spans):  # provenance (stable_reinforce)
+        spans = (_spans(i, d.model_input_spans), _spans(i, d.loss_fn_input_spans))
+        return types.Datum(
+            model_input=model_input,
+            loss_fn_inputs=inputs,
+            model_input_spans=spans[0],
+            loss_fn_input_spans=spans[1],
+        )
     return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+
+def _spans(i: int, msgs: Any) -> list[types.PromptProvenanceSpan | types.SampledProvenanceSpan]:
+    out: list[types.PromptProvenanceSpan | types.SampledProvenanceSpan] = []
+    for m in msgs:
+        kind = m.WhichOneof("span")
+        if kind is None:
+            raise BadRequest(f"datum {i}: a provenance span names neither prompt nor sampled tokens")
+        arm = getattr(m, kind)
+        cls = types.SampledProvenanceSpan if kind == "sampled_tokens" else types.PromptProvenanceSpan
+        try:
+            out.append(cls(sequence_id=arm.sequence_id, offset=int(arm.offset), length=int(arm.length)))
+        except ValueError as e:
+            raise BadRequest(f"datum {i}: {e}") from e
+    return out
 
 
 def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
