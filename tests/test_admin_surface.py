@@ -483,6 +483,23 @@ def test_async_twins_give_what_their_sync_methods_give(server: LocalServer) -> N
             assert _counted(await rest.get_billing_usage_async(*window)) == _counted(usage)
             assert await rest.get_current_checkpoint_storage_usage_async() == storage
 
+        # external weights, publishing and TTLs, through the async twins
+        ext = (await _done(a.save_weights_external_async("twin-ext"))).path
+        assert ext == f"tinker://{a.model_id}/external_weights/twin-ext"
+        urls = await rest.get_external_weights_urls_async(ext)
+        assert {"adapter_model.safetensors", "adapter_config.json"} <= set(urls.urls)
+        assert set((await rest.get_external_weights_urls(ext)).urls) == set(urls.urls)
+
+        def meta(path: str) -> Any:
+            return next(c for c in rest.list_user_checkpoints().result().checkpoints if c.tinker_path == path)
+
+        await rest.publish_checkpoint_from_tinker_path_async(state)
+        assert meta(state).public
+        await rest.unpublish_checkpoint_from_tinker_path_async(state)
+        assert not meta(state).public
+        await rest.set_checkpoint_ttl_from_tinker_path_async(state, 7200)
+        assert meta(state).expires_at is not None
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         try:
