@@ -1,7 +1,7 @@
 """The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
-Each adapter gets questions from the same pool but its own objective: reply in about 2, 5, 12 or
-30 words (the ``reply_length`` task, a dense reward on the ratio of words to target). All of them
+Each adapter gets questions from the same pool but its own objective: reply in about 1, 3, 9 or
+27 words (the ``reply_length`` task, a dense reward on the ratio of words to target). All of them
 sample in one mixed batch and train in one fused forward/backward per scheduler tick, through
 the same client API a remote Tinker server offers. At the end every adapter and the bare base
 answer ten held-out questions (four sampled replies each, in one mixed sampling batch); the demo
@@ -30,12 +30,14 @@ from typing import Any
 
 from tinker import types
 
-TARGETS = (2, 5, 12, 30)  # a factor ~2.5 apart: a reply on one target earns < 0.4 for its neighbours
-# SmolLM2 writes ~1.3 tokens a word: 30 words fit in ~40 tokens, and a reply cut at 80 tokens
-# (~60 words) is twice the largest target. At 64 tokens (~49 words) the cut, which earns 0, sat so
-# close above 30 words that the 30-word adapter was pushed towards shorter replies and crossed the
-# 12-word one in some runs.
-MAX_TOKENS = 80
+# a factor 3 apart: a reply on one target earns < 0.3 for its neighbours, and each adapter's
+# "nearest" band spans a factor 3 (sqrt 3 either side). At 2 / 5 / 12 / 30 (a factor 2.5) the
+# 5-word adapter overshot to 3.2 words, into the 2-word one's band, in one of the runs.
+TARGETS = (1, 3, 9, 27)
+# SmolLM2 writes ~1.3 tokens a word: 27 words fit in ~36 tokens, and a reply cut at 64 tokens
+# (~49 words, reward 0) is nearly twice the largest target, so the cut does not push the 27-word
+# adapter towards shorter replies.
+MAX_TOKENS = 64
 STEPS = 18
 RANK = 8
 LR = 1e-3

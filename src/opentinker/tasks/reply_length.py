@@ -43,10 +43,10 @@ QUESTIONS = [
 ]  # fmt: skip
 EVAL = QUESTIONS[-10:]
 TRAIN = QUESTIONS[:-10]
-# Shared by every adapter, so they differ only in what they learned. It starts SmolLM2 near the
-# middle of the targets (~30 words, 6-70, most replies finished within 64 tokens) instead of at
-# ~90 words where nearly every reply is cut: every target then has finished replies on both sides
-# of it to compare from the first step, and the adapters must move apart, some shorter, some longer.
+# Shared by every adapter, so they differ only in what they learned. It starts SmolLM2 at ~40 words
+# (measured at T = 1: 10% under 16, 10% over 56, a third cut at 64 tokens) instead of at ~90 words
+# where nearly every reply is cut: the targets then have finished replies to compare from the
+# first step, and the adapters must move apart, most of them shorter.
 SYSTEM = "Answer in one sentence."
 
 
