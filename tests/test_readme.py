@@ -25,7 +25,12 @@ ALWAYS_MAPPED = (".ci/run",)
 SEP = " — "
 # Words that describe how the project was built rather than what it does.
 # "session" alone is the Tinker API's own word (a client's session); a working session is not
-HISTORY_WORDS = (r"\b(this|last|next|previous|working|development) sessions?\b", r"\bquiet machine\b", r"\bhelpers?\b", r"\bissue\s*#?\d+")
+HISTORY_WORDS = (
+    r"\b(this|last|next|previous|working|development) sessions?\b",
+    r"\bquiet machine\b",
+    r"\bhelpers?\b",
+    r"\bissue\s*#?\d+",
+)
 
 
 def file_map_lines(text: str) -> list[str]:
