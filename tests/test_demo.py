@@ -101,6 +101,13 @@ def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFi
     assert len(held["base_model"]["replies"]) == 10 * HELD_OUT_SAMPLES
     out = capsys.readouterr().out
     assert "RL towards [2, 5] words, 2 steps, seed 3" in out
+    # each step's line shows every adapter's own row for that step (adapters run at their own pace)
+    lines = {int(line.split()[0]): line for line in out.splitlines() if line[:4].strip().isdigit()}
+    assert sorted(lines) == [0, 1]
+    for step, line in lines.items():
+        cells = [read_metrics(d / n)[step] for n in ("words-2", "words-5")]
+        want = "  ".join(f"{r['reward/mean']:6.2f} / {r['env/words']:5.1f}".rjust(16) for r in cells)
+        assert want in line
     assert (
         "held-out: 10 questions, 4 replies each at temperature 1" in out
         and "separated: " in out

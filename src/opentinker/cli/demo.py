@@ -133,15 +133,20 @@ def run_demo(
         f"{steps} steps, seed {seed}"
     )
     print("step  " + "  ".join(f"{n:>16}" for n in names) + "   (mean reward / mean words)")
-    latest: dict[str, dict[str, Any]] = {}
+    rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
     printed = -1
 
     def on_step(name: str, row: dict[str, Any]) -> None:
+        # adapters run at their own pace (short replies sample faster): a step's line is printed
+        # once every adapter has finished that step, with each adapter's own row for it
         nonlocal printed
-        latest[name] = row
-        if len(latest) == len(names) and all(r["step"] > printed for r in latest.values()):
-            printed = min(r["step"] for r in latest.values())
-            cells = [f"{latest[n]['reward/mean']:6.2f} / {latest[n]['env/words']:5.1f}" for n in names]
+        rows[name][row["step"]] = row
+        while all(printed + 1 in r for r in rows.values()):
+            printed += 1
+            cells = [
+                f"{rows[n][printed]['reward/mean']:6.2f} / {rows[n][printed]['env/words']:5.1f}"
+                for n in names
+            ]
             elapsed = time.perf_counter() - t0
             print(f"{printed:4d}  " + "  ".join(f"{c:>16}" for c in cells) + f"   ({elapsed:.0f}s)")
 
