@@ -65,6 +65,7 @@ SERVER_CORE_NAMES: dict[str, frozenset[str]] = {
     "opentinker.engine.checkpoint": frozenset({"CheckpointError"}),
     "opentinker.lora": frozenset({"LoRAConfig"}),
     "opentinker.models.registry": frozenset({"canonical_name"}),
+    "opentinker.sampling": frozenset({"SampleCancelled"}),  # a cancelled sample: the canceller answers
 }
 
 # Attributes that reach into the Runtime's per-base-model engines and queues.

@@ -364,13 +364,21 @@ def _sampler_id(http: httpx.Client) -> str:
     ]
 
 
-def _asample(http: httpx.Client, sampler: str, seq_id: int, n: int = 1, max_tokens: int = 3) -> str:
+def _asample(
+    http: httpx.Client, sampler: str, seq_id: int, n: int = 1, max_tokens: int = 3, full: bool = False
+) -> str:
+    """An async sample request; ``full``: no stop at all (``stop=[]``), so every row runs to
+    ``max_tokens`` and none leaves the running batch early (continuous batching would admit a
+    waiting request into the room a finished row leaves)."""
+    params = types.SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, seed=seq_id, stop=[] if full else None
+    )
     req = types.SampleRequest(
         sampling_session_id=sampler,
         seq_id=seq_id,
         num_samples=n,
         prompt=types.ModelInput.from_ints(TOKENS),
-        sampling_params=types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seq_id),
+        sampling_params=params,
     )
     r = http.post("/asample", json=req.model_dump(mode="json", exclude_none=True))
     assert r.status_code == 200, r.text
@@ -473,7 +481,7 @@ def test_join_sampling_session_allocates_distinct_ids_and_refuses_others(server:
 def test_cancel_future_drops_a_queued_sample_and_refuses_other_ids(server: LocalServer) -> None:
     with _http(server) as http, _http(server, KEY_B) as other:
         sampler = _sampler_id(http)
-        big = _asample(http, sampler, 1, n=256, max_tokens=48)  # fills the sampler's 256-row tick
+        big = _asample(http, sampler, 1, n=256, max_tokens=48, full=True)  # fills the sampler's 256-row tick
         small = _asample(http, sampler, 2)  # waits for capacity behind it
         states: list[dict[str, Any]] = []
         r = http.post("/retrieve_future", json={"request_id": small}).json()
@@ -497,9 +505,9 @@ def test_a_sample_held_back_by_capacity_says_paused_capacity(server: LocalServer
     with _http(server) as http, _http(server, KEY_B) as other:
         # two full ticks' worth (256 rows each, from two tenants: each stays under its running
         # limit), then one more row: a tick runs at full capacity without it at least once
-        first = _asample(other, _sampler_id(other), 1, n=256, max_tokens=48)
+        first = _asample(other, _sampler_id(other), 1, n=256, max_tokens=48, full=True)
         sampler = _sampler_id(http)
-        big = _asample(http, sampler, 1, n=256, max_tokens=48)
+        big = _asample(http, sampler, 1, n=256, max_tokens=48, full=True)
         small = _asample(http, sampler, 2)
         states: list[dict[str, Any]] = []
         _result(http, small, states)
@@ -532,8 +540,10 @@ def test_the_sdk_sees_paused_rate_limit_while_a_tenant_is_past_its_running_limit
         for tc in tcs:
             tc._queue_state_logger = rec = _Recorder()
             recorders.append(rec)
-        data = [_datum(TOKENS * 8)] * 16  # slow enough that the third waits for a running slot
-        futures = [tc.forward_backward(data, "cross_entropy") for tc in tcs for _ in range(2)]
+        # 12 requests against a running limit of 2: the later ones wait several fused ticks for a
+        # slot, each tick far longer than the 0.3 s poll timeout, so their polls answer try_again
+        data = [_datum(TOKENS * 8)] * 32
+        futures = [tc.forward_backward(data, "cross_entropy") for tc in tcs for _ in range(4)]
         for f in futures:
             assert np.isfinite(f.result(timeout=300).metrics["loss:sum"])
         seen = [s for rec in recorders for s in rec.states if s[0] == QueueState.PAUSED_RATE_LIMIT]

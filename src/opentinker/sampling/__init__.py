@@ -2,11 +2,13 @@
 
 from opentinker.sampling.backend import RolloutBackend
 from opentinker.sampling.native import NativeBackend
+from opentinker.sampling.rollout import SampleCancelled
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams
 
 __all__ = [
     "NativeBackend",
     "RolloutBackend",
+    "SampleCancelled",
     "SampleRequest",
     "SampleResult",
     "SampledSequence",

@@ -117,6 +117,8 @@ class RolloutCore:
         self.max_rows = max_rows
         self.stats = RolloutStats()
         self._waiting: deque[tuple[int, Pinned]] = deque()
+        # guards _waiting: other threads ask whether a request still waits, and cancel it
+        self._lock = threading.Lock()
 
     @property
     def busy(self) -> bool:
@@ -126,7 +128,9 @@ class RolloutCore:
         """Take one message; returns what it answers at once (a refused request)."""
         try:
             if isinstance(msg, Sample):
-                self._waiting.append((msg.rid, msg.pinned or self.decoder.pin(msg.request)))
+                pinned = msg.pinned or self.decoder.pin(msg.request)
+                with self._lock:
+                    self._waiting.append((msg.rid, pinned))
             elif isinstance(msg, Publish):
                 self.backend.publish(msg.policy_id, msg.weights)
             else:
@@ -142,12 +146,13 @@ class RolloutCore:
         take: list[tuple[int, Pinned]] = []
         if self.continuous or live == 0:
             rows = live
-            while self._waiting and (
-                rows == 0 or rows + self._waiting[0][1].req.num_samples <= self.max_rows
-            ):
-                rid, pinned = self._waiting.popleft()
-                take.append((rid, pinned))
-                rows += pinned.req.num_samples
+            with self._lock:
+                while self._waiting and (
+                    rows == 0 or rows + self._waiting[0][1].req.num_samples <= self.max_rows
+                ):
+                    rid, pinned = self._waiting.popleft()
+                    take.append((rid, pinned))
+                    rows += pinned.req.num_samples
         finished = dec.admit(take) if take else []
         stats.admitted += len(take)
         if live:
@@ -157,6 +162,25 @@ class RolloutCore:
             finished += dec.step()
             stats.steps = dec.steps
         return [_done(rid, res) for rid, res in finished]
+
+    def is_waiting(self, rid: int) -> bool:
+        """Whether request ``rid`` waits for room in the batch (a tick ran without it)."""
+        with self._lock:
+            return any(r == rid for r, _ in self._waiting)
+
+    def cancel(self, rid: int) -> bool:
+        """Drop request ``rid`` if it still waits (True); an admitted one runs on (False)."""
+        with self._lock:
+            for item in self._waiting:
+                if item[0] == rid:
+                    self._waiting.remove(item)
+                    return True
+        return False
+
+
+class SampleCancelled(RuntimeError):
+    """A sample request was cancelled before it was admitted; it was never decoded. Whoever
+    cancels it answers its caller (the server fails the request's own future first)."""
 
 
 def _done(rid: int, res: SampleResult | Exception) -> Done:
@@ -184,6 +208,7 @@ class RolloutLoop:
         self._futures: dict[int, Future] = {}
         self._ids = itertools.count(1)
         self._received = 0
+        self._local = threading.local()  # the id of this thread's last request (last_request)
         self._cv = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -209,7 +234,34 @@ class RolloutLoop:
             self._inbox.append(Sample(rid, req, pinned))
             self._received += 1
             self._cv.notify()
+        self._local.rid = rid
         return fut
+
+    def last_request(self) -> int:
+        """The id of the last request this thread submitted (0: none)."""
+        return int(getattr(self._local, "rid", 0))
+
+    def state(self, rid: int) -> str:
+        """``queued`` (not yet taken by the loop), ``held_back`` (waiting for room in the running
+        batch: the sampler is at capacity) or ``taken`` (admitted, finished, or unknown)."""
+        with self._cv:
+            if any(isinstance(m, Sample) and m.rid == rid for m in self._inbox):
+                return "queued"
+        return "held_back" if self.core.is_waiting(rid) else "taken"
+
+    def cancel(self, rid: int) -> bool:
+        """Drop request ``rid`` before it is admitted: its future fails and it is never decoded
+        (True). An admitted or finished request is left alone (False)."""
+        with self._cv:
+            queued = next((m for m in self._inbox if isinstance(m, Sample) and m.rid == rid), None)
+            if queued is not None:
+                self._inbox.remove(queued)
+            elif not self.core.cancel(rid):
+                return False
+            fut = self._futures.pop(rid, None)
+        if fut is not None:
+            fut.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
+        return True
 
     def send(self, msg: Publish | Retire) -> None:
         """Queue a publish or retire, run on the loop's thread in order with the requests."""

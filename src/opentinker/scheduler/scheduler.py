@@ -58,7 +58,7 @@ from typing import Any, Literal
 
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.sampling import RolloutBackend, SampleRequest
-from opentinker.sampling.rollout import RolloutLoop
+from opentinker.sampling.rollout import RolloutLoop, SampleCancelled
 
 OpKind = Literal["forward", "optim", "call"]
 
@@ -144,10 +144,16 @@ class Scheduler:
         return fut
 
     def last_sample_ticket(self) -> int:
-        """The ticket of the last sample request this thread submitted (0: none)."""
+        """The ticket of the last sample request this thread submitted (0: none). With a rollout
+        loop, tickets are the loop's request ids (same meaning: queued, held back, taken)."""
+        if self.rollout is not None:
+            return self.rollout.last_request()
         return int(getattr(self._local, "ticket", 0))
 
     def sample_state(self, ticket: int) -> Literal["queued", "held_back", "taken"]:
+        if self.rollout is not None:
+            state = self.rollout.state(ticket)
+            return "queued" if state == "queued" else "held_back" if state == "held_back" else "taken"
         with self._cv:
             if ticket <= self._taken_upto:
                 return "taken"
@@ -155,6 +161,8 @@ class Scheduler:
 
     def cancel_sample(self, ticket: int) -> bool:
         """Drop a sample request that no tick has taken yet (True), else False."""
+        if self.rollout is not None:
+            return self.rollout.cancel(ticket)
         with self._cv:
             if not self._taken_upto < ticket <= self._tickets or ticket in self._cancelled:
                 return False
@@ -327,10 +335,6 @@ class Scheduler:
             fut.set_exception(err)
         self._queues.clear()
         self._samples.clear()
-
-
-class SampleCancelled(RuntimeError):
-    """A queued sample request was cancelled before a tick took it."""
 
 
 def _client(key: str | None) -> str:

@@ -32,6 +32,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from opentinker.sampling import SampleCancelled
 from opentinker.server.errors import TooManyPending, UserError
 
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
@@ -174,6 +175,8 @@ def chain(src: Future, out: Future, encode: Callable[[Any], Any]) -> None:
     def done(f: Future) -> None:
         try:
             value = encode(f.result())
+        except SampleCancelled:
+            return  # cancelled by the client: the canceller answers ``out`` (FutureStore.cancel)
         except BaseException as e:
             fail(out, e)
             return
