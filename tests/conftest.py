@@ -10,7 +10,9 @@ and the P1-P3 benchmarks in one go). TF32 is turned off there: the tolerances of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 
 from opentinker.engine import Engine, Example
 from opentinker.models import BaseModel, load_base_model
+from opentinker.server.local import LocalServer
 
 TEST_MODEL = os.environ.get("OPENTINKER_TEST_MODEL", "opentinker/tiny")
 TEST_DEVICE = os.environ.get("OPENTINKER_TEST_DEVICE", "cpu")
@@ -105,3 +108,30 @@ class SlowSampler:
     async def sample(self, **kw: Any) -> Any:
         await asyncio.sleep(self.delay)
         return await self.inner.sample_async(**kw)
+
+
+SDK_ENV = ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_PROJECT_ID", "TINKER_CREDENTIAL_CMD")
+
+
+@contextlib.contextmanager
+def local_server(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    *args: str,
+    dev: bool = True,
+    base_model: str = TEST_MODEL,
+    threads: int | None = None,
+) -> Iterator[LocalServer]:
+    """A started ``opentinker serve`` child on a free port with ``base_model`` (the tiny model unless told; ``--dev`` unless told
+    otherwise), over a fresh data dir named ``name``; stopped on exit. The SDK's environment
+    variables are cleared (so a developer's own settings never leak into a test) and its telemetry is
+    off; ``threads`` sets the child's ``OMP_NUM_THREADS``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINKER_TELEMETRY", "0")
+        for var in SDK_ENV:
+            mp.delenv(var, raising=False)
+        if threads is not None:
+            mp.setenv("OMP_NUM_THREADS", str(threads))
+        argv = [*(["--dev"] if dev else []), "--base-model", base_model, *args]
+        with LocalServer(argv, data_dir=tmp_path_factory.mktemp(name)) as srv:
+            yield srv

@@ -30,7 +30,7 @@ from tinker.lib.public_interfaces.api_future import APIFuture
 
 from opentinker.server.console import local_console_url
 from opentinker.server.local import LocalServer
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 
 KEY = "tml-admin-surface-tenant-a"
 OTHER = "tml-admin-surface-tenant-b"
@@ -40,19 +40,8 @@ PROMPT = [5, 17, 3, 99, 42, 7]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_PROJECT_ID"):
-            mp.delenv(var, raising=False)
-        srv = LocalServer(
-            ["--dev", "--base-model", TEST_MODEL, "--poll-timeout", "5"],
-            data_dir=tmp_path_factory.mktemp("admin-data"),
-        )
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with local_server(tmp_path_factory, "admin-data", "--poll-timeout", "5") as srv:
+        yield srv
 
 
 def _datum(toks: list[int]) -> types.Datum:

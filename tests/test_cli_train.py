@@ -14,7 +14,7 @@ import pytest
 from opentinker.cli.main import main
 from opentinker.server.local import LocalServer
 from opentinker.tracking import read_metrics
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 
 FAST = ["--base-model", TEST_MODEL, "--extra", "eval_problems=10", "--no-progress"]
 
@@ -177,15 +177,8 @@ def test_sft_user_data_and_bad_lines(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        mp.setenv("OMP_NUM_THREADS", "1")
-        srv = LocalServer(["--dev", "--base-model", TEST_MODEL], data_dir=tmp_path_factory.mktemp("srv"))
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with local_server(tmp_path_factory, "srv", threads=1) as srv:
+        yield srv
 
 
 def test_rl_against_a_server(tmp_path: Path, server: LocalServer, monkeypatch: pytest.MonkeyPatch) -> None:

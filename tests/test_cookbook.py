@@ -37,7 +37,7 @@ import tinker
 
 from opentinker.models.registry import resolve_model_path
 from opentinker.server.local import LocalServer
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import LOGPROB_ATOL
 
 math_rl = pytest.importorskip(
@@ -58,16 +58,8 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        mp.setenv("OMP_NUM_THREADS", "1")  # the child's torch: no spin-waiting threads on a shared 2-core box
-        mp.delenv("TINKER_BASE_URL", raising=False)
-        srv = LocalServer(["--dev", "--base-model", model_dir], data_dir=tmp_path_factory.mktemp("srv"))
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with local_server(tmp_path_factory, "srv", base_model=model_dir, threads=1) as srv:
+        yield srv
 
 
 def _run_recipe(server: LocalServer, model_dir: str, renderer: str, log_path: Path) -> None:

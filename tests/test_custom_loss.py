@@ -34,7 +34,7 @@ from opentinker.engine import Engine, Example, ForwardRequest
 from opentinker.engine.custom_loss import MAX_ELEMENTS, CustomLossError, compile_loss
 from opentinker.lora import LoRAConfig
 from opentinker.server.local import LocalServer
-from tests.conftest import TEST_MODEL, make_examples
+from tests.conftest import TEST_MODEL, local_server, make_examples
 from tests.tolerances import assert_logprobs_close, assert_rel_close, assert_scalar_close
 
 DEV_KEY = "tml-custom-loss-dev-key-0001"
@@ -290,13 +290,8 @@ def _literal(text: str) -> str:
 # ---------------------------------------------------------------------------- the SDK
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL"):
-            mp.delenv(var, raising=False)
-        args = ["--dev", "--base-model", TEST_MODEL, "--poll-timeout", "5"]
-        with LocalServer(args, data_dir=tmp_path_factory.mktemp("custom-loss-data")) as srv:
-            yield srv
+    with local_server(tmp_path_factory, "custom-loss-data", "--poll-timeout", "5") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ from opentinker.server.local import LocalServer
 from opentinker.server.ordering import MAX_AHEAD, Sequencer
 from opentinker.server.store import Store
 from opentinker.server.wire import decompress
-from tests.conftest import TEST_MODEL, make_examples
+from tests.conftest import TEST_MODEL, local_server, make_examples
 
 DEV_KEY = "tml-hardening-dev-key"
 GAP_TIMEOUT_S = 1.0
@@ -329,18 +329,10 @@ def test_leftovers_of_interrupted_writes_are_cleaned(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- through the server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL"):
-            mp.delenv(var, raising=False)
-        args = ["--dev", "--base-model", TEST_MODEL, "--poll-timeout", "5"]
-        args += ["--gap-timeout", str(GAP_TIMEOUT_S)]
-        srv = LocalServer(args, data_dir=tmp_path_factory.mktemp("hardening-data"))
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with local_server(
+        tmp_path_factory, "hardening-data", "--poll-timeout", "5", "--gap-timeout", str(GAP_TIMEOUT_S)
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

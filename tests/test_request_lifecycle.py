@@ -37,7 +37,7 @@ from opentinker.server.futures import FutureStore
 from opentinker.server.local import LocalServer
 from opentinker.server.ordering import GapTimeout, Sequencer
 from opentinker.server.refusals import refused_seq, sdk_gives_up
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 
 GAP_S = 2.0
 KEY_A = "tml-lifecycle-tenant-a"
@@ -213,18 +213,9 @@ def test_sample_tickets_say_held_back_and_cancel_before_a_tick(engine: Engine) -
 # ---------------------------------------------------------------------------- through the server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL"):
-            mp.delenv(var, raising=False)
-        args = ["--dev", "--base-model", TEST_MODEL, "--gap-timeout", str(GAP_S), "--poll-timeout", "0.3"]
-        args += ["--max-running", "2", "--batch-polling"]
-        srv = LocalServer(args, data_dir=tmp_path_factory.mktemp("lifecycle-data"))
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    args = ["--gap-timeout", str(GAP_S), "--poll-timeout", "0.3", "--max-running", "2", "--batch-polling"]
+    with local_server(tmp_path_factory, "lifecycle-data", *args) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

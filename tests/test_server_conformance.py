@@ -24,7 +24,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from opentinker.server.auth import keys_main
 from opentinker.server.local import LocalServer
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import assert_logprobs_close, assert_scalar_close
 
 MAX_BODY = 4 << 20
@@ -35,18 +35,10 @@ LOSSES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL"):
-            mp.delenv(var, raising=False)
-        args = ["--dev", "--base-model", TEST_MODEL, "--max-body-bytes", str(MAX_BODY)]
-        args += ["--max-pending", str(MAX_PENDING), "--poll-timeout", "5", "--gap-timeout", "4"]
-        srv = LocalServer(args, data_dir=tmp_path_factory.mktemp("server-data"))
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    args = ["--max-body-bytes", str(MAX_BODY), "--max-pending", str(MAX_PENDING)]
+    args += ["--poll-timeout", "5", "--gap-timeout", "4"]
+    with local_server(tmp_path_factory, "server-data", *args) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import tinker
 from tinker import types
 
 from opentinker.server.local import LocalServer
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 from tests.test_server_conformance import DEV_KEY, _datum
 from tests.tolerances import TRAJECTORY_REL, assert_scalar_close
 
@@ -45,16 +45,8 @@ def _server_env(mp_: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as m:
-        _server_env(m)
-        srv = LocalServer(
-            ["--dev", "--base-model", TEST_MODEL], data_dir=tmp_path_factory.mktemp("load-data")
-        )
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with local_server(tmp_path_factory, "load-data") as srv:
+        yield srv
 
 
 def _step_data(client: int, step: int) -> list[types.Datum]:

@@ -27,7 +27,7 @@ import tinker
 from tinker import types
 
 from opentinker.server.local import LocalServer
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import assert_logprobs_close, assert_scalar_close
 
 KEY_A = "tml-sessions-tenant-a"
@@ -49,7 +49,7 @@ def _env() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with LocalServer(["--dev", "--base-model", TEST_MODEL], data_dir=tmp_path_factory.mktemp("sess")) as srv:
+    with local_server(tmp_path_factory, "sess") as srv:
         yield srv
 
 

@@ -24,7 +24,7 @@ from tinker import types
 from opentinker.server.errors import UserError
 from opentinker.server.local import LocalServer
 from opentinker.server.stability import StabilityRecords
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import assert_scalar_close
 
 DEV_KEY = "tml-stable-reinforce-dev-key-1"
@@ -35,13 +35,8 @@ PARAMS = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=[])
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL"):
-            mp.delenv(var, raising=False)
-        args = ["--dev", "--base-model", TEST_MODEL, "--poll-timeout", "5"]
-        with LocalServer(args, data_dir=tmp_path_factory.mktemp("stable-data")) as srv:
-            yield srv
+    with local_server(tmp_path_factory, "stable-data", "--poll-timeout", "5") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

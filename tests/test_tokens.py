@@ -25,7 +25,7 @@ from opentinker.server.auth import Authenticator, InvalidToken, create_key, hash
 from opentinker.server.local import LocalServer
 from opentinker.server.store import Store
 from opentinker.server.tokens import SECRET_FILE, TokenError, TokenSigner, load_secret
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 
 
 def _retamper(token: str, **claims: object) -> str:
@@ -83,17 +83,8 @@ def test_authenticator_takes_keys_and_tokens_and_revocation_is_immediate(tmp_pat
 # ---------------------------------------------------------------------------- one server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_CREDENTIAL_CMD"):
-            mp.delenv(var, raising=False)
-        srv = LocalServer(["--base-model", TEST_MODEL], data_dir=tmp_path_factory.mktemp("tokens"))
-        srv.data_dir.mkdir(parents=True, exist_ok=True)
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with local_server(tmp_path_factory, "tokens", dev=False) as srv:
+        yield srv
 
 
 def _key(server: LocalServer, tenant: str) -> str:

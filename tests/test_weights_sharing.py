@@ -36,7 +36,7 @@ from opentinker.server.errors import UserError
 from opentinker.server.local import LocalServer
 from opentinker.server.signing import SECRET_FILE, UrlSigner, load_secret
 from opentinker.server.store import Store
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import assert_logprobs_close
 
 KEY_A, KEY_B = "tml-weights-tenant-a", "tml-weights-tenant-b"
@@ -115,25 +115,10 @@ def test_reconcile_indexes_external_weights_and_forgets_deleted_ones(tmp_path: P
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TINKER_TELEMETRY", "0")
-        for var in ("TINKER_API_KEY", "TINKER_BASE_URL"):
-            mp.delenv(var, raising=False)
-        args = [
-            "--dev",
-            "--base-model",
-            TEST_MODEL,
-            "--poll-timeout",
-            "5",
-            "--checkpoint-sweep",
-            str(SWEEP_S),
-        ]
-        srv = LocalServer(args, data_dir=tmp_path_factory.mktemp("weights-data"))
-        srv.start()
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with local_server(
+        tmp_path_factory, "weights-data", "--poll-timeout", "5", "--checkpoint-sweep", str(SWEEP_S)
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
