@@ -321,3 +321,32 @@ def test_ephemeral_snapshots_are_released_with_their_sampling_client(runtime: Ru
     tc.get_info()  # a later op of the same model runs after the queued releases
     tc.forward_backward(_sft_data(tc.get_tokenizer(), 0, n=1)).result()
     assert engine.snapshot_ids()[before:] == [kept]
+
+
+def test_a_sampler_for_an_overwritten_checkpoint_serves_the_new_weights(runtime: Runtime) -> None:
+    """``save_weights_for_sampler`` under one name twice: a sampling client made from the path
+    after the second save serves the second weights; one made before keeps the first (pinned)."""
+    service = opentinker.ServiceClient(runtime=runtime)
+    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=8, seed=0).result()
+    data = _sft_data(tc.get_tokenizer(), 0)
+    prompt = data[0].model_input.append_int(7)
+
+    def step() -> None:
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+    def logprobs(sampler) -> list[float | None]:
+        return sampler.compute_logprobs(prompt).result()
+
+    step()
+    path = tc.save_weights_for_sampler("policy").result().path
+    first = service.create_sampling_client(model_path=path)
+    assert first.model_path == path
+    before = logprobs(first)
+    step()
+    assert tc.save_weights_for_sampler("policy").result().path == path
+    second = service.create_sampling_client(model_path=path)
+    live = logprobs(tc.save_weights_and_get_sampling_client())
+    assert logprobs(second) == pytest.approx(live, abs=1e-5)
+    assert logprobs(second) != pytest.approx(before, abs=1e-3)  # the step moved these logprobs
+    assert logprobs(first) == before  # the earlier client stays on the weights it was made for

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
+import json
 import os
 import threading
 import uuid
@@ -81,6 +83,12 @@ class PolicyVersion(NamedTuple):
 def checkpoint_owner(meta: dict[str, Any]) -> str:
     """The tenant a checkpoint's manifest metadata names (checkpoints that name none are local)."""
     return str(meta.get("tenant", LOCAL_TENANT))
+
+
+def _content_id(folder: Path) -> str:
+    """A short id of a checkpoint's content: the digest of its manifest's file checksums."""
+    files = read_manifest(folder)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def default_data_dir() -> Path:
@@ -286,9 +294,12 @@ class Runtime:
         folder = self.store.folder(ref)
 
         def load(eng: Engine) -> PolicyVersion:
-            if ref.tinker_path not in eng.snapshot_ids():
-                eng.load_snapshot(folder, ref.tinker_path)
-            return PolicyVersion(eng.base.name, ref.tinker_path)
+            # keyed by content as well as path: a checkpoint saved again under the same name
+            # (overwrite) is a new policy version, while samplers made earlier keep the old one
+            policy = f"{ref.tinker_path}@{_content_id(folder)}"
+            if policy not in eng.snapshot_ids():
+                eng.load_snapshot(folder, policy)
+            return PolicyVersion(eng.base.name, policy)
 
         return backend.scheduler.submit_call(ref.model_id, load)
 

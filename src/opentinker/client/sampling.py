@@ -31,7 +31,7 @@ class SamplingClient(ReadyClient):
         """Serve ``tenant``'s saved checkpoint (weights or sampler_weights) as an immutable policy
         version (blocking: it may load weights)."""
         version = runtime.load_checkpoint_policy(model_path, tenant).result()
-        return cls(runtime, version.base_model, version.policy, model_path=version.policy)
+        return cls(runtime, version.base_model, version.policy, model_path=model_path)
 
     def sample(
         self,
