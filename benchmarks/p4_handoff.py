@@ -6,6 +6,13 @@ token, and compare it with (a) one decode step of a batch (target: the handoff's
 more than one decode step) and (b) what a stack without shared-base LoRA handoff must do: reload
 full model weights from disk, then sample the first token (target ≥ 10× slower than ours).
 Interleaved repeats, medians. Last line ``P4 <snapshot copy time ÷ one batch decode step>``.
+
+``--worker``: the same handoff to a rollout worker process (opentinker/rollout): the snapshot's
+LoRA tensors serialized as safetensors bytes, sent down the worker's pipe, decoded and registered
+there (until the worker acknowledges it), and snapshot → first token sampled in the worker; against
+a full-weights reload in a worker (what a worker does at start-up: load the base model's weights
+and build its engine, timed inside the worker; one per worker started). Last line
+``P4worker <full reload in the worker ÷ handoff to the worker>`` (target ≥ 10).
 """
 
 from __future__ import annotations
@@ -29,7 +36,12 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--worker", action="store_true", help="hand snapshots to a rollout worker process")
+    ap.add_argument("--reloads", type=int, default=3, help="--worker: workers started (full reloads)")
     args = ap.parse_args()
+    if args.worker:
+        worker_mode(args)
+        return
     torch.manual_seed(0)
     base = load_base_model(args.model)
     engine = Engine(base)
@@ -93,6 +105,50 @@ def main() -> None:
     print(f"  reload full weights -> first token:    {r * 1e3:8.2f} ms")
     print(f"P4reload {r / f:.1f}")
     print(f"P4 {c / s:.3f}")
+
+
+def worker_mode(args: argparse.Namespace) -> None:
+    from opentinker.rollout.pool import WorkerPool
+
+    torch.manual_seed(0)
+    engine = Engine(load_base_model(args.model))
+    pin = NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0).decoder(snapshots_only=True).pin
+    pool = WorkerPool(engine, pin, 1, base_model=args.model, prefix_cache_bytes=0)
+    try:
+        aid = engine.create_adapter(LoRAConfig(rank=args.rank, seed=0))
+        g = torch.Generator().manual_seed(0)
+        seq = torch.randint(3, engine.vocab_size, (65,), generator=g)
+        engine.forward_backward(ForwardRequest(aid, [Example(seq[:-1], {"target_tokens": seq[1:]})]))
+        engine.optim_step(aid, AdamParams(learning_rate=1e-3))
+        prompt = seq[:16].tolist()
+        one = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+        pool.submit(SampleRequest(None, prompt, one)).result()  # warm
+        handoffs, firsts = [], []
+        for _ in range(args.repeats):
+            snap = engine.snapshot(aid).snapshot_id
+            handoffs.append(pool.publish(snap))  # bytes out, decoded and registered, acknowledged
+            engine.release_snapshot(snap)
+            snap = engine.snapshot(aid).snapshot_id
+            t = time.perf_counter()
+            pool.submit(SampleRequest(snap, prompt, one)).result()  # handoff on first use + sample
+            firsts.append(time.perf_counter() - t)
+            engine.release_snapshot(snap)
+        reloads = [r.load_s for r in pool.ready]
+        for _ in range(max(args.reloads - 1, 0)):
+            pool.add_worker()
+        reloads = [r.load_s for r in pool.ready] + [
+            s.handle.ready.load_s for s in pool._slots[1:] if s.handle is not None and s.handle.ready
+        ]
+    finally:
+        pool.shutdown()
+    h, f, r = statistics.median(handoffs), statistics.median(firsts), statistics.median(reloads)
+    nbytes = engine.adapter_weights(aid).nbytes()
+    print(f"model {args.model}, adapter rank {args.rank} ({nbytes / 1e6:.2f} MB of LoRA weights)")
+    print(f"  handoff to a worker (bytes, acknowledged):   {h * 1e3:8.2f} ms  (median of {len(handoffs)})")
+    print(f"  snapshot -> first token in the worker:       {f * 1e3:8.2f} ms")
+    print(f"  full-weights reload in a worker:             {r * 1e3:8.2f} ms  (median of {len(reloads)})")
+    print(f"P4worker {r / h:.1f}")
+    print(f"P4worker_first_token {r / f:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Import layering of ``src/opentinker``: lower layers never import upper ones, and no import cycles.
 
 The layers (DESIGN.md §2), bottom-up: ``models`` → ``lora`` → ``engine`` → ``sampling`` →
-``scheduler`` (the core: pure compute and state) → ``client`` (the embedded, SDK-shaped clients and
+``rollout`` (rollout worker processes and the pool serving from them: the sampler as a service,
+beside the backends it runs) → ``scheduler`` (the core: pure compute and state) → ``client`` (the embedded, SDK-shaped clients and
 the ``Runtime`` that owns model lifecycle and tenancy) → ``server``. The library (``data``,
 ``renderers``, ``tracking`` → ``rl``, ``sft`` → ``tasks``) uses only the client API; ``cli`` sits
 on top of everything. :data:`ALLOWED` is that table. Every ``import`` is read from the source with
@@ -34,7 +35,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "opentinker"
 
-CORE = ("models", "lora", "engine", "sampling", "scheduler")
+CORE = ("models", "lora", "engine", "sampling", "rollout", "scheduler")
 LIBRARY_BASE = ("data", "renderers", "tracking")
 CLIENT_API = ("opentinker", "client")  # the package root re-exports the client names (lazily)
 
@@ -45,6 +46,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "lora": frozenset({"models"}),
     "engine": frozenset({"models", "lora"}),
     "sampling": frozenset({"models", "lora", "engine"}),
+    "rollout": frozenset({"models", "lora", "engine", "sampling"}),
     "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
     "client": frozenset(CORE),
     "opentinker": frozenset({"client"}),

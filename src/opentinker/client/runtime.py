@@ -36,9 +36,10 @@ from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
+from opentinker.rollout.pool import WorkerPool
 from opentinker.sampling import NativeBackend
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
-from opentinker.sampling.rollout import RolloutCore, RolloutLoop
+from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.scheduler import Scheduler
 
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -105,9 +106,19 @@ class Runtime:
         device: str = "cpu",
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         sample_in_ticks: bool = False,
+        rollout_workers: int = 0,
+        rollout_backend: str = "native",
     ) -> None:
         """``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
-        a time (the serialized reference), instead of on its own rollout loop (the default)."""
+        a time (the serialized reference), instead of on its own rollout loop (the default).
+        ``rollout_workers``: serve sampling from that many worker processes per base model, each
+        with its own copy of the base model (:mod:`opentinker.rollout.pool`); 0 (the default)
+        keeps the rollout loop on a thread of this process. ``rollout_backend``: what the workers
+        run (``native``)."""
+        if not isinstance(rollout_workers, int) or rollout_workers < 0:
+            raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
+        if rollout_workers and sample_in_ticks:
+            raise ValueError("rollout_workers and sample_in_ticks exclude each other")
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
@@ -118,6 +129,8 @@ class Runtime:
         self.device = device
         self.prefix_cache_bytes = prefix_cache_bytes  # per base model's sampler
         self.sample_in_ticks = sample_in_ticks
+        self.rollout_workers = rollout_workers
+        self.rollout_backend = rollout_backend
         self.models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
@@ -134,8 +147,21 @@ class Runtime:
                     load_base_model(name, device=self.device), max_rank=self.max_rank, device=self.device
                 )
                 sampler = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
-                rollout = None
-                if not self.sample_in_ticks:  # sampling on its own thread, continuous batching
+                rollout: RolloutService | None = None
+                if self.rollout_workers:  # sampling in worker processes, snapshots sent as bytes
+                    rollout = WorkerPool(
+                        engine,
+                        NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0)
+                        .decoder(snapshots_only=True)
+                        .pin,
+                        self.rollout_workers,
+                        base_model=name,
+                        backend=self.rollout_backend,
+                        device=self.device,
+                        max_rank=self.max_rank,
+                        prefix_cache_bytes=self.prefix_cache_bytes,
+                    )
+                elif not self.sample_in_ticks:  # sampling on its own thread, continuous batching
                     rollout = RolloutLoop(RolloutCore(sampler.decoder(snapshots_only=True), sampler))
                 b = Backend(engine, sampler, Scheduler(engine, sampler, rollout=rollout))
                 self._backends[name] = b

@@ -47,6 +47,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
@@ -185,6 +186,17 @@ class SampleCancelled(RuntimeError):
 
 def _done(rid: int, res: SampleResult | Exception) -> Done:
     return Done(rid, error=res) if isinstance(res, Exception) else Done(rid, result=res)
+
+
+class RolloutService(Protocol):
+    """What the scheduler hands samples to: :class:`RolloutLoop` (a thread in this process) or a
+    pool of worker processes (:mod:`opentinker.rollout.pool`)."""
+
+    def submit(self, req: SampleRequest) -> Future: ...
+    def last_request(self) -> int: ...
+    def state(self, rid: int) -> str: ...
+    def cancel(self, rid: int) -> bool: ...
+    def shutdown(self) -> None: ...
 
 
 class RolloutLoop:

@@ -13,9 +13,10 @@ A model's operations run strictly in submission order. One **tick** is:
    serialized reference): all waiting sample requests (up to ``max_sample_rows`` sequences, oldest
    first) decode as one mixed-policy batch.
 
-**Sampling runs elsewhere.** Given a :class:`~opentinker.sampling.rollout.RolloutLoop` (what the
-``Runtime`` does), ``submit_sample`` hands the request to that loop, which serves it on its own
-thread with continuous batching, overlapped with the ticks: this scheduler then only decides when
+**Sampling runs elsewhere.** Given a :class:`~opentinker.sampling.rollout.RolloutService` (what
+the ``Runtime`` does: a :class:`~opentinker.sampling.rollout.RolloutLoop` on its own thread, or a
+pool of rollout worker processes), ``submit_sample`` hands the request to it, which serves it with
+continuous batching, overlapped with the ticks: this scheduler then only decides when
 training runs. A client whose request is sampling is not waited for by the batching window.
 
 **Fairness.** Each model gets at most one forward/backward request and one optimizer step per
@@ -58,7 +59,7 @@ from typing import Any, Literal
 
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.sampling import RolloutBackend, SampleRequest
-from opentinker.sampling.rollout import RolloutLoop, SampleCancelled
+from opentinker.sampling.rollout import RolloutService, SampleCancelled
 
 OpKind = Literal["forward", "optim", "call"]
 
@@ -86,7 +87,7 @@ class Scheduler:
         engine: Engine,
         sampler: RolloutBackend,
         *,
-        rollout: RolloutLoop | None = None,
+        rollout: RolloutService | None = None,
         max_sample_rows: int = 256,
         gather_s: float = 0.002,
         max_gather_s: float = 0.02,

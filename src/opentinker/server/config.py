@@ -40,6 +40,8 @@ class ServerConfig:
     checkpoint_sweep_s: float = 60.0
     # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
     prefix_cache_bytes: int = 512 << 20
+    # sampling served by this many worker processes per base model (0: a thread of this process)
+    rollout_workers: int = 0
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
     # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
     token_ttl_s: float = 900.0

@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "than per request; a sample in flight at a server crash then waits for the SDK's "
         "stuck-detection instead of failing at once",
     )
+    p.add_argument(
+        "--rollout-workers",
+        type=_non_negative,
+        default=0,
+        help="serve sampling from this many worker processes per base model, each with its own "
+        "copy of the base model (0 = on a thread of the server process)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -138,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         gap_timeout_s=args.gap_timeout,
         batch_polling=args.batch_polling,
         prefix_cache_bytes=args.prefix_cache_mb << 20,
+        rollout_workers=args.rollout_workers,
         token_ttl_s=args.token_ttl,
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,

@@ -1,0 +1,11 @@
+"""The rollout service out of process: worker processes, each with its own copy of the base model,
+serving published snapshots that reach them as bytes (:mod:`~opentinker.rollout.wire`).
+
+- :mod:`~opentinker.rollout.worker`: :class:`WorkerCore`, transport-agnostic: it takes messages
+  and returns replies around the same continuous-batching core as the in-process loop;
+- :mod:`~opentinker.rollout.process`: one worker as a spawned process behind a pipe;
+- :mod:`~opentinker.rollout.pool`: :class:`WorkerPool`, the service the scheduler hands samples
+  to: snapshot handoff, least-outstanding-rows and prefix-aware routing, restarts.
+
+Nothing here is imported by the package root: a worker process imports only what it runs.
+"""

@@ -1,0 +1,577 @@
+"""The rollout worker pool: sampling served by N worker processes, each with its own base model.
+
+:class:`WorkerPool` has the in-process :class:`~opentinker.sampling.rollout.RolloutLoop`'s face
+(``submit`` → ``Future``, tickets, ``state``, ``cancel``, ``shutdown``), so the scheduler hands
+it samples the same way. One dispatcher thread owns every worker's pipe.
+
+**Pinning** happens here, on the submitter's thread, exactly as in process: the request is
+validated and its policy resolved to the engine's snapshot weights (unknown, retired or live
+adapters get the in-process errors at once, and never reach a worker). The request then holds
+those weights until it is answered, whatever is published or retired meanwhile.
+
+**Snapshot handoff.** A worker gets a snapshot's LoRA tensors (safetensors bytes,
+:mod:`~opentinker.rollout.wire`) the first time a request routed to it needs them: once per
+worker per version, sent on the same pipe ahead of the request, so the worker registers them
+before it reads the request. A worker that joins late or restarts holds nothing and receives what
+its requests need. When the engine no longer serves a version (released, or its id reused for
+other weights) and no request holds it, the pool sends ``Retire`` to every worker holding it.
+
+**Routing.** A request goes to the worker holding its prefix (a sequence it finished under the
+same policy, which the next turn of a conversation extends) when that worker has room; otherwise
+to the ready worker with the fewest outstanding rows. A request that finds no room waits in the
+pool (``held_back``) until rows free up.
+
+**Faults.** A worker whose process ends (``kill -9``) or whose pipe breaks: its in-flight
+requests go back to the front of the queue and run on another worker (or on it again once it is
+back); a reply is accepted only from the worker a request is assigned to, so every future
+resolves exactly once. The dead worker is restarted (its start-up handshake on a thread of its
+own; the others keep serving). If no worker is left and none can start, the waiting requests
+fail with the cause.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Literal
+
+from opentinker.engine import Engine
+from opentinker.lora import LoRAWeights
+from opentinker.rollout.process import ProcessWorker, WorkerDied, WorkerStartError
+from opentinker.rollout.wire import Done, Failed, Publish, Published, Ready, Retire, Sample, to_bytes
+from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned
+from opentinker.sampling.rollout import SampleCancelled
+from opentinker.sampling.types import SampleRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PREFIXES_PER_POLICY = 256  # finished sequences remembered per policy for prefix-aware routing
+RESTART_ATTEMPTS = 3
+SWEEP_S = 0.5  # how often versions the engine no longer serves are retired from the workers
+
+
+@dataclass
+class _Req:
+    rid: int
+    pinned: Pinned
+    future: Future
+    wire: str | None  # the policy's wire id (None: the bare base model)
+    worker: int | None = None  # the worker it is assigned to
+
+    @property
+    def rows(self) -> int:
+        return self.pinned.req.num_samples
+
+
+@dataclass
+class _Slot:
+    index: int
+    handle: ProcessWorker | None = None
+    state: Literal["starting", "ready", "dead", "failed"] = "starting"
+    published: set[str] = field(default_factory=set)  # wire ids sent to this process
+    acked: set[str] = field(default_factory=set)  # ... and acknowledged whole
+    inflight: dict[int, _Req] = field(default_factory=dict)
+    served: int = 0  # requests it answered
+    restarts: int = 0
+    error: str = ""
+
+    @property
+    def rows(self) -> int:
+        return sum(r.rows for r in self.inflight.values())
+
+
+@dataclass
+class PoolStats:
+    served: list[int]  # requests answered, per worker
+    restarts: list[int]  # restarts, per worker
+    rerun: int  # requests re-run after their worker died
+    published: int  # snapshot handoffs sent (a version to one worker)
+    retired: int  # retires sent
+    prefix_routed: int  # requests sent to the worker holding their prefix
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        engine: Engine,
+        pin: Callable[[SampleRequest], Pinned],
+        workers: int,
+        *,
+        base_model: str,
+        backend: str = "native",
+        device: str = "cpu",
+        max_rank: int = 128,
+        prefix_cache_bytes: int = 512 << 20,
+        max_rows: int = 256,
+        threads: int | None = None,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        """Start ``workers`` processes and wait for each one's handshake; a worker that cannot
+        start raises :class:`~opentinker.rollout.process.WorkerStartError` (the others are
+        stopped). ``pin`` validates a request and resolves its weights (the in-process rules)."""
+        if workers < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {workers}")
+        self.engine = engine
+        self.pin = pin
+        self.max_rows = max_rows
+        self.startup_timeout = startup_timeout
+        self.options: dict[str, Any] = dict(
+            base_model=base_model,
+            backend=backend,
+            device=device,
+            max_rank=max_rank,
+            prefix_cache_bytes=prefix_cache_bytes,
+            max_rows=max_rows,
+        )
+        if threads:
+            self.options["threads"] = threads
+        self.prefix_routing = prefix_cache_bytes > 0
+        self._lock = threading.RLock()
+        self._slots: list[_Slot] = []
+        self._inbox: deque[_Req] = deque()
+        self._pending: deque[_Req] = deque()  # waiting for room on a worker
+        self._publishing: list[tuple[str, Pinned]] = []  # handoffs ahead of use (publish)
+        self._reqs: dict[int, _Req] = {}  # every unanswered request
+        self._ids = itertools.count(1)
+        self._local = threading.local()
+        self._wire: dict[int, tuple[str, str | None, LoRAWeights]] = {}  # weights uid -> wire, policy, w
+        self._bytes: dict[str, tuple[dict, bytes]] = {}  # wire id -> its handoff payload
+        self._prefixes: dict[str | None, OrderedDict[tuple[int, ...], int]] = {}
+        self._rerun = self._published = self._retired = self._prefix_routed = 0
+        self._last_sweep = 0.0
+        self._stopped = False
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self.ready: list[Ready] = []
+        handles = [
+            ProcessWorker(i, dict(self.options), startup_timeout=startup_timeout) for i in range(workers)
+        ]
+        try:
+            self.ready = _start_all(handles)
+        except WorkerStartError:
+            for h in handles:
+                h.kill()
+            raise
+        self._slots = [_Slot(i, h, "ready") for i, h in enumerate(handles)]
+        self._thread = threading.Thread(target=self._loop, name="opentinker-rollout-pool", daemon=True)
+        self._thread.start()
+        atexit.register(_stop_at_exit, weakref.ref(self))
+
+    # ------------------------------------------------------------------ the loop's face
+    def submit(self, req: SampleRequest) -> Future:
+        """Sample ``req``, pinned now to the weights its policy names."""
+        fut: Future = Future()
+        try:
+            pinned = self.pin(req)
+        except Exception as e:  # an EngineError naming the problem, as in process
+            fut.set_exception(e)
+            return fut
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the rollout worker pool is shut down")
+            rid = next(self._ids)
+            r = _Req(rid, pinned, fut, self._wire_id(pinned))
+            self._reqs[rid] = r
+            self._inbox.append(r)
+        self._local.rid = rid
+        self._wake()
+        return fut
+
+    def last_request(self) -> int:
+        return int(getattr(self._local, "rid", 0))
+
+    def state(self, rid: int) -> str:
+        """``queued`` (not yet seen by the dispatcher), ``held_back`` (no worker has room) or
+        ``taken`` (sent to a worker, finished, or unknown)."""
+        with self._lock:
+            if any(r.rid == rid for r in self._inbox):
+                return "queued"
+            if any(r.rid == rid for r in self._pending):
+                return "held_back"
+        return "taken"
+
+    def cancel(self, rid: int) -> bool:
+        """Drop request ``rid`` before it is sent to a worker (True); a sent one runs on (False)."""
+        with self._lock:
+            for q in (self._inbox, self._pending):
+                for r in q:
+                    if r.rid == rid:
+                        q.remove(r)
+                        self._reqs.pop(rid, None)
+                        break
+                else:
+                    continue
+                break
+            else:
+                return False
+        r.future.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            slots = list(self._slots)
+            left = list(self._reqs.values())
+            self._reqs.clear()
+            self._inbox.clear()
+            self._pending.clear()
+        self._wake()
+        if threading.current_thread() is not getattr(self, "_thread", None):
+            self._thread.join(timeout=30)
+        for s in slots:
+            if s.handle is not None:
+                s.handle.stop()
+        err = RuntimeError("the rollout worker pool was shut down")
+        for r in left:
+            if not r.future.done():
+                r.future.set_exception(err)
+
+    def publish(self, policy: str, timeout: float = 60.0) -> float:
+        """Hand snapshot ``policy`` to every serving worker that lacks it now, ahead of its first
+        request (requests do this on first use anyway); returns the seconds until every one has
+        acknowledged it whole. Raises ``EngineError`` for a policy that is no snapshot."""
+        pinned = self.pin(SampleRequest(policy, [0], SamplingParams(max_tokens=1)))
+        t = time.perf_counter()
+        with self._lock:
+            wire = self._wire_id(pinned)
+            assert wire is not None
+            # held by a request-like entry until acknowledged, so no sweep retires it meanwhile
+            entry = (wire, pinned)
+            self._publishing.append(entry)
+        self._wake()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(wire in s.acked for s in self._slots if s.state == "ready"):
+                    self._publishing = [e for e in self._publishing if e is not entry]
+                    return time.perf_counter() - t
+            time.sleep(0.0005)
+        raise TimeoutError(f"rollout workers did not acknowledge {policy!r} within {timeout:.0f} s")
+
+    # ------------------------------------------------------------------ workers
+    @property
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                [s.served for s in self._slots],
+                [s.restarts for s in self._slots],
+                self._rerun,
+                self._published,
+                self._retired,
+                self._prefix_routed,
+            )
+
+    def worker_pids(self) -> list[int | None]:
+        """Each worker's process id (None while it (re)starts)."""
+        with self._lock:
+            return [
+                s.handle.pid if s.handle is not None and s.state == "ready" else None for s in self._slots
+            ]
+
+    def worker_snapshots(self, index: int) -> set[str]:
+        """The wire ids worker ``index`` has acknowledged (snapshots it holds)."""
+        with self._lock:
+            return set(self._slots[index].acked)
+
+    def add_worker(self) -> int:
+        """Start one more worker (a late joiner: it receives snapshots on first use); returns its
+        index once it serves. Raises :class:`~opentinker.rollout.process.WorkerStartError`."""
+        with self._lock:
+            index = len(self._slots)
+            slot = _Slot(index)
+            self._slots.append(slot)
+        handle = ProcessWorker(index, dict(self.options), startup_timeout=self.startup_timeout)
+        try:
+            handle.start()
+        except WorkerStartError as e:
+            with self._lock:
+                slot.state, slot.error = "failed", str(e)
+            raise
+        with self._lock:
+            slot.handle, slot.state = handle, "ready"
+        self._wake()
+        return index
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until every worker serves (after a restart); raises ``TimeoutError``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(s.state in ("ready", "failed") for s in self._slots):
+                    return
+            time.sleep(0.05)
+        raise TimeoutError("rollout workers did not come back")
+
+    # ------------------------------------------------------------------ dispatcher
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send_bytes(b"")
+
+    def _wire_id(self, pinned: Pinned) -> str | None:
+        w = pinned.weights
+        if w is None:
+            return None
+        hit = self._wire.get(w.uid)
+        if hit is None:
+            hit = (f"{pinned.req.policy}#{w.uid}", pinned.req.policy, w)
+            self._wire[w.uid] = hit
+        return hit[0]
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                conns: list[Any] = [self._wake_r]
+                owner: dict[Any, _Slot] = {}
+                for s in self._slots:
+                    if s.state == "ready" and s.handle is not None and s.handle.conn is not None:
+                        conns += [s.handle.conn, s.handle.proc.sentinel]
+                        owner[s.handle.conn] = owner[s.handle.proc.sentinel] = s
+            ready = wait(conns, timeout=SWEEP_S)
+            with self._lock:
+                if self._stopped:
+                    return
+                for c in ready:
+                    if c is self._wake_r:
+                        while self._wake_r.poll():
+                            self._wake_r.recv_bytes()
+                        continue
+                    slot = owner[c]
+                    if slot.state != "ready":
+                        continue
+                    if isinstance(c, Connection):
+                        self._read(slot)
+                    elif not slot.handle or not slot.handle.alive():
+                        self._died(slot, "its process ended")
+                while self._inbox:
+                    self._pending.append(self._inbox.popleft())
+                self._dispatch()
+                if time.monotonic() - self._last_sweep > SWEEP_S:
+                    self._sweep()
+                self._fail_if_none_left()
+
+    def _read(self, slot: _Slot) -> None:
+        assert slot.handle is not None and slot.handle.conn is not None
+        try:
+            while slot.handle.conn.poll(0):
+                msg = slot.handle.recv()
+                if isinstance(msg, Done):
+                    self._answer(slot, msg)
+                elif isinstance(msg, Published):
+                    slot.acked.add(msg.policy_id)
+        except WorkerDied as e:
+            self._died(slot, str(e))
+
+    def _answer(self, slot: _Slot, d: Done) -> None:
+        r = slot.inflight.pop(d.rid, None)
+        if r is None or self._reqs.pop(d.rid, None) is None:
+            return  # not this worker's (it was re-run elsewhere) or already answered
+        slot.served += 1
+        if d.error is not None:
+            r.future.set_exception(d.error)
+            return
+        assert d.result is not None
+        if self.prefix_routing:
+            seen = self._prefixes.setdefault(r.wire, OrderedDict())
+            prompt = r.pinned.req.prompt
+            for seq in d.result.sequences:
+                seen[tuple(prompt + seq.tokens[:-1])] = slot.index
+                seen.move_to_end(tuple(prompt + seq.tokens[:-1]))
+            while len(seen) > PREFIXES_PER_POLICY:
+                seen.popitem(last=False)
+        r.future.set_result(d.result)
+
+    def _route(self, r: _Req, ready: list[_Slot]) -> _Slot | None:
+        room = [s for s in ready if s.rows == 0 or s.rows + r.rows <= self.max_rows]
+        if not room:
+            return None
+        seen = self._prefixes.get(r.wire) if self.prefix_routing else None
+        if seen:
+            prompt, best, holder = r.pinned.req.prompt, MIN_SHARED_PREFIX - 1, None
+            for tokens, index in seen.items():
+                n = len(tokens)
+                if n > best and n <= len(prompt) and tuple(prompt[:n]) == tokens:
+                    best, holder = n, index
+            chosen = next((s for s in room if s.index == holder), None)
+            if chosen is not None:
+                self._prefix_routed += 1
+                return chosen
+        return min(room, key=lambda s: (s.rows, len(s.inflight), s.index))
+
+    def _dispatch(self) -> None:
+        ready = [s for s in self._slots if s.state == "ready"]
+        for wire, pinned in self._publishing:
+            for slot in ready:
+                if wire not in slot.published:
+                    try:
+                        self._send_publish(slot, wire, pinned)
+                    except WorkerDied as e:
+                        self._died(slot, str(e))
+        ready = [s for s in self._slots if s.state == "ready"]
+        kept: deque[_Req] = deque()
+        while self._pending:
+            r = self._pending.popleft()
+            slot = self._route(r, ready) if ready else None
+            if slot is None:
+                kept.append(r)
+                continue
+            try:
+                if r.wire is not None and r.wire not in slot.published:
+                    self._send_publish(slot, r.wire, r.pinned)
+                req = r.pinned.req
+                wire_req = req if r.wire is None else _renamed(req, r.wire)
+                slot.handle.send(Sample(r.rid, wire_req))  # type: ignore[union-attr]
+                r.worker = slot.index
+                slot.inflight[r.rid] = r
+            except WorkerDied as e:
+                kept.append(r)
+                self._died(slot, str(e))
+                ready = [s for s in self._slots if s.state == "ready"]
+        self._pending = kept
+
+    def _send_publish(self, slot: _Slot, wire: str, pinned: Pinned) -> None:
+        """Send ``wire``'s tensors to ``slot`` (serialized once per version, for all workers)."""
+        assert pinned.weights is not None and slot.handle is not None
+        payload = self._bytes.get(wire)
+        if payload is None:
+            payload = self._bytes[wire] = to_bytes(pinned.weights)
+        slot.handle.send(Publish(wire, *payload))
+        slot.published.add(wire)
+        self._published += 1
+
+    def _died(self, slot: _Slot, why: str) -> None:
+        """Re-queue the dead worker's requests (ahead of the rest) and restart it."""
+        if slot.state != "ready":
+            return
+        log.warning(
+            "rollout worker %d died (%s); re-running %d requests", slot.index, why, len(slot.inflight)
+        )
+        slot.state = "dead"
+        back = sorted(slot.inflight.values(), key=lambda r: r.rid)
+        slot.inflight.clear()
+        slot.published.clear()
+        slot.acked.clear()
+        for r in back:
+            r.worker = None
+        self._rerun += len(back)
+        self._pending.extendleft(reversed(back))
+        handle = slot.handle
+        slot.handle = None
+        threading.Thread(
+            target=self._restart, args=(slot, handle), name=f"opentinker-restart-{slot.index}", daemon=True
+        ).start()
+
+    def _restart(self, slot: _Slot, old: ProcessWorker | None) -> None:
+        if old is not None:
+            old.kill()
+        err = ""
+        for attempt in range(RESTART_ATTEMPTS):
+            if self._stopped:
+                return
+            with self._lock:
+                slot.state = "starting"
+            handle = ProcessWorker(slot.index, dict(self.options), startup_timeout=self.startup_timeout)
+            try:
+                handle.start()
+            except WorkerStartError as e:
+                err = str(e)
+                log.warning("restarting rollout worker %d failed: %s", slot.index, e)
+                time.sleep(1.0 * (attempt + 1))
+                continue
+            with self._lock:
+                if self._stopped:
+                    handle.stop()
+                    return
+                slot.handle, slot.state = handle, "ready"
+                slot.restarts += 1
+            self._wake()
+            return
+        with self._lock:
+            slot.state, slot.error = "failed", err
+        self._wake()
+
+    def _sweep(self) -> None:
+        """Retire, on every worker, versions the engine no longer serves and no request holds."""
+        self._last_sweep = time.monotonic()
+        held = {r.wire for r in self._reqs.values()} | {w for w, _ in self._publishing}
+        for uid, (wire, policy, w) in list(self._wire.items()):
+            if wire in held or _serves(self.engine, policy, w):
+                continue
+            del self._wire[uid]
+            self._bytes.pop(wire, None)
+            self._prefixes.pop(wire, None)
+            for s in self._slots:
+                if wire in s.published and s.state == "ready" and s.handle is not None:
+                    try:
+                        s.handle.send(Retire(wire))
+                        self._retired += 1
+                    except WorkerDied as e:
+                        self._died(s, str(e))
+                s.published.discard(wire)
+                s.acked.discard(wire)
+
+    def _fail_if_none_left(self) -> None:
+        if not self._pending or any(s.state in ("ready", "starting", "dead") for s in self._slots):
+            return
+        why = "; ".join(s.error for s in self._slots if s.error) or "no worker is running"
+        err = RuntimeError(f"no rollout worker can serve this request: {why}")
+        for r in self._pending:
+            self._reqs.pop(r.rid, None)
+            r.future.set_exception(err)
+        self._pending.clear()
+
+
+def _renamed(req: SampleRequest, wire: str) -> SampleRequest:
+    from dataclasses import replace
+
+    return replace(req, policy=wire)
+
+
+def _serves(engine: Engine, policy: str | None, w: LoRAWeights) -> bool:
+    try:
+        return engine.adapter_weights(policy) is w
+    except Exception:
+        return False
+
+
+def _start_all(handles: list[ProcessWorker]) -> list[Ready]:
+    """Start every worker at once (their loads overlap) and wait for all handshakes."""
+    results: list[Ready | BaseException | None] = [None] * len(handles)
+
+    def go(i: int) -> None:
+        try:
+            results[i] = handles[i].start()
+        except BaseException as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(handles))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for res in results:
+        if isinstance(res, BaseException):
+            raise res
+    return [r for r in results if isinstance(r, Ready)]
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    pool = ref()
+    if pool is not None:
+        pool.shutdown()
+
+
+__all__ = ["Failed", "PoolStats", "WorkerPool", "WorkerStartError"]

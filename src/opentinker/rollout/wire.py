@@ -1,0 +1,121 @@
+"""The messages between a rollout worker and its pool, and a snapshot's tensors as bytes.
+
+Inbound (pool → worker): :class:`Publish` (a policy version's LoRA tensors as safetensors bytes,
+sent once per worker per version), :class:`Retire`, :class:`Sample`, :class:`Cancel`, :class:`Stop`.
+Outbound (worker → pool): :class:`Ready` / :class:`Failed` (the start-up handshake),
+:class:`Published` (a snapshot arrived whole and is sampleable), :class:`Done` (a request's
+result or error). Every message is a plain picklable value (no tensors, no shared objects), so
+any transport that moves bytes can carry them: a pipe to a process, an actor call.
+
+A worker names a snapshot by its *wire id* ``<policy>#<n>``, where ``n`` numbers the weights in
+the pool: a snapshot id released and reused for other weights gets a new wire id, so a worker
+never samples stale weights under a reused name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from opentinker.lora import LoRAConfig, LoRAWeights
+from opentinker.sampling.rollout import Done
+from opentinker.sampling.types import SampleRequest
+
+__all__ = [
+    "Cancel",
+    "Done",
+    "Failed",
+    "Publish",
+    "Published",
+    "Ready",
+    "Retire",
+    "Sample",
+    "Stop",
+    "from_bytes",
+    "to_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Make the snapshot in ``data`` (:func:`to_bytes`) sampleable as ``policy_id``."""
+
+    policy_id: str
+    config: dict
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Retire:
+    """Free ``policy_id``'s tensors (requests already running on it finish)."""
+
+    policy_id: str
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Sample ``request`` (its policy a wire id or None); answered by a :class:`Done`."""
+
+    rid: int
+    request: SampleRequest
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Drop request ``rid`` if it has not been admitted (answered by a :class:`Done` with
+    :class:`~opentinker.sampling.rollout.SampleCancelled`); an admitted one runs on."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish: the worker exits (requests still running are not answered)."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker loaded its base model and serves; ``load_s``: seconds that load took."""
+
+    worker: int
+    pid: int
+    load_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The worker could not start: ``reason`` says why."""
+
+    worker: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Published:
+    """``policy_id`` arrived whole and is sampleable on this worker."""
+
+    policy_id: str
+
+
+Inbound = Publish | Retire | Sample | Cancel | Stop
+Outbound = Ready | Failed | Published | Done
+
+
+def to_bytes(weights: LoRAWeights) -> tuple[dict, bytes]:
+    """A snapshot's LoRA config (a plain dict) and its tensors as safetensors bytes."""
+    tensors = {k: t.detach().cpu().contiguous() for k, t in weights.state_dict().items()}
+    return dataclasses.asdict(weights.config), st_save(tensors)
+
+
+def from_bytes(config: dict, data: bytes, device: torch.device | str = "cpu") -> LoRAWeights:
+    """The inverse of :func:`to_bytes` (tensors on ``device``, not requiring grad)."""
+    weights = LoRAWeights(LoRAConfig(**config))
+    for key, t in st_load(data).items():
+        group, _, kind = key.rpartition(".")
+        target = weights.a if kind == "lora_A" else weights.b
+        target[group] = t.to(device)
+    return weights

@@ -1,0 +1,104 @@
+"""A rollout worker's core: its own base model, a rollout backend and the continuous-batching
+core (:class:`~opentinker.sampling.rollout.RolloutCore`) the in-process loop runs, driven by
+messages (:mod:`~opentinker.rollout.wire`).
+
+:class:`WorkerCore` knows no transport: :meth:`WorkerCore.handle` takes one message and returns
+the replies it answers at once, :meth:`WorkerCore.tick` runs one admission + decode step and
+returns the requests it finished. A process behind a pipe (:mod:`~opentinker.rollout.process`)
+is one way to carry the messages; an actor is another.
+
+Snapshots arrive as bytes in a :class:`~opentinker.rollout.wire.Publish` and are registered only
+once decoded whole (a message is delivered whole or not at all), so a request never runs on a
+half-received snapshot. ``Retire`` frees them; a request already running on one keeps its
+tensors until it finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from opentinker.engine import Engine, EngineError
+from opentinker.models import load_base_model
+from opentinker.rollout.wire import (
+    Cancel,
+    Inbound,
+    Outbound,
+    Publish,
+    Published,
+    Ready,
+    Retire,
+    Sample,
+    from_bytes,
+)
+from opentinker.sampling import NativeBackend
+from opentinker.sampling.rollout import Done, RolloutCore, SampleCancelled
+from opentinker.sampling.rollout import Sample as CoreSample
+
+BACKENDS = ("native",)  # the rollout backends a worker can run
+
+
+class WorkerCore:
+    def __init__(
+        self,
+        worker: int,
+        base_model: str,
+        *,
+        backend: str = "native",
+        device: str = "cpu",
+        max_rank: int = 128,
+        prefix_cache_bytes: int = 512 << 20,
+        max_rows: int = 256,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise EngineError(f"unknown rollout backend {backend!r} (known: {', '.join(BACKENDS)})")
+        t = time.perf_counter()
+        self.worker = worker
+        self.engine = Engine(load_base_model(base_model, device=device), max_rank=max_rank, device=device)
+        self.backend = NativeBackend(self.engine, prefix_cache_bytes=prefix_cache_bytes)
+        self.core = RolloutCore(self.backend.decoder(), self.backend, max_rows=max_rows)
+        self.load_s = time.perf_counter() - t
+
+    def ready(self) -> Ready:
+        return Ready(self.worker, os.getpid(), self.load_s)
+
+    @property
+    def busy(self) -> bool:
+        return self.core.busy
+
+    def handle(self, msg: Inbound) -> list[Outbound]:
+        """Take one message; returns its immediate replies (an acknowledged publish, a refused or
+        cancelled request)."""
+        if isinstance(msg, Sample):
+            return list(self.core.handle(CoreSample(msg.rid, msg.request)))
+        if isinstance(msg, Publish):
+            if msg.policy_id not in self.engine.snapshot_ids():
+                weights = from_bytes(msg.config, msg.data, self.engine.device)
+                self.backend.publish(msg.policy_id, weights)
+            return [Published(msg.policy_id)]
+        if isinstance(msg, Retire):
+            if msg.policy_id in self.engine.snapshot_ids():
+                self.backend.retire(msg.policy_id)
+            return []
+        if isinstance(msg, Cancel):
+            if self.core.cancel(msg.rid):
+                return [Done(msg.rid, error=SampleCancelled(f"sample request {msg.rid} was cancelled"))]
+            return []
+        raise TypeError(f"a rollout worker cannot handle {type(msg).__name__}")
+
+    def tick(self) -> list[Done]:
+        """One admission + decode step; a failure fails the requests it touched, never the worker."""
+        try:
+            return self.core.tick()
+        except Exception as e:
+            return [Done(rid, error=e) for rid in self.core.decoder.running()]
+
+    def snapshot_ids(self) -> list[str]:
+        return self.engine.snapshot_ids()
+
+    @torch.no_grad()
+    def close(self) -> None:
+        for sid in self.engine.snapshot_ids():
+            self.engine.release_snapshot(sid)
