@@ -71,7 +71,10 @@ class Server:
     def __init__(self, config: ServerConfig, runtime: Runtime | None = None) -> None:
         self.config = config
         self.runtime = runtime or Runtime(
-            config.data_dir, device=config.device, prefix_cache_bytes=config.prefix_cache_bytes
+            config.data_dir,
+            device=config.device,
+            prefix_cache_bytes=config.prefix_cache_bytes,
+            rollout_backend=config.rollout_backend,
         )
         self.store = Store(config.data_dir)
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client

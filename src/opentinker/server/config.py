@@ -40,6 +40,8 @@ class ServerConfig:
     checkpoint_sweep_s: float = 60.0
     # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
     prefix_cache_bytes: int = 512 << 20
+    # what samples: "native" (the engine's own decoder) or "vllm" (vLLM's engine, runtime LoRA)
+    rollout_backend: str = "native"
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
     # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
     token_ttl_s: float = 900.0

