@@ -138,8 +138,9 @@ def test_mismatch_figures_are_finite_and_small(rt: Runtime, trained) -> None:
     ).result()
     rollout = rt.backend(TEST_MODEL).scheduler.rollout
     assert rollout is not None
-    m = rollout.stats.mismatch
-    assert m is not None and m.tokens >= 64
+    # the last batch: T = 1, no top-k / top-p (vLLM's logprobs there are of the truncated set)
+    m = rollout.stats.mismatch_last
+    assert m is not None and m.tokens >= 16
     assert all(math.isfinite(x) for x in (m.mean_abs, m.max_abs, m.kl))
     # two fp32 forwards of the same weights (tests/tolerances.py); a wrong adapter is ~1 nat off
     assert m.max_abs <= 10 * LOGPROB_ATOL and 0 <= m.kl <= 1e-6
@@ -172,7 +173,7 @@ def test_unknown_and_retired_snapshots_fail_alone(rt: Runtime, trained) -> None:
     assert loop is not None
     gone = tc.save_weights_and_get_sampling_client()
     policy = _policy(gone)
-    ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8)))
+    ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8, stop=[])))
     rt.backend(TEST_MODEL).engine.release_snapshot(
         policy
     )  # what the runtime does when the last client lets go
@@ -207,7 +208,7 @@ def test_rl_smoke_run_through_vllm(rt: Runtime, tmp_path: Path) -> None:
     )  # fmt: skip
     dataset = AdditionDataset(renderer, cfg.groups_per_step, cfg.group_size, seed=cfg.seed)
     res = asyncio.run(run_rl(cfg, service, dataset, None))
-    assert [m["step"] for m in res.metrics] == [1, 2]
+    assert len(res.metrics) == 2
     assert all(math.isfinite(m["reward/mean"]) for m in res.metrics)
     m = rt.backend(TEST_MODEL).scheduler.rollout.stats.mismatch  # type: ignore[union-attr]
     assert m is not None and math.isfinite(m.max_abs)
