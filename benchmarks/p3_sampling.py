@@ -6,6 +6,9 @@ samples the same batch with every row on a *different* adapter, through the nati
 backend. Both produce exactly ``--new-tokens`` tokens per row (no early stop) at temperature 1.
 Runs are interleaved (ours, HF, ours, HF, ...) and medians quoted; the last line is ``P3 <ratio>``
 (ours tokens/s ÷ HF tokens/s; DESIGN.md §6 target ≥ 1.5 on the tiny model, ≥ 1.0 on SmolLM2).
+``--backend vllm`` adds vLLM's engine (runtime LoRA, one ``LoRARequest`` per adapter's snapshot) on
+the same adapters and prompts, interleaved with the others, and prints native ÷ vLLM tokens/s
+(``P3-vllm``); the adapters then leave the unembedding untrained (vLLM's LoRA does not serve it).
 ``--device cuda`` (and ``--dtype bfloat16``) runs both on an accelerator (each timed run ends with
 a device synchronisation); ``--json`` writes the ratio and the tokens/s.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from timing import add_device_args, device_of, sync, write_json
@@ -36,6 +40,8 @@ def main() -> None:
     ap.add_argument(
         "--no-lean", action="store_true", help="sample through the HF module tree, not the lean Llama path"
     )
+    ap.add_argument("--backend", choices=("native", "vllm"), default="native")
+    ap.add_argument("--vllm-memory", type=float, default=0.15, help="vLLM's gpu_memory_utilization")
     add_device_args(ap)
     args = ap.parse_args()
     dev, dtype = device_of(args)
@@ -43,7 +49,10 @@ def main() -> None:
 
     base = load_base_model(args.model, dtype=dtype, device=dev)
     engine = Engine(base, dtype=dtype)
-    ids = [engine.create_adapter(LoRAConfig(rank=8, seed=i)) for i in range(args.adapters)]
+    unembed = args.backend == "native"
+    ids = [
+        engine.create_adapter(LoRAConfig(rank=8, seed=i, train_unembed=unembed)) for i in range(args.adapters)
+    ]
     for aid in ids:  # non-zero B so every adapter really changes the function
         for t in engine.adapter_weights(aid).b.values():
             with torch.no_grad():
@@ -86,13 +95,34 @@ def main() -> None:
         assert out.shape[1] == args.prompt_len + args.new_tokens
         return dt
 
-    ours(), theirs()  # warm-up
-    a, b = [], []
+    runs: list[Callable[[], float]] = [ours, theirs]
+    if args.backend == "vllm":
+        from opentinker.sampling.vllm_backend import VLLMBackend
+
+        snaps = [engine.snapshot(aid).snapshot_id for aid in ids]
+        vllm = VLLMBackend.for_engine(
+            engine, measure_mismatch=False, max_loras=args.adapters, gpu_memory_utilization=args.vllm_memory
+        )
+        vreqs = [SampleRequest(sid, p, params) for sid, p in zip(snaps, prompts, strict=True)]
+
+        def theirs_vllm() -> float:
+            t = time.perf_counter()
+            res = vllm.generate(vreqs)
+            dt = time.perf_counter() - t
+            assert all(
+                not isinstance(r, Exception) and len(r.sequences[0].tokens) == args.new_tokens for r in res
+            ), res
+            return dt
+
+        runs.append(theirs_vllm)
+    for run in runs:  # warm-up
+        run()
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(args.repeats):
-        a.append(ours())
-        b.append(theirs())
+        for run, ts in zip(runs, times, strict=True):
+            ts.append(run())
     n_tokens = args.adapters * args.new_tokens
-    ta, tb = statistics.median(a), statistics.median(b)
+    ta, tb = statistics.median(times[0]), statistics.median(times[1])
     print(
         f"model {args.model}: batch {args.adapters} rows, {args.adapters} distinct adapters, {args.new_tokens} new tokens each"
     )
@@ -100,9 +130,19 @@ def main() -> None:
         f"  ours (K={args.adapters} adapters, native KV cache): {n_tokens / ta:8.1f} tok/s  (median {ta:.3f}s)"
     )
     print(f"  HF generate (merged weights, 1 model):  {n_tokens / tb:8.1f} tok/s  (median {tb:.3f}s)")
-    write_json(args, {"P3": tb / ta, "tokens_per_s": {"ours": n_tokens / ta, "hf_generate": n_tokens / tb}})
+    rates = {"ours": n_tokens / ta, "hf_generate": n_tokens / tb}
+    result: dict[str, object] = {"P3": tb / ta, "tokens_per_s": rates}
+    if args.backend == "vllm":
+        tv = statistics.median(times[2])
+        rates["vllm"] = n_tokens / tv
+        result["P3-vllm"] = tv / ta
+        print(
+            f"  vLLM (K={args.adapters} LoRARequests, its own engine): {n_tokens / tv:8.1f} tok/s  (median {tv:.3f}s)"
+        )
+        print(f"P3-vllm {tv / ta:.2f}  (native tok/s / vLLM tok/s)")
+    write_json(args, result)
     print(f"P3 {tb / ta:.2f}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM's engine starts child processes: keep the guard
     main()

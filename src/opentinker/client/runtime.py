@@ -37,18 +37,20 @@ from opentinker.models import load_base_model
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
 from opentinker.rollout.pool import WorkerPool
-from opentinker.sampling import NativeBackend
+from opentinker.sampling import NativeBackend, RolloutBackend
+from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.scheduler import Scheduler
 
+ROLLOUT_BACKENDS = ("native", "vllm")
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
 
 
 @dataclass
 class Backend:
     engine: Engine
-    sampler: NativeBackend
+    sampler: RolloutBackend
     scheduler: Scheduler
 
 
@@ -108,17 +110,32 @@ class Runtime:
         sample_in_ticks: bool = False,
         rollout_workers: int = 0,
         rollout_backend: str = "native",
+        rollout_options: dict[str, Any] | None = None,
     ) -> None:
         """``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
         a time (the serialized reference), instead of on its own rollout loop (the default).
         ``rollout_workers``: serve sampling from that many worker processes per base model, each
         with its own copy of the base model (:mod:`opentinker.rollout.pool`); 0 (the default)
-        keeps the rollout loop on a thread of this process. ``rollout_backend``: what the workers
-        run (``native``)."""
+        keeps the rollout loop on a thread of this process. ``rollout_backend``: what samples,
+        ``native`` (the default: the engine's own KV-cache decoder) or ``vllm`` (vLLM's engine with
+        runtime LoRA, in-process loop only; ``rollout_options`` are passed to
+        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`)."""
         if not isinstance(rollout_workers, int) or rollout_workers < 0:
             raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
         if rollout_workers and sample_in_ticks:
             raise ValueError("rollout_workers and sample_in_ticks exclude each other")
+        if rollout_backend not in ROLLOUT_BACKENDS:
+            raise ValueError(
+                f"unknown rollout backend {rollout_backend!r}; choose one of {', '.join(ROLLOUT_BACKENDS)}"
+            )
+        if rollout_backend == "vllm":
+            if rollout_workers:
+                raise ValueError(
+                    "rollout_backend='vllm' runs vLLM's own engine processes; use it with rollout_workers=0"
+                )
+            from opentinker.sampling.vllm_backend import import_vllm
+
+            import_vllm()  # not installed: fail now, naming the cause, not at the first request
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
@@ -131,6 +148,7 @@ class Runtime:
         self.sample_in_ticks = sample_in_ticks
         self.rollout_workers = rollout_workers
         self.rollout_backend = rollout_backend
+        self.rollout_options = dict(rollout_options or {})
         self.models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
@@ -146,7 +164,7 @@ class Runtime:
                 engine = Engine(
                     load_base_model(name, device=self.device), max_rank=self.max_rank, device=self.device
                 )
-                sampler = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
+                sampler, decoder = self._sampler(engine)
                 rollout: RolloutService | None = None
                 if self.rollout_workers:  # sampling in worker processes, snapshots sent as bytes
                     rollout = WorkerPool(
@@ -162,10 +180,20 @@ class Runtime:
                         prefix_cache_bytes=self.prefix_cache_bytes,
                     )
                 elif not self.sample_in_ticks:  # sampling on its own thread, continuous batching
-                    rollout = RolloutLoop(RolloutCore(sampler.decoder(snapshots_only=True), sampler))
+                    rollout = RolloutLoop(RolloutCore(decoder(), sampler))
                 b = Backend(engine, sampler, Scheduler(engine, sampler, rollout=rollout))
                 self._backends[name] = b
             return b
+
+    def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
+        """The rollout backend over ``engine`` and how to make its loop's decoder."""
+        if self.rollout_backend == "vllm":
+            from opentinker.sampling.vllm_backend import VLLMBackend
+
+            vb = VLLMBackend.for_engine(engine, **self.rollout_options)
+            return vb, vb.decoder
+        nb = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
+        return nb, lambda: nb.decoder(snapshots_only=True)
 
     def loaded_base_models(self) -> list[str]:
         return list(self._backends)
@@ -382,6 +410,9 @@ class Runtime:
         with self._lock:
             for b in self._backends.values():
                 b.scheduler.shutdown()
+                close = getattr(b.sampler, "close", None)
+                if callable(close):
+                    close()
             self._backends.clear()
 
 

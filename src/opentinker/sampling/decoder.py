@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -67,6 +68,24 @@ class Pinned:
         """The batch's name for these weights: the policy id and the weights' identity, so two
         requests naming one id for different weights (released and reused) never share a slot."""
         return None if self.weights is None else f"{self.req.policy}#{self.weights.uid}"
+
+
+class Decoder(Protocol):
+    """What the rollout loop drives: :class:`StepDecoder`, or another backend's step-wise decoder
+    (e.g. :class:`~opentinker.sampling.vllm_backend.VLLMDecoder`)."""
+
+    steps: int
+
+    @property
+    def live_rows(self) -> int: ...
+
+    def running(self) -> list[int]: ...
+
+    def pin(self, req: SampleRequest) -> Pinned: ...
+
+    def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]: ...
+
+    def step(self) -> list[Finished]: ...
 
 
 @dataclass

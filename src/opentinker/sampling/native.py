@@ -11,13 +11,12 @@ continuously, admitting requests into the running batch between decode steps
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Hashable
 
 from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights
-from opentinker.sampling.backend import RolloutBackend
+from opentinker.sampling.backend import RolloutBackend, check_request
 from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned, StepDecoder, common_prompt_prefix
 from opentinker.sampling.forward import LoRACache
 from opentinker.sampling.llama_decode import LlamaLean, lean_llama
@@ -79,37 +78,7 @@ class NativeBackend(RolloutBackend):
     # ---------------------------------------------------------------- sampling
     def validate(self, req: SampleRequest) -> None:
         """Raise :class:`EngineError` naming the problem with ``req``."""
-        p = req.params
-        vocab, ctx = self.engine.vocab_size, self.engine.max_context
-        if not req.prompt:
-            raise EngineError("the prompt is empty")
-        if len(req.prompt) >= ctx:
-            raise EngineError(f"the prompt has {len(req.prompt)} tokens; the context length is {ctx}")
-        bad = [t for t in req.prompt if not 0 <= t < vocab]
-        if bad:
-            raise EngineError(f"the prompt has token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if not isinstance(p.max_tokens, int) or p.max_tokens <= 0:
-            raise EngineError(f"max_tokens must be a positive integer, got {p.max_tokens!r}")
-        if not math.isfinite(p.temperature) or p.temperature < 0:
-            raise EngineError(f"temperature must be >= 0 and finite, got {p.temperature!r}")
-        if not (0 < p.top_p <= 1):
-            raise EngineError(f"top_p must be in (0, 1], got {p.top_p!r}")
-        if p.top_k == 0 or p.top_k < -1:
-            raise EngineError(f"top_k must be -1 (off) or positive, got {p.top_k!r}")
-        if req.num_samples < 1:
-            raise EngineError(f"num_samples must be at least 1, got {req.num_samples!r}")
-        if req.topk_prompt_logprobs < 0:
-            raise EngineError("topk_prompt_logprobs must be >= 0")
-        if not isinstance(req.topk_sample_logprobs, int) or req.topk_sample_logprobs < 0:
-            raise EngineError(
-                f"topk_sample_logprobs must be an integer >= 0, got {req.topk_sample_logprobs!r}"
-            )
-        if p.stop is not None:
-            kinds = {type(s) for s in p.stop}
-            if len(kinds) > 1 or not kinds <= {str, int}:
-                raise EngineError("stop must be a list of strings or a list of token ids, not a mix")
-            if kinds == {str} and any(s == "" for s in p.stop):
-                raise EngineError("stop strings must not be empty")
+        check_request(req, vocab_size=self.engine.vocab_size, max_context=self.engine.max_context)
         self.engine.check_policy(req.policy)
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:

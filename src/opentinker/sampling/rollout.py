@@ -51,8 +51,8 @@ from typing import Protocol
 
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
-from opentinker.sampling.backend import RolloutBackend
-from opentinker.sampling.decoder import Pinned, StepDecoder
+from opentinker.sampling.backend import Mismatch, RolloutBackend
+from opentinker.sampling.decoder import Decoder, Pinned
 from opentinker.sampling.types import SampleRequest, SampleResult
 
 
@@ -99,6 +99,10 @@ class RolloutStats:
     admitted: int = 0  # requests admitted
     joined: int = 0  # requests admitted into a batch that was already decoding
     max_rows: int = 0  # the most rows decoded at once
+    # sampler–trainer logprob mismatch (backends whose numerics differ from the trainer's):
+    # of the last batch that finished rows, and of every batch so far
+    mismatch_last: Mismatch | None = None
+    mismatch: Mismatch | None = None
 
 
 class RolloutCore:
@@ -106,7 +110,7 @@ class RolloutCore:
 
     def __init__(
         self,
-        decoder: StepDecoder,
+        decoder: Decoder,
         backend: RolloutBackend,
         *,
         continuous: bool = True,
@@ -162,6 +166,8 @@ class RolloutCore:
         if dec.live_rows:
             finished += dec.step()
             stats.steps = dec.steps
+            stats.mismatch_last = self.backend.mismatch_last
+            stats.mismatch = self.backend.mismatch_total
         return [_done(rid, res) for rid, res in finished]
 
     def is_waiting(self, rid: int) -> bool:

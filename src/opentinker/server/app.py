@@ -75,6 +75,7 @@ class Server:
             device=config.device,
             prefix_cache_bytes=config.prefix_cache_bytes,
             rollout_workers=config.rollout_workers,
+            rollout_backend=config.rollout_backend,
         )
         self.store = Store(config.data_dir)
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client

@@ -42,6 +42,8 @@ class ServerConfig:
     prefix_cache_bytes: int = 512 << 20
     # sampling served by this many worker processes per base model (0: a thread of this process)
     rollout_workers: int = 0
+    # what samples: "native" (the engine's own decoder) or "vllm" (vLLM's engine, runtime LoRA)
+    rollout_backend: str = "native"
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
     # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
     token_ttl_s: float = 900.0

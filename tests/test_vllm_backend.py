@@ -1,0 +1,214 @@
+"""The vLLM rollout backend (sampling/vllm_backend.py) behind the embedded SDK, on the rollout loop.
+
+One vLLM engine for the module (it takes a minute to start on CPU). Every result is compared with
+the native sampler on the same snapshot: greedy tokens equal up to the first near tie (two fp32
+paths: tests/tolerances.py), seeded sampling reproducible, logprobs within ``LOGPROB_ATOL`` of the
+engine's own forward (the mismatch figures); a pinned snapshot stays pinned after a newer publish;
+unknown and retired snapshots give the usual errors without disturbing the other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from tinker import types
+
+import opentinker
+from opentinker.client.runtime import Runtime
+from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
+from tests.conftest import TEST_MODEL
+from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_unknown_backend_and_missing_vllm_fail_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; choose one of native, vllm"):
+        Runtime(tmp_path, rollout_backend="sglang")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM imports
+    from opentinker.sampling.vllm_backend import VLLMUnavailableError
+
+    with pytest.raises(VLLMUnavailableError, match="needs vLLM, which cannot be imported"):
+        Runtime(tmp_path, rollout_backend="vllm")
+
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory):
+    runtime = Runtime(
+        tmp_path_factory.mktemp("vllm"), max_rank=16, rollout_backend="vllm",
+        rollout_options={"gpu_memory_utilization": 0.15, "max_loras": 4},
+    )  # fmt: skip
+    yield runtime
+    runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained(rt: Runtime):
+    """A training client after one step, and a sampling client of that step's snapshot."""
+    service = opentinker.ServiceClient(runtime=rt)
+    tc = service.create_lora_training_client(
+        base_model=TEST_MODEL, rank=8, seed=0, train_unembed=False
+    ).result()
+    _step(tc, 0)
+    return tc, tc.save_weights_and_get_sampling_client()
+
+
+def _step(tc, seed: int) -> None:
+    ids = [(seed * 7 + i) % 900 + 3 for i in range(24)]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},  # pyright: ignore[reportArgumentType]
+    )
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+
+def _native(rt: Runtime, policy: str | None, req: SampleRequest) -> SampleResult:
+    [res] = NativeBackend(rt.backend(TEST_MODEL).engine).generate([req])
+    assert isinstance(res, SampleResult), res
+    return res
+
+
+def _policy(sampler) -> str:
+    return sampler.policy  # the engine snapshot id the client samples
+
+
+def test_sdk_sampling_matches_the_native_sampler(rt: Runtime, trained) -> None:
+    _, sampler = trained
+    prompt = types.ModelInput.from_ints(PROMPT)
+    greedy = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    got = sampler.sample(prompt, num_samples=1, sampling_params=greedy, topk_sample_logprobs=3).result()
+    ref = _native(
+        rt,
+        None,
+        SampleRequest(
+            _policy(sampler),
+            PROMPT,
+            SamplingParams(max_tokens=12, temperature=0.0, stop=[]),
+            topk_sample_logprobs=2,
+        ),
+    )
+    [g], [r] = got.sequences, ref.sequences
+    gaps = [top[0][1] - top[1][1] for top in r.topk_logprobs or []]
+    assert_greedy_equal(g.tokens, r.tokens, "vllm vs native", gaps=gaps, gap_tol=1e-3)
+    n = next((i for i, gap in enumerate(gaps) if gap < 1e-3), len(gaps))
+    assert_logprobs_close(g.logprobs[:n], r.logprobs[:n])
+    assert g.stop_reason == "length" and len(g.tokens) == 12
+    assert g.topk_logprobs is not None and all(len(t) == 3 for t in g.topk_logprobs)
+    assert all(t[0][0] == tok for t, tok in zip(g.topk_logprobs, g.tokens, strict=True))  # greedy: top-1
+
+    seeded = types.SamplingParams(max_tokens=10, temperature=1.0, seed=11, top_k=50, top_p=0.95)
+    a = sampler.sample(prompt, num_samples=3, sampling_params=seeded).result()
+    b = sampler.sample(prompt, num_samples=3, sampling_params=seeded).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert len({tuple(s.tokens) for s in a.sequences}) > 1  # its rows draw differently
+
+    # stop at a token id / at a string: the completion ends with it, stop reason "stop"
+    stop_id = g.tokens[0]  # (a later one could come after an EOS, which stops too)
+    s = sampler.sample(
+        prompt, 1, types.SamplingParams(max_tokens=12, temperature=0.0, stop=[stop_id])
+    ).result()
+    assert s.sequences[0].tokens == g.tokens[: g.tokens.index(stop_id) + 1]
+    assert s.sequences[0].stop_reason == "stop"
+
+    # prompt logprobs and top-k prompt logprobs, and compute_logprobs
+    pl = sampler.sample(
+        prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=2
+    ).result()
+    lp_ref = NativeBackend(rt.backend(TEST_MODEL).engine).compute_logprobs(_policy(sampler), PROMPT)
+    assert pl.prompt_logprobs is not None and pl.prompt_logprobs[0] is None
+    assert_logprobs_close(pl.prompt_logprobs[1:], lp_ref[1:])
+    assert pl.topk_prompt_logprobs is not None and len(pl.topk_prompt_logprobs[1] or []) == 2
+    assert_logprobs_close(sampler.compute_logprobs(prompt).result()[1:], lp_ref[1:])
+
+
+def test_mismatch_figures_are_finite_and_small(rt: Runtime, trained) -> None:
+    _, sampler = trained
+    sampler.sample(
+        types.ModelInput.from_ints(PROMPT), 4, types.SamplingParams(max_tokens=16, temperature=1.0, seed=1)
+    ).result()
+    rollout = rt.backend(TEST_MODEL).scheduler.rollout
+    assert rollout is not None
+    # the last batch: T = 1, no top-k / top-p (vLLM's logprobs there are of the truncated set)
+    m = rollout.stats.mismatch_last
+    assert m is not None and m.tokens >= 16
+    assert all(math.isfinite(x) for x in (m.mean_abs, m.max_abs, m.kl))
+    # two fp32 forwards of the same weights (tests/tolerances.py); a wrong adapter is ~1 nat off
+    assert m.max_abs <= 10 * LOGPROB_ATOL and 0 <= m.kl <= 1e-6
+
+
+def test_pinned_snapshot_stays_pinned_after_a_newer_publish(rt: Runtime, trained) -> None:
+    tc, sampler = trained
+    prompt = types.ModelInput.from_ints(PROMPT)
+    greedy = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    before = sampler.sample(prompt, 1, greedy).result().sequences[0]
+    for s in range(3):
+        _step(tc, 100 + s)
+    newer = tc.save_weights_and_get_sampling_client()
+    after = sampler.sample(prompt, 1, greedy).result().sequences[0]
+    assert after.tokens == before.tokens
+    assert_logprobs_close(after.logprobs, before.logprobs)
+    fresh = newer.sample(prompt, 1, greedy).result().sequences[0]
+    ref = _native(
+        rt,
+        None,
+        SampleRequest(_policy(newer), PROMPT, SamplingParams(max_tokens=12, temperature=0.0, stop=[])),
+    )
+    assert_logprobs_close(fresh.logprobs[:1], ref.sequences[0].logprobs[:1])
+    assert abs(fresh.logprobs[0] - before.logprobs[0]) > 10 * LOGPROB_ATOL or fresh.tokens != before.tokens
+
+
+def test_unknown_and_retired_snapshots_fail_alone(rt: Runtime, trained) -> None:
+    tc, sampler = trained
+    loop = rt.backend(TEST_MODEL).scheduler.rollout
+    assert loop is not None
+    gone = tc.save_weights_and_get_sampling_client()
+    policy = _policy(gone)
+    ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8, stop=[])))
+    rt.backend(TEST_MODEL).engine.release_snapshot(
+        policy
+    )  # what the runtime does when the last client lets go
+    retired = loop.submit(SampleRequest(policy, PROMPT, SamplingParams(max_tokens=8)))
+    unknown = loop.submit(SampleRequest("nobody@v9", PROMPT, SamplingParams(max_tokens=8)))
+    over = loop.submit(
+        SampleRequest(
+            _policy(sampler),
+            list(range(3, 3 + rt.backend(TEST_MODEL).engine.max_context)),
+            SamplingParams(max_tokens=8),
+        )
+    )
+    with pytest.raises(Exception, match=f"unknown adapter or snapshot '{policy}'"):
+        retired.result(timeout=60)
+    with pytest.raises(Exception, match="unknown adapter or snapshot 'nobody@v9'"):
+        unknown.result(timeout=60)
+    with pytest.raises(Exception, match="the context length is"):
+        over.result(timeout=60)
+    assert len(ok.result(timeout=60).sequences[0].tokens) == 8
+
+
+def test_rl_smoke_run_through_vllm(rt: Runtime, tmp_path: Path) -> None:
+    from opentinker.renderers import ChatMLRenderer
+    from opentinker.rl import RLConfig, run_rl
+    from opentinker.tasks.arithmetic import AdditionDataset
+
+    service = opentinker.ServiceClient(runtime=rt)
+    renderer = ChatMLRenderer(service.create_sampling_client(base_model=TEST_MODEL).get_tokenizer())
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path), steps=2, groups_per_step=2, group_size=4,
+        lora_rank=8, learning_rate=3e-4, max_tokens=8, progress=False,
+    )  # fmt: skip
+    dataset = AdditionDataset(renderer, cfg.groups_per_step, cfg.group_size, seed=cfg.seed)
+    res = asyncio.run(run_rl(cfg, service, dataset, None))
+    assert len(res.metrics) == 2
+    assert all(math.isfinite(m["reward/mean"]) for m in res.metrics)
+    m = rt.backend(TEST_MODEL).scheduler.rollout.stats.mismatch  # type: ignore[union-attr]
+    assert m is not None and math.isfinite(m.max_abs)
