@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from tinker import types
 
 import opentinker
 from opentinker.client import Runtime
@@ -17,10 +18,20 @@ from opentinker.client.convert import datum_to_example
 from opentinker.engine import Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.renderers import get_renderer
-from opentinker.rl import RLConfig, TimelineError, Trajectory, Transition, merge_timelines, rl_datums, run_rl
-from opentinker.rl.datums import per_call_segments
+from opentinker.rl import (
+    RLConfig,
+    TimelineError,
+    Trajectory,
+    Transition,
+    merge_timelines,
+    rl_datums,
+    rollout_group,
+    run_rl,
+)
+from opentinker.rl.datums import build_datums, per_call_segments
 from opentinker.rl.multiagent import move_token_advantages
 from opentinker.rl.timeline import OBSERVATION, per_call_tokens, timeline_tokens
+from opentinker.rl.types import EnvGroupBuilder
 from opentinker.tasks.planner_solver import PlannerSolverEnv, build
 from tests.conftest import TEST_MODEL
 from tests.tolerances import assert_rel_close, assert_scalar_close
@@ -208,3 +219,36 @@ def test_planner_solver_rl_run_merges_its_calls(service, tmp_path) -> None:
 def test_planner_solver_bad_settings() -> None:
     with pytest.raises(ValueError, match="terms must be at least 2"):
         build(None, RLConfig(base_model=TEST_MODEL, extra={"terms": 1}))  # type: ignore[arg-type]
+
+
+class _FalseClaim(PlannerSolverEnv):
+    """The solver call claims to extend the planner call, but the context lost a token of it."""
+
+    async def step(self, action: list[int]):
+        res = await super().step(action)
+        if res.extends is not None:
+            res.next_ob_T = res.next_ob_T[:5] + res.next_ob_T[6:]
+        return res
+
+
+class _FalseClaimGroup(EnvGroupBuilder):
+    def __init__(self, renderer) -> None:
+        self.renderer = renderer
+
+    async def make_envs(self):
+        return [_FalseClaim(self.renderer, (12, 34, 56)) for _ in range(2)]
+
+
+def test_an_episode_with_a_false_claim_fails_at_its_datums(service, renderer) -> None:
+    """Rolled out by a real sampler, an environment whose context contradicts its claim is never
+    trained on: the step's datum building raises, naming the call."""
+    policy = service.create_sampling_client(base_model=TEST_MODEL)
+    params = types.SamplingParams(max_tokens=4, temperature=1.0)
+    group = asyncio.run(rollout_group(_FalseClaimGroup(renderer), policy, params, seed=0))
+    assert len(group.trajectories) == 2 and group.errors == 0
+    cfg = RLConfig(base_model=TEST_MODEL, drop_constant_groups=False)
+    with pytest.raises(
+        TimelineError,
+        match=r"^call 1 claims to extend call 0's context \+ output \(\d+ tokens\), but its context differs at token 5",
+    ):
+        asyncio.run(build_datums([group], cfg, None))
