@@ -52,7 +52,7 @@ RL_FIELDS = {
     "kl_coef": "kl_coef", "normalize_std": "normalize_std", "seed": "seed",
     "eval_every": "eval_every", "save_every": "save_every", "episode_timeout": "episode_timeout_s",
     "lr_schedule": "lr_schedule", "lr_final": "lr_final", "substeps": "substeps",
-    "replay_size": "replay_size", "max_train_s": "max_train_s",
+    "replay_size": "replay_size", "max_train_s": "max_train_s", "merge_timelines": "merge_timelines",
 }  # fmt: skip
 SFT_FIELDS = {
     "base_model": "base_model", "steps": "steps", "epochs": "epochs", "lr": "learning_rate",
@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--max-staleness", type=int, default=None, help="async: policy versions a batch may lag")
     rl.add_argument("--kl-coef", type=float, default=None, help="KL penalty to the base model per token")
     rl.add_argument("--normalize-std", action=argparse.BooleanOptionalAction, default=None)
+    rl.add_argument(
+        "--merge-timelines",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="merge an episode's calls into timelines (default on); off: one datum per call",
+    )
     rl.add_argument(
         "--episode-timeout",
         type=float,

@@ -76,6 +76,7 @@ class RLConfig:
     normalize_std: bool = False
     drop_constant_groups: bool = True
     kl_coef: float = 0.0  # KL penalty to the base model (per action token), via compute_logprobs
+    merge_timelines: bool = True  # merge an episode's calls into timelines (rl/timeline.py)
     mode: str = "sync"  # or "async"
     max_staleness: int = 1
     eval_every: int = 10  # 0 = never (always at the start and the end when an evaluator is given)

@@ -59,9 +59,10 @@ from typing import Any
 from tinker import types
 
 from opentinker.rl.advantages import group_advantages, is_constant
-from opentinker.rl.datums import rl_datums, trajectory_segments
+from opentinker.rl.datums import rl_datums
 from opentinker.rl.loop import RLConfig, learning_rate_at
 from opentinker.rl.rollout import SamplerError, env_call, gather_or_cancel, group_metrics, sample_tokens
+from opentinker.rl.timeline import OBSERVATION, merge_timelines
 from opentinker.rl.train_step import Learner, train_steps
 from opentinker.rl.types import (
     GameGroup,
@@ -112,8 +113,11 @@ async def play_game(
             policy, ob_T, 1, params.model_copy(update={"stop": env.stop, "seed": s})
         )
         m = await env_call("move", env.step(agent, sampled.tokens_T), timeout_s)
-        trajs[agent].transitions.append(
-            Transition(ob_T, sampled.tokens_T, sampled.logprobs_T, 0.0, False, dict(m or {}))
+        # with continue_chat an agent's next prompt is its previous prompt + reply + new messages
+        calls = trajs[agent].transitions
+        extends = len(calls) - 1 if env.continue_chat and calls else None
+        calls.append(
+            Transition(ob_T, sampled.tokens_T, sampled.logprobs_T, 0.0, False, dict(m or {}), extends)
         )
     rewards = {a: float(r) for a, r in env.rewards().items()}
     for a, t in trajs.items():
@@ -200,9 +204,12 @@ def returns_to_go(traj: Trajectory) -> list[float]:
 
 def move_token_advantages(traj: Trajectory, advs: Sequence[float]) -> list[list[float]]:
     """Per segment of :func:`~opentinker.rl.datums.trajectory_segments`, per token: the advantage of the
-    move that sampled the token (action tokens come in move order), 0 elsewhere."""
-    per_token = iter([a for t, a in zip(traj.transitions, advs, strict=True) for _ in t.ac_T])
-    return [[next(per_token) if is_act else 0.0 for is_act in act] for _, _, act in trajectory_segments(traj)]
+    move that sampled the token, 0 elsewhere."""
+    if len(advs) != len(traj.transitions):
+        raise ValueError(f"{len(advs)} advantages for {len(traj.transitions)} moves")
+    return [
+        [advs[c] if c != OBSERVATION else 0.0 for c in tl.call_T] for tl in merge_timelines(traj.transitions)
+    ]
 
 
 def per_move_datums(

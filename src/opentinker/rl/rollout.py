@@ -119,20 +119,23 @@ async def _episode(
     traj = Trajectory()
     sampled = first
     turn = 0
+    extends: int | None = None
     while True:
         res = await env_call("step", env.step(sampled.tokens_T), timeout_s)
         if not math.isfinite(res.reward):
             raise ValueError(f"environment returned a non-finite reward ({res.reward})")
         traj.transitions.append(
             Transition(
-                ob_T, sampled.tokens_T, sampled.logprobs_T, float(res.reward), res.done, dict(res.metrics)
+                ob_T, sampled.tokens_T, sampled.logprobs_T, float(res.reward), res.done, dict(res.metrics),
+                extends,
             )
-        )
+        )  # fmt: skip
         if res.done:
             return traj
         if not res.next_ob_T:
             raise ValueError("environment is not done but returned an empty next observation")
         ob_T = list(res.next_ob_T)
+        extends = res.extends
         turn += 1
         step_seed = None if seed is None else seed + 7919 * turn
         (sampled,) = await sample_tokens(policy, ob_T, 1, _params(params, env, step_seed))

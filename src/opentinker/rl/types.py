@@ -44,8 +44,11 @@ MultiAgentEvaluator = Callable[[dict[str, Any], int], Awaitable[dict[str, float]
 
 @dataclass
 class Transition:
-    """One turn: ``ob_T`` the whole context the policy was prompted with (history included),
-    ``ac_T`` the sampled tokens, ``logprobs_T`` the sampler's logprob of each of them."""
+    """One turn (one LLM call): ``ob_T`` the whole context the policy was prompted with (history
+    included), ``ac_T`` the sampled tokens, ``logprobs_T`` the sampler's logprob of each of them.
+    ``extends``: the index of an earlier call of the episode whose context + output this call's
+    context claims to start with (checked when the episode's calls are merged into training
+    sequences, rl/timeline.py); None = no claim (extensions are still found and merged)."""
 
     ob_T: list[int]
     ac_T: list[int]
@@ -53,6 +56,7 @@ class Transition:
     reward: float = 0.0
     done: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    extends: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.ac_T) != len(self.logprobs_T):
@@ -101,6 +105,7 @@ class StepResult:
     done: bool
     next_ob_T: list[int] = field(default_factory=list)  # the whole next context (needed unless done)
     metrics: dict[str, float] = field(default_factory=dict)
+    extends: int | None = None  # the next call's claim: it extends call k's context + output
 
 
 class Env(ABC):

@@ -64,6 +64,11 @@ TASKS: dict[str, TaskSpec] = {
             {"max_tokens": 12, "group_size": 8, "groups_per_step": 4, "eval_every": 10},
         ),
         TaskSpec(
+            "planner_solver", "rl", "opentinker.tasks.planner_solver", "build",
+            "add up numbers in rounds of planner / solver / reviewer calls; the scratchpad is summarised between rounds (multi-call)",
+            {"max_tokens": 16, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
+        ),
+        TaskSpec(
             "tictactoe", "multiagent", "opentinker.tasks.tictactoe", "build",
             "tic-tac-toe between two policies (two adapters), each trained on its own moves",
             {"max_tokens": 4, "group_size": 8, "groups_per_step": 4, "eval_every": 10},
