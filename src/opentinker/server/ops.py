@@ -16,10 +16,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from tinker import types
+from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 from tinker.types.optimizer import OptimParamsBase
 
 from opentinker.client import SamplingClient
+from opentinker.client.convert import check_prompt_extras
 from opentinker.client.service import optimizer_type
+from opentinker.engine import EngineError
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.admission import Admission
@@ -341,8 +344,8 @@ class Operations:
 
             name = "save_weights_for_sampler"
             return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
-        # ephemeral: an in-memory snapshot served by a new sampler session (kind "inflight" is
-        # served as a snapshot too: a fixed version at least as new as the one asked for)
+        # ephemeral: an in-memory snapshot served by a new sampler session; kind "inflight" makes
+        # it the model's inflight target, which all its inflight samplers follow (registry)
         if req.sampling_session_seq_id is None:
             raise BadRequest("save_weights_for_sampler needs a path, or a sampling_session_seq_id")
         sess = self._session_of(tenant, req.model_id)
@@ -353,7 +356,8 @@ class Operations:
             return self.reg.runtime.snapshot(tc.model_id)
 
         def served(snap: Any) -> dict[str, Any]:
-            self.reg.snapshot_sampler(sess, sampler_id, snap, base)
+            serve = self.reg.inflight_sampler if req.kind == "inflight" else self.reg.snapshot_sampler
+            serve(sess, sampler_id, snap, base)
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         name = "save_weights_for_sampler"
@@ -424,6 +428,7 @@ class Operations:
         else:
             raise BadRequest("asample needs a sampling_session_id (or a base_model)")
         digest = digest_json("asample", req.model_dump(mode="json"))
+        self.check_sample(req)
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
@@ -465,14 +470,6 @@ class Operations:
         return self._once(key, digest, f"seq_id {req.seq_id} of sampler {req.sampling_session_id}", make)
 
     def _sample(self, client: Any, req: S.SampleRequest) -> Future:
-        unsupported = {
-            "topk_sample_logprobs": req.topk_sample_logprobs,
-            "target_prompt_logprobs": req.target_prompt_logprobs,
-            "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
-        }
-        for key, value in unsupported.items():
-            if value not in (None, 0, False):
-                raise UserError(f"{key} is not supported by this server")
         if not 1 <= req.num_samples <= self.config.max_num_samples:
             raise UserError(
                 f"num_samples must be in [1, {self.config.max_num_samples}], got {req.num_samples}"
@@ -483,7 +480,25 @@ class Operations:
             req.sampling_params,
             include_prompt_logprobs=bool(req.prompt_logprobs),
             topk_prompt_logprobs=req.topk_prompt_logprobs,
+            topk_sample_logprobs=req.topk_sample_logprobs,
+            target_prompt_logprobs=_target_tensor(req),
+            prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+            prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         ).future()
+
+    @staticmethod
+    def check_sample(req: S.SampleRequest) -> None:
+        """The prompt-scoring options, checked when the request arrives (400 naming the field)."""
+        try:
+            check_prompt_extras(
+                req.prompt.length,
+                bool(req.prompt_logprobs),
+                _target_tensor(req),
+                req.prompt_alt_tokens_k,
+                req.prompt_logprobs_last_n,
+            )
+        except EngineError as e:
+            raise BadRequest(str(e)) from None
 
     def _recording(
         self, tenant: str, sampler_id: str, ids: list[str], req: S.SampleRequest, client: Any, encode: Encode
@@ -519,6 +534,16 @@ class Operations:
             return encode(res)
 
         return metered
+
+
+def _target_tensor(req: S.SampleRequest) -> types.TensorData | None:
+    """``target_prompt_logprobs`` as the SDK's ``TensorData`` (400 if it is not one)."""
+    if req.target_prompt_logprobs is None:
+        return None
+    try:
+        return types.TensorData(**TensorDataModel.model_validate(req.target_prompt_logprobs).model_dump())
+    except (ValueError, TypeError) as e:
+        raise BadRequest(f"target_prompt_logprobs is not a tensor: {e}") from None
 
 
 def _capacity_state(client: SamplingClient, ticket: int) -> tuple[QueueState, str | None]:
