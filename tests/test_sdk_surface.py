@@ -45,17 +45,10 @@ HTTP_HELPERS = {"get", "post", "put", "patch", "delete", "_get", "_post", "_put"
 SAMPLE_PARAMS = {"checkpoint_id": "sampler_weights/ckpt-1", "sampling_session_id": "sess-1:sample:0"}
 
 # (METHOD, SDK path template) known to be unserved today, and what serves them.
-PENDING_ROUTES: set[tuple[str, str]] = {
-    # session trace export
-    ("GET", "/api/v1/sessions/{session_id}/trace_export"),
-}
+PENDING_ROUTES: set[tuple[str, str]] = set()
 
 # "Client.method" known to be called by no test today, and what will call them.
-PENDING_METHODS: set[str] = {
-    # session trace export
-    "RestClient.export_session_trace",
-    "RestClient.export_session_trace_async",
-}
+PENDING_METHODS: set[str] = set()
 
 
 # ---------------------------------------------------------------------------- the SDK's routes

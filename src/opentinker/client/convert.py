@@ -63,7 +63,79 @@ def sampling_params(p: types.SamplingParams) -> SamplingParams:
     )
 
 
-def sample_response(res: SampleResult) -> types.SampleResponse:
+MAX_PROMPT_CELLS = 1 << 22  # len(prompt) x K cells of target / alternative prompt tokens at most
+
+
+def check_prompt_extras(
+    prompt_len: int,
+    include_prompt_logprobs: bool,
+    target: types.TensorData | None,
+    alt_k: int,
+    last_n: int | None,
+) -> tuple[tuple[int, ...], ...] | None:
+    """Check the prompt-scoring options of a sample call (raising ``EngineError`` naming the
+    field); the ``target_prompt_logprobs`` ids as rows (-1 = none), or None."""
+    if last_n is not None:
+        if not include_prompt_logprobs:
+            raise EngineError("prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs")
+        if not isinstance(last_n, int) or not 1 <= last_n <= prompt_len - 1:
+            raise EngineError(
+                f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {prompt_len - 1}, got {last_n!r}"
+            )
+    if not isinstance(alt_k, int) or alt_k < 0:
+        raise EngineError(f"prompt_alt_tokens_k must be an integer >= 0, got {alt_k!r}")
+    if alt_k * prompt_len > MAX_PROMPT_CELLS:
+        raise EngineError(
+            f"prompt_alt_tokens_k = {alt_k} is too large for a {prompt_len}-token prompt: "
+            f"len(prompt) * k may be at most {MAX_PROMPT_CELLS}"
+        )
+    if target is None:
+        return None
+    if target.dtype != "int64" or target.shape is None or len(target.shape) != 2:
+        raise EngineError(
+            f"target_prompt_logprobs must be a 2-D int64 tensor [len(prompt) - 1, K], "
+            f"got {target.dtype} of shape {target.shape}"
+        )
+    rows, k = target.shape
+    if rows != prompt_len - 1:
+        raise EngineError(
+            f"target_prompt_logprobs must have len(prompt) - 1 = {prompt_len - 1} rows "
+            f"(row i is scored at prompt position i + 1), got {rows}"
+        )
+    if rows * k > MAX_PROMPT_CELLS:
+        raise EngineError(f"target_prompt_logprobs has {rows * k} cells; at most {MAX_PROMPT_CELLS}")
+    try:
+        ids = target.to_numpy(pad_value=-1).reshape(rows, k)
+    except Exception as e:
+        raise EngineError(f"target_prompt_logprobs is malformed ({e})") from e
+    if not (ids >= 0).any():
+        raise EngineError("target_prompt_logprobs names no token id (every cell is -1)")
+    return tuple(tuple(int(t) for t in row) for row in ids)
+
+
+def _like(layout: types.TensorData, values_PK: np.ndarray) -> types.TensorData:
+    """``values_PK`` (float32 [P-1, K]) in the layout of the request's tensor: its cells only,
+    when it was sparse CSR."""
+    if layout.sparse_crow_indices is None or layout.sparse_col_indices is None:
+        return types.TensorData(data=values_PK.reshape(-1), dtype="float32", shape=list(values_PK.shape))
+    crow, col = layout.sparse_crow_indices, layout.sparse_col_indices
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(np.asarray(crow)))
+    vals = values_PK[rows, np.asarray(col, dtype=np.int64)] if len(col) else np.zeros(0, np.float32)
+    return types.TensorData(
+        data=vals.astype(np.float32),
+        dtype="float32",
+        shape=list(values_PK.shape),
+        sparse_crow_indices=list(crow),
+        sparse_col_indices=list(col),
+    )
+
+
+def sample_response(
+    res: SampleResult,
+    *,
+    target_layout: types.TensorData | None = None,
+    prompt_logprobs_last_n: int | None = None,
+) -> types.SampleResponse:
     seqs = [
         types.SampledSequence(
             stop_reason=s.stop_reason,
@@ -74,11 +146,31 @@ def sample_response(res: SampleResult) -> types.SampleResponse:
         )
         for s in res.sequences
     ]
-    prompt_np = None
+    prompt_np, topk_prompt = None, res.topk_prompt_logprobs
+    first = (
+        None if prompt_logprobs_last_n is None else len(res.prompt_logprobs or []) - prompt_logprobs_last_n
+    )
     if res.prompt_logprobs is not None:
         prompt_np = np.asarray([np.nan if x is None else x for x in res.prompt_logprobs], dtype=np.float32)
+        if first is not None:
+            prompt_np[:first] = np.nan
+    if topk_prompt is not None and first is not None:
+        topk_prompt = [None if i < first else row for i, row in enumerate(topk_prompt)]
+    target = None
+    if res.target_prompt_logprobs is not None and target_layout is not None:
+        lps = np.asarray(res.target_prompt_logprobs, dtype=np.float32).reshape(target_layout.shape or [0, 0])
+        target = _like(target_layout, lps)
+    alt = None
+    if res.prompt_alt_tokens is not None:
+        toks, lps = (np.asarray(x) for x in res.prompt_alt_tokens)
+        alt = types.PromptAltTokens(
+            tokens=types.TensorData(data=toks.reshape(-1), dtype="int64", shape=list(toks.shape)),
+            logprobs=types.TensorData(data=lps.reshape(-1), dtype="float32", shape=list(lps.shape)),
+        )
     return types.SampleResponse(
         sequences=seqs,
         prompt_logprobs_np=prompt_np,
-        _topk_prompt_logprobs_list=res.topk_prompt_logprobs,
+        _topk_prompt_logprobs_list=topk_prompt,
+        target_prompt_logprobs=target,
+        prompt_alt_tokens=alt,
     )

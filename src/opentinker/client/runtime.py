@@ -41,7 +41,7 @@ from opentinker.sampling import NativeBackend, RolloutBackend
 from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
-from opentinker.scheduler import Scheduler
+from opentinker.scheduler import Scheduler, TickRecord
 
 ROLLOUT_BACKENDS = ("native", "vllm")
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -207,6 +207,12 @@ class Runtime:
     def tokenizer(self, base_model: str) -> Any:
         """The base model's tokenizer (a ``transformers`` tokenizer), shared by all its adapters."""
         return self.backend(base_model).engine.base.tokenizer
+
+    def tick_record(self, base_model: str, tick: int) -> TickRecord | None:
+        """When tick ``tick`` of ``base_model``'s scheduler ran and what it fused (recent ticks)."""
+        with self._lock:
+            b = self._backends.get(canonical_name(base_model))
+        return None if b is None else b.scheduler.tick_record(tick)
 
     def new_session(self) -> str:
         return f"sess-{uuid.uuid4().hex[:12]}"

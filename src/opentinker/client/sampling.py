@@ -7,7 +7,7 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.convert import sample_response
+from opentinker.client.convert import check_prompt_extras, sample_response
 from opentinker.client.convert import sampling_params as to_sampling_params
 from opentinker.client.futures import ReadyClient, mapped
 from opentinker.client.runtime import Runtime
@@ -41,22 +41,37 @@ class SamplingClient(ReadyClient):
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
-        **unsupported: Any,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
-        for key, value in unsupported.items():
-            if value not in (None, 0, False):
-                raise ValueError(f"sample(): {key} is not supported by OpenTinker yet")
+        ids = prompt.to_ints()
+        targets = check_prompt_extras(
+            len(ids),
+            include_prompt_logprobs,
+            target_prompt_logprobs,
+            prompt_alt_tokens_k,
+            prompt_logprobs_last_n,
+        )
         req = SampleRequest(
             self.policy,
-            prompt.to_ints(),
+            ids,
             to_sampling_params(sampling_params),
             num_samples=num_samples,
             prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_tokens=targets,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
         )
         self._note_use()
-        return mapped(self._submit(req), sample_response)
+
+        def convert(res: SampleResult) -> types.SampleResponse:
+            return sample_response(
+                res, target_layout=target_prompt_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n
+            )
+
+        return mapped(self._submit(req), convert)
 
     async def sample_async(self, *args: Any, **kwargs: Any) -> types.SampleResponse:
         # the SDK's deprecated form: the result itself (``await client.sample(...)`` is the new one)

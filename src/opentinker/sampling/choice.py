@@ -119,3 +119,28 @@ def prompt_logprobs(res: SampleResult, logits_PV: torch.Tensor, r: SampleRequest
         res.topk_prompt_logprobs = [None] + [
             list(zip(ix, vs, strict=True)) for ix, vs in zip(indices.tolist(), values.tolist(), strict=True)
         ]
+    if r.target_prompt_tokens is not None:
+        ids = torch.tensor(r.target_prompt_tokens, dtype=torch.long, device=logp.device)  # [P-1, K]
+        if ids.numel():
+            picked = logp[:-1].gather(-1, ids.clamp(min=0))
+            res.target_prompt_logprobs = picked.masked_fill(ids < 0, 0.0).tolist()
+        else:
+            res.target_prompt_logprobs = [[] for _ in r.target_prompt_tokens]
+    if r.prompt_alt_tokens_k:
+        res.prompt_alt_tokens = prompt_alt_tokens(logits_PV[:-1], r)
+
+
+def prompt_alt_tokens(logits_PV: torch.Tensor, r: SampleRequest) -> tuple[list[list[int]], list[list[float]]]:
+    """``r.prompt_alt_tokens_k`` independent draws from each row of ``logits_PV`` at the request's
+    temperature (the argmax when greedy), with their logprobs under the distribution a sampled
+    token's logprob uses (softmax(logits / T), T = 1 when greedy). Top-k / top-p do not apply: these
+    are draws from the model's distribution. Seeded by the request's seed."""
+    k, temp = r.prompt_alt_tokens_k, r.params.temperature
+    logp = torch.log_softmax(logits_PV if temp in (0, 1) else logits_PV / temp, -1)
+    if temp == 0:
+        toks = logp.argmax(-1, keepdim=True).expand(-1, k)
+    else:
+        gen = torch.Generator(device=logp.device)
+        gen.manual_seed(r.params.seed if r.params.seed is not None else int(torch.seed()))
+        toks = torch.multinomial(logp.exp(), k, replacement=True, generator=gen)
+    return toks.tolist(), logp.gather(-1, toks).tolist()

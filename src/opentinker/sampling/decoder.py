@@ -172,7 +172,7 @@ class StepDecoder:
         eng, dev = self.engine, self.engine.device
         pins = [p for _, p in items]
         reqs = [p.req for p in pins]
-        want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
+        want_prompt = any(r.wants_prompt for r in reqs)
         cached = self.prefix_cache.max_bytes > 0 and not want_prompt
         jobs = [_Job(rid, p, cached, _policy_key(p) if cached else None) for rid, p in items]
         weights = {p.slot: p.weights for p in pins}
@@ -203,7 +203,7 @@ class StepDecoder:
             prefix = SharedPrefix(reqs[0].prompt[:shared], make_plan(eng, [slots[0]], weights))
         logits = model.prefill(ids, mask, pos, want_prompt, prefill_plan, prefix)
         for i, r in enumerate(reqs):
-            if r.prompt_logprobs or r.topk_prompt_logprobs:
+            if r.wants_prompt:
                 prompt_logprobs(jobs[i].result, logits[i, width - lens[i] :], r)
 
         rows: list[Row] = []

@@ -79,6 +79,9 @@ class NativeBackend(RolloutBackend):
     def validate(self, req: SampleRequest) -> None:
         """Raise :class:`EngineError` naming the problem with ``req``."""
         check_request(req, vocab_size=self.engine.vocab_size, max_context=self.engine.max_context)
+        _check_prompt_extras(
+            req, self.engine.vocab_size
+        )  # the prompt-logprob extras only this backend serves
         self.engine.check_policy(req.policy)
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
@@ -147,3 +150,28 @@ def _eos_ids(engine: Engine) -> set[int]:
     elif isinstance(eos, list):
         ids.update(int(e) for e in eos)
     return ids
+
+
+def _check_prompt_extras(req: SampleRequest, vocab: int) -> None:
+    """``target_prompt_tokens`` and ``prompt_alt_tokens_k``: a row per prompt position after the
+    first, ids in the vocabulary (or -1), k in [0, vocab]."""
+    if req.target_prompt_tokens is not None:
+        rows = req.target_prompt_tokens
+        if len(req.prompt) < 2 or len(rows) != len(req.prompt) - 1:
+            raise EngineError(
+                f"target_prompt_logprobs must have len(prompt) - 1 = {len(req.prompt) - 1} rows "
+                f"(row i is scored at prompt position i + 1), got {len(rows)}"
+            )
+        widths = {len(row) for row in rows}
+        if len(widths) > 1:
+            raise EngineError("target_prompt_logprobs must be a [len(prompt) - 1, K] matrix (rows differ)")
+        bad = [t for row in rows for t in row if not -1 <= t < vocab]
+        if bad:
+            raise EngineError(
+                f"target_prompt_logprobs has token id {bad[0]} outside the vocabulary [0, {vocab}) (-1 = none)"
+            )
+    k = req.prompt_alt_tokens_k
+    if not isinstance(k, int) or not 0 <= k <= vocab:
+        raise EngineError(f"prompt_alt_tokens_k must be an integer in [0, {vocab}], got {k!r}")
+    if k and len(req.prompt) < 2:
+        raise EngineError("prompt_alt_tokens_k needs a prompt of at least 2 tokens")

@@ -38,6 +38,21 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0  # k most likely (token, logprob) at each sampled position
+    # [len(prompt) - 1][K] token ids whose logprob to report; row i is scored at prompt position
+    # i + 1 (what the tokens before it predict there); -1 asks for nothing (reported as 0.0)
+    target_prompt_tokens: tuple[tuple[int, ...], ...] | None = None
+    # k independent draws (at the request's temperature) at every prompt position after the first
+    prompt_alt_tokens_k: int = 0
+
+    @property
+    def wants_prompt(self) -> bool:
+        """Does this request need the logits at every prompt position (a full prefill)?"""
+        return bool(
+            self.prompt_logprobs
+            or self.topk_prompt_logprobs
+            or self.target_prompt_tokens is not None
+            or self.prompt_alt_tokens_k
+        )
 
 
 @dataclass
@@ -57,3 +72,7 @@ class SampleResult:
     prompt_logprobs: list[float | None] | None = None
     # one per prompt token: the k most likely (token, logprob) at that position; first is None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # [len(prompt) - 1][K]: the logprobs of ``target_prompt_tokens`` (0.0 where it had -1)
+    target_prompt_logprobs: list[list[float]] | None = None
+    # ``prompt_alt_tokens_k`` draws: ([len(prompt) - 1][k] token ids, their logprobs)
+    prompt_alt_tokens: tuple[list[list[int]], list[list[float]]] | None = None

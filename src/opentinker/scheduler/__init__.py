@@ -1,5 +1,5 @@
 """The scheduler: queues work from many clients and decides *when* it runs, in ticks ("clock cycles")."""
 
-from opentinker.scheduler.scheduler import Scheduler, TickStats
+from opentinker.scheduler.scheduler import Scheduler, TickRecord, TickStats
 
-__all__ = ["Scheduler", "TickStats"]
+__all__ = ["Scheduler", "TickRecord", "TickStats"]

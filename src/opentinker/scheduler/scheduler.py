@@ -36,7 +36,10 @@ set is empty and the window is ``gather_s`` of quiet instead, to catch clients s
 A client is its training model: a sample request counts for the model its snapshot was taken from
 (``<model>@v<n>``).
 
-The tick number is reported in each result's metrics as ``clock_cycle:unique``.
+The tick number is reported in each result's metrics as ``clock_cycle:unique``. The last
+``TICK_LOG`` ticks are kept as :class:`TickRecord` records (wall-clock start and end, what ran in them),
+so a request's trace can show the tick that ran it and the batch it was fused into
+(:meth:`Scheduler.tick_record`).
 
 **Sample tickets.** Each sample request gets a ticket (1, 2, 3, … in submission order; the
 submitting thread reads its own with :meth:`Scheduler.last_sample_ticket`). Since sampling is FIFO,
@@ -72,6 +75,23 @@ class _Op:
     submitted: float = field(default_factory=time.perf_counter)
 
 
+TICK_LOG = 4096  # tick records kept, newest last
+
+
+@dataclass(frozen=True)
+class TickRecord:
+    """One tick: its number, wall-clock start and end (``time.time()``), and what it ran."""
+
+    tick: int
+    start: float
+    end: float
+    fused_requests: int  # forward/backward requests in its one fused pass
+    fused_rows: int  # their datums together
+    optim_steps: int
+    calls: int
+    sample_requests: int  # sampled inside the tick (only without a rollout loop)
+
+
 @dataclass
 class TickStats:
     ticks: int = 0
@@ -100,6 +120,7 @@ class Scheduler:
         self.rollout = rollout  # None: sampling runs in the ticks (serialized)
         self.max_sample_rows = max_sample_rows
         self.stats = TickStats()
+        self._tick_log: deque[TickRecord] = deque(maxlen=TICK_LOG)
         self._queues: dict[str, deque[_Op]] = {}
         self._samples: deque[tuple[SampleRequest, Future]] = deque()
         self._tickets = 0  # sample tickets handed out
@@ -289,7 +310,7 @@ class Scheduler:
         optims: list[tuple[str, _Op]],
         samples: list[tuple[SampleRequest, Future]],
     ) -> None:
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         tick = self.stats.ticks + 1
         for op in calls:
             _settle(op.future, lambda op=op: op.payload(self.engine))
@@ -327,6 +348,19 @@ class Scheduler:
         self.stats.optim_steps += len(optims)
         self.stats.sample_requests += len(samples)
         self.stats.last_tick_seconds = time.perf_counter() - t0
+        rows = sum(len(op.payload.examples) for op in forwards)
+        record = TickRecord(
+            tick, wall0, time.time(), len(forwards), rows, len(optims), len(calls), len(samples)
+        )
+        self._tick_log.append(record)
+
+    def tick_record(self, tick: int) -> TickRecord | None:
+        """The record of tick number ``tick``, if it is among the last ``TICK_LOG``."""
+        log = list(self._tick_log)  # a copy: the loop thread appends
+        if not log or not log[0].tick <= tick <= log[-1].tick:
+            return None
+        found = log[tick - log[0].tick]
+        return found if found.tick == tick else None
 
     def _fail_pending(self, err: BaseException) -> None:
         for q in self._queues.values():

@@ -49,6 +49,7 @@ from opentinker.server.sessions import SessionApi, SessionSearchRequest
 from opentinker.server.signing import UrlSigner
 from opentinker.server.store import Store
 from opentinker.server.tokens import TokenSigner, load_secret
+from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,13 @@ class Server:
         self.sequencer = Sequencer()
         self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
         self.usage = Ledger(self.store.path, self.runtime.store)  # audit log and usage counters
-        self.ops = Operations(config, self.registry, self.futures, self.sequencer, self.usage)
+        self.traces = SessionTraces(config.data_dir, self.runtime.tick_record)
+        self.ops = Operations(config, self.registry, self.futures, self.sequencer, self.usage, self.traces)
         self.lifecycle = Lifecycle(config, self.registry, self.futures, self.ops)
         self.checkpoints = CheckpointApi(self.runtime.store, self.store, self.runtime.external)
         self.runtime.is_public = self.checkpoints.is_public  # published checkpoints: readable by all
-        self.downloads = Downloads(self.checkpoints, self.runtime.external, UrlSigner(config.data_dir))
+        signer = UrlSigner(config.data_dir)
+        self.downloads = Downloads(self.checkpoints, self.runtime.external, signer, self.traces, self.store)
         self.sessions = SessionApi(self.store, config.session_inactive_s)
         self.projects = ProjectApi(self.registry)
         reconcile(self.runtime.store, self.store, self.runtime.external)
@@ -316,6 +319,11 @@ def _routes(app: FastAPI, server: Server) -> None:
         session_id: str, t: Tenant, access_scope: S.AccessScope = "owned"
     ) -> dict[str, Any]:
         return server.sessions.get(t, session_id)
+
+    @app.get(f"{api}/sessions/{{session_id}}/trace_export", tags=["sessions"])
+    async def trace_export(session_id: str, request: Request, t: Tenant) -> dict[str, Any]:
+        server.sessions.get(t, session_id)  # another tenant's session is unknown (404)
+        return await asyncio.to_thread(server.downloads.trace_url, t, str(request.base_url), session_id)
 
     @app.put(f"{api}/sessions/{{session_id}}/project", tags=["sessions"])
     async def assign_project(session_id: str, req: AssignProjectRequest, t: Tenant) -> dict[str, Any]:

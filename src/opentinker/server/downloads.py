@@ -9,6 +9,10 @@ as ``tinker_cookbook.weights.download`` does). A URL is refused (403, saying why
 signature does not match (changed or made up), when it has expired, or when the request carries
 an API key of another tenant than the one the URL was made for; and (404) when the export was
 deleted, expired, or is no longer readable by that tenant (unpublished).
+
+Session traces (``export_session_trace``, :mod:`opentinker.server.traces`) go through the same
+route as ``/downloads/<session>/traces/<export>/trace.json``, under the same rules, for the
+session's tenant only.
 """
 
 from __future__ import annotations
@@ -22,13 +26,31 @@ from opentinker.client.external import ExternalStore
 from opentinker.server.checkpoints import CheckpointApi
 from opentinker.server.errors import BadRequest, Forbidden, NotFound
 from opentinker.server.signing import UrlSigner
+from opentinker.server.store import Store
+from opentinker.server.traces import KIND as TRACES
+from opentinker.server.traces import SessionTraces
 
 
 class Downloads:
-    def __init__(self, checkpoints: CheckpointApi, external: ExternalStore, signer: UrlSigner) -> None:
+    def __init__(
+        self,
+        checkpoints: CheckpointApi,
+        external: ExternalStore,
+        signer: UrlSigner,
+        traces: SessionTraces | None = None,
+        store: Store | None = None,
+    ) -> None:
         self.ckpts = checkpoints
         self.external = external
         self.signer = signer
+        self.traces = traces
+        self.store = store
+
+    def trace_url(self, tenant: str, base_url: str, session_id: str) -> dict[str, Any]:
+        """The session's trace, written now, and the SDK's poll answer with its signed URL."""
+        if self.traces is None:
+            return {"status": "failed", "error": "this server keeps no session traces"}
+        return self.traces.export(session_id, self.signer, tenant, base_url)
 
     def urls(self, tenant: str, base_url: str, model_id: str, kind: str, name: str) -> dict[str, Any]:
         if kind != EXTERNAL:
@@ -57,6 +79,14 @@ class Downloads:
         caller: str | None,
     ) -> Path:
         """The file a signed URL names, once the URL checks out (see the module docstring)."""
+        if kind == TRACES and self.traces is not None and self.store is not None:
+            self.signer.verify(tenant, f"tinker://{model_id}/{kind}/{name}", file, expires, sig)
+            if caller is not None and caller != tenant:
+                raise Forbidden("this download URL was made for another tenant")
+            row = self.store.session(model_id)
+            if row is None or row.tenant != tenant:
+                raise NotFound(f"unknown session {model_id!r}")
+            return self.traces.file(model_id, name, file)
         if kind != EXTERNAL:
             raise NotFound(f"no downloads under {kind!r}")
         path = self.ckpts.path_of(model_id, kind, name)

@@ -16,10 +16,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from tinker import types
+from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 from tinker.types.optimizer import OptimParamsBase
 
 from opentinker.client import SamplingClient
+from opentinker.client.convert import check_prompt_extras
 from opentinker.client.service import optimizer_type
+from opentinker.engine import EngineError
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.admission import Admission
@@ -32,6 +35,7 @@ from opentinker.server.futures import FutureStore, QueueState, chain, fail
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
 from opentinker.server.stability import StabilityRecords
+from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
 from opentinker.server.wire import (
     decode_forward_backward,
@@ -42,6 +46,8 @@ from opentinker.server.wire import (
 
 Submit = Callable[[], Future]
 Encode = Callable[[Any], Any]
+# what a request's trace span records: (session id, operation, track, base model, seq_id)
+Trace = tuple[str, str, str, str | None, int | None]
 
 
 class Operations:
@@ -52,6 +58,7 @@ class Operations:
         futures: FutureStore,
         sequencer: Sequencer,
         ledger: Ledger | None = None,
+        traces: SessionTraces | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger  # counts the tokens each tenant trained and sampled
@@ -63,18 +70,38 @@ class Operations:
         self.admit = Admission(config.max_running_per_tenant)
         self.custom_losses = CustomLosses()
         self.stability = StabilityRecords()
+        self.traces = traces  # each session's requests on a timeline (export_session_trace)
 
     # ------------------------------------------------------------------ plumbing
     def run(self, tenant: str, submit: Submit, encode: Encode) -> str:
         """An unordered operation: submit now; a request id for its encoded result."""
         return self._run(tenant, submit, encode)
 
-    def _run(self, tenant: str, submit: Submit, encode: Encode) -> str:
+    def _run(self, tenant: str, submit: Submit, encode: Encode, trace: Trace | None = None) -> str:
         """An unordered operation: submit now (or when the tenant's admission lets it); a request
         id for its encoded result."""
         request_id, out = self.futures.create(tenant)
+        submit, encode = self._traced(request_id, out, submit, encode, trace)
         self._admit(tenant, request_id, out, submit, encode)
         return request_id
+
+    def _traced(
+        self, request_id: str, out: Future, submit: Submit, encode: Encode, trace: Trace | None
+    ) -> tuple[Submit, Encode]:
+        """``submit`` and ``encode``, recording the request's span in its session's trace."""
+        if self.traces is None or trace is None:
+            return submit, encode
+        session, name, track, base, seq_id = trace
+        span = self.traces.begin(session, request_id, name, track, base, seq_id)
+        self.traces.finish_with(session, span, out)
+        return self.traces.submit(span, submit), self.traces.encode(span, encode)
+
+    def _model_trace(self, name: str, model_id: str, seq_id: int | None) -> Trace:
+        try:
+            base: str | None = self.reg.runtime.model(model_id).base_model
+        except Exception:  # not (or no longer) in memory: traced without its ticks
+            base = None
+        return (model_id.split(":train:", 1)[0], name, model_id, base, seq_id)
 
     def _admit(self, tenant: str, request_id: str, out: Future, submit: Submit, encode: Encode) -> None:
         self.futures.hooks(
@@ -85,17 +112,26 @@ class Operations:
         self.admit.submit(tenant, out, lambda: chain(submit(), out, encode))
 
     def _ordered(
-        self, tenant: str, model_id: str, seq_id: int | None, digest: str, submit: Submit, encode: Encode
+        self,
+        tenant: str,
+        model_id: str,
+        seq_id: int | None,
+        digest: str,
+        submit: Submit,
+        encode: Encode,
+        name: str = "",
     ) -> str:
         """A training operation, run in its model's ``seq_id`` order; retries get the same id."""
+        trace = self._model_trace(name, model_id, seq_id) if name else None
         if seq_id is None:
-            return self._run(tenant, submit, encode)
+            return self._run(tenant, submit, encode, trace)
         hit = self.seq.lookup(model_id, seq_id, digest)
         if hit is not None:
             return hit
         # the one its model's held requests wait for must get in, or they would hold the
         # tenant's pending slots while it is refused for want of one
         request_id, out = self.futures.create(tenant, exempt=self.seq.awaited(model_id, seq_id))
+        submit, encode = self._traced(request_id, out, submit, encode, trace)
         try:
             self.seq.submit(
                 model_id,
@@ -142,7 +178,10 @@ class Operations:
                     user_metadata=req.user_metadata,
                 )
 
-            return self._run(tenant, submit, lambda rec: {"model_id": rec.model_id, "type": "create_model"})
+            trace = (sess.id, "create_model", sess.id, req.base_model, req.model_seq_id)
+            return self._run(
+                tenant, submit, lambda rec: {"model_id": rec.model_id, "type": "create_model"}, trace
+            )
 
         return self._once(
             ("model", sess.id, req.model_seq_id), digest, f"model_seq_id {req.model_seq_id}", make
@@ -182,6 +221,7 @@ class Operations:
                     tenant,
                     submit,
                     lambda rec: {"path": req.path, "model_id": rec.model_id, "type": "load_weights"},
+                    (sess.id, "create_model_from_state", sess.id, req.base_model, req.model_seq_id),
                 )
 
             return self._once(
@@ -203,6 +243,7 @@ class Operations:
             digest,
             submit,
             lambda r: r.model_dump(mode="json", exclude_none=True),
+            "load_weights",
         )
 
     # ------------------------------------------------------------------ training
@@ -248,7 +289,8 @@ class Operations:
                 ledger.count(tenant, "training", tokens, session_id=session, base_model=base)
             return encode_forward_output(out)
 
-        return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode)
+        name = "forward" if call.forward_only else "forward_backward"
+        return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode, name)
 
     def optim_step(self, tenant: str, req: S.OptimStepRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
@@ -269,6 +311,7 @@ class Operations:
             digest,
             submit,
             lambda r: r.model_dump(mode="json", exclude_none=True),
+            "optim_step",
         )
 
     def save_weights(self, tenant: str, req: S.SaveWeightsRequest) -> str:
@@ -284,7 +327,7 @@ class Operations:
             check_ttl(req.ttl_seconds)  # refused in the model's order: nothing is saved
             return tc.save_state(name, overwrite=req.overwrite).future()
 
-        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved)
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, "save_weights")
 
     def save_weights_for_sampler(self, tenant: str, req: S.SaveWeightsForSamplerRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
@@ -299,9 +342,10 @@ class Operations:
                 check_ttl(req.ttl_seconds)
                 return tc.save_weights_for_sampler(req.path or "").future()
 
-            return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved)
-        # ephemeral: an in-memory snapshot served by a new sampler session (kind "inflight" is
-        # served as a snapshot too: a fixed version at least as new as the one asked for)
+            name = "save_weights_for_sampler"
+            return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
+        # ephemeral: an in-memory snapshot served by a new sampler session; kind "inflight" makes
+        # it the model's inflight target, which all its inflight samplers follow (registry)
         if req.sampling_session_seq_id is None:
             raise BadRequest("save_weights_for_sampler needs a path, or a sampling_session_seq_id")
         sess = self._session_of(tenant, req.model_id)
@@ -312,10 +356,12 @@ class Operations:
             return self.reg.runtime.snapshot(tc.model_id)
 
         def served(snap: Any) -> dict[str, Any]:
-            self.reg.snapshot_sampler(sess, sampler_id, snap, base)
+            serve = self.reg.inflight_sampler if req.kind == "inflight" else self.reg.snapshot_sampler
+            serve(sess, sampler_id, snap, base)
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-        return self._ordered(tenant, req.model_id, req.seq_id, digest, snapshot, served)
+        name = "save_weights_for_sampler"
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, snapshot, served, name)
 
     def save_weights_external(self, tenant: str, req: S.SaveWeightsExternalRequest) -> str:
         """The adapter in PEFT format at ``tinker://<model_id>/external_weights/<name>``."""
@@ -332,7 +378,8 @@ class Operations:
                 req.path, age_encryption_recipients=req.age_encryption_recipients
             ).future()
 
-        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved)
+        name = "save_weights_external"
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
 
     def _session_of(self, tenant: str, model_id: str) -> Session:
         return self.reg.session(tenant, model_id.split(":train:", 1)[0], live=False)
@@ -381,6 +428,7 @@ class Operations:
         else:
             raise BadRequest("asample needs a sampling_session_id (or a base_model)")
         digest = digest_json("asample", req.model_dump(mode="json"))
+        self.check_sample(req)
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
@@ -395,7 +443,11 @@ class Operations:
             encode = self._metered(tenant, client, req)
             if req.record_stability_info and req.sampling_session_id is not None:
                 encode = self._recording(tenant, req.sampling_session_id, ids, req, client, encode)
-            rid = self._run(tenant, submit, encode)
+            trace: Trace | None = None
+            if req.sampling_session_id is not None:
+                session = req.sampling_session_id.split(":sample:", 1)[0]
+                trace = (session, "sample", req.sampling_session_id, str(client.base_model), req.seq_id)
+            rid = self._run(tenant, submit, encode, trace)
             out = self.futures.future_of(rid)
             if out is not None:  # held by admission first, then (once queued) by the sampler
 
@@ -418,14 +470,6 @@ class Operations:
         return self._once(key, digest, f"seq_id {req.seq_id} of sampler {req.sampling_session_id}", make)
 
     def _sample(self, client: Any, req: S.SampleRequest) -> Future:
-        unsupported = {
-            "topk_sample_logprobs": req.topk_sample_logprobs,
-            "target_prompt_logprobs": req.target_prompt_logprobs,
-            "prompt_alt_tokens_k": req.prompt_alt_tokens_k,
-        }
-        for key, value in unsupported.items():
-            if value not in (None, 0, False):
-                raise UserError(f"{key} is not supported by this server")
         if not 1 <= req.num_samples <= self.config.max_num_samples:
             raise UserError(
                 f"num_samples must be in [1, {self.config.max_num_samples}], got {req.num_samples}"
@@ -436,7 +480,25 @@ class Operations:
             req.sampling_params,
             include_prompt_logprobs=bool(req.prompt_logprobs),
             topk_prompt_logprobs=req.topk_prompt_logprobs,
+            topk_sample_logprobs=req.topk_sample_logprobs,
+            target_prompt_logprobs=_target_tensor(req),
+            prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+            prompt_logprobs_last_n=req.prompt_logprobs_last_n,
         ).future()
+
+    @staticmethod
+    def check_sample(req: S.SampleRequest) -> None:
+        """The prompt-scoring options, checked when the request arrives (400 naming the field)."""
+        try:
+            check_prompt_extras(
+                req.prompt.length,
+                bool(req.prompt_logprobs),
+                _target_tensor(req),
+                req.prompt_alt_tokens_k,
+                req.prompt_logprobs_last_n,
+            )
+        except EngineError as e:
+            raise BadRequest(str(e)) from None
 
     def _recording(
         self, tenant: str, sampler_id: str, ids: list[str], req: S.SampleRequest, client: Any, encode: Encode
@@ -472,6 +534,16 @@ class Operations:
             return encode(res)
 
         return metered
+
+
+def _target_tensor(req: S.SampleRequest) -> types.TensorData | None:
+    """``target_prompt_logprobs`` as the SDK's ``TensorData`` (400 if it is not one)."""
+    if req.target_prompt_logprobs is None:
+        return None
+    try:
+        return types.TensorData(**TensorDataModel.model_validate(req.target_prompt_logprobs).model_dump())
+    except (ValueError, TypeError) as e:
+        raise BadRequest(f"target_prompt_logprobs is not a tensor: {e}") from None
 
 
 def _capacity_state(client: SamplingClient, ticket: int) -> tuple[QueueState, str | None]:

@@ -61,6 +61,19 @@ class Sampler:
     foreign: bool = False  # made from another tenant's published checkpoint
 
 
+@dataclass
+class InflightTarget:
+    """The shared weights target of a training model's ``kind="inflight"`` samplers: its newest
+    inflight save (``current``) and the one before (kept until the next save, so a request that
+    read it just before an update still finds it)."""
+
+    base_model: str
+    owner: str  # the training model (the snapshots' queue)
+    current: str
+    previous: str | None = None
+    clients: list[SamplingClient] = field(default_factory=list)
+
+
 class Registry:
     def __init__(self, runtime: Runtime, store: Store, sequencer: Sequencer, base_models: list[str]) -> None:
         self.runtime = runtime
@@ -71,6 +84,7 @@ class Registry:
             self.served[canonical_name(name)] = runtime.base_model_info(name).name
         self.sessions: dict[str, Session] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.inflight: dict[str, InflightTarget] = {}  # training model -> its inflight samplers' target
         self.trainers: dict[str, TrainingClient] = {}
         self._lock = threading.Lock()
         self._touched: dict[str, float] = {}
@@ -148,6 +162,13 @@ class Registry:
             if rec is not None and not rec.deleted:
                 self.runtime.delete_model(model_id)  # queued after what the model still has to run
             self.trainers.pop(model_id, None)
+        for model_id in models:
+            target = self.inflight.pop(model_id, None)
+            if target is None:
+                continue
+            for snapshot_id in (target.current, target.previous):
+                if snapshot_id is not None:
+                    self.runtime.release_snapshot(target.base_model, snapshot_id, queue=target.owner)
         for sampler_id in samplers:
             sampler = self.samplers.pop(sampler_id, None)
             if sampler is not None and sampler.owner is not None and sampler.client.policy is not None:
@@ -408,6 +429,29 @@ class Registry:
     ) -> Sampler:
         client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
         return self.add_sampler(sess, sampler_id, client, owner=snap.adapter_id)
+
+    def inflight_sampler(
+        self, sess: Session, sampler_id: str, snap: SnapshotInfo, base_model: str
+    ) -> Sampler:
+        """A ``kind="inflight"`` sampler: ``snap`` becomes its model's inflight target, and every
+        inflight sampler of that model (this one and the earlier ones) serves its next requests on
+        it. Requests already decoding finish on the weights they started with."""
+        stale = None
+        client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
+        with self._lock:
+            target = self.inflight.get(snap.adapter_id)
+            if target is None:
+                target = self.inflight[snap.adapter_id] = InflightTarget(
+                    base_model, snap.adapter_id, snap.snapshot_id
+                )
+            else:
+                stale, target.previous, target.current = target.previous, target.current, snap.snapshot_id
+            for other in target.clients:
+                other.policy = snap.snapshot_id
+            target.clients.append(client)
+        if stale is not None:
+            self.runtime.release_snapshot(base_model, stale, queue=snap.adapter_id)
+        return self.add_sampler(sess, sampler_id, client)  # the target owns (releases) its snapshots
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
         with self._lock:

@@ -98,7 +98,7 @@ class SaveWeightsForSamplerRequest(_Wire):
     model_id: str
     path: str | None = None
     sampling_session_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ)
-    kind: str = "snapshot"
+    kind: Literal["snapshot", "inflight"] = "snapshot"  # the SDK's SamplingClientKind
     seq_id: int | None = Field(default=None, ge=1, le=MAX_SEQ)
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None

@@ -291,6 +291,8 @@ def encode_sample_response(res: types.SampleResponse, *, prompt_logprobs_last_n:
         s.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         if seq.logprobs is not None:
             s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if seq.topk_logprobs is not None:
+            _topk(s.topk_sampled_logprobs, seq.topk_logprobs)
     prompt = res.prompt_logprobs
     if prompt is not None:
         lp = np.array([np.nan if x is None else x for x in prompt], dtype=np.float32)
@@ -299,16 +301,45 @@ def encode_sample_response(res: types.SampleResponse, *, prompt_logprobs_last_n:
         msg.prompt_logprobs = lp.tobytes()
     topk = res.topk_prompt_logprobs
     if topk is not None:
-        k = max((len(row) for row in topk if row), default=0)
-        ids = np.zeros((len(topk), k), dtype=np.int32)
-        lps = np.full((len(topk), k), MASK_LOGPROB, dtype=np.float32)
-        for i, row in enumerate(topk):
-            if prompt_logprobs_last_n is not None and i < len(topk) - prompt_logprobs_last_n:
-                continue
-            for j, (tok, logprob) in enumerate(row or ()):
-                ids[i, j], lps[i, j] = tok, logprob
-        msg.topk_prompt_logprobs.token_ids = ids.tobytes()
-        msg.topk_prompt_logprobs.logprobs = lps.tobytes()
-        msg.topk_prompt_logprobs.k = k
-        msg.topk_prompt_logprobs.length = len(topk)
+        if prompt_logprobs_last_n is not None:
+            topk = [None if i < len(topk) - prompt_logprobs_last_n else row for i, row in enumerate(topk)]
+        _topk(msg.topk_prompt_logprobs, topk)
+    if res.target_prompt_logprobs is not None:
+        _tensor_out(msg.target_prompt_logprobs, res.target_prompt_logprobs)
+    if res.prompt_alt_tokens is not None:
+        _tensor_out(msg.prompt_alt_tokens.tokens, res.prompt_alt_tokens.tokens, np.int32)
+        _tensor_out(msg.prompt_alt_tokens.logprobs, res.prompt_alt_tokens.logprobs)
     return msg.SerializeToString()
+
+
+def _topk(out: pb.TopkLogprobs, rows: list[list[tuple[int, float]] | None]) -> None:
+    """Rows of (token, logprob) as the dense N x K matrices the SDK parses (empty cells:
+    token 0, logprob ``MASK_LOGPROB``)."""
+    k = max((len(row) for row in rows if row), default=0)
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (tok, logprob) in enumerate(row or ()):
+            ids[i, j], lps[i, j] = tok, logprob
+    out.token_ids, out.logprobs, out.k, out.length = ids.tobytes(), lps.tobytes(), k, len(rows)
+
+
+_PROTO_OF_NP = {
+    np.dtype(np.float32): pb.DTYPE_FLOAT32,
+    np.dtype(np.int64): pb.DTYPE_INT64,
+    np.dtype(np.int32): pb.DTYPE_INT32,
+}
+
+
+def _tensor_out(out: pb.Tensor, td: types.TensorData, as_dtype: type | None = None) -> None:
+    """A ``TensorData`` into a proto ``Tensor`` (dense, or sparse CSR as it came)."""
+    arr = np.asarray(td.data, dtype=as_dtype or (np.float32 if td.dtype == "float32" else np.int64))
+    out.dtype = _PROTO_OF_NP[arr.dtype]
+    if td.shape is not None:
+        out.shape.extend(td.shape)
+    if td.sparse_crow_indices is not None and td.sparse_col_indices is not None:
+        out.sparse_csr.values = arr.tobytes()
+        out.sparse_csr.crow_indices = np.asarray(td.sparse_crow_indices, dtype=np.int64).tobytes()
+        out.sparse_csr.col_indices = np.asarray(td.sparse_col_indices, dtype=np.int64).tobytes()
+    else:
+        out.dense = arr.tobytes()
