@@ -21,6 +21,7 @@ import json
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.scheduler import Scheduler, TickRecord
 
 ROLLOUT_BACKENDS = ("native", "vllm")
+WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
 
 
@@ -153,6 +155,8 @@ class Runtime:
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._model_seq = itertools.count(1)
+        # (base model, tinker path) -> (manifest digests, snapshot id): see _weights_source
+        self._weight_sources: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
 
     def backend(self, base_model: str) -> Backend:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
@@ -275,7 +279,10 @@ class Runtime:
         folder = self.store.folder(ref)
 
         def make(eng: Engine) -> ModelRecord:
-            eng.load_state(folder, adapter_id=model_id, optimizer=optimizer)
+            if optimizer:
+                eng.load_state(folder, adapter_id=model_id, optimizer=True)
+            else:  # weights only: a copy of the checkpoint's weights, read from disk once
+                eng.fork_adapter(self._weights_source(eng, ref), model_id, parent=str(folder))
             rec = ModelRecord(
                 model_id, eng.base.name, eng.adapter_config(model_id), tenant, parent=ref.tinker_path
             )
@@ -291,7 +298,16 @@ class Runtime:
         folder = self.store.folder(ref)
 
         def load(eng: Engine) -> None:
-            eng.load_state(folder, optimizer=optimizer, into=model_id)
+            if optimizer:
+                eng.load_state(folder, optimizer=True, into=model_id)
+            else:  # weights only: a copy of the checkpoint's weights, read from disk once
+                source = self._weights_source(eng, ref)
+                have, want = eng.adapter_weights(source).config, eng.adapter_config(model_id)
+                if have != want:
+                    raise CheckpointError(
+                        f"checkpoint {ref.tinker_path} has LoRA config {have}, model {model_id!r} has {want}"
+                    )
+                eng.fork_adapter(source, into=model_id, parent=str(folder))
             rec.parent = ref.tinker_path
 
         return self.backend(rec.base_model).scheduler.submit_call(model_id, load)
@@ -304,6 +320,40 @@ class Runtime:
         return self.backend(rec.base_model).scheduler.submit_call(
             model_id, lambda eng: eng.delete_adapter(model_id)
         )
+
+    def _weights_source(self, eng: Engine, ref: CheckpointRef) -> str:
+        """The snapshot holding checkpoint ``ref``'s weights, loaded on first use and kept for the
+        next weight-only load of the same checkpoint (many models forked from one policy save:
+        test-time training's one adapter per episode). Runs on the scheduler's thread. The key is
+        the manifest's file digests, so an overwritten checkpoint is read again; the
+        :data:`WEIGHTS_CACHE` most recently used checkpoints stay in memory."""
+        folder = self.store.folder(ref)
+        stamp = json.dumps(read_manifest(folder).get("files", {}), sort_keys=True)
+        key = (eng.base.name, ref.tinker_path)
+        with self._lock:
+            hit = self._weight_sources.get(key)
+            if hit is not None and hit[0] == stamp and hit[1] in eng.snapshot_ids():
+                self._weight_sources.move_to_end(key)
+                return hit[1]
+        sid = f"checkpoint-weights:{ref.tinker_path}#{next(self._model_seq)}"
+        eng.load_snapshot(folder, sid)
+        evicted: list[str] = []
+        with self._lock:
+            old = self._weight_sources.pop(key, None)
+            if old is not None:
+                evicted.append(old[1])
+            self._weight_sources[key] = (stamp, sid)
+            while len(self._weight_sources) > WEIGHTS_CACHE:
+                k, (_, s) = next(iter(self._weight_sources.items()))
+                if k[0] != eng.base.name:  # another base model's: freed on its own thread
+                    self._weight_sources.move_to_end(k)
+                    break
+                del self._weight_sources[k]
+                evicted.append(s)
+        for s in evicted:
+            with contextlib.suppress(UnknownPolicyError):
+                eng.release_snapshot(s)
+        return sid
 
     def _check_new(self, model_id: str) -> None:
         if model_id in self.models:

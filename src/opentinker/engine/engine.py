@@ -129,6 +129,34 @@ class Engine:
                 f"this model has no layers of the kinds the config trains (has {sorted(kinds)})"
             )
 
+    def fork_adapter(
+        self,
+        source: str,
+        adapter_id: str | None = None,
+        *,
+        into: str | None = None,
+        parent: str | None = None,
+    ) -> str:
+        """A new adapter (or adapter ``into``, overwritten) whose weights are a copy of adapter or
+        snapshot ``source``'s, with a fresh optimizer: an in-memory copy, no file read. The copy
+        owns its tensors, so training it leaves ``source`` bitwise unchanged (and vice versa)."""
+        src = self.adapter_weights(source)
+        step = self._adapters[source].step if source in self._adapters else self.snapshot_info(source).step
+        if into is not None:
+            target = self._adapter(into)
+            if target.weights.config != src.config:
+                raise EngineError(
+                    f"{source!r} has LoRA config {src.config}, adapter {into!r} has {target.weights.config}"
+                )
+            aid = into
+        else:
+            aid = self.create_adapter(src.config, adapter_id)
+        weights = src.clone(requires_grad=True)
+        a = self._adapters[aid]
+        a.weights, a.optimizer, a.grads = weights, AdapterOptimizer(_named(weights)), None
+        a.parent, a.step = parent or source, step
+        return aid
+
     def delete_adapter(self, adapter_id: str) -> None:
         """Forget an adapter (its snapshots stay until released: pinned samplers keep working)."""
         self._adapter(adapter_id)

@@ -32,6 +32,7 @@ from tinker import types
 from opentinker.rl.replay import SuccessReplay
 from opentinker.rl.rollout import gather_or_cancel, group_metrics, rollout_group
 from opentinker.rl.train_step import train_step
+from opentinker.rl.ttt import TTTConfig, TTTStats, fork_point, ttt_rollout_group
 from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
 from opentinker.tracking import RunLogger, plot_metrics
 from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
@@ -89,6 +90,8 @@ class RLConfig:
     plot_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "loss/per_token")
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # test-time training inside every training episode (rl/ttt.py); None = off
+    ttt: TTTConfig | None = None
 
     def check(self) -> None:
         if self.loss_fn not in LOSSES:
@@ -138,6 +141,8 @@ class _Run:
         self.t_start = time.monotonic()
         self.eval_total = 0.0  # evaluation time, kept off the training clock
         self.pending_eval: dict[str, float] = {}  # the start's evaluation, logged with the first row
+        self.service: Any = None  # set by run_rl: test-time training forks episodes' adapters
+        self.ttt_metrics: dict[str, float] = {}  # the last rollouts' test-time updates
 
     def train_clock(self) -> float:
         return time.monotonic() - self.t_start - self.eval_total
@@ -151,6 +156,18 @@ class _Run:
     async def rollouts(self, step: int, policy: Any, version: int) -> list[TrajectoryGroup]:
         cfg = self.cfg
         seed = cfg.seed * 1_000_003 + step * 10_007
+        if cfg.ttt is not None:  # every episode trains its own fork of the policy's weights
+            assert self.service is not None
+            path = await fork_point(self.tc, f"ttt-fork-{step:06d}")
+            stats = TTTStats()
+            groups = await gather_or_cancel(
+                *(
+                    ttt_rollout_group(b, policy, self.params, service=self.service, fork_path=path, cfg=cfg.ttt, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version, stats=stats)
+                    for k, b in enumerate(self.dataset.batch(step))
+                )
+            )  # fmt: skip
+            self.ttt_metrics = stats.metrics()
+            return groups
         return await gather_or_cancel(
             *(
                 rollout_group(b, policy, self.params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version)
@@ -172,7 +189,7 @@ class _Run:
         """Train on ``groups`` (sampled at policy version ``sampled_at``), then move the policy on."""
         t1 = time.monotonic()
         stale = self.version - sampled_at
-        m: dict[str, Any] = group_metrics(groups)
+        m: dict[str, Any] = {**group_metrics(groups), **self.ttt_metrics}
         if stale > self.cfg.max_staleness:  # the async producer's wait prevents it; kept as a guard
             m["train/dropped_stale"] = 1.0
         else:
@@ -299,6 +316,7 @@ async def run_rl(
     if replay is not None and resume:
         replay.load(log_dir / "replay.json")
     run = _Run(cfg, dataset, evaluator, tc, start, log_dir, logger, base_policy, replay, on_step)
+    run.service = service
     try:
         await run.begin()
         await (_async_loop(run) if cfg.mode == "async" else _sync_loop(run))

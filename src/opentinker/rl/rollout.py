@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,8 +150,13 @@ async def rollout_group(
     seed: int | None = None,
     timeout_s: float | None = None,
     policy_version: int = 0,
+    policy_for_episode: Callable[[int, list[int]], Any] | None = None,
 ) -> TrajectoryGroup:
-    """Run every episode of one group to its end; see the module docstring for failure handling."""
+    """Run every episode of one group to its end; see the module docstring for failure handling.
+
+    The first turn of every episode is sampled from ``policy``; later turns from ``policy``, or
+    from ``policy_for_episode(i, first_observation)`` (episode ``i``'s own sampler, e.g. the
+    test-time-trained adapter of :mod:`opentinker.rl.ttt`) when given."""
     try:
         envs = list(await builder.make_envs())
     except Exception as e:  # a broken group is this group's failure alone
@@ -192,7 +198,8 @@ async def rollout_group(
         nonlocal errors
         try:
             s = None if seed is None else seed + 15485863 * (i + 1)
-            traj = await _episode(envs[i], policy, params, obs[i] or [], sampled, s, timeout_s)
+            own = policy if policy_for_episode is None else policy_for_episode(i, obs[i] or [])
+            traj = await _episode(envs[i], own, params, obs[i] or [], sampled, s, timeout_s)
             traj.policy_version = policy_version
             return traj
         except SamplerError:

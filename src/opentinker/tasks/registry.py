@@ -69,6 +69,11 @@ TASKS: dict[str, TaskSpec] = {
             {"max_tokens": 16, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
         ),
         TaskSpec(
+            "guess_number_long", "rl", "opentinker.tasks.guess_number_long", "build",
+            "guess a number in 1..1000 in up to 12 guesses (long-horizon; extra high, max_turns, informative)",
+            {"max_tokens": 12, "group_size": 8, "groups_per_step": 4, "eval_every": 0},
+        ),
+        TaskSpec(
             "tictactoe", "multiagent", "opentinker.tasks.tictactoe", "build",
             "tic-tac-toe between two policies (two adapters), each trained on its own moves",
             {"max_tokens": 4, "group_size": 8, "groups_per_step": 4, "eval_every": 10},

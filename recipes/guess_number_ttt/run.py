@@ -1,0 +1,87 @@
+"""Success on held-out long guess-the-number episodes with and without test-time training.
+
+Same policy (a fresh rank-8 adapter, LoRA B = 0: the base model's behaviour), same secrets, same
+sampling seeds; the two arms run one after another, each with all its episodes live at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from tinker import types
+
+import opentinker
+from opentinker.renderers import get_renderer
+from opentinker.rl.rollout import rollout_group
+from opentinker.rl.ttt import TTTConfig, TTTStats, fork_point, ttt_rollout_group
+from opentinker.tasks.guess_number_long import LongGuessGroup, held_out_secrets, last_metrics, per_guess
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-model", default="opentinker/tiny")
+    ap.add_argument("--episodes", type=int, default=128)
+    ap.add_argument("--high", type=int, default=1000)
+    ap.add_argument("--max-turns", type=int, default=12)
+    ap.add_argument("--informative", action="store_true")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--ngram", type=int, default=3)
+    ap.add_argument("--repeat-weight", type=float, default=0.25)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    service = opentinker.ServiceClient()
+    tc = service.create_lora_training_client(
+        base_model=a.base_model, rank=a.rank, seed=a.seed, train_mlp=False, train_unembed=False
+    )
+    renderer = get_renderer("auto", tc.get_tokenizer())
+    policy = await tc.save_weights_and_get_sampling_client()
+    path = await fork_point(tc, "ttt-fork")
+    secrets = held_out_secrets(a.episodes, a.high)
+    group = LongGuessGroup(renderer, secrets, high=a.high, max_turns=a.max_turns, informative=a.informative)
+    params = types.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
+    cfg = TTTConfig(steps=a.steps, learning_rate=a.lr, ngram=a.ngram, repeat_weight=a.repeat_weight)
+    out: dict[str, dict[str, float]] = {}
+    for arm in ("no_ttt", "ttt"):
+        t = time.monotonic()
+        stats = TTTStats()
+        if arm == "ttt":
+            g = await ttt_rollout_group(
+                group, policy, params, service=service, fork_path=path, cfg=cfg, seed=a.seed, stats=stats
+            )
+        else:
+            g = await rollout_group(group, policy, params, seed=a.seed)
+        wall = time.monotonic() - t
+        out[arm] = {
+            "episodes": float(len(g.trajectories)), "errors": float(g.errors),
+            "success": last_metrics([g], "success"), "turns": last_metrics([g], "turns"),
+            "invalid": last_metrics([g], "invalid"), "repeat": per_guess([g], "repeat"),
+            "in_range": per_guess([g], "in_range"), "wall_s": wall,
+            "wall_s_per_turn": wall / max(1.0, sum(len(t.transitions) for t in g.trajectories)),
+            **(stats.metrics() if arm == "ttt" else {}),
+        }  # fmt: skip
+        print(arm, json.dumps({k: round(v, 4) for k, v in out[arm].items()}), flush=True)
+    ratio = out["ttt"]["wall_s"] / out["no_ttt"]["wall_s"]  # same episodes, all live at once
+    per_turn = out["ttt"]["wall_s_per_turn"] / out["no_ttt"]["wall_s_per_turn"]
+    print(
+        f"success: TTT {out['ttt']['success']:.3f} vs no-TTT {out['no_ttt']['success']:.3f}; "
+        f"cost TTT / no-TTT: {ratio:.2f} per episode, {per_turn:.2f} per turn"
+    )
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(
+                {"args": vars(a), "results": out, "cost_ratio": ratio, "cost_ratio_per_turn": per_turn},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
