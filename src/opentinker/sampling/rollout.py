@@ -98,6 +98,11 @@ class RolloutStats:
     admitted: int = 0  # requests admitted
     joined: int = 0  # requests admitted into a batch that was already decoding
     max_rows: int = 0  # the most rows decoded at once
+    live_rows: int = 0  # rows decoding after the last step
+    waiting: int = 0  # requests waiting for admission after the last step
+    prefill_tokens: int = 0  # prompt tokens of admitted requests (before the prefix cache)
+    sampled_tokens: int = 0  # tokens of finished sequences
+    finished: int = 0  # requests answered
 
 
 class RolloutCore:
@@ -155,12 +160,19 @@ class RolloutCore:
                     rows += pinned.req.num_samples
         finished = dec.admit(take) if take else []
         stats.admitted += len(take)
+        stats.prefill_tokens += sum(len(p.req.prompt) for _, p in take)
         if live:
             stats.joined += len(take)
         stats.max_rows = max(stats.max_rows, dec.live_rows)
         if dec.live_rows:
             finished += dec.step()
             stats.steps = dec.steps
+        stats.live_rows = dec.live_rows
+        stats.waiting = len(self._waiting)
+        stats.finished += len(finished)
+        stats.sampled_tokens += sum(
+            len(seq.tokens) for _, res in finished if isinstance(res, SampleResult) for seq in res.sequences
+        )
         return [_done(rid, res) for rid, res in finished]
 
     def is_waiting(self, rid: int) -> bool:

@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
         "than per request; a sample in flight at a server crash then waits for the SDK's "
         "stuck-detection instead of failing at once",
     )
+    p.add_argument(
+        "--operator",
+        action="append",
+        default=[],
+        metavar="TENANT",
+        help="a tenant whose keys see every tenant's sessions, runs and checkpoints in the console "
+        "(read-only; repeatable)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -141,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         token_ttl_s=args.token_ttl,
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
+        operator_tenants=tuple(args.operator),
     )
 
 

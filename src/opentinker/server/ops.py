@@ -10,6 +10,7 @@ clients queue work on the scheduler and hand back futures.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -29,6 +30,7 @@ from opentinker.server.config import ServerConfig
 from opentinker.server.custom_losses import CreateCustomLossRequest, CustomLosses
 from opentinker.server.errors import BadRequest, UserError
 from opentinker.server.futures import FutureStore, QueueState, chain, fail
+from opentinker.server.history import History
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
 from opentinker.server.stability import StabilityRecords
@@ -63,6 +65,7 @@ class Operations:
         self.admit = Admission(config.max_running_per_tenant)
         self.custom_losses = CustomLosses()
         self.stability = StabilityRecords()
+        self.history = History()  # loss / grad norm per run, request timings per session
 
     # ------------------------------------------------------------------ plumbing
     def run(self, tenant: str, submit: Submit, encode: Encode) -> str:
@@ -196,14 +199,17 @@ class Operations:
             ref, _ = self.reg.checkpoint(tenant, req.path)  # another tenant's checkpoint is unknown
             return load(ref.tinker_path).future()
 
-        return self._ordered(
-            tenant,
-            req.model_id,
-            req.seq_id,
-            digest,
-            submit,
-            lambda r: r.model_dump(mode="json", exclude_none=True),
+        traced = self.history.request(
+            req.model_id.split(":train:", 1)[0], "optim_step", req.model_id, time.time()
         )
+
+        def encode(r: Any) -> Any:
+            metrics = r.metrics or {}
+            self.history.optim(req.model_id, metrics)
+            self.history.finished(traced, tick=metrics.get("clock_cycle:unique"), error=False)
+            return r.model_dump(mode="json", exclude_none=True)
+
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, encode)
 
     # ------------------------------------------------------------------ training
     def create_custom_loss(self, tenant: str, req: CreateCustomLossRequest) -> str:
@@ -241,11 +247,16 @@ class Operations:
 
         ledger, tokens = self.ledger, sum(d.model_input.length for d in call.data)
         base = self.reg.runtime.model(call.model_id).base_model
+        session = call.model_id.split(":train:", 1)[0]
+        kind = "forward" if call.forward_only else "forward_backward"
+        traced = self.history.request(session, kind, call.model_id, time.time())
 
         def encode(out: Any) -> Any:
             if ledger is not None:
-                session = call.model_id.split(":train:", 1)[0]
                 ledger.count(tenant, "training", tokens, session_id=session, base_model=base)
+            if not call.forward_only:
+                self.history.forward(call.model_id, out.metrics)
+            self.history.finished(traced, tick=out.metrics.get("clock_cycle:unique"), error=False)
             return encode_forward_output(out)
 
         return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode)
@@ -262,14 +273,17 @@ class Operations:
             params = req.adam_params or S.AdamParams()
             return tc.optim_step(types.AdamParams(**params.model_dump())).future()
 
-        return self._ordered(
-            tenant,
-            req.model_id,
-            req.seq_id,
-            digest,
-            submit,
-            lambda r: r.model_dump(mode="json", exclude_none=True),
+        traced = self.history.request(
+            req.model_id.split(":train:", 1)[0], "optim_step", req.model_id, time.time()
         )
+
+        def encode(r: Any) -> Any:
+            metrics = r.metrics or {}
+            self.history.optim(req.model_id, metrics)
+            self.history.finished(traced, tick=metrics.get("clock_cycle:unique"), error=False)
+            return r.model_dump(mode="json", exclude_none=True)
+
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, encode)
 
     def save_weights(self, tenant: str, req: S.SaveWeightsRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
