@@ -67,17 +67,20 @@ class Viewer:
         return self.operator or owner == self.tenant
 
 
+async def _viewer(request: Request, key: Annotated[str | None, Depends(_key)]) -> Viewer:
+    server = request.app.state.server
+    tenant = server.auth.tenant(key)  # 401 without a valid key or token
+    return Viewer(tenant, tenant in server.config.operator_tenants)
+
+
+Who = Annotated[Viewer, Depends(_viewer)]
+
+
 def add_console(app: FastAPI, server: Any) -> None:
     """The server's console (``server``: the app's :class:`~opentinker.server.app.Server`): the
     page, and read-only JSON routes scoped to the caller's tenant."""
     mount_static(app, "server")
     store, history = server.store, server.ops.history
-
-    async def viewer(key: Annotated[str | None, Depends(_key)]) -> Viewer:
-        tenant = server.auth.tenant(key)  # 401 without a valid key or token
-        return Viewer(tenant, tenant in server.config.operator_tenants)
-
-    Who = Annotated[Viewer, Depends(viewer)]
 
     def model_row(who: Viewer, model_id: str) -> ModelRow:
         row = store.model(model_id)
