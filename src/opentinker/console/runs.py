@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 MAX_DEPTH = 4
 MAX_POINTS = 2000  # per curve, after downsampling
@@ -260,7 +260,7 @@ def _check_page(offset: int, limit: int) -> int:
     return limit
 
 
-def _number(v: Any) -> bool:
+def _number(v: Any) -> TypeGuard[float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 

@@ -205,7 +205,7 @@ class Operations:
 
         def encode(r: Any) -> Any:
             metrics = r.metrics or {}
-            self.history.optim(req.model_id, metrics)
+            self.history.optim(str(req.model_id), metrics)
             self.history.finished(traced, tick=metrics.get("clock_cycle:unique"), error=False)
             return r.model_dump(mode="json", exclude_none=True)
 
@@ -279,7 +279,7 @@ class Operations:
 
         def encode(r: Any) -> Any:
             metrics = r.metrics or {}
-            self.history.optim(req.model_id, metrics)
+            self.history.optim(str(req.model_id), metrics)
             self.history.finished(traced, tick=metrics.get("clock_cycle:unique"), error=False)
             return r.model_dump(mode="json", exclude_none=True)
 

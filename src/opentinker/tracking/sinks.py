@@ -58,7 +58,7 @@ class TensorBoardSink:
 class WandbSink:
     def __init__(self, log_dir: Path, config: Any, name: str) -> None:
         try:
-            import wandb
+            import wandb  # pyright: ignore[reportMissingImports]
         except ImportError as e:
             raise RuntimeError("--wandb needs the wandb package (pip install wandb)") from e
         self.wandb = wandb
