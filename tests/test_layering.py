@@ -5,7 +5,9 @@ The layers (DESIGN.md §2), bottom-up: ``models`` → ``lora`` → ``engine`` �
 beside the backends it runs) → ``scheduler`` (the core: pure compute and state) → ``client`` (the embedded, SDK-shaped clients and
 the ``Runtime`` that owns model lifecycle and tenancy) → ``server``. The library (``data``,
 ``renderers``, ``tracking`` → ``rl``, ``sft`` → ``tasks``) uses only the client API; ``cli`` sits
-on top of everything. :data:`ALLOWED` is that table. Every ``import`` is read from the source with
+on top of everything. ``console`` (the web console's static page and the readers of its data:
+local run folders, downsampling) imports nothing of the package and no web framework; the server
+serves it, at ``/`` of ``opentinker serve`` and for ``opentinker console --runs DIR``. :data:`ALLOWED` is that table. Every ``import`` is read from the source with
 ``ast`` — module-level, function-level and ``TYPE_CHECKING`` ones alike — so a lazy import that
 breaks the layering is caught too.
 
@@ -50,14 +52,15 @@ ALLOWED: dict[str, frozenset[str]] = {
     "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
     "client": frozenset(CORE),
     "opentinker": frozenset({"client"}),
-    "server": frozenset({"client", *CORE}),  # the core only through SERVER_CORE_NAMES
+    "console": frozenset(),  # the console's page and the readers of its data; the server serves them
+    "server": frozenset({"client", "console", *CORE}),  # the core only through SERVER_CORE_NAMES
     "data": frozenset(CLIENT_API),
     "renderers": frozenset(CLIENT_API),
     "tracking": frozenset(CLIENT_API),
     "rl": frozenset({*CLIENT_API, *LIBRARY_BASE}),
     "sft": frozenset({*CLIENT_API, *LIBRARY_BASE}),
     "tasks": frozenset({*CLIENT_API, *LIBRARY_BASE, "rl", "sft"}),
-    "cli": frozenset({*CLIENT_API, *CORE, "server", *LIBRARY_BASE, "rl", "sft", "tasks"}),
+    "cli": frozenset({*CLIENT_API, *CORE, "console", "server", *LIBRARY_BASE, "rl", "sft", "tasks"}),
 }
 
 # What the server may take from the core: error types (to map them to HTTP answers) and plain

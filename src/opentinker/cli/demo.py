@@ -186,6 +186,7 @@ def run_demo(
     for name, text in examples:
         print(f"  {name:>10} ({len(text.split()):2d} words) -> {text!r}")
     print(f"\nmetrics: {log_dir}/*/metrics.jsonl   plot: {plot}   ({time.perf_counter() - t0:.0f}s in all)")
+    print(f"console: opentinker console --runs {log_dir}   (curves per adapter, episodes per step)")
     return 0
 
 

@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
         from opentinker.server import keys_main, serve
 
         return int((serve if argv[0] == "serve" else keys_main)(argv[1:]) or 0)
+    if argv[:1] == ["console"]:  # `opentinker console --runs DIR` (server/console_api.py)
+        from opentinker.server.console_api import console_main
+
+        return console_main(argv[1:])
     if argv[:1] == ["export"]:  # `opentinker export TINKER_PATH OUT_DIR [--merged]` (cli/export.py)
         from opentinker.cli.export import main as export_main
 
@@ -33,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         "serve", help="run the Tinker-compatible HTTP server (opentinker serve -h)", add_help=False
     )
     sub.add_parser("keys", help="create | list | revoke API keys (opentinker keys -h)", add_help=False)
+    sub.add_parser(
+        "console",
+        help="the web console over local run folders (opentinker console --runs DIR)",
+        add_help=False,
+    )
     sub.add_parser("train", help="train adapters on a task: rl | sft (opentinker train -h)", add_help=False)
     sub.add_parser(
         "export", help="a checkpoint as a PEFT folder, or --merged a full HF model (opentinker export -h)",

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.tasks import TASKS, TaskSpec, get_task
+from opentinker.tracking import set_default_sinks
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
@@ -81,6 +82,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=None, help="save_state every n steps (0 = at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --log-dir")
     p.add_argument("--renderer", default="auto", choices=("auto", "chatml", "role_colon"))
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write the metrics as TensorBoard event files (LOG_DIR/tensorboard/)")  # fmt: skip
+    p.add_argument("--wandb", action="store_true",
+                   help="also log the metrics to W&B (offline unless WANDB_MODE says otherwise)")  # fmt: skip
     p.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
                    help="a task setting (config.extra), e.g. eval_problems=50; VALUE is JSON or a string")  # fmt: skip
     p.add_argument("--server", default=None, metavar="URL",
@@ -417,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    set_default_sinks(tensorboard=args.tensorboard, wandb=args.wandb)
     try:
         return train_rl_main(args) if args.kind == "rl" else train_sft_main(args)
     except UsageError as e:

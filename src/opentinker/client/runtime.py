@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -413,6 +414,23 @@ class Runtime:
 
         return backend.scheduler.submit_call(ref.model_id, load)
 
+    def export_checkpoint_peft(self, path: str, tenant: str, out_dir: str | Path) -> Future[Path]:
+        """Write ``tenant``'s checkpoint at ``path`` (weights or sampler_weights) to ``out_dir`` as a
+        PEFT adapter folder, loaded as a temporary snapshot (released after), in its model's order."""
+        ref, meta = self.checkpoint(path, tenant)
+        backend = self.backend(str(meta.get("base_model", "")))
+        folder = self.store.folder(ref)
+        snapshot_id = f"export-{uuid.uuid4().hex}"
+
+        def export(eng: Engine) -> Path:
+            eng.load_snapshot(folder, snapshot_id)
+            try:
+                return eng.export_peft(snapshot_id, out_dir)
+            finally:
+                eng.release_snapshot(snapshot_id)
+
+        return backend.scheduler.submit_call(ref.model_id, export)
+
     def save_external(
         self, model_id: str, name: str, *, recipients: list[str] | None = None
     ) -> Future[ExternalRecord]:
@@ -461,6 +479,35 @@ class Runtime:
     def owns(self, meta: dict[str, Any], tenant: str) -> bool:
         """Whether checkpoint metadata (a manifest's ``meta``) belongs to ``tenant``."""
         return checkpoint_owner(meta) == tenant
+
+    def engine_stats(self) -> list[dict[str, Any]]:
+        """Per loaded base model, the engine's counters since start-up (cumulative; a reader
+        takes rates from two readings) and what is queued now: the console's live page."""
+        with self._lock:
+            backends = dict(self._backends)
+        out = []
+        for name, b in backends.items():
+            sched, cache = b.scheduler, getattr(b.sampler, "prefix_cache", None)  # vLLM keeps its own
+            rollout = getattr(sched.rollout, "stats", None)  # the loop's, or the worker pool's
+            out.append(
+                {
+                    "base_model": name,
+                    "time": time.time(),
+                    "ticks": dataclasses.asdict(sched.stats),
+                    "queue_depths": sched.queue_depths(),
+                    "rollout": None if rollout is None else dataclasses.asdict(rollout),
+                    "prefix_cache": None
+                    if cache is None
+                    else {
+                        "lookups": cache.lookups,
+                        "hits": cache.hits,
+                        "reused_tokens": cache.reused_tokens,
+                        "bytes": cache.nbytes,
+                    },
+                    "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
+                }
+            )
+        return out
 
     def shutdown(self) -> None:
         with self._lock:

@@ -29,13 +29,15 @@ from typing import Any
 
 from tinker import types
 
+from opentinker.rl.advantages import group_advantages
 from opentinker.rl.replay import SuccessReplay
 from opentinker.rl.rollout import gather_or_cancel, group_metrics, rollout_group
 from opentinker.rl.train_step import train_step
 from opentinker.rl.ttt import TTTConfig, TTTStats, fork_point, ttt_rollout_group
 from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
-from opentinker.tracking import RunLogger, plot_metrics
+from opentinker.tracking import RolloutLog, RunLogger, plot_metrics
 from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
+from opentinker.tracking.rollouts import DEFAULT_MAX_BYTES, DEFAULT_PER_STEP
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ class RLConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     # test-time training inside every training episode (rl/ttt.py); None = off
     ttt: TTTConfig | None = None
+    rollouts_per_step: int = DEFAULT_PER_STEP  # episodes of each step kept in rollouts.jsonl (0 = none)
+    rollouts_max_bytes: int = DEFAULT_MAX_BYTES  # rollouts.jsonl stops growing here
 
     def check(self) -> None:
         if self.loss_fn not in LOSSES:
@@ -143,6 +147,14 @@ class _Run:
         self.pending_eval: dict[str, float] = {}  # the start's evaluation, logged with the first row
         self.service: Any = None  # set by run_rl: test-time training forks episodes' adapters
         self.ttt_metrics: dict[str, float] = {}  # the last rollouts' test-time updates
+        self.rollout_log = (
+            RolloutLog(
+                log_dir, tc.get_tokenizer(), series=cfg.name or log_dir.name, per_step=cfg.rollouts_per_step,
+                max_bytes=cfg.rollouts_max_bytes, start_step=start,
+            )
+            if cfg.rollouts_per_step > 0
+            else None
+        )  # fmt: skip
 
     def train_clock(self) -> float:
         return time.monotonic() - self.t_start - self.eval_total
@@ -190,6 +202,12 @@ class _Run:
         t1 = time.monotonic()
         stale = self.version - sampled_at
         m: dict[str, Any] = {**group_metrics(groups), **self.ttt_metrics}
+        if self.rollout_log is not None:
+            episodes = []
+            for gi, g in enumerate(groups):
+                advs = group_advantages([t.total_reward for t in g.trajectories])
+                episodes += [(gi, t, a) for t, a in zip(g.trajectories, advs, strict=True)]
+            self.rollout_log.log(step, episodes)
         if stale > self.cfg.max_staleness:  # the async producer's wait prevents it; kept as a guard
             m["train/dropped_stale"] = 1.0
         else:

@@ -54,6 +54,7 @@ class PrefixCache:
         self._by_key: dict[Hashable, dict[int, _Entry]] = {}
         self._next = 0
         self.nbytes = 0
+        self.lookups = 0  # prompts looked up
         self.hits = 0  # prompts served from the cache
         self.reused_tokens = 0  # prompt tokens not prefilled thanks to it
 
@@ -64,6 +65,7 @@ class PrefixCache:
         """The longest cached prefix of ``prompt`` under ``key`` (leaving at least the prompt's
         last token to prefill, whose logits start the sampling), or None if shorter than
         ``min_tokens``."""
+        self.lookups += 1
         limit = len(prompt) - 1
         best_n, best_id = 0, -1
         for eid, e in self._by_key.get(key, {}).items():

@@ -103,6 +103,11 @@ class RolloutStats:
     # of the last batch that finished rows, and of every batch so far
     mismatch_last: Mismatch | None = None
     mismatch: Mismatch | None = None
+    live_rows: int = 0  # rows decoding after the last step
+    waiting: int = 0  # requests waiting for admission after the last step
+    prefill_tokens: int = 0  # prompt tokens of admitted requests (before the prefix cache)
+    sampled_tokens: int = 0  # tokens of finished sequences
+    finished: int = 0  # requests answered
 
 
 class RolloutCore:
@@ -160,6 +165,7 @@ class RolloutCore:
                     rows += pinned.req.num_samples
         finished = dec.admit(take) if take else []
         stats.admitted += len(take)
+        stats.prefill_tokens += sum(len(p.req.prompt) for _, p in take)
         if live:
             stats.joined += len(take)
         stats.max_rows = max(stats.max_rows, dec.live_rows)
@@ -168,6 +174,12 @@ class RolloutCore:
             stats.steps = dec.steps
             stats.mismatch_last = self.backend.mismatch_last
             stats.mismatch = self.backend.mismatch_total
+        stats.live_rows = dec.live_rows
+        stats.waiting = len(self._waiting)
+        stats.finished += len(finished)
+        stats.sampled_tokens += sum(
+            len(seq.tokens) for _, res in finished if isinstance(res, SampleResult) for seq in res.sequences
+        )
         return [_done(rid, res) for rid, res in finished]
 
     def is_waiting(self, rid: int) -> bool:

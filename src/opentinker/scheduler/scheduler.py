@@ -96,6 +96,8 @@ class TickRecord:
 class TickStats:
     ticks: int = 0
     fused_requests: int = 0
+    fused_rows: int = 0  # examples (datums) in the fused forward/backward passes
+    trained_tokens: int = 0  # their input tokens
     optim_steps: int = 0
     sample_requests: int = 0
     last_tick_seconds: float = 0.0
@@ -190,6 +192,11 @@ class Scheduler:
                 return False
             self._cancelled.add(ticket)
             return True
+
+    def queue_depths(self) -> dict[str, int]:
+        """Operations waiting per model (those of the tick now running are no longer counted)."""
+        with self._cv:
+            return {m: len(q) for m, q in self._queues.items() if q}
 
     def _submit(self, model_id: str, op: _Op) -> Future:
         with self._cv:
@@ -345,6 +352,10 @@ class Scheduler:
                     fut.set_result(out)
         self.stats.ticks = tick
         self.stats.fused_requests += len(forwards)
+        self.stats.fused_rows += sum(len(op.payload.examples) for op in forwards)
+        self.stats.trained_tokens += sum(
+            int(ex.tokens_T.numel()) for op in forwards for ex in op.payload.examples
+        )
         self.stats.optim_steps += len(optims)
         self.stats.sample_requests += len(samples)
         self.stats.last_tick_seconds = time.perf_counter() - t0

@@ -28,6 +28,7 @@ from opentinker.server import schemas as S
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
 from opentinker.server.config import ServerConfig
+from opentinker.server.console_api import add_console
 from opentinker.server.custom_losses import CreateCustomLossRequest
 from opentinker.server.downloads import Downloads
 from opentinker.server.errors import ApiError, Redactor, error_category, error_message
@@ -191,6 +192,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
     _routes(app, server)
     _admin_routes(app, server)
+    add_console(app, server)  # the console at / and its read-only JSON routes (console_api.py)
     return app
 
 

@@ -50,3 +50,5 @@ class ServerConfig:
     # a session with no heartbeat and no request this long is inactive: its models' state is
     # saved to a checkpoint and they are evicted from memory (the SDK heartbeats every 10 s)
     session_inactive_s: float = 600.0
+    # tenants whose keys see every tenant's sessions, runs and checkpoints in the console (read-only)
+    operator_tenants: tuple[str, ...] = ()

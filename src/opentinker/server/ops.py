@@ -10,6 +10,7 @@ clients queue work on the scheduler and hand back futures.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ from opentinker.server.config import ServerConfig
 from opentinker.server.custom_losses import CreateCustomLossRequest, CustomLosses
 from opentinker.server.errors import BadRequest, UserError
 from opentinker.server.futures import FutureStore, QueueState, chain, fail
+from opentinker.server.history import History
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
 from opentinker.server.stability import StabilityRecords
@@ -70,6 +72,7 @@ class Operations:
         self.admit = Admission(config.max_running_per_tenant)
         self.custom_losses = CustomLosses()
         self.stability = StabilityRecords()
+        self.history = History()  # loss / grad norm per run, request timings per session
         self.traces = traces  # each session's requests on a timeline (export_session_trace)
 
     # ------------------------------------------------------------------ plumbing
@@ -282,14 +285,18 @@ class Operations:
 
         ledger, tokens = self.ledger, sum(d.model_input.length for d in call.data)
         base = self.reg.runtime.model(call.model_id).base_model
+        session = call.model_id.split(":train:", 1)[0]
+        name = "forward" if call.forward_only else "forward_backward"
+        traced = self.history.request(session, name, call.model_id, time.time())
 
         def encode(out: Any) -> Any:
             if ledger is not None:
-                session = call.model_id.split(":train:", 1)[0]
                 ledger.count(tenant, "training", tokens, session_id=session, base_model=base)
+            if not call.forward_only:
+                self.history.forward(call.model_id, out.metrics)
+            self.history.finished(traced, tick=out.metrics.get("clock_cycle:unique"), error=False)
             return encode_forward_output(out)
 
-        name = "forward" if call.forward_only else "forward_backward"
         return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode, name)
 
     def optim_step(self, tenant: str, req: S.OptimStepRequest) -> str:
@@ -304,15 +311,17 @@ class Operations:
             params = req.adam_params or S.AdamParams()
             return tc.optim_step(types.AdamParams(**params.model_dump())).future()
 
-        return self._ordered(
-            tenant,
-            req.model_id,
-            req.seq_id,
-            digest,
-            submit,
-            lambda r: r.model_dump(mode="json", exclude_none=True),
-            "optim_step",
+        traced = self.history.request(
+            req.model_id.split(":train:", 1)[0], "optim_step", req.model_id, time.time()
         )
+
+        def encode(r: Any) -> Any:
+            metrics = r.metrics or {}
+            self.history.optim(str(req.model_id), metrics)
+            self.history.finished(traced, tick=metrics.get("clock_cycle:unique"), error=False)
+            return r.model_dump(mode="json", exclude_none=True)
+
+        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, encode, "optim_step")
 
     def save_weights(self, tenant: str, req: S.SaveWeightsRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)

@@ -203,11 +203,17 @@ class Store:
         return _session_row(rows[0]) if rows else None
 
     def sessions(
-        self, tenant: str, *, before: tuple[float, str] | None = None, limit: int = -1, offset: int = 0
+        self,
+        tenant: str | None,
+        *,
+        before: tuple[float, str] | None = None,
+        limit: int = -1,
+        offset: int = 0,
     ) -> list[SessionRow]:
-        """``tenant``'s sessions, newest first (ties by id, descending), optionally only those
-        strictly older than ``before`` = (created, id): the position a search cursor names."""
-        where, args = "tenant=?", [tenant]
+        """``tenant``'s sessions (None: every tenant's), newest first (ties by id, descending),
+        optionally only those strictly older than ``before`` = (created, id): the position a
+        search cursor names."""
+        where, args = _owner(tenant)
         if before is not None:
             where += " AND (created < ? OR (created = ? AND id < ?))"
             args += [before[0], before[0], before[1]]
@@ -274,10 +280,11 @@ class Store:
         return _model_row(rows[0]) if rows else None
 
     def models(
-        self, tenant: str, limit: int, offset: int, project_id: str | None = None
+        self, tenant: str | None, limit: int, offset: int, project_id: str | None = None
     ) -> tuple[list[ModelRow], int]:
-        where, args = "tenant=?", [tenant]
-        if project_id is not None:  # runs of the project's sessions
+        """``tenant``'s models (None: every tenant's), newest first, and how many there are."""
+        where, args = _owner(tenant)
+        if project_id is not None and tenant is not None:  # runs of the project's sessions
             where += (
                 " AND session_id IN (SELECT id FROM sessions WHERE tenant=? AND "
                 "COALESCE(json_extract(meta, '$.project_id'), ?) = ?)"
@@ -355,10 +362,13 @@ class Store:
         return _ckpt_row(rows[0]) if rows else None
 
     def checkpoints(
-        self, tenant: str, model_id: str | None = None, limit: int = -1, offset: int = 0
+        self, tenant: str | None, model_id: str | None = None, limit: int = -1, offset: int = 0
     ) -> tuple[list[CheckpointRow], int]:
+        """``tenant``'s checkpoints (None: every tenant's), newest first, and how many there are."""
         # an expired checkpoint is gone from listings at once, before the sweep deletes its files
-        where, args = "tenant=? AND (expires_at IS NULL OR expires_at > ?)", [tenant, time.time()]
+        where, args = _owner(tenant)
+        where += " AND (expires_at IS NULL OR expires_at > ?)"
+        args.append(time.time())
         if model_id is not None:
             where += " AND model_id=?"
             args.append(model_id)
@@ -376,6 +386,11 @@ class Store:
 _SESSION_COLS = "id, tenant, created, last_seen, finished, meta"
 _MODEL_COLS = "id, tenant, session_id, base_model, lora, parent, created, last_request, user_metadata"
 _CKPT_COLS = "tinker_path, tenant, model_id, kind, name, created, size_bytes, meta, expires_at, public"
+
+
+def _owner(tenant: str | None) -> tuple[str, list[Any]]:
+    """The WHERE clause of one tenant's rows (None: every tenant's, for an operator)."""
+    return ("tenant=?", [tenant]) if tenant is not None else ("1=1", [])
 
 
 def _session_row(r: tuple[Any, ...]) -> SessionRow:

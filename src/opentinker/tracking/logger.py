@@ -12,6 +12,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from opentinker.tracking.sinks import TensorBoardSink, WandbSink, default_sinks
+
 
 def _jsonable(v: Any) -> Any:
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
@@ -49,7 +51,11 @@ class RunLogger:
         progress: bool = True,
         start_step: int = 0,
         name: str = "",
+        tensorboard: bool | None = None,
+        wandb: bool | None = None,
     ) -> None:
+        """``tensorboard`` / ``wandb``: also write each row to those sinks (None: the process
+        default, :func:`~opentinker.tracking.sinks.set_default_sinks`)."""
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.json").write_text(json.dumps(_jsonable(config), indent=2) + "\n")
@@ -62,6 +68,12 @@ class RunLogger:
         self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
         self.show = show
         self.t0 = time.monotonic()
+        on = default_sinks()
+        self.sinks: list[Any] = []
+        if tensorboard if tensorboard is not None else on["tensorboard"]:
+            self.sinks.append(TensorBoardSink(self.dir))
+        if wandb if wandb is not None else on["wandb"]:
+            self.sinks.append(WandbSink(self.dir, _jsonable(config), name))
         self.bar = (
             tqdm(
                 total=total_steps,
@@ -78,6 +90,8 @@ class RunLogger:
         row = {"step": step, "time/elapsed_s": round(time.monotonic() - self.t0, 3), **_jsonable(metrics)}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        for sink in self.sinks:
+            sink.log(step, row)
         if self.bar is not None:
             shown = {k.split("/")[-1]: row[k] for k in self.show if isinstance(row.get(k), int | float)}
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
@@ -85,5 +99,8 @@ class RunLogger:
         return row
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self.bar is not None:
             self.bar.close()

@@ -1,0 +1,268 @@
+"""Local run folders as the console shows them: ``metrics.jsonl``, ``config.json``,
+``checkpoints.jsonl`` and ``rollouts.jsonl`` under a runs directory.
+
+A run is any folder (at any depth, up to :data:`MAX_DEPTH`) holding a ``metrics.jsonl``. Files are
+read as they are now, so a run that is still going shows its newest lines. A malformed line is
+skipped and reported as ``problems`` (file and line number, relative to the runs directory); the
+rest of the file and every other run still show. Curves are downsampled to a fixed number of
+points (min and max of each bucket kept, so spikes stay visible); lists are paginated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeGuard
+
+MAX_DEPTH = 4
+MAX_POINTS = 2000  # per curve, after downsampling
+MAX_PAGE = 500  # items per page of any list
+
+# metrics a run's overview shows first, when it has them
+PREFERRED_KEYS = (
+    "reward/mean", "env/reward/mean", "loss", "train/loss", "kl", "lr", "optim/lr", "accuracy",
+)  # fmt: skip
+
+
+class RunsError(ValueError):
+    """A request about local runs that cannot be answered (names the problem, never a server path)."""
+
+
+@dataclass
+class Problem:
+    file: str  # relative to the runs directory
+    line: int  # 1-based; 0 = the file as a whole
+    message: str
+
+    def json(self) -> dict[str, Any]:
+        return {"file": self.file, "line": self.line, "message": self.message}
+
+
+@dataclass
+class JsonLines:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+
+def read_jsonl(path: Path, shown_as: str) -> JsonLines:
+    """Every JSON object line of ``path``; malformed lines become problems naming file and line."""
+    out = JsonLines()
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        out.problems.append(Problem(shown_as, 0, f"cannot read: {e.strerror or type(e).__name__}"))
+        return out
+    lines = text.split("\n")
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines):  # a run still writing: its last line may be half written
+                continue
+            out.problems.append(Problem(shown_as, i, f"not JSON ({e.msg})"))
+            continue
+        if not isinstance(row, dict):
+            out.problems.append(Problem(shown_as, i, f"a JSON {type(row).__name__}, not an object"))
+            continue
+        out.rows.append(row)
+    return out
+
+
+class RunsDir:
+    """The runs under one directory (it may not exist yet: then there are none, and a problem)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def _names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in sorted(self.root.rglob("metrics.jsonl")):
+            rel = p.parent.relative_to(self.root)
+            if len(rel.parts) <= MAX_DEPTH:
+                found.append(rel.as_posix() if rel.parts else ".")
+        return found
+
+    def folder(self, name: str) -> Path:
+        """The folder of run ``name``: only names :meth:`runs` lists (no path escapes the root)."""
+        if name not in self._names():
+            raise RunsError(f"unknown run {name!r}")
+        return self.root / name
+
+    def runs(self, offset: int = 0, limit: int = 100) -> dict[str, Any]:
+        """A page of runs with their config, step count, metric keys and checkpoints, and every
+        problem found reading them."""
+        limit = _check_page(offset, limit)
+        problems: list[Problem] = []
+        if not self.root.is_dir():
+            problems.append(Problem(str(self.root), 0, "the runs directory does not exist"))
+        names = self._names()
+        page = []
+        for name in names[offset : offset + limit]:
+            folder = self.root / name
+            metrics = read_jsonl(folder / "metrics.jsonl", _rel(name, "metrics.jsonl"))
+            problems += metrics.problems
+            config: Any = None
+            cfg_path = folder / "config.json"
+            if cfg_path.exists():
+                try:
+                    config = json.loads(cfg_path.read_text(errors="replace"))
+                except json.JSONDecodeError as e:
+                    problems.append(Problem(_rel(name, "config.json"), e.lineno, f"not JSON ({e.msg})"))
+            ckpts = read_jsonl(folder / "checkpoints.jsonl", _rel(name, "checkpoints.jsonl"))
+            if (folder / "checkpoints.jsonl").exists():
+                problems += ckpts.problems
+            steps = [r["step"] for r in metrics.rows if isinstance(r.get("step"), int | float)]
+            page.append(
+                {
+                    "name": name,
+                    "steps": len(metrics.rows),
+                    "last_step": max(steps) if steps else None,
+                    "keys": metric_keys(metrics.rows),
+                    "series": series_names(metrics.rows),
+                    "config": config,
+                    "checkpoints": ckpts.rows[-MAX_PAGE:],
+                    "has_rollouts": (folder / "rollouts.jsonl").exists(),
+                }
+            )
+        return {
+            "runs": page,
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(names)},
+            "problems": [p.json() for p in problems],
+        }
+
+    def curves(
+        self, name: str, keys: list[str], *, max_points: int = MAX_POINTS, series_by: str | None = None
+    ) -> dict[str, Any]:
+        """Run ``name``'s metrics ``keys`` against step, downsampled to ``max_points`` per curve.
+
+        ``series_by`` splits the rows into one curve per value of that field (``adapter``,
+        ``agent``): a multi-LoRA or multi-agent run's overlays."""
+        if not 2 <= max_points <= MAX_POINTS:
+            raise RunsError(f"max_points must be in [2, {MAX_POINTS}], got {max_points}")
+        if len(keys) > 32:
+            raise RunsError(f"at most 32 keys at once, got {len(keys)}")
+        metrics = read_jsonl(self.folder(name) / "metrics.jsonl", _rel(name, "metrics.jsonl"))
+        split = series_by or _default_series(metrics.rows)
+        out: dict[str, Any] = {}
+        for key in keys:
+            groups: dict[str, list[tuple[float, float]]] = {}
+            for r in metrics.rows:
+                x, y = r.get("step"), r.get(key)
+                if _number(x) and _number(y):
+                    label = str(r.get(split, "")) if split else ""
+                    groups.setdefault(label, []).append((float(x), float(y)))
+            out[key] = {label: downsample(sorted(pts), max_points) for label, pts in sorted(groups.items())}
+        total = len(metrics.rows)
+        return {
+            "run": name,
+            "rows": total,
+            "series_by": split,
+            "curves": out,
+            "problems": [p.json() for p in metrics.problems],
+        }
+
+    def rollouts(
+        self,
+        name: str,
+        *,
+        step: int | None = None,
+        series: str | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        offset: int = 0,
+        limit: int = 20,
+    ) -> dict[str, Any]:
+        """A page of run ``name``'s logged episodes, newest step first, filtered by step, adapter or
+        agent (``series``) and reward range; ``steps`` lists the steps that have any."""
+        limit = _check_page(offset, limit)
+        log = read_jsonl(self.folder(name) / "rollouts.jsonl", _rel(name, "rollouts.jsonl"))
+        rows = log.rows
+
+        def keep(r: dict[str, Any]) -> bool:
+            reward = r.get("reward")
+            if step is not None and r.get("step") != step:
+                return False
+            if series is not None and str(r.get("series", "")) != series:
+                return False
+            if min_reward is not None and not (_number(reward) and reward >= min_reward):
+                return False
+            return not (max_reward is not None and not (_number(reward) and reward <= max_reward))
+
+        picked = [r for r in rows if keep(r)]
+        picked.sort(key=lambda r: -(r.get("step") or 0))
+        return {
+            "run": name,
+            "steps": sorted({r["step"] for r in rows if isinstance(r.get("step"), int)}),
+            "series": sorted({str(r["series"]) for r in rows if r.get("series") is not None}),
+            "episodes": picked[offset : offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(picked)},
+            "problems": [p.json() for p in log.problems],
+        }
+
+
+def metric_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The numeric metric keys of ``rows`` (not ``step``), preferred ones first."""
+    seen: dict[str, None] = {}
+    for r in rows[:2000]:
+        for k, v in r.items():
+            if k != "step" and _number(v):
+                seen.setdefault(k, None)
+    first = [k for k in PREFERRED_KEYS if k in seen]
+    return first + sorted(k for k in seen if k not in first)
+
+
+def series_names(rows: list[dict[str, Any]]) -> list[str]:
+    split = _default_series(rows)
+    return sorted({str(r.get(split)) for r in rows if r.get(split) is not None}) if split else []
+
+
+def _default_series(rows: list[dict[str, Any]]) -> str | None:
+    for field_name in ("adapter", "agent", "run"):
+        if any(field_name in r for r in rows[:1000]):
+            return field_name
+    return None
+
+
+def downsample(points: list[tuple[float, float]], max_points: int) -> list[list[float]]:
+    """At most ``max_points`` of ``points`` (sorted by x): all of them if few enough, else for
+    each of ``max_points // 2`` equal buckets its lowest and highest point, in x order."""
+    if len(points) <= max_points:
+        return [[x, y] for x, y in points]
+    buckets = max(1, max_points // 2)
+    size = len(points) / buckets
+    out: list[list[float]] = []
+    for b in range(buckets):
+        chunk = points[int(b * size) : int((b + 1) * size)]
+        if not chunk:
+            continue
+        lo = min(chunk, key=lambda p: p[1])
+        hi = max(chunk, key=lambda p: p[1])
+        for x, y in sorted({lo, hi}):
+            out.append([x, y])
+    return out
+
+
+def page_bounds(offset: int, limit: int) -> int:
+    return _check_page(offset, limit)
+
+
+def _check_page(offset: int, limit: int) -> int:
+    if offset < 0:
+        raise RunsError(f"offset must be >= 0, got {offset}")
+    if not 1 <= limit <= MAX_PAGE:
+        raise RunsError(f"limit must be in [1, {MAX_PAGE}], got {limit}")
+    return limit
+
+
+def _number(v: Any) -> TypeGuard[float]:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _rel(name: str, file: str) -> str:
+    return file if name == "." else f"{name}/{file}"

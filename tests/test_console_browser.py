@@ -1,0 +1,236 @@
+"""The console in a real browser: Debian's ``chromium``, headless, driven by Playwright with the
+system browser (no browser download), against a live server and a live local run.
+
+Server: a tenant signs in with its key and sees its runs and not another tenant's; a click from
+a checkpoint leads to its lineage (the checkpoint its run was created from); the engine page shows
+the live counters. Local runs: a curve has the run's points, and grows while the run writes more;
+an episode's text from ``rollouts.jsonl`` is shown. Screenshots of the main pages go to
+``docs/screenshots/``. Marked slow: it starts a server and trains a real local run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from opentinker.server.local import LocalServer, free_port
+from tests.conftest import TEST_MODEL
+from tests.console_world import start_world
+
+CHROMIUM = os.environ.get("OPENTINKER_CHROMIUM", "/usr/bin/chromium")
+SHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright")
+if not Path(CHROMIUM).exists():
+    pytest.skip(f"the browser tests need Debian's chromium at {CHROMIUM}", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalServer, dict[str, Any]]]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINKER_TELEMETRY", "0")
+        for var in ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_PROJECT_ID"):
+            mp.delenv(var, raising=False)
+        srv, w = start_world(tmp_path_factory.mktemp("console-browser-srv"))
+        try:
+            yield srv, w
+        finally:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """Two adapters trained by ``opentinker train rl --runs 2`` (embedded), and the console on them."""
+    runs = tmp_path_factory.mktemp("console-runs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENTINKER_HOME": str(runs / "data")}
+    train = [sys.executable, "-m", "opentinker.cli.main", "train", "rl", "--task", "addition", "--runs", "2"]
+    train += ["--base-model", TEST_MODEL, "--steps", "3", "--log-dir", str(runs / "multi")]
+    subprocess.run(train, check=True, env=env, capture_output=True, timeout=600)
+    (runs / "broken").mkdir()
+    (runs / "broken" / "metrics.jsonl").write_text(
+        '{"step": 0, "loss": 1}\nnot json\n{"step": 1, "loss": 2}\n'
+    )
+    port = free_port()
+    cmd = [sys.executable, "-m", "opentinker.cli.main", "console", "--runs", str(runs), "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(150):
+            try:
+                urllib.request.urlopen(url + "/console/api/mode", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield url, runs
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _shot(page: Any, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def _sign_in(browser: Any, srv: LocalServer, key: str) -> Any:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(srv.base_url + "/")
+    page.fill("#api-key", key)
+    page.click("form.signin button")
+    page.wait_for_selector("#models")
+    return page
+
+
+def test_a_tenant_sees_its_runs_and_not_anothers(
+    browser: Any, world: tuple[LocalServer, dict[str, Any]]
+) -> None:
+    srv, w = world
+    page = _sign_in(browser, srv, w["keys"]["alice"])
+    shown = set(page.eval_on_selector_all("tr.model", "rows => rows.map(r => r.dataset.model)"))
+    assert shown == {w["alice"]["model_id"], w["alice_child"]["model_id"]}
+    assert w["bob"]["model_id"] not in page.content()
+    assert "tenant alice" in page.inner_text("#who")
+    _shot(page, "server-runs")
+    page.click(f"tr.model[data-model='{w['alice']['model_id']}'] a")
+    page.wait_for_selector("#model-charts .chart")
+    titles = page.eval_on_selector_all(
+        "#model-charts .chart", "cs => cs.map(c => [c.dataset.title, c.dataset.points])"
+    )
+    assert ["grad_norm", "3"] in titles and ["loss", "3"] in titles
+    _shot(page, "server-run")
+    page.close()
+    bob = _sign_in(browser, srv, w["keys"]["bob"])
+    assert bob.eval_on_selector_all("tr.model", "rows => rows.map(r => r.dataset.model)") == [
+        w["bob"]["model_id"]
+    ]
+    bob.close()
+
+
+def test_a_wrong_key_is_refused_in_the_page(browser: Any, world: tuple[LocalServer, dict[str, Any]]) -> None:
+    srv, _ = world
+    page = browser.new_page()
+    page.goto(srv.base_url + "/")
+    page.fill("#api-key", "tml-wrong-key")
+    page.click("form.signin button")
+    page.wait_for_selector("form.signin .error")
+    assert "#models" not in page.content() and page.query_selector("#models") is None
+    page.close()
+
+
+def test_click_from_a_checkpoint_to_its_lineage(
+    browser: Any, world: tuple[LocalServer, dict[str, Any]]
+) -> None:
+    srv, w = world
+    page = _sign_in(browser, srv, w["keys"]["alice"])
+    page.click("#tab-checkpoints")
+    page.wait_for_selector("#checkpoints tr.checkpoint")
+    _shot(page, "server-checkpoints")
+    page.click(f"tr.checkpoint[data-checkpoint='{w['alice_child']['path']}'] a.to-lineage")
+    page.wait_for_selector("#lineage")
+    assert page.inner_text("#model-id") == w["alice_child"]["model_id"]
+    graph = page.inner_text("#lineage")
+    assert w["alice"]["path"] in graph and w["alice_child"]["model_id"] in graph
+    row = page.inner_text(f"#lineage-checkpoints tr[data-checkpoint='{w['alice_child']['path']}']")
+    assert w["alice"]["path"] in row  # the saved checkpoint's parent
+    _shot(page, "server-lineage")
+    page.close()
+
+
+def test_the_engine_page_updates_live(browser: Any, world: tuple[LocalServer, dict[str, Any]]) -> None:
+    srv, w = world
+    page = _sign_in(browser, srv, w["keys"]["ops"])
+    page.click("#tab-engine")
+    page.wait_for_selector("section.engine")
+    ticks = page.locator("section.engine [data-stat='ticks'] b")
+    before = int(ticks.inner_text())
+    tc = w["alice"]["service"].create_lora_training_client(base_model=TEST_MODEL, rank=2, seed=1).result()
+    from tests.console_world import datum
+
+    tc.forward_backward([datum(list(range(3, 12)))], "cross_entropy").result()
+    page.wait_for_function(
+        f"() => Number(document.querySelector(\"section.engine [data-stat='ticks'] b\").textContent) > {before}",
+        timeout=15_000,
+    )  # no reload: the page polls
+    assert page.inner_text("section.engine [data-stat='ticks/s'] b") != ""
+    _shot(page, "server-engine")
+    page.close()
+
+
+def test_local_runs_curves_live_and_problems(browser: Any, local_run: tuple[str, Path]) -> None:
+    url, runs = local_run
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(url + "/")
+    page.wait_for_selector("#charts .chart")
+    names = page.eval_on_selector_all("tr.run", "rows => rows.map(r => r.dataset.run)")
+    assert {"multi/seed0", "multi/seed1", "broken"} <= set(names)
+    assert "broken/metrics.jsonl:2" in page.inner_text("#problems")  # named; the other runs still show
+    rows = [json.loads(x) for x in (runs / "multi" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    reward = page.locator("#charts .chart[data-title='reward/mean']")
+    assert reward.count() == 1
+    selected = page.eval_on_selector_all("tr.run input:checked", "xs => xs.length")
+    expected = 0
+    for name in names[:selected]:
+        metrics = (runs / name / "metrics.jsonl").read_text().splitlines()
+        expected += sum(1 for x in metrics if x.strip().startswith("{") and "reward/mean" in json.loads(x))
+    assert int(reward.get_attribute("data-points") or 0) == expected >= len(rows)
+    _shot(page, "runs-curves")
+    with (runs / "multi" / "seed0" / "metrics.jsonl").open("a") as f:  # the run goes on
+        f.write(json.dumps({"step": len(rows), "reward/mean": 0.5}) + "\n")
+    page.wait_for_function(
+        f"() => Number(document.querySelector(\"#charts .chart[data-title='reward/mean']\").dataset.points) > {expected}",
+        timeout=15_000,
+    )
+    page.close()
+
+
+def test_local_runs_rollouts_are_shown(browser: Any, local_run: tuple[str, Path]) -> None:
+    url, runs = local_run
+    first = json.loads((runs / "multi" / "seed0" / "rollouts.jsonl").read_text().splitlines()[0])
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(url + "/")
+    page.wait_for_selector("tr.run[data-run='multi/seed0'] a.open-rollouts")
+    page.click("tr.run[data-run='multi/seed0'] a.open-rollouts")
+    page.wait_for_selector(".episode")
+    page.select_option("select[name=step]", str(first["step"]))
+    page.wait_for_function(
+        f"() => [...document.querySelectorAll('.episode .meta')].every(m => m.textContent.startsWith('step {first['step']} '))"
+    )
+    prompt = first["turns"][0]["text"]
+    texts = page.eval_on_selector_all(".turn.prompt", "ts => ts.map(t => t.textContent)")
+    assert prompt in texts
+    action = "".join(first["turns"][1]["tokens"])
+    assert action in page.eval_on_selector_all(".turn.action", "ts => ts.map(t => t.textContent)")
+    page.fill("input[name=min_reward]", "0.5")
+    page.press("input[name=min_reward]", "Enter")
+    page.wait_for_timeout(500)
+    metas = page.eval_on_selector_all(".episode .meta", "ms => ms.map(m => m.textContent)")
+    assert all(float(m.split("reward ")[1].split(" ")[0]) >= 0.5 for m in metas)
+    _shot(page, "runs-rollouts")
+    page.close()
+
+
+def test_no_browser_was_downloaded() -> None:
+    cache = Path.home() / ".cache" / "ms-playwright"
+    assert not cache.exists() or not any(cache.glob("chromium*")), "a browser was downloaded"
+    assert shutil.which("chromium") or Path(CHROMIUM).exists()
