@@ -352,6 +352,27 @@ class StepDecoder:
         return None
 
 
+def run_to_completion(dec: Decoder, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
+    """One batch on ``dec``, run to completion: every request admitted at once, then decoded until
+    each row has stopped. A refused request yields its ``EngineError`` in its slot."""
+    results: list[SampleResult | EngineError | None] = [None] * len(requests)
+    pinned: list[tuple[int, Pinned]] = []
+    for i, req in enumerate(requests):
+        try:
+            pinned.append((i, dec.pin(req)))
+        except EngineError as e:
+            results[i] = e
+    done = dec.admit(pinned)
+    while dec.live_rows:
+        done += dec.step()
+    for i, res in done:
+        if isinstance(res, EngineError) or not isinstance(res, Exception):
+            results[i] = res
+        else:
+            raise res  # an engine bug: the caller fails the batch
+    return [r if r is not None else EngineError("request was not run") for r in results]
+
+
 def _limit(r: SampleRequest, ctx: int) -> int:
     """The most tokens a row of ``r`` can sample."""
     return min(r.params.max_tokens, ctx - len(r.prompt))

@@ -17,7 +17,12 @@ from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights
 from opentinker.sampling.backend import RolloutBackend, check_request
-from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned, StepDecoder, common_prompt_prefix
+from opentinker.sampling.decoder import (
+    MIN_SHARED_PREFIX,
+    StepDecoder,
+    common_prompt_prefix,
+    run_to_completion,
+)
 from opentinker.sampling.forward import LoRACache
 from opentinker.sampling.llama_decode import LlamaLean, lean_llama
 from opentinker.sampling.prefix_cache import PrefixCache
@@ -87,23 +92,7 @@ class NativeBackend(RolloutBackend):
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
         """One batch, run to completion: every request admitted at once, then decoded until each
         row has stopped."""
-        dec = self.decoder()
-        results: list[SampleResult | EngineError | None] = [None] * len(requests)
-        pinned: list[tuple[int, Pinned]] = []
-        for i, req in enumerate(requests):
-            try:
-                pinned.append((i, dec.pin(req)))
-            except EngineError as e:
-                results[i] = e
-        done = dec.admit(pinned)
-        while dec.live_rows:
-            done += dec.step()
-        for i, res in done:
-            if isinstance(res, EngineError) or not isinstance(res, Exception):
-                results[i] = res
-            else:
-                raise res  # an engine bug: the caller fails the batch
-        return [r if r is not None else EngineError("request was not run") for r in results]
+        return run_to_completion(self.decoder(), requests)
 
     def decoder(self, *, snapshots_only: bool = False) -> StepDecoder:
         """A step-wise decoder over this backend's model, caches and settings (see

@@ -46,7 +46,7 @@ from opentinker.engine.export import export_peft
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights, TargetGroup
 from opentinker.sampling.backend import Mismatch, RolloutBackend, check_request
-from opentinker.sampling.decoder import Finished, Pinned
+from opentinker.sampling.decoder import Finished, Pinned, run_to_completion
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels accept
@@ -306,23 +306,7 @@ class VLLMBackend(RolloutBackend):
                 self._retire(self._published.pop(pid))
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
-        dec = self.decoder()
-        results: list[SampleResult | EngineError | None] = [None] * len(requests)
-        pinned: list[tuple[int, Pinned]] = []
-        for i, req in enumerate(requests):
-            try:
-                pinned.append((i, dec.pin(req)))
-            except EngineError as e:
-                results[i] = e
-        done = dec.admit(pinned)
-        while dec.live_rows:
-            done += dec.step()
-        for i, res in done:
-            if isinstance(res, EngineError) or not isinstance(res, Exception):
-                results[i] = res
-            else:
-                raise res
-        return [r if r is not None else EngineError("request was not run") for r in results]
+        return run_to_completion(self.decoder(), requests)
 
     def decoder(self) -> VLLMDecoder:
         return VLLMDecoder(self)
