@@ -77,6 +77,7 @@ async def build_datums(
     """Advantages per group (constant groups dropped on request), optional KL shaping, datums."""
     datums: list[types.Datum] = []
     kept = dropped = 0
+    constant_rewards: list[float] = []  # the reward of each dropped (constant) group
     kls: list[float] = []
     chosen: list[tuple[Trajectory, float]] = []  # (trajectory, advantage) of every kept group
     for g in groups:
@@ -85,6 +86,7 @@ async def build_datums(
             continue
         if cfg.drop_constant_groups and is_constant(rewards_G):
             dropped += 1
+            constant_rewards.append(rewards_G[0])
             continue
         kept += 1
         advantages_G = group_advantages(rewards_G, normalize_std=cfg.normalize_std)
@@ -126,6 +128,10 @@ async def build_datums(
         "train/calls": float(sum(len(t.transitions) for t, _ in chosen)),
         "train/tokens": float(sum(d.model_input.length + 1 for d in datums)),
     }
+    if chosen:  # the advantage scale the loss sees
+        m["advantage/abs_mean"] = sum(abs(a) for _, a in chosen) / len(chosen)
+    if constant_rewards:  # with 0/1 rewards: the share of constant groups that were all solved
+        m["groups/constant_reward_mean"] = sum(constant_rewards) / len(constant_rewards)
     if kls:
         m["kl/sampler_vs_base"] = sum(kls) / len(kls)
     return datums, m

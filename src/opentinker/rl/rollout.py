@@ -236,15 +236,19 @@ def _mean(xs: list[float]) -> float:
 
 
 def group_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
-    """A step's rollout metrics: mean reward, episodes, environment errors, lengths, and the mean
-    of each per-turn metric the environments reported (``env/<key>``)."""
+    """A step's rollout metrics: mean reward, episodes, environment errors, lengths, the sampled
+    tokens' mean negative logprob (``policy/nll_per_token``: at temperature 1 an estimate of the
+    policy's entropy per token, which falls as it collapses onto few outputs), and the mean of each
+    per-turn metric the environments reported (``env/<key>``)."""
     trajs = [t for g in groups for t in g.trajectories]
+    lps = [lp for t in trajs for tr in t.transitions for lp in tr.logprobs_T]
     m: dict[str, float] = {
         "reward/mean": _mean([t.total_reward for t in trajs]),
         "env/episodes": float(len(trajs)),
         "env/errors": float(sum(g.errors for g in groups)),
         "tokens/action_mean": _mean([float(t.num_action_tokens) for t in trajs]),
         "env/turns_mean": _mean([float(len(t.transitions)) for t in trajs]),
+        "policy/nll_per_token": -_mean(lps),
     }
     keys = {k for t in trajs for tr in t.transitions for k in tr.metrics}
     for k in sorted(keys):
