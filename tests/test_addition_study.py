@@ -86,11 +86,12 @@ def run_study(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow  # a subprocess that loads the model; slow on a loaded machine
 def test_study_on_the_tiny_model_stops_on_its_cpu_clock(tmp_path: Path) -> None:
     out = run_study(tmp_path, "--max-cpu-minutes", "0.05", "--eval-every", "3", "--set", "group_size=4")
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads((tmp_path / "run/study.json").read_text())
-    assert r["settings"]["group_size"] == 4 and r["settings"]["learning_rate"] == 3e-4  # the task's default
+    assert r["settings"]["group_size"] == 4 and r["settings"]["learning_rate"] == 4e-4  # the task's default
     clocks = [t["train_cpu_s"] for t in r["trace"]]
     assert clocks[0] == 0.0 and clocks == sorted(clocks)
     assert clocks[-1] >= 3.0 and all(c < 3.0 for c in clocks[:-1])  # it stops at the first eval past the cap

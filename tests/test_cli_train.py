@@ -41,7 +41,7 @@ def test_rl_addition_writes_metrics(
     assert (d / "curves.png").stat().st_size > 0
     cfg = json.loads((d / "config.json").read_text())
     # the task's defaults apply, the flags win over them
-    assert cfg["max_tokens"] == 8 and cfg["groups_per_step"] == 4  # addition's defaults
+    assert cfg["max_tokens"] == 8 and cfg["groups_per_step"] == 8  # addition's defaults
     assert cfg["group_size"] == 4 and cfg["steps"] == 2 and cfg["base_model"] == TEST_MODEL  # flags
     assert cfg["extra"] == {"eval_problems": 10}
     out = capsys.readouterr().out.strip().splitlines()
