@@ -247,19 +247,27 @@ def _episodes(groups: list[Any]) -> list[list[tuple[list[int], list[float]]]]:
 
 
 async def _ttt_run(service: Any, seed: int = 0) -> tuple[list[Any], TTTStats]:
-    tc = await service.create_lora_training_client_async(base_model=TEST_MODEL, rank=4, seed=0)
+    tc = await service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
     renderer = get_renderer("auto", tc.get_tokenizer())
     policy = await tc.save_weights_and_get_sampling_client()
     path = await fork_point(tc, "ttt-fork")
     group = LongGuessGroup(renderer, [700, 123], high=1000, max_turns=4)
     params = types.SamplingParams(max_tokens=8, temperature=0.0)
-    stats = TTTStats()
+    stats, again = TTTStats(), TTTStats()
     cfg = TTTConfig(steps=1, learning_rate=5e-2)
-    g = await ttt_rollout_group(
-        group, policy, params, service=service, fork_path=path, cfg=cfg, seed=seed, stats=stats
+    ups = TTTUpdates(service, cfg)
+    kw: dict[str, Any] = {"service": service, "fork_path": path, "cfg": cfg, "seed": seed, "updates": ups}
+    g = await ttt_rollout_group(group, policy, params, stats=stats, **kw)
+    # the same episodes again, on the first run's pooled adapters (reset with load_state)
+    g2 = await ttt_rollout_group(group, policy, params, stats=again, **kw)
+    await ups.close()
+    # embedded, the second run reuses the first's adapters; the SDK deprecates load_state, so
+    # against the server every episode forks anew
+    assert again.forks == stats.forks and again.reused == (
+        stats.forks if isinstance(service, opentinker.ServiceClient) else 0
     )
     base = await rollout_group(group, policy, params, seed=seed)
-    return [g, base], stats
+    return [g, g2, base], stats
 
 
 def test_ttt_against_the_server_equals_embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,16 +280,17 @@ def test_ttt_against_the_server_equals_embedded(tmp_path: Path, monkeypatch: pyt
         monkeypatch.delenv(var, raising=False)
     rt = Runtime(tmp_path / "embedded")
     try:
-        (emb, emb_base), emb_stats = asyncio.run(_ttt_run(opentinker.ServiceClient(runtime=rt)))
+        (emb, emb2, emb_base), emb_stats = asyncio.run(_ttt_run(opentinker.ServiceClient(runtime=rt)))
     finally:
         rt.shutdown()
     with LocalServer(["--dev", "--base-model", TEST_MODEL], data_dir=tmp_path / "server") as srv:
         sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-ttt-test-key-0001")
-        (rem, rem_base), rem_stats = asyncio.run(_ttt_run(sc))
+        (rem, rem2, rem_base), rem_stats = asyncio.run(_ttt_run(sc))
         sc.close("success").result()
     assert emb.errors == rem.errors == 0 and len(emb.trajectories) == 2
     assert emb_stats.updates == rem_stats.updates > 0 and emb_stats.forks == rem_stats.forks == 2
-    for e, r in zip(_episodes([emb]), _episodes([rem]), strict=True):
+    # a reused adapter is a fresh fork: the second run repeats the first
+    for e, r in zip(_episodes([emb, emb2, emb]), _episodes([rem, rem2, emb2]), strict=True):
         assert [t for t, _ in e] == [t for t, _ in r]
         for (_, lp_e), (_, lp_r) in zip(e, r, strict=True):
             assert_logprobs_close(lp_r, lp_e, atol=TRAJECTORY_LOGIT_ATOL)
@@ -302,6 +311,8 @@ def test_rl_loop_trains_the_policy_on_ttt_episodes(runtime: Runtime, tmp_path: P
     result = asyncio.run(run_rl(cfg, service, dataset))
     rows = result.metrics
     assert len(rows) == 2 and all(r["ttt/forks"] >= 1 and r["ttt/updates"] >= 1 for r in rows)
+    # the run keeps one pool: the second step's episodes reuse the first step's adapters
+    assert rows[0]["ttt/reused"] == 0 and rows[1]["ttt/reused"] >= 1
     engine = runtime.backend(TEST_MODEL).engine
     assert engine.adapter_step(result.training_client.model_id) == 2  # the outer policy trained
     # every episode's adapter was dropped at its episode's end: only the policy is left

@@ -9,9 +9,11 @@ episode's adapter takes ``steps`` (k) updates on the episode's text so far, then
 sampled from a snapshot of the updated adapter. When an episode ends, its adapter goes back to
 a pool (or, with ``keep``, its training client is kept for analysis: ``TTTStats.kept``); the next
 episode that needs a fork resets a pooled one with ``load_state(fork path)`` (weights only and a
-fresh optimizer, as a new fork) instead of creating a model. :meth:`TTTUpdates.close` drops the
-pool (embedded: ``delete_model``; a server frees them with its session). Only the client API is
-used, so this runs embedded or against any Tinker server.
+fresh optimizer, as a new fork) instead of creating a model; :meth:`TTTUpdates.close` drops the
+pool (``delete_model``). That is embedded only: the Tinker SDK deprecates
+``TrainingClient.load_state``, so against a server every episode's adapter is a new training
+client from the fork path, freed with the server session. Only the client API is used, so this
+runs embedded or against any Tinker server.
 
 **Fused updates.** The live episodes (of one rollout, or of every rollout that shares a
 :class:`TTTUpdates`: the RL loop shares one for all groups) wait for each other between turns:
@@ -176,6 +178,8 @@ class TTTUpdates:
         self._check: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._free: list[Any] = []  # training clients of ended episodes
+        # the SDK deprecates TrainingClient.load_state: against a server each episode forks anew
+        self._pooled = _embedded(service)
 
     def episode(self, fork_path: str, prompt_len: int, policy: Any, stats: TTTStats) -> TTTEpisode:
         ep = TTTEpisode(self, fork_path, prompt_len, policy, stats)
@@ -198,8 +202,10 @@ class TTTUpdates:
         self._live.discard(ep)
         self._waiting.pop(ep, None)
         tc, ep.tc = ep.tc, None
-        if tc is not None:
-            (ep.stats.kept if self.cfg.keep else self._free).append(tc)
+        if tc is not None and self.cfg.keep:
+            ep.stats.kept.append(tc)
+        elif tc is not None and self._pooled:
+            self._free.append(tc)
         self._poke()
 
     def _poke(self) -> None:
@@ -235,15 +241,14 @@ class TTTUpdates:
             stats.reused += 1
             tc = self._free.pop()
             return tc, tc.load_state(fork_path)
-        if _embedded(self.service):  # its async form waits without holding the event loop
+        if self._pooled:  # embedded: its async form waits without holding the event loop
             return await self.service.create_training_client_from_state_async(fork_path), None
         return await self.service.create_training_client_from_state(fork_path), None  # a future
 
     async def close(self) -> None:
         """Drop the pooled adapters (embedded: ``delete_model``; a server frees them with its session)."""
         free, self._free = self._free, []
-        if _embedded(self.service):
-            await gather_or_cancel(*(self.service.delete_model_async(tc.model_id) for tc in free))
+        await gather_or_cancel(*(self.service.delete_model_async(tc.model_id) for tc in free))
 
 
 class TTTEpisode:
