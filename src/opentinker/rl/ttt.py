@@ -210,6 +210,9 @@ class TTTUpdates:
 
     def _poke(self) -> None:
         if not self._waiting:
+            if self._timer is not None:  # nobody waits any more (cancelled episodes)
+                self._timer.cancel()
+                self._timer = None
             return
         loop = asyncio.get_running_loop()
         if self._timer is None:
