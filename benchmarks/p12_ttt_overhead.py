@@ -5,8 +5,10 @@
 number of turns) run at once, all live, from one policy. No-TTT: every turn sampled from the
 policy (one mixed batch on the rollout loop). TTT (``rl/ttt.py``): each episode forks its own
 adapter and takes ``--steps`` updates on its text so far before each turn after the first (all
-episodes' updates fused into the same ticks), then samples from a snapshot of it. Same secrets,
-same seeds. The arms alternate (no-TTT, TTT, ...) ``--repeats`` times after one warm-up of each;
+live episodes' updates released together and fused into the same ticks), then samples from a
+snapshot of it; one ``TTTUpdates`` serves every repeat, as the RL loop's serves every step, so
+the forks of the warm-up are reused. Same secrets, same seeds.  Also printed: the training ticks
+of each TTT repeat and how many episodes' updates each fused, and the seconds spent in them. The arms alternate (no-TTT, TTT, ...) ``--repeats`` times after one warm-up of each;
 the ratio is of the medians of wall time per episode, and of wall time per sampled turn
 (target ≤ 1.5; aTTT reports 1.9). On a loaded shared machine the number is noisy: the script
 prints the load average at start and end.
@@ -27,7 +29,7 @@ from tinker import types
 import opentinker
 from opentinker.renderers import get_renderer
 from opentinker.rl.rollout import rollout_group
-from opentinker.rl.ttt import TTTConfig, TTTStats, fork_point, ttt_rollout_group
+from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_rollout_group
 from opentinker.tasks.guess_number_long import LongGuessGroup, held_out_secrets
 
 
@@ -54,20 +56,34 @@ async def main() -> None:
     group = LongGuessGroup(renderer, held_out_secrets(a.episodes, a.high), high=a.high, max_turns=a.max_turns)
     params = types.SamplingParams(max_tokens=a.max_tokens, temperature=1.0)
     cfg = TTTConfig(steps=a.steps)
+    updates = TTTUpdates(service, cfg)
+    sched = service.runtime.backend(a.base_model).scheduler  # instrumentation, not the client API
     per_episode: dict[str, list[float]] = {"no_ttt": [], "ttt": []}
     per_turn: dict[str, list[float]] = {"no_ttt": [], "ttt": []}
     for rep in range(a.repeats + 1):  # rep 0 warms both arms up
         for arm in ("no_ttt", "ttt"):
+            stats, seen = TTTStats(), sched.stats.ticks
             t = time.perf_counter()
             if arm == "ttt":
                 g = await ttt_rollout_group(
-                    group, policy, params, service=service, fork_path=path, cfg=cfg, seed=0, stats=TTTStats()
-                )
+                    group, policy, params, service=service, fork_path=path, cfg=cfg, seed=0, stats=stats,
+                    updates=updates,
+                )  # fmt: skip
             else:
                 g = await rollout_group(group, policy, params, seed=0)
             wall = time.perf_counter() - t
             turns = sum(len(tr.transitions) for tr in g.trajectories)
             print(f"rep {rep} {arm}: {wall:.2f} s, {len(g.trajectories)} episodes, {turns} turns", flush=True)
+            if arm == "ttt":
+                records = (sched.tick_record(t) for t in range(seen + 1, sched.stats.ticks + 1))
+                trained = [r for r in records if r is not None and r.fused_requests]
+                busy = sum(r.end - r.start for r in trained)
+                print(
+                    f"  {stats.updates} updates ({stats.forks} forks, {stats.reused} reused) in "
+                    f"{len(trained)} training ticks, {busy:.2f} s; updates per tick "
+                    f"{sorted((r.fused_requests for r in trained), reverse=True)}",
+                    flush=True,
+                )
             if rep > 0:
                 per_episode[arm].append(wall / max(1, len(g.trajectories)))
                 per_turn[arm].append(wall / max(1, turns))

@@ -21,8 +21,8 @@ from opentinker.rl.loop import RLConfig, run_rl
 from opentinker.rl.rollout import rollout_group
 from opentinker.rl.ttt import (
     TTTConfig,
-    TTTEpisode,
     TTTStats,
+    TTTUpdates,
     fork_point,
     ngram_weights,
     ttt_datum,
@@ -30,7 +30,7 @@ from opentinker.rl.ttt import (
 )
 from opentinker.tasks.guess_number_long import LongGuessDataset, LongGuessGroup
 from tests.conftest import TEST_MODEL
-from tests.tolerances import TRAJECTORY_LOGIT_ATOL, assert_logprobs_close
+from tests.tolerances import TRAJECTORY_LOGIT_ATOL, assert_logprobs_close, assert_scalar_close
 
 
 @pytest.mark.parametrize(
@@ -44,6 +44,8 @@ from tests.tolerances import TRAJECTORY_LOGIT_ATOL, assert_logprobs_close
         ({"repeat_weight": 1.01}, "repeat_weight"),
         ({"repeat_weight": math.nan}, "repeat_weight"),
         ({"learning_rate": 0.0}, "learning_rate"),
+        ({"max_wait_s": -1.0}, "max_wait_s"),
+        ({"max_wait_s": math.inf}, "max_wait_s"),
     ],
 )
 def test_bad_config_is_refused_naming_the_field(kw: dict[str, Any], names: str) -> None:
@@ -109,27 +111,115 @@ def test_an_update_changes_only_its_own_episodes_adapter(runtime: Runtime) -> No
         path = await fork_point(tc, "fork")
         policy = await tc.save_weights_and_get_sampling_client()
         stats = TTTStats()
-        cfg = TTTConfig(steps=2, learning_rate=1e-2, keep=True)
-        a, b = (TTTEpisode(service, path, cfg, 4, policy, stats) for _ in range(2))
+        ups = TTTUpdates(service, TTTConfig(steps=2, learning_rate=1e-2, keep=True))
+        b = ups.episode(path, 4, policy, stats)
         await b._update(ids[:12])  # b exists, with its own optimizer state
-        assert b.tc is not None
+        b_id = b.tc.model_id
+        a = ups.episode(path, 4, policy, stats)
+        b.close()  # b's episode is over (keep=True keeps its adapter): a updates alone
         before = {
             "policy": (_tensors(engine, tc.model_id), _opt(engine, tc.model_id)),
-            "b": (_tensors(engine, b.tc.model_id), _opt(engine, b.tc.model_id)),
+            "b": (_tensors(engine, b_id), _opt(engine, b_id)),
         }
         await a._update(ids)
         assert a.tc is not None
-        for name, ref in (("policy", tc.model_id), ("b", b.tc.model_id)):
+        for name, ref in (("policy", tc.model_id), ("b", b_id)):
             assert _same(_tensors(engine, ref), before[name][0]), f"{name}'s weights changed"
             assert _same(_opt(engine, ref), before[name][1]), f"{name}'s optimizer state changed"
         assert not _same(_tensors(engine, a.tc.model_id), before["policy"][0])
-        assert stats.forks == 2 and stats.updates == 4
+        assert stats.forks == 2 and stats.updates == 4 and stats.reused == 0
         # a fork starts bitwise equal to the policy's saved weights, with a fresh optimizer
         c = await service.create_training_client_from_state_async(path)
         assert _same(_tensors(engine, c.model_id), before["policy"][0])
         assert engine.pending_gradients(c.model_id) is None
-        await a.close()
-        assert a.tc is not None and a.tc.model_id in engine.adapter_ids()  # keep=True keeps it
+        a_id = a.tc.model_id
+        a.close()
+        assert [t.model_id for t in stats.kept] == [b_id, a_id]  # keep=True keeps them
+        assert {b_id, a_id} <= set(engine.adapter_ids())
+
+    asyncio.run(go())
+
+
+def _fork_setup(runtime: Runtime) -> tuple[Any, Any, list[int]]:
+    service = opentinker.ServiceClient(runtime=runtime)
+    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
+    ids = tc.get_tokenizer().encode(
+        "I'm thinking of a number between 1 and 1000. Is it 500? Higher. Is it 750?"
+    )
+    d = datum_from_tokens(ids, weights=[1.0] * len(ids))
+    tc.forward_backward([d], "cross_entropy").result()  # B != 0: every LoRA weight gets a gradient
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return service, tc, ids
+
+
+def test_live_episodes_updates_are_released_together_and_equal_each_alone(runtime: Runtime) -> None:
+    service, tc, ids = _fork_setup(runtime)
+    engine = runtime.backend(TEST_MODEL).engine
+    texts = [ids[:14], ids[:18], ids]
+
+    async def go() -> None:
+        path = await fork_point(tc, "fork")
+        policy = await tc.save_weights_and_get_sampling_client()
+        cfg = TTTConfig(steps=1, learning_rate=1e-2)
+        ups = TTTUpdates(service, cfg)
+        stats = [TTTStats() for _ in texts]
+        eps = [ups.episode(path, 4, policy, st) for st in stats]
+        await asyncio.gather(*(ep._update(t) for ep, t in zip(eps, texts, strict=True)))
+        # one release of all three (each counts the three it went with)
+        assert [(st.gated, st.fused_sum, st.updates) for st in stats] == [(1, 3, 1)] * 3
+        assert len({ep.tc.model_id for ep in eps}) == 3
+        # each alone, from a fresh pool: the same loss (one fused forward/backward changes nobody's)
+        for ep, t, st in zip(eps, texts, stats, strict=True):
+            alone = TTTStats()
+            solo = TTTUpdates(service, cfg).episode(path, 4, policy, alone)
+            await solo._update(t)
+            assert alone.fused_sum == 1
+            assert_scalar_close(st.loss_sum, alone.loss_sum)
+            assert not _same(_tensors(engine, ep.tc.model_id), _tensors(engine, tc.model_id))
+
+    asyncio.run(go())
+
+
+def test_a_reused_fork_is_bitwise_a_fresh_one(runtime: Runtime) -> None:
+    service, tc, ids = _fork_setup(runtime)
+    engine = runtime.backend(TEST_MODEL).engine
+
+    async def go() -> None:
+        path = await fork_point(tc, "fork")
+        policy = await tc.save_weights_and_get_sampling_client()
+        cfg = TTTConfig(steps=2, learning_rate=1e-2)
+        ups, stats = TTTUpdates(service, cfg), TTTStats()
+        first = ups.episode(path, 4, policy, stats)
+        await first._update(ids[:16])
+        used = first.tc.model_id
+        first.close()  # its adapter (trained, with optimizer state) goes to the pool
+        second = ups.episode(path, 4, policy, stats)
+        await second._update(ids)
+        assert second.tc.model_id == used and stats.forks == 2 and stats.reused == 1
+        fresh = TTTUpdates(service, cfg).episode(path, 4, policy, TTTStats())
+        await fresh._update(ids)
+        assert fresh.tc.model_id != used
+        assert _same(_tensors(engine, used), _tensors(engine, fresh.tc.model_id))
+        assert _same(_opt(engine, used), _opt(engine, fresh.tc.model_id))
+        assert engine.adapter_step(used) == engine.adapter_step(fresh.tc.model_id)
+        second.close()
+        await ups.close()  # the pool's adapters are dropped
+        assert used not in engine.adapter_ids()
+
+    asyncio.run(go())
+
+
+def test_an_update_waits_for_a_stalled_episode_at_most_max_wait_s(runtime: Runtime) -> None:
+    service, tc, ids = _fork_setup(runtime)
+
+    async def go() -> None:
+        path = await fork_point(tc, "fork")
+        policy = await tc.save_weights_and_get_sampling_client()
+        ups, stats = TTTUpdates(service, TTTConfig(max_wait_s=0.05)), TTTStats()
+        ups.episode(path, 4, policy, TTTStats())  # live, never asks for an update
+        ep = ups.episode(path, 4, policy, stats)
+        await asyncio.wait_for(ep._update(ids), 60)
+        assert (stats.gated, stats.fused_sum, stats.updates) == (1, 1, 1)
 
     asyncio.run(go())
 
@@ -157,19 +247,27 @@ def _episodes(groups: list[Any]) -> list[list[tuple[list[int], list[float]]]]:
 
 
 async def _ttt_run(service: Any, seed: int = 0) -> tuple[list[Any], TTTStats]:
-    tc = await service.create_lora_training_client_async(base_model=TEST_MODEL, rank=4, seed=0)
+    tc = await service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
     renderer = get_renderer("auto", tc.get_tokenizer())
     policy = await tc.save_weights_and_get_sampling_client()
     path = await fork_point(tc, "ttt-fork")
     group = LongGuessGroup(renderer, [700, 123], high=1000, max_turns=4)
     params = types.SamplingParams(max_tokens=8, temperature=0.0)
-    stats = TTTStats()
+    stats, again = TTTStats(), TTTStats()
     cfg = TTTConfig(steps=1, learning_rate=5e-2)
-    g = await ttt_rollout_group(
-        group, policy, params, service=service, fork_path=path, cfg=cfg, seed=seed, stats=stats
+    ups = TTTUpdates(service, cfg)
+    kw: dict[str, Any] = {"service": service, "fork_path": path, "cfg": cfg, "seed": seed, "updates": ups}
+    g = await ttt_rollout_group(group, policy, params, stats=stats, **kw)
+    # the same episodes again, on the first run's pooled adapters (reset with load_state)
+    g2 = await ttt_rollout_group(group, policy, params, stats=again, **kw)
+    await ups.close()
+    # embedded, the second run reuses the first's adapters; the SDK deprecates load_state, so
+    # against the server every episode forks anew
+    assert again.forks == stats.forks and again.reused == (
+        stats.forks if isinstance(service, opentinker.ServiceClient) else 0
     )
     base = await rollout_group(group, policy, params, seed=seed)
-    return [g, base], stats
+    return [g, g2, base], stats
 
 
 def test_ttt_against_the_server_equals_embedded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,16 +280,17 @@ def test_ttt_against_the_server_equals_embedded(tmp_path: Path, monkeypatch: pyt
         monkeypatch.delenv(var, raising=False)
     rt = Runtime(tmp_path / "embedded")
     try:
-        (emb, emb_base), emb_stats = asyncio.run(_ttt_run(opentinker.ServiceClient(runtime=rt)))
+        (emb, emb2, emb_base), emb_stats = asyncio.run(_ttt_run(opentinker.ServiceClient(runtime=rt)))
     finally:
         rt.shutdown()
     with LocalServer(["--dev", "--base-model", TEST_MODEL], data_dir=tmp_path / "server") as srv:
         sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-ttt-test-key-0001")
-        (rem, rem_base), rem_stats = asyncio.run(_ttt_run(sc))
+        (rem, rem2, rem_base), rem_stats = asyncio.run(_ttt_run(sc))
         sc.close("success").result()
     assert emb.errors == rem.errors == 0 and len(emb.trajectories) == 2
     assert emb_stats.updates == rem_stats.updates > 0 and emb_stats.forks == rem_stats.forks == 2
-    for e, r in zip(_episodes([emb]), _episodes([rem]), strict=True):
+    # a reused adapter is a fresh fork: the second run repeats the first
+    for e, r in zip(_episodes([emb, emb2, emb]), _episodes([rem, rem2, emb2]), strict=True):
         assert [t for t, _ in e] == [t for t, _ in r]
         for (_, lp_e), (_, lp_r) in zip(e, r, strict=True):
             assert_logprobs_close(lp_r, lp_e, atol=TRAJECTORY_LOGIT_ATOL)
@@ -212,6 +311,8 @@ def test_rl_loop_trains_the_policy_on_ttt_episodes(runtime: Runtime, tmp_path: P
     result = asyncio.run(run_rl(cfg, service, dataset))
     rows = result.metrics
     assert len(rows) == 2 and all(r["ttt/forks"] >= 1 and r["ttt/updates"] >= 1 for r in rows)
+    # the run keeps one pool: the second step's episodes reuse the first step's adapters
+    assert rows[0]["ttt/reused"] == 0 and rows[1]["ttt/reused"] >= 1
     engine = runtime.backend(TEST_MODEL).engine
     assert engine.adapter_step(result.training_client.model_id) == 2  # the outer policy trained
     # every episode's adapter was dropped at its episode's end: only the policy is left

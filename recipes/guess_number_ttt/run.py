@@ -1,7 +1,9 @@
 """Success on held-out long guess-the-number episodes with and without test-time training.
 
 Same policy (a fresh rank-8 adapter, LoRA B = 0: the base model's behaviour), same secrets, same
-sampling seeds; the two arms run one after another, each with all its episodes live at once.
+sampling seeds; the two arms run one after another, each with all its episodes live at once, or
+``--concurrent`` of them at a time (the same chunks and seeds in both arms: a bound on memory for
+larger models, since one fused update holds every live episode's activations).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from tinker import types
 import opentinker
 from opentinker.renderers import get_renderer
 from opentinker.rl.rollout import rollout_group
-from opentinker.rl.ttt import TTTConfig, TTTStats, fork_point, ttt_rollout_group
+from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_rollout_group
+from opentinker.rl.types import TrajectoryGroup
 from opentinker.tasks.guess_number_long import LongGuessGroup, held_out_secrets, last_metrics, per_guess
 
 
@@ -35,6 +38,7 @@ async def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrent", type=int, default=0, help="episodes live at once (0: all)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     service = opentinker.ServiceClient()
@@ -45,29 +49,44 @@ async def main() -> None:
     policy = await tc.save_weights_and_get_sampling_client()
     path = await fork_point(tc, "ttt-fork")
     secrets = held_out_secrets(a.episodes, a.high)
-    group = LongGuessGroup(renderer, secrets, high=a.high, max_turns=a.max_turns, informative=a.informative)
+    n = a.concurrent if a.concurrent > 0 else len(secrets)
+    groups = [
+        LongGuessGroup(
+            renderer, secrets[i : i + n], high=a.high, max_turns=a.max_turns, informative=a.informative
+        )
+        for i in range(0, len(secrets), n)
+    ]
     params = types.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
     cfg = TTTConfig(steps=a.steps, learning_rate=a.lr, ngram=a.ngram, repeat_weight=a.repeat_weight)
+    updates = TTTUpdates(service, cfg)  # the chunks reuse each other's forks
     out: dict[str, dict[str, float]] = {}
     for arm in ("no_ttt", "ttt"):
         t = time.monotonic()
         stats = TTTStats()
-        if arm == "ttt":
-            g = await ttt_rollout_group(
-                group, policy, params, service=service, fork_path=path, cfg=cfg, seed=a.seed, stats=stats
-            )
-        else:
-            g = await rollout_group(group, policy, params, seed=a.seed)
+        gs: list[TrajectoryGroup] = []
+        for c, group in enumerate(groups):
+            seed = a.seed + 1_000 * c
+            if arm == "ttt":
+                gs.append(
+                    await ttt_rollout_group(
+                        group, policy, params, service=service, fork_path=path, cfg=cfg, seed=seed, stats=stats,
+                        updates=updates,
+                    )
+                )  # fmt: skip
+            else:
+                gs.append(await rollout_group(group, policy, params, seed=seed))
+            print(f"  {arm} chunk {c + 1}/{len(groups)}: {time.monotonic() - t:.0f} s", flush=True)
         wall = time.monotonic() - t
         out[arm] = {
-            "episodes": float(len(g.trajectories)), "errors": float(g.errors),
-            "success": last_metrics([g], "success"), "turns": last_metrics([g], "turns"),
-            "invalid": last_metrics([g], "invalid"), "repeat": per_guess([g], "repeat"),
-            "in_range": per_guess([g], "in_range"), "wall_s": wall,
-            "wall_s_per_turn": wall / max(1.0, sum(len(t.transitions) for t in g.trajectories)),
+            "episodes": float(sum(len(g.trajectories) for g in gs)), "errors": float(sum(g.errors for g in gs)),
+            "success": last_metrics(gs, "success"), "turns": last_metrics(gs, "turns"),
+            "invalid": last_metrics(gs, "invalid"), "repeat": per_guess(gs, "repeat"),
+            "in_range": per_guess(gs, "in_range"), "wall_s": wall,
+            "wall_s_per_turn": wall / max(1.0, sum(len(t.transitions) for g in gs for t in g.trajectories)),
             **(stats.metrics() if arm == "ttt" else {}),
         }  # fmt: skip
         print(arm, json.dumps({k: round(v, 4) for k, v in out[arm].items()}), flush=True)
+    await updates.close()
     ratio = out["ttt"]["wall_s"] / out["no_ttt"]["wall_s"]  # same episodes, all live at once
     per_turn = out["ttt"]["wall_s_per_turn"] / out["no_ttt"]["wall_s_per_turn"]
     print(

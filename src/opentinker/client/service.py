@@ -8,6 +8,7 @@ A program written for the ``tinker`` SDK runs embedded by changing only how the 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -130,8 +131,21 @@ class ServiceClient:
     async def create_lora_training_client_async(self, *a: Any, **k: Any) -> TrainingClient:
         return self.create_lora_training_client(*a, **k)
 
-    async def create_training_client_from_state_async(self, *a: Any, **k: Any) -> TrainingClient:
-        return self.create_training_client_from_state(*a, **k)
+    async def create_training_client_from_state_async(
+        self, path: str, base_model: str | None = None, user_metadata: Any = None, **_: Any
+    ) -> TrainingClient:
+        """The model is made on the scheduler's thread while the event loop stays free (many
+        concurrent calls are made in one tick)."""
+        model_id = self.runtime.new_model_id(self.session_id)
+        fut = self.runtime.create_model_from_checkpoint(
+            model_id, path, tenant=self.tenant, optimizer=False, base_model=base_model
+        )
+        await asyncio.wrap_future(fut)
+        return TrainingClient(self.runtime, model_id)
+
+    async def delete_model_async(self, model_id: str) -> None:
+        """:meth:`delete_model`, waiting without holding the event loop."""
+        await asyncio.wrap_future(self.runtime.delete_model(model_id, self.tenant))
 
     async def create_training_client_from_state_with_optimizer_async(
         self, *a: Any, **k: Any

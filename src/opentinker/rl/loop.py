@@ -33,7 +33,7 @@ from opentinker.rl.advantages import group_advantages
 from opentinker.rl.replay import SuccessReplay
 from opentinker.rl.rollout import gather_or_cancel, group_metrics, rollout_group
 from opentinker.rl.train_step import train_step
-from opentinker.rl.ttt import TTTConfig, TTTStats, fork_point, ttt_rollout_group
+from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_rollout_group
 from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
 from opentinker.tracking import RolloutLog, RunLogger, plot_metrics
 from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
@@ -147,6 +147,7 @@ class _Run:
         self.pending_eval: dict[str, float] = {}  # the start's evaluation, logged with the first row
         self.service: Any = None  # set by run_rl: test-time training forks episodes' adapters
         self.ttt_metrics: dict[str, float] = {}  # the last rollouts' test-time updates
+        self.ttt_updates: TTTUpdates | None = None  # every group's episodes fuse; forks are reused
         self.rollout_log = (
             RolloutLog(
                 log_dir, tc.get_tokenizer(), series=cfg.name or log_dir.name, per_step=cfg.rollouts_per_step,
@@ -172,9 +173,12 @@ class _Run:
             assert self.service is not None
             path = await fork_point(self.tc, f"ttt-fork-{step:06d}")
             stats = TTTStats()
+            if self.ttt_updates is None:
+                self.ttt_updates = TTTUpdates(self.service, cfg.ttt)
+            ups = self.ttt_updates
             groups = await gather_or_cancel(
                 *(
-                    ttt_rollout_group(b, policy, self.params, service=self.service, fork_path=path, cfg=cfg.ttt, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version, stats=stats)
+                    ttt_rollout_group(b, policy, self.params, service=self.service, fork_path=path, cfg=cfg.ttt, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version, stats=stats, updates=ups)
                     for k, b in enumerate(self.dataset.batch(step))
                 )
             )  # fmt: skip
@@ -340,6 +344,8 @@ async def run_rl(
         await (_async_loop(run) if cfg.mode == "async" else _sync_loop(run))
         await run.finish()
     finally:
+        if run.ttt_updates is not None:
+            await run.ttt_updates.close()  # the pooled episodes' adapters
         logger.close()
         if run.rows or (log_dir / "metrics.jsonl").exists():
             try:

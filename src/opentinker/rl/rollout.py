@@ -151,12 +151,14 @@ async def rollout_group(
     timeout_s: float | None = None,
     policy_version: int = 0,
     policy_for_episode: Callable[[int, list[int]], Any] | None = None,
+    on_episode_end: Callable[[int], None] | None = None,
 ) -> TrajectoryGroup:
     """Run every episode of one group to its end; see the module docstring for failure handling.
 
     The first turn of every episode is sampled from ``policy``; later turns from ``policy``, or
     from ``policy_for_episode(i, first_observation)`` (episode ``i``'s own sampler, e.g. the
-    test-time-trained adapter of :mod:`opentinker.rl.ttt`) when given."""
+    test-time-trained adapter of :mod:`opentinker.rl.ttt`) when given. ``on_episode_end(i)`` is
+    called once episode ``i``'s run is over, however it ended (only for episodes that started)."""
     try:
         envs = list(await builder.make_envs())
     except Exception as e:  # a broken group is this group's failure alone
@@ -208,6 +210,9 @@ async def rollout_group(
             errors += 1
             log.warning("episode of %s failed: %r", type(envs[i]).__name__, e)
             return None
+        finally:
+            if on_episode_end is not None:
+                on_episode_end(i)
 
     jobs = []
     for idx, got in zip(keys, firsts, strict=True):

@@ -6,12 +6,22 @@ created from that path with ``create_training_client_from_state`` (no optimizer 
 starts a fresh AdamW). The fork is made lazily, before the episode's second turn; the first turn
 is sampled from the policy itself (the fork's weights are the same). Before every later turn the
 episode's adapter takes ``steps`` (k) updates on the episode's text so far, then the turn is
-sampled from a snapshot of the updated adapter. Once the group's episodes have ended, each
-adapter is dropped (embedded: ``delete_model``; a server frees it with its session) or, with
-``keep``, its training client is kept for analysis (``TTTStats.kept``). Only the client API is used, so this
-runs embedded or against any Tinker server; all live episodes submit their updates concurrently,
-and since each is its own model, the scheduler fuses them into the same ticks (one
-forward/backward over every episode's adapter, then their optimizer steps).
+sampled from a snapshot of the updated adapter. When an episode ends, its adapter goes back to
+a pool (or, with ``keep``, its training client is kept for analysis: ``TTTStats.kept``); the next
+episode that needs a fork resets a pooled one with ``load_state(fork path)`` (weights only and a
+fresh optimizer, as a new fork) instead of creating a model; :meth:`TTTUpdates.close` drops the
+pool (``delete_model``). That is embedded only: the Tinker SDK deprecates
+``TrainingClient.load_state``, so against a server every episode's adapter is a new training
+client from the fork path, freed with the server session. Only the client API is used, so this
+runs embedded or against any Tinker server.
+
+**Fused updates.** The live episodes (of one rollout, or of every rollout that shares a
+:class:`TTTUpdates`: the RL loop shares one for all groups) wait for each other between turns:
+the updates are released together once every live episode waits for one or has ended (or
+``max_wait_s`` after the first began to wait). Each released episode then queues its k
+``forward_backward`` + ``optim_step`` pairs and its snapshot at once, without waiting in between;
+each is its own model and the scheduler takes one forward/backward and one optimizer step per
+model per tick, so tick i runs step i of every released episode as one fused forward/backward.
 
 **The update's data.** The episode's text so far is the observation the next turn will be
 sampled from, ``x_0 … x_{L-1}`` (every earlier observation, action and environment reply: a
@@ -44,7 +54,7 @@ adapter and the policy). ``RLConfig.ttt`` switches it on in :func:`~opentinker.r
 
 from __future__ import annotations
 
-import inspect
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,7 +73,8 @@ NGram = tuple[int, ...]
 class TTTConfig:
     """``steps`` (k >= 1) updates before each turn after the first, AdamW at ``learning_rate``;
     n-grams of ``ngram`` (n >= 1) tokens; ``repeat_weight`` in [0, 1] on repeated ones; ``keep``:
-    keep each episode's adapter when it ends instead of dropping it."""
+    keep each episode's adapter when it ends instead of pooling it for reuse; ``max_wait_s``: how
+    long an update waits at most for the other live episodes' (to fuse with them)."""
 
     steps: int = 1
     learning_rate: float = 1e-3
@@ -71,6 +82,7 @@ class TTTConfig:
     repeat_weight: float = 0.25
     train_prompt: bool = False
     keep: bool = False
+    max_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -83,6 +95,9 @@ class TTTConfig:
         lr = self.learning_rate
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"TTT learning_rate must be a positive number, got {lr!r}")
+        mw = self.max_wait_s
+        if isinstance(mw, bool) or not isinstance(mw, int | float) or not (math.isfinite(mw) and mw >= 0):
+            raise ValueError(f"TTT max_wait_s must be a finite number >= 0, got {mw!r}")
 
 
 def ngram_weights(
@@ -122,55 +137,168 @@ async def fork_point(training_client: Any, name: str) -> str:
 
 @dataclass
 class TTTStats:
-    """What the test-time updates of a rollout did: updates taken, forks made, mean loss."""
+    """What the test-time updates of a rollout did: updates taken, forks made (new adapters and
+    reused ones), fused batches the updates were released in, mean loss."""
 
     updates: int = 0
     forks: int = 0
+    reused: int = 0  # forks that reset an ended episode's adapter instead of making a new one
+    gated: int = 0  # updates released from the gate
+    fused_sum: int = 0  # over those, how many episodes each was released with (itself included)
     loss_sum: float = 0.0
-    tokens: int = 0
+    tokens: int = 0  # input tokens of the updates' forward/backward passes
     kept: list[Any] = field(default_factory=list)  # training clients kept (``keep=True``)
 
     def metrics(self) -> dict[str, float]:
         return {
             "ttt/updates": float(self.updates),
             "ttt/forks": float(self.forks),
+            "ttt/reused": float(self.reused),
+            "ttt/fused_mean": self.fused_sum / self.gated if self.gated else float("nan"),
             "ttt/loss": self.loss_sum / self.updates if self.updates else float("nan"),
         }
 
 
+def _embedded(service: Any) -> bool:
+    from opentinker.client.service import ServiceClient  # the package root imports it lazily
+
+    return isinstance(service, ServiceClient)
+
+
+class TTTUpdates:
+    """The live TTT episodes of one or more rollouts: the gate that releases their updates
+    together, and the pool of ended episodes' adapters to reuse. One per rollout by default; the
+    RL loop shares one across a run (every group of a step fuses, forks are reused across steps).
+    :meth:`close` drops the pooled adapters."""
+
+    def __init__(self, service: Any, cfg: TTTConfig) -> None:
+        self.service, self.cfg = service, cfg
+        self._live: set[TTTEpisode] = set()
+        self._waiting: dict[TTTEpisode, asyncio.Future[int]] = {}
+        self._check: asyncio.Handle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._free: list[Any] = []  # training clients of ended episodes
+        # the SDK deprecates TrainingClient.load_state: against a server each episode forks anew
+        self._pooled = _embedded(service)
+
+    def episode(self, fork_path: str, prompt_len: int, policy: Any, stats: TTTStats) -> TTTEpisode:
+        ep = TTTEpisode(self, fork_path, prompt_len, policy, stats)
+        self._live.add(ep)
+        return ep
+
+    async def gate(self, ep: TTTEpisode) -> int:
+        """Wait until every live episode waits here (or has ended), or ``max_wait_s`` after the
+        first began to wait; returns how many episodes were released together."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting[ep] = fut
+        self._poke()
+        try:
+            return await fut
+        finally:
+            self._waiting.pop(ep, None)
+
+    def ended(self, ep: TTTEpisode) -> None:
+        """``ep``'s episode is over: its adapter goes to the pool (or is kept), the gate re-checks."""
+        self._live.discard(ep)
+        self._waiting.pop(ep, None)
+        tc, ep.tc = ep.tc, None
+        if tc is not None and self.cfg.keep:
+            ep.stats.kept.append(tc)
+        elif tc is not None and self._pooled:
+            self._free.append(tc)
+        self._poke()
+
+    def _poke(self) -> None:
+        if not self._waiting:
+            if self._timer is not None:  # nobody waits any more (cancelled episodes)
+                self._timer.cancel()
+                self._timer = None
+            return
+        loop = asyncio.get_running_loop()
+        if self._timer is None:
+            self._timer = loop.call_later(self.cfg.max_wait_s, self._release)
+        if self._check is None and len(self._waiting) >= len(self._live):
+            # re-checked on the next round of the loop: episodes started in this round register first
+            self._check = loop.call_soon(self._recheck)
+
+    def _recheck(self) -> None:
+        self._check = None
+        if self._waiting and len(self._waiting) >= len(self._live):
+            self._release()
+
+    def _release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting = [f for f in self._waiting.values() if not f.done()]
+        self._waiting.clear()
+        for f in waiting:
+            f.set_result(len(waiting))
+
+    async def adapter(self, fork_path: str, stats: TTTStats) -> tuple[Any, Any]:
+        """A training client forked from ``fork_path``: an ended episode's, reset with
+        ``load_state`` (queued: the caller's next requests run after it), else a new one. Returns
+        the client and the reset's future (None for a new client)."""
+        stats.forks += 1
+        if self._free:
+            stats.reused += 1
+            tc = self._free.pop()
+            return tc, tc.load_state(fork_path)
+        if self._pooled:  # embedded: its async form waits without holding the event loop
+            return await self.service.create_training_client_from_state_async(fork_path), None
+        return await self.service.create_training_client_from_state(fork_path), None  # a future
+
+    async def close(self) -> None:
+        """Drop the pooled adapters (embedded: ``delete_model``; a server frees them with its session)."""
+        free, self._free = self._free, []
+        await gather_or_cancel(*(self.service.delete_model_async(tc.model_id) for tc in free))
+
+
 class TTTEpisode:
-    """One episode's sampler: forks its own adapter, trains it on the text so far before each
-    turn, then samples that turn from it."""
+    """One episode's sampler: before each turn after the first, waits at the shared gate, takes
+    its k updates on the text so far (forking its adapter at the first), then samples the turn
+    from a snapshot of the updated adapter."""
 
     def __init__(
-        self, service: Any, fork_path: str, cfg: TTTConfig, prompt_len: int, policy: Any, stats: TTTStats
+        self, updates: TTTUpdates, fork_path: str, prompt_len: int, policy: Any, stats: TTTStats
     ) -> None:
-        self.service, self.fork_path, self.cfg, self.prompt_len = service, fork_path, cfg, prompt_len
+        self.updates, self.cfg, self.fork_path, self.prompt_len = updates, updates.cfg, fork_path, prompt_len
         self.sampler, self.stats = policy, stats
         self.tc: Any = None
         self.seen: set[NGram] = set()
         self.trained_len = prompt_len
 
     async def _update(self, tokens: list[int]) -> None:
-        if self.tc is None:
-            tc = self.service.create_training_client_from_state(self.fork_path)
-            self.tc = await tc if inspect.isawaitable(tc) else tc  # the SDK's is a future
-            self.stats.forks += 1
         cfg = self.cfg
         start = 1 if cfg.train_prompt else self.prompt_len
         weights, grams = ngram_weights(tokens, start, self.seen, cfg.ngram, cfg.repeat_weight)
         datum = ttt_datum(tokens, weights, start)
         adam = types.AdamParams(learning_rate=cfg.learning_rate)
-        for _ in range(cfg.steps):  # submit both, then wait: they run in one tick
-            fb = self.tc.forward_backward([datum], "cross_entropy")
-            opt = self.tc.optim_step(adam)
+        # the data is ready before the gate: once released, the episodes only submit
+        together = await self.updates.gate(self)
+        self.stats.gated += 1
+        self.stats.fused_sum += together
+        reset = None
+        if self.tc is None:
+            self.tc, reset = await self.updates.adapter(self.fork_path, self.stats)
+        # all k steps and the snapshot are queued at once, in the model's order: step i of every
+        # released episode runs in one tick, with no round trip to this loop in between
+        steps = [
+            (self.tc.forward_backward([datum], "cross_entropy"), self.tc.optim_step(adam))
+            for _ in range(cfg.steps)
+        ]
+        snap = self.tc.save_weights_and_get_sampling_client()
+        if reset is not None:
+            await reset
+        for fb, opt in steps:
             out = await fb
             await opt
             self.stats.loss_sum += float(out.metrics.get("loss:sum", 0.0))
             self.stats.updates += 1
+            self.stats.tokens += len(tokens) - 1
+        self.sampler = await snap
         self.seen |= grams
         self.trained_len = len(tokens)
-        self.sampler = await self.tc.save_weights_and_get_sampling_client()
 
     async def sample(self, prompt: types.ModelInput, num_samples: int, sampling_params: Any) -> Any:
         tokens = list(prompt.to_ints())
@@ -185,16 +313,8 @@ class TTTEpisode:
             prompt=prompt, num_samples=num_samples, sampling_params=sampling_params
         )
 
-    async def close(self) -> None:
-        if self.tc is None:
-            return
-        if self.cfg.keep:
-            self.stats.kept.append(self.tc)
-            return
-        drop = getattr(self.service, "delete_model", None)  # embedded; a server frees it with the session
-        if drop is not None:
-            drop(self.tc.model_id)
-        self.tc = None
+    def close(self) -> None:
+        self.updates.ended(self)
 
 
 async def ttt_rollout_group(
@@ -209,22 +329,34 @@ async def ttt_rollout_group(
     timeout_s: float | None = None,
     policy_version: int = 0,
     stats: TTTStats | None = None,
+    updates: TTTUpdates | None = None,
 ) -> TrajectoryGroup:
     """:func:`~opentinker.rl.rollout.rollout_group` with test-time training in every episode:
     ``policy`` samples the first turns, each episode's own adapter (forked from ``fork_path``,
-    see :func:`fork_point`) the later ones. Same seeds, same failure handling."""
+    see :func:`fork_point`) the later ones. Same seeds, same failure handling. ``updates``: a
+    shared :class:`TTTUpdates` (its ``cfg`` is used), so that the episodes of concurrent rollouts
+    fuse and forks are reused; by default one of this group's own, closed at its end."""
     stats = stats if stats is not None else TTTStats()
-    episodes: list[TTTEpisode] = []
+    own_updates = updates is None
+    ups = TTTUpdates(service, cfg) if updates is None else updates
+    episodes: dict[int, TTTEpisode] = {}
 
     def own(i: int, first_ob: list[int]) -> TTTEpisode:
-        ep = TTTEpisode(service, fork_path, cfg, len(first_ob), policy, stats)
-        episodes.append(ep)
+        episodes[i] = ep = ups.episode(fork_path, len(first_ob), policy, stats)
         return ep
+
+    def end(i: int) -> None:
+        ep = episodes.pop(i, None)
+        if ep is not None:
+            ep.close()
 
     try:
         return await rollout_group(
             builder, policy, params, seed=seed, timeout_s=timeout_s, policy_version=policy_version,
-            policy_for_episode=own,
+            policy_for_episode=own, on_episode_end=end,
         )  # fmt: skip
     finally:
-        await gather_or_cancel(*(ep.close() for ep in episodes))
+        for i in list(episodes):
+            end(i)
+        if own_updates:
+            await ups.close()
