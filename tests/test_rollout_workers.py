@@ -308,6 +308,116 @@ def test_worker_core_publishes_whole_snapshots_and_cancels_waiting_requests(
     assert isinstance(refused, Done) and isinstance(refused.error, UnknownPolicyError)
 
 
+@pytest.mark.slow  # the killed worker restarts (loads a base model)
+def test_a_handoff_cut_by_a_dying_worker_is_sent_again(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker a snapshot's tensors go to is killed (kill -9) right after the Publish is sent,
+    before it answers: the request still runs, on weights sent again whole, and gives the
+    in-process result; the dead worker is restarted."""
+    pool = served.pool
+    aid = served.engine.create_adapter(LoRAConfig(rank=4, seed=9))
+    sid = served.train_snapshot(aid, 11)
+    real, killed = pool._send_publish, []
+
+    def send_then_die(slot: Any, wire: str, pinned: Any) -> None:
+        real(slot, wire, pinned)
+        if wire.startswith(sid + "#") and not killed:
+            killed.append(slot.index)
+            os.kill(slot.handle.pid, signal.SIGKILL)
+            slot.handle.proc.join(timeout=10)  # dead before the request can follow the tensors
+
+    monkeypatch.setattr(pool, "_send_publish", send_then_die)
+    sent, restarts = pool.stats.published, sum(pool.stats.restarts)
+    req = SampleRequest(sid, [1, 5, 9, 20, 7, 3], GREEDY)
+    [got] = served.sample([req], timeout=240)
+    _same(got, served.reference.generate([req])[0])
+    assert killed, "no handoff of the snapshot was cut"
+    assert pool.stats.published >= sent + 2  # the tensors were sent again, to a live worker
+    holders = [
+        i for i in range(len(pool._slots)) if any(w.startswith(sid + "#") for w in pool.worker_snapshots(i))
+    ]
+    assert holders  # a live worker acknowledged the snapshot whole
+    pool.wait_ready(timeout=240)
+    assert sum(pool.stats.restarts) == restarts + 1
+
+
+def test_a_torn_snapshot_payload_is_never_registered(served: Served, snaps: list[str | None]) -> None:
+    """Bytes that are not a whole snapshot are refused before anything is registered, so no request
+    can run on part of one; the whole payload sent afterwards serves."""
+    core = WorkerCore(8, TEST_MODEL, prefix_cache_bytes=0)
+    cfg, data = to_bytes(served.engine.adapter_weights(snaps[1]))
+    with pytest.raises(EngineError, match="snapshot 's#2' arrived incomplete"):
+        core.handle(Publish("s#2", cfg, data[: len(data) // 2]))
+    assert core.snapshot_ids() == []
+    req = SampleRequest("s#2", [1, 5, 9, 20, 7], GREEDY)
+    [refused] = core.handle(Sample(1, req))
+    assert isinstance(refused, Done) and isinstance(refused.error, UnknownPolicyError)
+    assert core.handle(Publish("s#2", cfg, data)) == [Published("s#2")]
+    assert core.handle(Sample(2, req)) == []
+    done: list[Done] = []
+    while core.busy:
+        done += core.tick()
+    [d] = done
+    _same(d.result, served.reference.generate([replace(req, policy=snaps[1])])[0])  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- RL loops
+class _Recorder:
+    """A training client that keeps every batch of datums the RL loop trains on."""
+
+    def __init__(self, tc: Any) -> None:
+        self.tc, self.batches = tc, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tc, name)
+
+    def forward_backward(self, data: list[types.Datum], *a: Any, **k: Any) -> Any:
+        self.batches.append(data)
+        return self.tc.forward_backward(data, *a, **k)
+
+
+def _rl_run(runtime: Runtime, log_dir: Path) -> tuple[list[dict[str, Any]], list[list[types.Datum]]]:
+    import asyncio
+
+    from opentinker.renderers import ChatMLRenderer
+    from opentinker.rl import RLConfig, run_rl
+    from opentinker.tasks.arithmetic import AdditionDataset
+
+    service = opentinker.ServiceClient(runtime=runtime)
+    renderer = ChatMLRenderer(runtime.backend(TEST_MODEL).engine.base.tokenizer)
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(log_dir), steps=2, groups_per_step=2, group_size=3,
+        lora_rank=4, learning_rate=5e-3, max_tokens=10, progress=False, drop_constant_groups=False,
+        eval_every=0,
+    )  # fmt: skip
+    tc = _Recorder(service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0))
+    dataset = AdditionDataset(renderer, cfg.groups_per_step, cfg.group_size, seed=cfg.seed)
+    res = asyncio.run(run_rl(cfg, service, dataset, None, training_client=tc))
+    return res.metrics, tc.batches
+
+
+def test_the_rl_loop_with_two_workers_trains_on_what_in_process_sampling_gives(
+    served: Served, tmp_path: Path
+) -> None:
+    """Two steps of the library's RL loop (seeded T = 1 sampling, the second step on the first
+    step's trained snapshot): the datums trained on carry the same tokens and advantages, and the
+    sampler's logprobs within LOGPROB_ATOL, whether the workers or this process sampled."""
+    got_rows, got = _rl_run(served.runtime, tmp_path / "workers")
+    want_rows, want = _rl_run(Runtime(tmp_path / "local"), tmp_path / "local-run")
+    assert len(got) == len(want) == 2
+    for gb, wb in zip(got, want, strict=True):
+        assert len(gb) == len(wb) > 0
+        for g, w in zip(gb, wb, strict=True):
+            assert g.model_input.to_ints() == w.model_input.to_ints()
+            gi, wi = g.loss_fn_inputs, w.loss_fn_inputs
+            assert gi["target_tokens"].tolist() == wi["target_tokens"].tolist()
+            assert gi["advantages"].tolist() == wi["advantages"].tolist()
+            assert_logprobs_close(gi["logprobs"].tolist(), wi["logprobs"].tolist())
+    for g, w in zip(got_rows, want_rows, strict=True):
+        assert g["reward/mean"] == w["reward/mean"] and g["env/episodes"] == w["env/episodes"]
+
+
 # ---------------------------------------------------------------------- over HTTP
 @pytest.mark.slow
 def test_the_sdk_over_http_with_two_rollout_workers_matches_in_process(

@@ -9,7 +9,9 @@ is one way to carry the messages; an actor is another.
 
 Snapshots arrive as bytes in a :class:`~opentinker.rollout.wire.Publish` and are registered only
 once decoded whole (a message is delivered whole or not at all), so a request never runs on a
-half-received snapshot. ``Retire`` frees them; a request already running on one keeps its
+half-received snapshot: bytes that do not decode whole raise before anything is registered (in a
+worker process that ends the worker, and the pool sends the snapshot again to its successor or
+another worker). ``Retire`` frees them; a request already running on one keeps its
 tensors until it finishes.
 """
 
@@ -75,7 +77,10 @@ class WorkerCore:
             return list(self.core.handle(CoreSample(msg.rid, msg.request)))
         if isinstance(msg, Publish):
             if msg.policy_id not in self.engine.snapshot_ids():
-                weights = from_bytes(msg.config, msg.data, self.engine.device)
+                try:
+                    weights = from_bytes(msg.config, msg.data, self.engine.device)
+                except Exception as e:  # torn or corrupt bytes: register nothing
+                    raise EngineError(f"snapshot {msg.policy_id!r} arrived incomplete: {e}") from e
                 self.backend.publish(msg.policy_id, weights)
             return [Published(msg.policy_id)]
         if isinstance(msg, Retire):

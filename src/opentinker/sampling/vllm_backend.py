@@ -441,7 +441,8 @@ class VLLMDecoder:
 
     def step(self) -> list[Finished]:
         b = self.backend
-        outs = list(b.llm.step()) if b.llm.has_unfinished_requests() else []
+        # RequestOutput (a generation; never PoolingRequestOutput: no pooling model is served)
+        outs: list[Any] = list(b.llm.step()) if b.llm.has_unfinished_requests() else []
         for vid in [v for v in b._stash if v in self._rows]:
             outs.append(b._stash.pop(vid))
         self.steps += 1
