@@ -198,6 +198,37 @@ class TestPoolOnRay:
         _wait(lambda: all(wire not in served.pool.worker_snapshots(i) for i in range(2)))
         assert wire not in served.pool._bytes
 
+    def test_a_removed_actor_drains_first_and_a_new_one_serves_the_current_snapshots(
+        self, served: Served, snaps: list[str | None]
+    ) -> None:
+        pool = served.pool
+        long = replace(GREEDY, max_tokens=min(200, served.engine.max_context - 16))
+        reqs = _requests(snaps, 6, long, num_samples=2)
+        rerun = pool.stats.rerun
+        futs = [served.scheduler.submit_sample(r) for r in reqs]
+        _wait(lambda: len(pool._slots[1].inflight) > 0)
+        with pool._lock:
+            draining, running = pool._slots[1].handle, [r.future for r in pool._slots[1].inflight.values()]
+        assert not any(f.done() for f in running)
+        assert served.runtime.scale_rollout_workers(1) == {TEST_MODEL: 1}  # returns once drained
+        assert pool.worker_states()[1] == "removed" and all(f.done() for f in running)
+        for f, r in zip(futs, reqs, strict=True):
+            _same_up_to_near_ties(f.result(), r, served.reference)
+        assert pool.stats.rerun == rerun  # its requests finished on it, none re-run
+        assert isinstance(draining, RayWorker)
+        _wait(lambda: draining.name not in _actors())  # then it was stopped
+        # scale back: a new actor, holding nothing, serves the snapshots published before it came
+        assert served.runtime.scale_rollout_workers(2) == {TEST_MODEL: 2}
+        new = len(pool.worker_states()) - 1
+        assert pool.worker_snapshots(new) == set()
+        for _ in range(3):
+            more = _requests(snaps[:2], 6, SEEDED)
+            for g, r in zip(served.sample(more), more, strict=True):
+                _same(g, served.reference.generate([r])[0])
+        assert pool.stats.served[new] > 0 and pool.worker_snapshots(new)
+        info = served.runtime.rollout_workers_info()["base_models"][TEST_MODEL]
+        assert info["workers"] == 2 and info["transport"] == "ray"
+
     def test_ray_kill_mid_decode_reruns_its_requests_and_the_actor_is_restarted(
         self, served: Served, snaps: list[str | None]
     ) -> None:
@@ -372,7 +403,7 @@ def test_the_sdk_through_serve_ray_matches_in_process_and_scales_1_2_1_under_loa
         assert code == 0 and '"workers": 1' in text, text
 
         # load: four SDK clients sample the same greedy request in a loop while the workers change
-        tc = remote.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=3)
+        tc = remote.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=3).result()
         sampler = tc.save_weights_and_get_sampling_client().result()
         prompt = types.ModelInput.from_ints(list(range(5, 15)))
         params = types.SamplingParams(max_tokens=16, temperature=0.0, stop=[])
