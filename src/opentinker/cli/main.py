@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from opentinker.cli.export import main as export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["cluster"]:  # `opentinker cluster status|scale` (cli/cluster.py)
+        from opentinker.cli.cluster import main as cluster_main
+
+        return cluster_main(argv[1:])
     if argv[:1] == ["train"]:  # `opentinker train rl|sft` has its own parser (opentinker/cli/train.py)
         from opentinker.cli.train import main as train_main
 
@@ -42,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the web console over local run folders (opentinker console --runs DIR)",
         add_help=False,
     )
+    sub.add_parser(
+        "cluster", help="a running server's rollout workers: status | scale (opentinker cluster -h)",
+        add_help=False,
+    )  # fmt: skip
     sub.add_parser("train", help="train adapters on a task: rl | sft (opentinker train -h)", add_help=False)
     sub.add_parser(
         "export", help="a checkpoint as a PEFT folder, or --merged a full HF model (opentinker export -h)",

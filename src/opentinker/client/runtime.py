@@ -114,6 +114,10 @@ class Runtime:
         rollout_workers: int = 0,
         rollout_backend: str = "native",
         rollout_options: dict[str, Any] | None = None,
+        ray: str | None = None,
+        worker_cpus: float = 1.0,
+        worker_gpus: float = 0.0,
+        worker_startup_timeout: float = 300.0,
     ) -> None:
         """``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
         a time (the serialized reference), instead of on its own rollout loop (the default).
@@ -122,7 +126,12 @@ class Runtime:
         keeps the rollout loop on a thread of this process. ``rollout_backend``: what samples,
         ``native`` (the default: the engine's own KV-cache decoder) or ``vllm`` (vLLM's engine with
         runtime LoRA, in-process loop only; ``rollout_options`` are passed to
-        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`)."""
+        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``ray``: run the rollout workers
+        as Ray actors of ``worker_cpus`` CPUs and ``worker_gpus`` GPUs each
+        (:mod:`opentinker.cluster.ray_rollout`), on a Ray instance started here (``"local"``) or a
+        cluster joined (``"auto"``, ``"ray://HOST:PORT"``, ``"HOST:PORT"``); an address that does
+        not answer, or workers the cluster cannot place, raise ``ValueError`` here. A worker not
+        started within ``worker_startup_timeout`` seconds fails its pool's start, naming why."""
         if not isinstance(rollout_workers, int) or rollout_workers < 0:
             raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
         if rollout_workers and sample_in_ticks:
@@ -139,6 +148,18 @@ class Runtime:
             from opentinker.sampling.vllm_backend import import_vllm
 
             import_vllm()  # not installed: fail now, naming the cause, not at the first request
+        self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
+        self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
+        self.worker_startup_timeout = worker_startup_timeout
+        if ray is not None:
+            if not rollout_workers:
+                raise ValueError("ray runs rollout workers as actors: give rollout_workers >= 1")
+            from opentinker.cluster.ray_env import check_fits, connect
+            from opentinker.cluster.ray_rollout import RayTransport
+
+            RayTransport(worker_cpus, worker_gpus)  # refuses resources no worker could have
+            self.ray_cluster = connect(ray)
+            check_fits(rollout_workers, worker_cpus, worker_gpus)
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
@@ -183,12 +204,68 @@ class Runtime:
                         device=self.device,
                         max_rank=self.max_rank,
                         prefix_cache_bytes=self.prefix_cache_bytes,
+                        startup_timeout=self.worker_startup_timeout,
+                        transport=self._transport(),
                     )
                 elif not self.sample_in_ticks:  # sampling on its own thread, continuous batching
                     rollout = RolloutLoop(RolloutCore(decoder(), sampler))
                 b = Backend(engine, sampler, Scheduler(engine, sampler, rollout=rollout))
                 self._backends[name] = b
             return b
+
+    def _transport(self) -> Any:
+        """How a base model's rollout workers are reached: processes here, or Ray actors."""
+        if self.ray_cluster is None:
+            return None
+        from opentinker.cluster.ray_rollout import RayTransport
+
+        return RayTransport(self.worker_cpus, self.worker_gpus)
+
+    def _worker_pools(self) -> dict[str, WorkerPool]:
+        with self._lock:
+            return {
+                n: b.scheduler.rollout
+                for n, b in self._backends.items()
+                if isinstance(b.scheduler.rollout, WorkerPool)
+            }
+
+    def rollout_workers_info(self) -> dict[str, Any]:
+        """The rollout workers now: per base model, each worker's state and requests served."""
+        out: dict[str, Any] = {}
+        for name, pool in self._worker_pools().items():
+            stats = pool.stats
+            out[name] = {
+                "workers": pool.size,
+                "transport": pool.transport.name,
+                "states": pool.worker_states(),
+                "served": stats.served,
+                "restarts": stats.restarts,
+                "rerun": stats.rerun,
+            }
+        return {
+            "ray": None if self.ray_cluster is None else self.ray_cluster.address,
+            "rollout_workers": self.rollout_workers,
+            "base_models": out,
+        }
+
+    def scale_rollout_workers(self, workers: int) -> dict[str, int]:
+        """Serve every base model's sampling from ``workers`` rollout workers, while serving: new
+        ones start first and serve the current snapshots, removed ones drain first. Returns the
+        count per base model. Raises ``ValueError`` (below one, no worker pool, more than the
+        cluster can place) before anything changes."""
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"rollout workers cannot be scaled below one, got {workers!r}")
+        pools = self._worker_pools()
+        if not pools:
+            raise ValueError(
+                "this service has no rollout workers to scale (serve it with --rollout-workers N)"
+            )
+        extra = sum(max(0, workers - p.size) for p in pools.values())
+        if extra:
+            next(iter(pools.values())).transport.check_capacity(extra)
+        out = {name: pool.scale(workers) for name, pool in pools.items()}
+        self.rollout_workers = workers  # base models loaded later start this many
+        return out
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
@@ -517,6 +594,11 @@ class Runtime:
                 if callable(close):
                     close()
             self._backends.clear()
+        if self.ray_cluster is not None:
+            from opentinker.cluster.ray_env import shutdown
+
+            shutdown(self.ray_cluster)
+            self.ray_cluster = None
 
 
 _default: Runtime | None = None

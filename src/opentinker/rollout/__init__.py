@@ -4,6 +4,8 @@ serving published snapshots that reach them as bytes (:mod:`~opentinker.rollout.
 - :mod:`~opentinker.rollout.worker`: :class:`WorkerCore`, transport-agnostic: it takes messages
   and returns replies around the same continuous-batching core as the in-process loop;
 - :mod:`~opentinker.rollout.process`: one worker as a spawned process behind a pipe;
+- :mod:`~opentinker.rollout.transport`: the seam between the pool and how it reaches a worker
+  (processes here; Ray actors in ``opentinker.cluster.ray_rollout``);
 - :mod:`~opentinker.rollout.pool`: :class:`WorkerPool`, the service the scheduler hands samples
   to: snapshot handoff, least-outstanding-rows and prefix-aware routing, restarts.
 

