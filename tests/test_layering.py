@@ -37,7 +37,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "opentinker"
 
-CORE = ("models", "lora", "engine", "sampling", "rollout", "scheduler")
+CORE = ("models", "lora", "engine", "sampling", "rollout", "scheduler", "cluster")
 LIBRARY_BASE = ("data", "renderers", "tracking")
 CLIENT_API = ("opentinker", "client")  # the package root re-exports the client names (lazily)
 
@@ -50,11 +50,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "sampling": frozenset({"models", "lora", "engine"}),
     "rollout": frozenset({"models", "lora", "engine", "sampling"}),
     "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
+    "cluster": frozenset({"models", "lora", "engine", "sampling", "rollout", "scheduler"}),
     "client": frozenset(CORE),
     "opentinker": frozenset({"client"}),
     "console": frozenset(),  # the console's page and the readers of its data; the server serves them
-    # Ray scale-out: trainer workers over the core's engine and scheduler, data parallelism
-    "cluster": frozenset(CORE),
     "server": frozenset({"client", "console", *CORE}),  # the core only through SERVER_CORE_NAMES
     "data": frozenset(CLIENT_API),
     "renderers": frozenset(CLIENT_API),

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -45,6 +46,7 @@ from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.scheduler import Scheduler, TickRecord
 
+_log = logging.getLogger(__name__)
 ROLLOUT_BACKENDS = ("native", "vllm")
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -114,6 +116,9 @@ class Runtime:
         rollout_workers: int = 0,
         rollout_backend: str = "native",
         rollout_options: dict[str, Any] | None = None,
+        trainer_workers: int = 0,
+        trainer_options: dict[str, Any] | None = None,
+        auto_restore: bool = False,
     ) -> None:
         """``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
         a time (the serialized reference), instead of on its own rollout loop (the default).
@@ -122,7 +127,13 @@ class Runtime:
         keeps the rollout loop on a thread of this process. ``rollout_backend``: what samples,
         ``native`` (the default: the engine's own KV-cache decoder) or ``vllm`` (vLLM's engine with
         runtime LoRA, in-process loop only; ``rollout_options`` are passed to
-        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`)."""
+        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``trainer_workers``: train on
+        that many Ray trainer workers per base model (:mod:`opentinker.cluster.trainer_router`;
+        a local Ray instance is started if none is up), each a base-model replica holding a shard
+        of the adapters; ``trainer_options`` (``worker_cpus``, ``worker_gpus``) size each, and a
+        size the cluster cannot place is refused here. ``auto_restore``: when a trainer worker is
+        lost, put each of its models back from its newest ``save_state`` checkpoint on another
+        worker (:attr:`restored` says from where, and how many steps were lost)."""
         if not isinstance(rollout_workers, int) or rollout_workers < 0:
             raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
         if rollout_workers and sample_in_ticks:
@@ -139,6 +150,21 @@ class Runtime:
             from opentinker.sampling.vllm_backend import import_vllm
 
             import_vllm()  # not installed: fail now, naming the cause, not at the first request
+        if not isinstance(trainer_workers, int) or trainer_workers < 0:
+            raise ValueError(f"trainer_workers must be an integer >= 0, got {trainer_workers!r}")
+        self.trainer_workers = trainer_workers
+        self.trainer_options = dict(trainer_options or {})
+        self.auto_restore = auto_restore
+        self.restored: dict[str, dict[str, Any]] = {}  # model -> how auto-restore brought it back
+        if trainer_workers:
+            from opentinker.cluster.trainer import check_resources, start_local_ray
+
+            start_local_ray()
+            check_resources(
+                trainer_workers,
+                float(self.trainer_options.get("worker_cpus", 1.0)),
+                float(self.trainer_options.get("worker_gpus", 0.0)),
+            )
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
@@ -186,9 +212,67 @@ class Runtime:
                     )
                 elif not self.sample_in_ticks:  # sampling on its own thread, continuous batching
                     rollout = RolloutLoop(RolloutCore(decoder(), sampler))
-                b = Backend(engine, sampler, Scheduler(engine, sampler, rollout=rollout))
+                b = Backend(engine, sampler, self._scheduler(name, engine, sampler, rollout))
                 self._backends[name] = b
             return b
+
+    def _scheduler(
+        self, name: str, engine: Engine, sampler: RolloutBackend, rollout: RolloutService | None
+    ) -> Scheduler:
+        """The base model's scheduler: training here, or routed to its trainer workers."""
+        if not self.trainer_workers:
+            return Scheduler(engine, sampler, rollout=rollout)
+        from opentinker.cluster.trainer import TrainerPool
+        from opentinker.cluster.trainer_router import RoutedScheduler
+
+        opts = self.trainer_options
+        pool = TrainerPool(
+            name,
+            self.trainer_workers,
+            worker_cpus=float(opts.get("worker_cpus", 1.0)),
+            worker_gpus=float(opts.get("worker_gpus", 0.0)),
+            device=self.device,
+            max_rank=self.max_rank,
+        )
+        router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
+        router.on_worker_lost = lambda slot, models: self._worker_lost(router, slot.worker_id, models)
+        return router
+
+    def _worker_lost(self, router: Any, worker_id: str, models: list[str]) -> None:
+        """A trainer worker is gone: with ``auto_restore``, each of its models is put back from
+        its newest ``save_state`` checkpoint; :attr:`restored` records how (or why not)."""
+        for model_id in models:
+            rec = self.models.get(model_id)
+            if rec is None or rec.deleted:
+                continue
+            lost_at = int(router.steps.get(model_id, 0))
+            entry: dict[str, Any] = {"worker": worker_id, "steps_at_loss": lost_at, "restored": False}
+            saved = [
+                r
+                for r in self.store.list(model_id)
+                if r.ref.kind == "weights" and r.meta.get("has_optimizer")
+            ]
+            if not self.auto_restore or not saved:
+                entry["reason"] = (
+                    "auto-restore is off" if not self.auto_restore else "no save_state checkpoint"
+                )
+                self.restored[model_id] = entry
+                continue
+            newest = saved[-1]
+            step = int(newest.meta.get("step", 0))
+            try:
+                entry["to_worker"] = router.restore(model_id, str(newest.folder)).result()
+            except Exception as e:  # reported, not raised: this runs on a background thread
+                entry["reason"] = str(e)
+                self.restored[model_id] = entry
+                continue
+            rec.parent = newest.ref.tinker_path
+            entry.update(restored=True, checkpoint=newest.ref.tinker_path, lost_steps=max(0, lost_at - step))
+            self.restored[model_id] = entry
+            _log.warning(
+                "trainer worker %s lost: model %s restored from %s on %s; %d step(s) lost",
+                worker_id, model_id, newest.ref.tinker_path, entry["to_worker"], entry["lost_steps"],
+            )  # fmt: skip
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
@@ -507,6 +591,14 @@ class Runtime:
                     "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
                 }
             )
+            trainers = getattr(sched, "trainer_info", None)  # trained on Ray trainer workers
+            if callable(trainers):
+                out[-1]["trainer_workers"] = trainers()
+                out[-1]["restored"] = {
+                    m: e
+                    for m, e in self.restored.items()
+                    if (r := self.models.get(m)) and r.base_model == name
+                }
         return out
 
     def shutdown(self) -> None:

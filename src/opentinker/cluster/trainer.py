@@ -14,19 +14,17 @@ Worker loss: a request to a dead worker, or one in flight when it dies, raises
 :class:`WorkerLostError` naming the worker and the model, at once (Ray reports the actor's death
 to every pending call); the model's later requests raise it too, never hang. ``restore`` puts the
 model back from a checkpoint (weights and optimizer state, on storage every worker reads) onto a
-live worker, under the same model id.
+live worker, under the same model id (``RoutedScheduler.restore``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentinker.cluster.trainer_worker import TrainerWorker
-from opentinker.engine import AdamParams, EngineError, ForwardRequest, ForwardResult
-from opentinker.lora import LoRAConfig
+from opentinker.engine import EngineError
 from opentinker.models.registry import canonical_name
 
 
@@ -59,6 +57,16 @@ def ray_module() -> Any:
     if not ray.is_initialized():
         raise ClusterConfigError("Ray is not initialised: call ray.init(...) (or serve --ray) first")
     return ray
+
+
+def start_local_ray() -> None:
+    """Start a local Ray instance unless this process is already connected to one."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ClusterConfigError("Ray is not installed: pip install 'opentinker[ray]'") from e
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
 
 
 def check_resources(workers: int, worker_cpus: float, worker_gpus: float) -> None:
@@ -148,8 +156,8 @@ class TrainerPool:
             raise EngineError(f"unknown model {model_id!r}")
         if not slot.alive:
             raise WorkerLostError(
-                f"model {model_id!r} was on trainer worker {slot.worker_id}, which was lost "
-                f"({slot.lost_reason}); restore it from its newest checkpoint"
+                f"trainer worker {slot.worker_id} was lost ({slot.lost_reason}) with model {model_id!r}; "
+                "restore it from its newest checkpoint"
             )
         return slot
 
@@ -169,49 +177,23 @@ class TrainerPool:
         with self._lock:
             return {m: w.worker_id for m, w in self._placement.items()}
 
-    # ------------------------------------------------------------------ one model's ops
-    def create_model(self, model_id: str, config: LoRAConfig) -> str:
-        """A fresh adapter on the least-loaded worker; returns that worker's id."""
+    def place(self, model_id: str) -> WorkerSlot:
+        """Choose the worker of new model ``model_id``: the least loaded live one (it stays there)."""
         with self._lock:
             if model_id in self._placement:
                 raise EngineError(f"model {model_id!r} already exists")
             slot = self.least_loaded()
             self._placement[model_id] = slot
             slot.models.add(model_id)
-        try:
-            self._on(slot, model_id, lambda a: a.create_adapter.remote(model_id, config))
-        except Exception:
-            self._forget(model_id)
-            raise
-        return slot.worker_id
+            return slot
 
-    def forward_backward(self, model_id: str, req: ForwardRequest) -> ForwardResult:
-        return self._on(
-            self.worker_of(model_id), model_id, lambda a: a.forward_backward.remote(model_id, req)
-        )
+    def is_placed(self, ref: str | None) -> bool:
+        with self._lock:
+            return ref is not None and ref in self._placement
 
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        return self._on(self.worker_of(model_id), model_id, lambda a: a.optim_step.remote(model_id, params))
-
-    def save_state(self, model_id: str, folder: str, meta: dict[str, Any] | None = None) -> str:
-        return self._on(
-            self.worker_of(model_id), model_id, lambda a: a.save_state.remote(model_id, folder, meta)
-        )
-
-    def adapter_state(self, model_id: str) -> dict[str, Any]:
-        return self._on(self.worker_of(model_id), model_id, lambda a: a.adapter_state.remote(model_id))
-
-    def adapter_step(self, model_id: str) -> int:
-        return self._on(self.worker_of(model_id), model_id, lambda a: a.adapter_step.remote(model_id))
-
-    def delete_model(self, model_id: str) -> None:
-        slot = self.worker_of(model_id)
-        self._on(slot, model_id, lambda a: a.delete_adapter.remote(model_id))
-        self._forget(model_id)
-
-    def restore(self, model_id: str, folder: str, *, optimizer: bool = True) -> str:
-        """Put ``model_id`` back from the checkpoint in ``folder`` on the least-loaded live worker
-        (after its worker was lost); returns the new worker's id."""
+    def move_lost(self, model_id: str) -> tuple[WorkerSlot, WorkerSlot | None]:
+        """Place ``model_id``, whose worker was lost, on the least-loaded live worker; returns the
+        new slot and the old one (for :meth:`undo_move`)."""
         with self._lock:
             old = self._placement.get(model_id)
             if old is not None and old.alive:
@@ -219,34 +201,24 @@ class TrainerPool:
             slot = self.least_loaded()
             self._placement[model_id] = slot
             slot.models.add(model_id)
-        try:
-            self._on(slot, model_id, lambda a: a.load_state.remote(model_id, folder, optimizer=optimizer))
-        except Exception:
-            with self._lock:
-                slot.models.discard(model_id)
-                if old is None:
-                    self._placement.pop(model_id, None)
-                else:
-                    self._placement[model_id] = old
-            raise
-        return slot.worker_id
+            if old is not None:
+                old.models.discard(model_id)
+            return slot, old
 
-    def _forget(self, model_id: str) -> None:
+    def undo_move(self, model_id: str, slot: WorkerSlot, old: WorkerSlot | None) -> None:
+        with self._lock:
+            slot.models.discard(model_id)
+            if old is None:
+                self._placement.pop(model_id, None)
+            else:
+                self._placement[model_id] = old
+                old.models.add(model_id)
+
+    def forget(self, model_id: str) -> None:
         with self._lock:
             slot = self._placement.pop(model_id, None)
             if slot is not None:
                 slot.models.discard(model_id)
-
-    def _on(self, slot: WorkerSlot, model_id: str, call: Callable[[Any], Any]) -> Any:
-        """Run one actor call for ``model_id`` on ``slot`` and wait; a dead actor's answer becomes
-        :class:`WorkerLostError` and marks the worker lost; an engine refusal is re-raised as is."""
-        with self._lock:
-            slot.in_flight += 1
-        try:
-            return self.get(slot, model_id, call(slot.actor))
-        finally:
-            with self._lock:
-                slot.in_flight -= 1
 
     def get(self, slot: WorkerSlot, model_id: str, ref: Any) -> Any:
         """``ray.get`` of one call on ``slot``, with Ray's errors turned into ours."""
@@ -273,7 +245,11 @@ class TrainerPool:
         ray_module().kill(self.workers[rank].actor, no_restart=True)
 
     def shutdown(self) -> None:
-        ray = ray_module()
+        """Kill every worker's actor (nothing to do once Ray itself is shut down)."""
+        import ray
+
+        if not ray.is_initialized():
+            return
         for w in self.workers:
             if w.alive:
                 ray.kill(w.actor, no_restart=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,19 @@ import torch
 import torch.distributed as dist
 
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
-from opentinker.lora import LoRAConfig
+from opentinker.lora import LoRAConfig, LoRAWeights
 from opentinker.models import load_base_model
 from opentinker.sampling import NativeBackend
 from opentinker.scheduler import Scheduler
 
+# the Engine methods a router may run on a worker for a model it placed there
+ENGINE_CALLS = frozenset(
+    {
+        "create_adapter", "load_state", "delete_adapter", "save_state", "export_peft", "export_merged",
+        "adapter_config", "adapter_step", "adapter_weights", "optimizer_state", "pending_gradients",
+        "set_pending_gradients", "optim_step", "forward_backward", "forward_backward_many",
+    }
+)  # fmt: skip
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a peer that never joins fails the step, not hangs it
 
 
@@ -55,6 +64,8 @@ class TrainerWorker:
         self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
         self._groups: dict[str, Any] = {}  # data-parallel model -> its process group
         self._kept: dict[str, dict[str, torch.Tensor] | None] = {}  # gradients before the last shard
+        self._order = threading.Condition()
+        self._next_seq: dict[str, int] = {}  # model -> the sequence number it submits next
 
     # ------------------------------------------------------------------ what the router reads
     def info(self) -> dict[str, Any]:
@@ -115,6 +126,95 @@ class TrainerWorker:
 
     def _call(self, model_id: str, fn: Any) -> Any:
         return self.scheduler.submit_call(model_id, fn).result()
+
+    # ------------------------------------------------------------------ routed ops, in order
+    def submit(
+        self,
+        model_id: str,
+        seq: int | None,
+        kind: str,
+        payload: Any,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> Any:
+        """One op of a routed model: ``forward`` (a ``ForwardRequest``), ``optim`` (``AdamParams``)
+        or ``call`` (the ``Engine`` method named ``payload`` with ``args``/``kwargs``).
+
+        The actor runs calls on many threads, so they may start out of order; ``seq`` (the
+        model's 0, 1, 2, ... as the router sent them) puts them back in order before they reach
+        the scheduler. A model's op n is queued only after op n-1 was, so a ``forward_backward``
+        and the ``optim_step`` sent right behind it still meet in one tick. ``seq`` None: a read
+        of another model's state, queued at once."""
+        if seq is not None:
+            with self._order:
+                while self._next_seq.get(model_id, 0) != seq:
+                    self._order.wait()
+        try:
+            if kind == "forward":
+                fut = self.scheduler.submit_forward(model_id, payload)
+            elif kind == "optim":
+                fut = self.scheduler.submit_optim(model_id, payload)
+            else:
+                method = str(payload)
+                if method not in ENGINE_CALLS:
+                    raise EngineError(f"a trainer worker does not run Engine.{method}")
+                fut = self.scheduler.submit_call(
+                    model_id, lambda eng: getattr(eng, method)(*args, **(kwargs or {}))
+                )
+        finally:
+            if seq is not None:
+                with self._order:
+                    self._next_seq[model_id] = seq + 1
+                    self._order.notify_all()
+        out = fut.result()
+        if isinstance(out, ForwardResult):
+            return _cpu_result(out)
+        if isinstance(out, LoRAWeights):
+            return moved(out, "cpu")
+        return out
+
+    def snapshot(self, model_id: str, seq: int) -> tuple[Any, LoRAWeights]:
+        """A snapshot of ``model_id`` in its order: its info and its weights (CPU), sent to the
+        router, which serves it for sampling; the worker keeps no copy."""
+
+        def take(eng: Engine) -> tuple[Any, LoRAWeights]:
+            info = eng.snapshot(model_id)
+            weights = moved(eng.adapter_weights(info.snapshot_id), "cpu")
+            eng.release_snapshot(info.snapshot_id)
+            return info, weights
+
+        return self._ordered_call(model_id, seq, take)
+
+    def adopt(
+        self, model_id: str, seq: int, weights: Any, *, step: int, parent: str | None, into: bool
+    ) -> str:
+        """Adapter ``model_id`` (new, or ``into`` the live one) with a copy of ``weights`` (a
+        ``LoRAWeights`` from elsewhere: a checkpoint the router holds, another worker's adapter)
+        and a fresh optimizer, in its order."""
+
+        def fork(eng: Engine) -> str:
+            tmp = f"adopt:{model_id}:{seq}"
+            eng.add_snapshot(tmp, moved(weights, eng.device), step=step)
+            try:
+                if into:
+                    return eng.fork_adapter(tmp, into=model_id, parent=parent)
+                return eng.fork_adapter(tmp, model_id, parent=parent)
+            finally:
+                eng.release_snapshot(tmp)
+
+        return self._ordered_call(model_id, seq, fork)
+
+    def _ordered_call(self, model_id: str, seq: int, fn: Any) -> Any:
+        with self._order:
+            while self._next_seq.get(model_id, 0) != seq:
+                self._order.wait()
+        try:
+            fut = self.scheduler.submit_call(model_id, fn)
+        finally:
+            with self._order:
+                self._next_seq[model_id] = seq + 1
+                self._order.notify_all()
+        return fut.result()
 
     # ------------------------------------------------------------------ data parallel
     def rendezvous(self) -> tuple[str, int]:
@@ -204,6 +304,15 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def moved(weights: LoRAWeights, device: str | torch.device) -> LoRAWeights:
+    """A detached copy of ``weights`` on ``device`` (a fresh uid: another process's is not ours)."""
+    return LoRAWeights(
+        weights.config,
+        {g: t.detach().to(device).clone() for g, t in weights.a.items()},
+        {g: t.detach().to(device).clone() for g, t in weights.b.items()},
+    )
 
 
 def _cpu_result(res: ForwardResult) -> ForwardResult:

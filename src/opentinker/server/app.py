@@ -78,6 +78,9 @@ class Server:
             prefix_cache_bytes=config.prefix_cache_bytes,
             rollout_workers=config.rollout_workers,
             rollout_backend=config.rollout_backend,
+            trainer_workers=config.trainer_workers,
+            trainer_options={"worker_cpus": config.trainer_cpus, "worker_gpus": config.trainer_gpus},
+            auto_restore=config.auto_restore,
         )
         self.store = Store(config.data_dir)
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client

