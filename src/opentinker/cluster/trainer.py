@@ -98,7 +98,7 @@ class TrainerPool:
         worker_gpus: float = 0.0,
         device: str | None = None,
         max_rank: int = 128,
-        max_concurrency: int = 64,
+        max_concurrency: int = 256,
     ) -> None:
         ray = ray_module()
         check_resources(workers, worker_cpus, worker_gpus)
