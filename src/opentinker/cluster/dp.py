@@ -79,7 +79,8 @@ class DataParallelModel:
         ranks = sorted(w.rank for w in self.replicas)
         pool.reserve(model_id, self.replicas)
         try:
-            ray.get([w.actor.join_data_parallel.remote(model_id, ranks) for w in self.replicas])
+            with pool.group_lock:  # every worker forms every group, one group at a time
+                ray.get([w.actor.join_data_parallel.remote(model_id, ranks) for w in pool.workers])
             self._all(lambda w: w.actor.create_adapter.remote(model_id, config))
         except Exception:
             pool.release(model_id, self.replicas)

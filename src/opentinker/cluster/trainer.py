@@ -124,6 +124,7 @@ class TrainerPool:
         ]
         self._lock = threading.RLock()
         self._placement: dict[str, WorkerSlot] = {}
+        self.group_lock = threading.Lock()  # process groups are formed by all workers, in one order
         try:
             infos = ray.get([w.actor.info.remote() for w in self.workers])
             address, port = ray.get(self.workers[0].actor.rendezvous.remote())

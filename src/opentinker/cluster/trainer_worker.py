@@ -21,7 +21,6 @@ import os
 import socket
 import threading
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,26 +84,13 @@ class TrainerWorker:
             },
         }
 
-    # ------------------------------------------------------------------ one model's ops
+    # ------------------------------------------------------------------ a data-parallel replica's ops
     def create_adapter(self, model_id: str, config: LoRAConfig) -> str:
         return self._call(model_id, lambda eng: eng.create_adapter(config, model_id))
 
     def forward_backward(self, model_id: str, req: ForwardRequest) -> ForwardResult:
         """``req`` (for adapter ``model_id``) in the next tick, fused with whatever else is waiting."""
         return _cpu_result(self.scheduler.submit_forward(model_id, req).result())
-
-    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        return self.scheduler.submit_optim(model_id, params).result()
-
-    def save_state(self, model_id: str, folder: str, meta: dict[str, Any] | None = None) -> str:
-        """Weights and optimizer state of ``model_id`` as a checkpoint in ``folder`` (shared storage)."""
-        return str(self._call(model_id, lambda eng: eng.save_state(model_id, Path(folder), meta=meta)))
-
-    def load_state(self, model_id: str, folder: str, *, optimizer: bool = True) -> str:
-        """A new adapter ``model_id`` from the checkpoint in ``folder``."""
-        return self._call(
-            model_id, lambda eng: eng.load_state(Path(folder), adapter_id=model_id, optimizer=optimizer)
-        )
 
     def delete_adapter(self, model_id: str) -> None:
         self._call(model_id, lambda eng: eng.delete_adapter(model_id))
@@ -113,16 +99,13 @@ class TrainerWorker:
             dist.destroy_process_group(group)
 
     def adapter_state(self, model_id: str) -> dict[str, torch.Tensor]:
-        """A CPU copy of the adapter's weights (what tests and hand-overs compare)."""
+        """A CPU copy of the adapter's weights (what a replica holds; tests compare them)."""
         return self._call(
             model_id,
             lambda eng: {
                 k: v.detach().cpu().clone() for k, v in eng.adapter_weights(model_id).state_dict().items()
             },
         )
-
-    def adapter_step(self, model_id: str) -> int:
-        return self._call(model_id, lambda eng: eng.adapter_step(model_id))
 
     def _call(self, model_id: str, fn: Any) -> Any:
         return self.scheduler.submit_call(model_id, fn).result()
@@ -236,9 +219,12 @@ class TrainerWorker:
         )
 
     def join_data_parallel(self, model_id: str, ranks: list[int]) -> None:
-        """This worker's part of ``model_id``'s process group over the pool ranks ``ranks``
-        (only its members take part in forming it)."""
-        self._groups[model_id] = dist.new_group(ranks, use_local_synchronization=True)
+        """This worker's part in forming ``model_id``'s process group over the pool ranks
+        ``ranks``: every worker of the pool takes part, in the same order (the pool serialises
+        it); only the members keep the group."""
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            self._groups[model_id] = group
 
     def dp_forward_backward(self, model_id: str, req: ForwardRequest) -> ForwardResult:
         """One shard of a data-parallel model's batch; the gradients it had before are kept aside
