@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -45,6 +46,7 @@ from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.scheduler import Scheduler, TickRecord
 
+_log = logging.getLogger(__name__)
 ROLLOUT_BACKENDS = ("native", "vllm")
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -118,6 +120,9 @@ class Runtime:
         worker_cpus: float = 1.0,
         worker_gpus: float = 0.0,
         worker_startup_timeout: float = 300.0,
+        trainer_workers: int = 0,
+        trainer_options: dict[str, Any] | None = None,
+        auto_restore: bool = False,
     ) -> None:
         """``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
         a time (the serialized reference), instead of on its own rollout loop (the default).
@@ -131,7 +136,14 @@ class Runtime:
         (:mod:`opentinker.cluster.ray_rollout`), on a Ray instance started here (``"local"``) or a
         cluster joined (``"auto"``, ``"ray://HOST:PORT"``, ``"HOST:PORT"``); an address that does
         not answer, or workers the cluster cannot place, raise ``ValueError`` here. A worker not
-        started within ``worker_startup_timeout`` seconds fails its pool's start, naming why."""
+        started within ``worker_startup_timeout`` seconds fails its pool's start, naming why.
+        ``trainer_workers``: train on that many Ray trainer workers per base model
+        (:mod:`opentinker.cluster.trainer_router`; on the Ray of ``ray``, else a local instance
+        started if none is up), each a base-model replica holding a shard
+        of the adapters; ``trainer_options`` (``worker_cpus``, ``worker_gpus``) size each, and a
+        size the cluster cannot place is refused here. ``auto_restore``: when a trainer worker is
+        lost, put each of its models back from its newest ``save_state`` checkpoint on another
+        worker (:attr:`restored` says from where, and how many steps were lost)."""
         if not isinstance(rollout_workers, int) or rollout_workers < 0:
             raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
         if rollout_workers and sample_in_ticks:
@@ -151,15 +163,36 @@ class Runtime:
         self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
         self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
         self.worker_startup_timeout = worker_startup_timeout
+        self._ray_rollout = ray is not None and bool(rollout_workers)  # rollout workers as actors
         if ray is not None:
-            if not rollout_workers:
-                raise ValueError("ray runs rollout workers as actors: give rollout_workers >= 1")
+            if not rollout_workers and not trainer_workers:
+                raise ValueError(
+                    "ray runs rollout or trainer workers as actors: give rollout_workers >= 1 "
+                    "or trainer_workers >= 1"
+                )
             from opentinker.cluster.ray_env import check_fits, connect
             from opentinker.cluster.ray_rollout import RayTransport
 
             RayTransport(worker_cpus, worker_gpus)  # refuses resources no worker could have
             self.ray_cluster = connect(ray)
-            check_fits(rollout_workers, worker_cpus, worker_gpus)
+            if rollout_workers:
+                check_fits(rollout_workers, worker_cpus, worker_gpus)
+        if not isinstance(trainer_workers, int) or trainer_workers < 0:
+            raise ValueError(f"trainer_workers must be an integer >= 0, got {trainer_workers!r}")
+        self.trainer_workers = trainer_workers
+        self.trainer_options = dict(trainer_options or {})
+        self.auto_restore = auto_restore
+        self.restored: dict[str, dict[str, Any]] = {}  # model -> how auto-restore brought it back
+        if trainer_workers:
+            from opentinker.cluster.trainer import check_resources, start_local_ray
+
+            if self.ray_cluster is None:  # no address given: a Ray instance started here
+                start_local_ray()
+            check_resources(
+                trainer_workers,
+                float(self.trainer_options.get("worker_cpus", 1.0)),
+                float(self.trainer_options.get("worker_gpus", 0.0)),
+            )
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
@@ -209,13 +242,13 @@ class Runtime:
                     )
                 elif not self.sample_in_ticks:  # sampling on its own thread, continuous batching
                     rollout = RolloutLoop(RolloutCore(decoder(), sampler))
-                b = Backend(engine, sampler, Scheduler(engine, sampler, rollout=rollout))
+                b = Backend(engine, sampler, self._scheduler(name, engine, sampler, rollout))
                 self._backends[name] = b
             return b
 
     def _transport(self) -> Any:
         """How a base model's rollout workers are reached: processes here, or Ray actors."""
-        if self.ray_cluster is None:
+        if not self._ray_rollout:
             return None
         from opentinker.cluster.ray_rollout import RayTransport
 
@@ -266,6 +299,64 @@ class Runtime:
         out = {name: pool.scale(workers) for name, pool in pools.items()}
         self.rollout_workers = workers  # base models loaded later start this many
         return out
+
+    def _scheduler(
+        self, name: str, engine: Engine, sampler: RolloutBackend, rollout: RolloutService | None
+    ) -> Scheduler:
+        """The base model's scheduler: training here, or routed to its trainer workers."""
+        if not self.trainer_workers:
+            return Scheduler(engine, sampler, rollout=rollout)
+        from opentinker.cluster.trainer import TrainerPool
+        from opentinker.cluster.trainer_router import RoutedScheduler
+
+        opts = self.trainer_options
+        pool = TrainerPool(
+            name,
+            self.trainer_workers,
+            worker_cpus=float(opts.get("worker_cpus", 1.0)),
+            worker_gpus=float(opts.get("worker_gpus", 0.0)),
+            device=self.device,
+            max_rank=self.max_rank,
+        )
+        router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
+        router.on_worker_lost = lambda slot, models: self._worker_lost(router, slot.worker_id, models)
+        return router
+
+    def _worker_lost(self, router: Any, worker_id: str, models: list[str]) -> None:
+        """A trainer worker is gone: with ``auto_restore``, each of its models is put back from
+        its newest ``save_state`` checkpoint; :attr:`restored` records how (or why not)."""
+        for model_id in models:
+            rec = self.models.get(model_id)
+            if rec is None or rec.deleted:
+                continue
+            lost_at = int(router.steps.get(model_id, 0))
+            entry: dict[str, Any] = {"worker": worker_id, "steps_at_loss": lost_at, "restored": False}
+            saved = [
+                r
+                for r in self.store.list(model_id)
+                if r.ref.kind == "weights" and r.meta.get("has_optimizer")
+            ]
+            if not self.auto_restore or not saved:
+                entry["reason"] = (
+                    "auto-restore is off" if not self.auto_restore else "no save_state checkpoint"
+                )
+                self.restored[model_id] = entry
+                continue
+            newest = saved[-1]
+            step = int(newest.meta.get("step", 0))
+            try:
+                entry["to_worker"] = router.restore(model_id, str(newest.folder)).result()
+            except Exception as e:  # reported, not raised: this runs on a background thread
+                entry["reason"] = str(e)
+                self.restored[model_id] = entry
+                continue
+            rec.parent = newest.ref.tinker_path
+            entry.update(restored=True, checkpoint=newest.ref.tinker_path, lost_steps=max(0, lost_at - step))
+            self.restored[model_id] = entry
+            _log.warning(
+                "trainer worker %s lost: model %s restored from %s on %s; %d step(s) lost",
+                worker_id, model_id, newest.ref.tinker_path, entry["to_worker"], entry["lost_steps"],
+            )  # fmt: skip
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
@@ -584,6 +675,14 @@ class Runtime:
                     "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
                 }
             )
+            trainers = getattr(sched, "trainer_info", None)  # trained on Ray trainer workers
+            if callable(trainers):
+                out[-1]["trainer_workers"] = trainers()
+                out[-1]["restored"] = {
+                    m: e
+                    for m, e in self.restored.items()
+                    if (r := self.models.get(m)) and r.base_model == name
+                }
         return out
 
     def shutdown(self) -> None:

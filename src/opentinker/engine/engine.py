@@ -396,6 +396,23 @@ class Engine:
         """Gradients accumulated since the adapter's last ``optim_step`` (None if none). Read-only."""
         return self._adapter(adapter_id).grads
 
+    def set_pending_gradients(self, adapter_id: str, grads: dict[str, torch.Tensor]) -> None:
+        """Replace the adapter's accumulated gradients by ``grads`` (copied): how data-parallel
+        replicas put in the sum of every replica's gradients before their optimizer steps. Every
+        tensor is checked (names, shapes, finite) before any is set; a mismatch changes nothing."""
+        a = self._adapter(adapter_id)
+        named = _named(a.weights)
+        if set(grads) != set(named):
+            missing, extra = sorted(set(named) - set(grads)), sorted(set(grads) - set(named))
+            raise EngineError(f"gradients for adapter {adapter_id!r} lack {missing} / have unknown {extra}")
+        for name, p in named.items():
+            g = grads[name]
+            if tuple(g.shape) != tuple(p.shape):
+                raise EngineError(f"gradient {name!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
+            if not bool(torch.isfinite(g).all()):
+                raise EngineError(f"gradient {name!r} is NaN or inf; nothing was updated")
+        a.grads = {n: grads[n].detach().to(p.device, p.dtype).clone() for n, p in named.items()}
+
     # ------------------------------------------------------------------ snapshots
     def snapshot(self, adapter_id: str) -> SnapshotInfo:
         """Copy the adapter's current weights into an immutable, sampleable policy version."""

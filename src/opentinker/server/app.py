@@ -82,6 +82,9 @@ class Server:
             ray=config.ray,
             worker_cpus=config.worker_cpus,
             worker_gpus=config.worker_gpus,
+            trainer_workers=config.trainer_workers,
+            trainer_options={"worker_cpus": config.trainer_cpus, "worker_gpus": config.trainer_gpus},
+            auto_restore=config.auto_restore,
         )
         self.store = Store(config.data_dir)
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client

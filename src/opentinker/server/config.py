@@ -49,6 +49,12 @@ class ServerConfig:
     ray: str | None = None
     worker_cpus: float = 1.0
     worker_gpus: float = 0.0
+    # train on this many Ray trainer workers per base model (0: in this process); each worker's
+    # CPUs and GPUs; put the models of a lost worker back from their newest checkpoints
+    trainer_workers: int = 0
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    auto_restore: bool = False
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
     # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
     token_ttl_s: float = 900.0

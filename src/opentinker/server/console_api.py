@@ -131,6 +131,12 @@ def add_console(app: FastAPI, server: Any) -> None:
                     m: d for m, d in depths.items() if (r := owners[m]) is not None and r.tenant == who.tenant
                 }
             s["queue_depths"] = dict(sorted(depths.items(), key=lambda kv: -kv[1])[:MAX_PAGE])
+            if "restored" in s and not who.operator:  # models brought back after a trainer worker's loss
+                s["restored"] = {
+                    m: e
+                    for m, e in s["restored"].items()
+                    if (r := store.model(m)) is not None and r.tenant == who.tenant
+                }
         return {"engines": stats}
 
     @app.get(f"{API}/sessions", tags=["console"])

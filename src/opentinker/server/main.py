@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ADDRESS",
         help="run the rollout workers as Ray actors: on a Ray instance started here (no ADDRESS), "
-        "or on a cluster joined (auto, ray://HOST:PORT or HOST:PORT); needs --rollout-workers",
+        "or on a cluster joined (auto, ray://HOST:PORT or HOST:PORT); with --rollout-workers "
+        "and/or --trainer-workers",
     )
     p.add_argument(
         "--worker-cpus",
@@ -167,6 +168,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_float,
         default=0.0,
         help="GPUs each Ray rollout worker asks for (default 0; > 0 samples on CUDA)",
+    )
+    p.add_argument(
+        "--trainer-workers",
+        type=_non_negative,
+        default=0,
+        help="train on this many Ray trainer workers per base model, each a base-model replica "
+        "holding a share of the models (0 = in the server process); starts a local Ray instance "
+        "unless this process is connected to one",
+    )
+    p.add_argument(
+        "--trainer-cpus", type=_non_negative_float, default=1.0, help="CPUs of each trainer worker (Ray)"
+    )
+    p.add_argument(
+        "--trainer-gpus", type=_non_negative_float, default=0.0, help="GPUs of each trainer worker (Ray)"
+    )
+    p.add_argument(
+        "--auto-restore",
+        action="store_true",
+        help="when a trainer worker is lost, put each of its models back from its newest save_state "
+        "checkpoint on another worker (the server logs each restore and how many steps were lost)",
     )
     p.add_argument(
         "--operator",
@@ -200,6 +221,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
         rollout_backend=args.rollout_backend,
+        trainer_workers=args.trainer_workers,
+        trainer_cpus=args.trainer_cpus,
+        trainer_gpus=args.trainer_gpus,
+        auto_restore=args.auto_restore,
         operator_tenants=tuple(args.operator),
         ray=args.ray,
         worker_cpus=args.worker_cpus,

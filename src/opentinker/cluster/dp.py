@@ -1,0 +1,161 @@
+"""One model across several trainer workers: data parallelism for a model whose batches outgrow
+one device.
+
+``DataParallelModel(pool, model_id, config, degree=k)`` creates the same adapter (same LoRA
+config and seed, so the same initial weights) on k workers of a :class:`~opentinker.cluster.trainer.TrainerPool`
+and a process group over them. Its ``forward_backward`` splits the datums into k contiguous
+shards, one per replica, run at once; each replica accumulates its shard's LoRA gradients. Its
+``optim_step`` all-reduces (sums) those gradients inside the actors (gloo on CPU, NCCL on GPU),
+then every replica takes the same AdamW step. Losses are token sums and each datum is
+self-contained, so the sum of the shards' gradients is the whole batch's gradient: the result
+equals the one-worker run within fp32 rounding (the shards are padded and summed in another
+order). The merged result lists every datum's outputs in the caller's order; ``loss:sum`` (and
+any ``:sum`` metric) is the sum over shards, ``:mean`` metrics their datum-weighted mean.
+
+A request is checked before any shard runs; a shard the engine still refuses (a non-finite loss
+on its data) puts back the gradients the other shards just accumulated, so the replicas never
+disagree. A model's operations run one at a time, in call order (a lock per model), which is
+also what keeps each replica's collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from opentinker.cluster.trainer import TrainerPool, WorkerSlot, ray_module
+from opentinker.engine import AdamParams, EngineError, ForwardRequest, ForwardResult
+from opentinker.engine.validate import validate_request
+from opentinker.lora import LoRAConfig
+
+
+def shard_sizes(n: int, k: int) -> list[int]:
+    """Sizes of k contiguous shards of n datums, as even as possible (the first ones larger)."""
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult:
+    """The shards' results as one: outputs in order, ``:sum`` metrics summed, ``:mean`` ones
+    weighted by datums, ``:max``/``:min`` reduced, ``:unique`` ones taken from the first shard."""
+    outputs = [out for p in parts for out in p.outputs]
+    total = max(sum(sizes), 1)
+    metrics: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p.metrics):
+        values = [(p.metrics[key], n) for p, n in zip(parts, sizes, strict=True) if key in p.metrics]
+        reduction = key.rpartition(":")[2]
+        if reduction == "mean":
+            metrics[key] = sum(v * n for v, n in values) / total
+        elif reduction == "max":
+            metrics[key] = max(v for v, _ in values)
+        elif reduction == "min":
+            metrics[key] = min(v for v, _ in values)
+        elif reduction == "unique":
+            metrics[key] = values[0][0]
+        else:  # sum, and what the engine sums (custom losses' metrics)
+            metrics[key] = sum(v for v, _ in values)
+    return ForwardResult(outputs, metrics)
+
+
+class DataParallelModel:
+    """One adapter replicated over ``degree`` trainer workers (module docstring)."""
+
+    def __init__(self, pool: TrainerPool, model_id: str, config: LoRAConfig, *, degree: int) -> None:
+        live = pool.live_workers()
+        if not isinstance(degree, int) or degree < 1:
+            raise EngineError(f"the data-parallel degree must be an integer >= 1, got {degree!r}")
+        if degree > len(live):
+            raise EngineError(
+                f"data-parallel degree {degree} is above the number of live trainer workers ({len(live)})"
+            )
+        if config.seed is None:
+            raise EngineError(
+                "a data-parallel model needs a LoRA seed: every replica starts from the same weights"
+            )
+        ray = ray_module()
+        self.pool, self.model_id, self.config = pool, model_id, config
+        self.replicas: list[WorkerSlot] = sorted(live, key=lambda w: (len(w.models), w.rank))[:degree]
+        self._limits = pool.limits
+        self._lock = threading.Lock()
+        ranks = sorted(w.rank for w in self.replicas)
+        pool.reserve(model_id, self.replicas)
+        try:
+            with pool.group_lock:  # every worker forms every group, one group at a time
+                ray.get([w.actor.join_data_parallel.remote(model_id, ranks) for w in pool.workers])
+            self._all(lambda w: w.actor.create_adapter.remote(model_id, config))
+        except Exception:
+            pool.release(model_id, self.replicas)
+            raise
+
+    @property
+    def degree(self) -> int:
+        return len(self.replicas)
+
+    def forward_backward(
+        self,
+        examples: list[Any],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
+        *,
+        backward: bool = True,
+    ) -> ForwardResult:
+        """The datums split over the replicas (gradients accumulate on each until ``optim_step``)."""
+        req = ForwardRequest(self.model_id, list(examples), loss_fn, dict(loss_fn_config or {}), backward)
+        if req.custom_loss is not None:
+            raise EngineError("custom losses are not served data-parallel")
+        validate_request(req, **self._limits)  # a bad request fails here, before any replica runs
+        sizes = shard_sizes(len(req.examples), self.degree)
+        with self._lock:
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            jobs = [
+                (w, n, w.actor.dp_forward_backward.remote(
+                    self.model_id,
+                    ForwardRequest(self.model_id, req.examples[s : s + n], loss_fn, req.loss_fn_config, backward),
+                ))
+                for w, s, n in zip(self.replicas, starts, sizes, strict=True)
+                if n
+            ]  # fmt: skip
+            parts: list[ForwardResult] = []
+            failure: BaseException | None = None
+            done: list[WorkerSlot] = []
+            for w, _, ref in jobs:
+                try:
+                    parts.append(self.pool.get(w, self.model_id, ref))
+                    done.append(w)
+                except EngineError as e:
+                    failure = failure or e
+            if failure is not None:
+                self._all(lambda w: w.actor.dp_revert.remote(self.model_id), among=done)
+                raise failure
+        return merge_results(parts, [n for _, n, _ in jobs])
+
+    def optim_step(self, params: AdamParams) -> dict[str, float]:
+        """Sum the replicas' gradients (all-reduce in the actors), then the same step on each."""
+        params.validate()
+        with self._lock:
+            results = self._all(lambda w: w.actor.dp_optim_step.remote(self.model_id, params))
+        return results[0]
+
+    def weights(self, replica: int = 0) -> dict[str, Any]:
+        """A CPU copy of one replica's adapter weights."""
+        w = self.replicas[replica]
+        return self.pool.get(w, self.model_id, w.actor.adapter_state.remote(self.model_id))
+
+    def delete(self) -> None:
+        with self._lock:
+            self._all(lambda w: w.actor.delete_adapter.remote(self.model_id))
+        self.pool.release(self.model_id, self.replicas)
+
+    def _all(self, call: Any, among: list[WorkerSlot] | None = None) -> list[Any]:
+        """One call on every replica (or ``among``) at once; wait for all, then raise the first error."""
+        slots = self.replicas if among is None else among
+        refs = [(w, call(w)) for w in slots]
+        out: list[Any] = []
+        first: BaseException | None = None
+        for w, ref in refs:
+            try:
+                out.append(self.pool.get(w, self.model_id, ref))
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+        return out

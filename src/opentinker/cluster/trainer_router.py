@@ -1,0 +1,400 @@
+"""The front-end's side of the trainer workers: a scheduler that routes each model's training to
+the trainer worker holding it, for a ``Runtime`` that serves training from a
+:class:`~opentinker.cluster.trainer.TrainerPool`.
+
+:class:`RoutedScheduler` has the :class:`~opentinker.scheduler.Scheduler`'s interface, so the
+clients, the runtime and the HTTP server run unchanged over it. It *is* a scheduler over the
+front-end's own engine (a base-model replica that trains nothing): that engine holds the policy
+versions samplers read (every snapshot a worker takes comes back as the adapter's tensors and is
+registered there), serves sampling (its rollout loop or rollout workers, as without Ray), and
+runs the calls of queues that name no placed model (releasing a snapshot, loading a checkpoint
+as a policy).
+
+Every other operation of a model goes, in the model's submission order, to its worker:
+``forward_backward`` and ``optim_step`` are sent without waiting (a pipelined pair meets in one
+tick of the worker's scheduler, fused with the other adapters it holds); a queued call
+(``fn(engine)``: save, load, snapshot, delete, ...) runs on the front-end with an
+:class:`EngineProxy` as its engine, whose adapter methods run on the model's worker, in order.
+Each model has a *lane*: its operations start one after another, and each remote op carries the
+model's sequence number, which the worker uses to queue them in order
+(:meth:`TrainerWorker.submit`).
+
+A model whose worker is lost answers :class:`~opentinker.cluster.trainer.WorkerLostError` for
+the requests in flight and every later one, at once. ``on_worker_lost`` (set by the runtime) is
+told the models it held, once per lost worker: with ``--auto-restore`` the runtime puts each back
+from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
+from opentinker.cluster.trainer_worker import moved
+from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, SnapshotInfo
+from opentinker.sampling import RolloutBackend
+from opentinker.sampling.rollout import RolloutService
+from opentinker.scheduler import Scheduler
+
+# what an EngineProxy serves from the front-end's engine: the base model and the policy versions
+LOCAL_ATTRS = frozenset(
+    {
+        "base", "vocab_size", "max_context", "max_batch_tokens", "device", "lora", "snapshot_ids",
+        "snapshot_info", "load_snapshot", "add_snapshot", "release_snapshot", "plan_routing", "routing",
+    }
+)  # fmt: skip
+
+
+class _Lane:
+    """One model's operations, started one after another."""
+
+    def __init__(self) -> None:
+        self.ops: deque[tuple[Callable[[], None], Future]] = deque()
+        self.busy = False
+        self.seq = 0  # the next sequence number on its current worker
+        self.worker: int | None = None  # the rank the numbering counts on
+
+
+class RoutedScheduler(Scheduler):
+    """A scheduler whose models train on trainer workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        sampler: RolloutBackend,
+        pool: TrainerPool,
+        *,
+        rollout: RolloutService | None = None,
+        lanes: int = 32,
+    ) -> None:
+        super().__init__(engine, sampler, rollout=rollout)
+        self.pool = pool
+        self.on_worker_lost: Callable[[WorkerSlot, list[str]], None] | None = None
+        self._lanes: dict[str, _Lane] = {}
+        self._lane_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(lanes, thread_name_prefix="opentinker-lane")
+        self._reported: set[int] = set()  # lost workers already reported
+        self._names = itertools.count(1)
+        self.steps: dict[str, int] = {}  # model -> optimizer steps taken (what a loss would lose)
+
+    # ------------------------------------------------------------------ submission
+    def submit_forward(self, model_id: str, req: ForwardRequest) -> Future:
+        return self._enqueue(model_id, lambda fut: self._send(model_id, "forward", req, fut))
+
+    def submit_optim(self, model_id: str, params: AdamParams) -> Future:
+        return self._enqueue(model_id, lambda fut: self._send(model_id, "optim", params, fut))
+
+    def submit_call(self, model_id: str, fn: Callable[[Engine], Any]) -> Future:
+        if not self._routed(model_id):  # e.g. a snapshot's release, a checkpoint served as a policy
+            return super().submit_call(model_id, fn)
+
+        def run(fut: Future) -> None:
+            try:
+                fut.set_result(fn(EngineProxy(self, model_id)))  # type: ignore[arg-type]
+            except Exception as e:
+                fut.set_exception(self._translate(e))
+
+        return self._enqueue(model_id, run)
+
+    def _routed(self, key: str) -> bool:
+        """Whether queue ``key`` is a model's (placed, or about to be: a new model's first call),
+        rather than a policy version's (``<model>@v<n>``, a checkpoint's tinker path)."""
+        return "@" not in key and not key.startswith(("tinker://", "checkpoint-weights:", "export-"))
+
+    def _enqueue(self, model_id: str, start: Callable[[Future], None]) -> Future:
+        self._check_open()
+        fut: Future = Future()
+        with self._lane_lock:
+            lane = self._lanes.setdefault(model_id, _Lane())
+            lane.ops.append((lambda: start(fut), fut))
+            if lane.busy:
+                return fut
+            lane.busy = True
+        self._executor.submit(self._drain, lane)
+        return fut
+
+    def _drain(self, lane: _Lane) -> None:
+        while True:
+            with self._lane_lock:
+                if not lane.ops:
+                    lane.busy = False
+                    return
+                start, fut = lane.ops.popleft()
+            try:
+                start()
+            except Exception as e:  # a bug in routing must fail the request, never the lane
+                if not fut.done():
+                    fut.set_exception(self._translate(e))
+
+    # ------------------------------------------------------------------ remote ops
+    def next_seq(self, model_id: str, slot: WorkerSlot) -> int:
+        """The model's next sequence number on ``slot`` (restarting at 0 on a new worker)."""
+        with self._lane_lock:
+            lane = self._lanes.setdefault(model_id, _Lane())
+            if lane.worker != slot.rank:
+                lane.worker, lane.seq = slot.rank, 0
+            seq = lane.seq
+            lane.seq += 1
+            return seq
+
+    def _send(self, model_id: str, kind: str, payload: Any, fut: Future) -> None:
+        """Send one forward/optim op to the model's worker; ``fut`` settles when it is done."""
+        try:
+            slot = self.pool.worker_of(model_id)
+        except EngineError as e:
+            fut.set_exception(e)
+            return
+        ref = slot.actor.submit.remote(model_id, self.next_seq(model_id, slot), kind, payload)
+        ref.future().add_done_callback(lambda f: self._settle(slot, model_id, kind, f, fut))
+
+    def call(
+        self, model_id: str, slot: WorkerSlot, method: str, *args: Any, ordered: bool = True, **kwargs: Any
+    ) -> Any:
+        """Run ``Engine.method`` on ``slot`` for ``model_id`` and wait (in its order if ``ordered``)."""
+        seq = self.next_seq(model_id, slot) if ordered else None
+        return self.pool.get(
+            slot, model_id, slot.actor.submit.remote(model_id, seq, "call", method, args, kwargs)
+        )
+
+    def _settle(self, slot: WorkerSlot, model_id: str, kind: str, done: Future, fut: Future) -> None:
+        try:
+            out = done.result()
+        except Exception as e:
+            fut.set_exception(self._translate(e, slot, model_id))
+            return
+        if kind == "optim":
+            with self._lane_lock:
+                self.steps[model_id] = self.steps.get(model_id, 0) + 1
+        fut.set_result(out)
+
+    def restore(self, model_id: str, folder: str) -> Future:
+        """Put ``model_id``, whose worker was lost, back from the checkpoint in ``folder``
+        (weights and optimizer state) on the least-loaded live worker, in the model's order:
+        its later requests run there. The future gives the new worker's id."""
+
+        def run(fut: Future) -> None:
+            try:
+                slot, old = self.pool.move_lost(model_id)
+            except EngineError as e:
+                fut.set_exception(e)
+                return
+            try:
+                self.call(model_id, slot, "load_state", folder, adapter_id=model_id, optimizer=True)
+                self.note_step(model_id, int(self.call(model_id, slot, "adapter_step", model_id)))
+                fut.set_result(slot.worker_id)
+            except Exception as e:
+                self.pool.undo_move(model_id, slot, old)
+                fut.set_exception(self._translate(e, slot, model_id))
+
+        return self._enqueue(model_id, run)
+
+    def note_step(self, model_id: str, step: int) -> None:
+        """The optimizer steps ``model_id`` has taken (known at its creation or load)."""
+        with self._lane_lock:
+            self.steps[model_id] = step
+
+    def _translate(
+        self, e: BaseException, slot: WorkerSlot | None = None, model_id: str = ""
+    ) -> BaseException:
+        """Ray's errors as ours: the engine's own error, or the loss of the worker (reported once)."""
+        ray = ray_module()
+        if isinstance(e, ray.exceptions.RayTaskError):
+            cause = getattr(e, "cause", None)
+            return cause if isinstance(cause, BaseException) else e
+        if isinstance(e, ray.exceptions.RayActorError) and slot is not None:
+            self.pool.mark_lost(slot, type(e).__name__)
+            e = WorkerLostError(
+                f"trainer worker {slot.worker_id} was lost while serving model {model_id!r}; "
+                "restore it from its newest checkpoint"
+            )
+        if isinstance(e, WorkerLostError):
+            self._report_losses()
+        return e
+
+    def _report_losses(self) -> None:
+        for slot in self.pool.workers:
+            if slot.alive or slot.rank in self._reported:
+                continue
+            self._reported.add(slot.rank)
+            models = sorted(slot.models)
+            if self.on_worker_lost is not None:
+                threading.Thread(target=self.on_worker_lost, args=(slot, models), daemon=True).start()
+
+    def trainer_info(self) -> list[dict[str, Any]]:
+        """Each trainer worker: alive or lost, how many models it holds, its ticks (live ones)."""
+        ray = ray_module()
+        out = []
+        for w in self.pool.workers:
+            entry: dict[str, Any] = {"worker_id": w.worker_id, "alive": w.alive, "models": len(w.models)}
+            if w.alive:
+                try:
+                    info = ray.get(w.actor.info.remote(), timeout=10)
+                    entry.update(ticks=info["ticks"], queued=info["queued"])
+                except Exception as e:  # lost since: say so, never fail the reader
+                    entry.update(alive=False, error=type(e).__name__)
+            else:
+                entry["lost"] = w.lost_reason
+            out.append(entry)
+        return out
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
+
+
+class EngineProxy:
+    """What a queued call sees as its engine: adapter methods run on the adapter's trainer worker
+    (in its order), the base model and policy versions are the front-end engine's."""
+
+    def __init__(self, router: RoutedScheduler, key: str) -> None:
+        self._router, self._key = router, key
+        self._local = router.engine
+        self._pool = router.pool
+
+    def __getattr__(self, name: str) -> Any:
+        if name in LOCAL_ATTRS:
+            return getattr(self._local, name)
+        raise AttributeError(f"Engine.{name} is not served over trainer workers")
+
+    # ------------------------------------------------------------------ where things are
+    def _placed(self, ref: str | None) -> WorkerSlot | None:
+        """The worker of adapter ``ref`` if a worker holds it (a lost one raises), else None."""
+        return self._pool.worker_of(ref) if ref is not None and self._pool.is_placed(ref) else None
+
+    def _remote(self, model_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        slot = self._pool.worker_of(model_id)
+        return self._router.call(model_id, slot, method, *args, ordered=model_id == self._key, **kwargs)
+
+    def _placed_call(self, model_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` creating ``model_id`` on a newly chosen worker; the placement is undone if it fails."""
+        slot = self._pool.place(model_id)
+        try:
+            return self._router.call(model_id, slot, method, *args, **kwargs)
+        except Exception:
+            self._pool.forget(model_id)
+            raise
+
+    # ------------------------------------------------------------------ adapters
+    def create_adapter(self, config: Any, adapter_id: str | None = None) -> str:
+        if adapter_id is None:
+            adapter_id = f"adapter-routed-{next(self._router._names)}"
+        out = self._placed_call(adapter_id, "create_adapter", config, adapter_id)
+        self._router.note_step(adapter_id, 0)
+        return out
+
+    def load_state(
+        self, path: Any, *, adapter_id: str | None = None, optimizer: bool = True, into: str | None = None
+    ) -> str:
+        if into is not None:
+            return self._remote(into, "load_state", path, optimizer=optimizer, into=into)
+        aid = adapter_id or f"adapter-routed-{next(self._router._names)}"
+        out = self._placed_call(aid, "load_state", path, adapter_id=aid, optimizer=optimizer)
+        self._router.note_step(aid, int(self._remote(aid, "adapter_step", aid)))
+        return out
+
+    def fork_adapter(
+        self,
+        source: str,
+        adapter_id: str | None = None,
+        *,
+        into: str | None = None,
+        parent: str | None = None,
+    ) -> str:
+        src_slot = self._placed(source)
+        if src_slot is not None:
+            weights = self._remote(source, "adapter_weights", source)
+            step = int(self._remote(source, "adapter_step", source))
+        else:
+            weights = moved(self._local.adapter_weights(source), "cpu")
+            step = self._local.snapshot_info(source).step
+        if into is not None:
+            slot = self._pool.worker_of(into)
+            seq = self._router.next_seq(into, slot)
+            ref = slot.actor.adopt.remote(into, seq, weights, step=step, parent=parent or source, into=True)
+            out = self._pool.get(slot, into, ref)
+            self._router.note_step(into, step)
+            return out
+        aid = adapter_id or f"adapter-routed-{next(self._router._names)}"
+        slot = self._pool.place(aid)
+        try:
+            seq = self._router.next_seq(aid, slot)
+            ref = slot.actor.adopt.remote(aid, seq, weights, step=step, parent=parent or source, into=False)
+            out = self._pool.get(slot, aid, ref)
+            self._router.note_step(aid, step)
+            return out
+        except Exception:
+            self._pool.forget(aid)
+            raise
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        self._remote(adapter_id, "delete_adapter", adapter_id)
+        self._pool.forget(adapter_id)
+
+    def has_adapter(self, adapter_id: str) -> bool:
+        return self._placed(adapter_id) is not None
+
+    def adapter_ids(self) -> list[str]:
+        return sorted(self._pool.placement())
+
+    def snapshot(self, adapter_id: str) -> SnapshotInfo:
+        """The worker's snapshot, its tensors registered on the front-end engine for sampling."""
+        slot = self._pool.worker_of(adapter_id)
+        seq = self._router.next_seq(adapter_id, slot)
+        info, weights = self._pool.get(slot, adapter_id, slot.actor.snapshot.remote(adapter_id, seq))
+        sid = info.snapshot_id
+        while sid in self._local.snapshot_ids():  # a restored model counts its versions afresh
+            sid = f"{info.snapshot_id}.{next(self._router._names)}"
+        self._local.add_snapshot(sid, weights, adapter_id=adapter_id, step=info.step)
+        return dataclasses.replace(info, snapshot_id=sid)
+
+    def check_policy(self, ref: str | None) -> None:
+        if self._placed(ref) is None:
+            self._local.check_policy(ref)
+
+    def _either(self, method: str, ref: str | None, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the worker holding adapter ``ref``, or on the front-end's engine for a
+        policy version (a snapshot) or the bare base model."""
+        if self._placed(ref) is not None:
+            assert ref is not None
+            return self._remote(ref, method, ref, *args, **kwargs)
+        return getattr(self._local, method)(ref, *args, **kwargs)
+
+    def adapter_weights(self, ref: str | None) -> Any:
+        return self._either("adapter_weights", ref)
+
+    def save_state(self, ref: str | None, path: Any, **kwargs: Any) -> Any:
+        return self._either("save_state", ref, path, **kwargs)
+
+    def export_peft(self, ref: str | None, out_dir: Any) -> Any:
+        return self._either("export_peft", ref, out_dir)
+
+    def export_merged(self, ref: str | None, out_dir: Any) -> Any:
+        return self._either("export_merged", ref, out_dir)
+
+    def adapter_config(self, adapter_id: str) -> Any:
+        return self._either("adapter_config", adapter_id)
+
+    def adapter_step(self, adapter_id: str) -> int:
+        return self._remote(adapter_id, "adapter_step", adapter_id)
+
+    def optimizer_state(self, adapter_id: str) -> Any:
+        return self._remote(adapter_id, "optimizer_state", adapter_id)
+
+    def pending_gradients(self, adapter_id: str) -> Any:
+        return self._remote(adapter_id, "pending_gradients", adapter_id)
+
+    def optim_step(self, adapter_id: str, params: AdamParams) -> Any:
+        return self._remote(adapter_id, "optim_step", adapter_id, params)
+
+    def forward_backward(self, req: ForwardRequest) -> Any:
+        if self._placed(req.policy) is None:
+            return self._local.forward_backward(req)
+        assert req.policy is not None
+        return self._remote(req.policy, "forward_backward", req)

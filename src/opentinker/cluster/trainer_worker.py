@@ -1,0 +1,307 @@
+"""A trainer worker: the body of one Ray actor holding a base-model replica, a shard of the
+adapters, its own scheduler (fused ticks over the adapters it holds) and their optimizer state.
+
+The actor is threaded (``max_concurrency``): every call blocks one of its threads on a scheduler
+future, so concurrent calls for different adapters meet in the same tick and share one fused
+forward/backward, as they do in one process. What travels in and out is plain engine types
+(``ForwardRequest``, ``ForwardResult``, ``AdamParams``, ``LoRAConfig``) and CPU tensors; Ray pickles
+them, and tensors go through its object store.
+
+Data parallelism (:mod:`opentinker.cluster.dp`) adds one process group per data-parallel model:
+each replica runs its shard's forward/backward in its own ticks like any request, and at the
+optimizer step sums the adapter's gradients with the other replicas' (``torch.distributed``
+all-reduce: gloo on CPU, NCCL on GPU) before the same AdamW step, so the replicas stay identical.
+The all-reduce runs on the calling actor thread, not the scheduler's, so a replica waiting for its
+peers never holds up the ticks of the other adapters it serves.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
+from opentinker.lora import LoRAConfig, LoRAWeights
+from opentinker.models import load_base_model
+from opentinker.sampling import NativeBackend
+from opentinker.scheduler import Scheduler
+
+# the Engine methods a router may run on a worker for a model it placed there
+ENGINE_CALLS = frozenset(
+    {
+        "create_adapter", "load_state", "delete_adapter", "save_state", "export_peft", "export_merged",
+        "adapter_config", "adapter_step", "adapter_weights", "optimizer_state", "pending_gradients",
+        "set_pending_gradients", "optim_step", "forward_backward", "forward_backward_many",
+    }
+)  # fmt: skip
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a peer that never joins fails the step, not hangs it
+
+
+class TrainerWorker:
+    """One replica of ``base_model`` serving the adapters placed on it (see the module docstring)."""
+
+    def __init__(
+        self,
+        base_model: str,
+        *,
+        worker_id: str,
+        device: str = "cpu",
+        max_rank: int = 128,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(max(1, threads))
+        self.worker_id = worker_id
+        self.device = device
+        self.engine = Engine(load_base_model(base_model, device=device), max_rank=max_rank, device=device)
+        # sampling is the rollout workers' job; the scheduler's own sampler is never asked here
+        self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
+        self._groups: dict[str, Any] = {}  # data-parallel model -> its process group
+        self._kept: dict[str, dict[str, torch.Tensor] | None] = {}  # gradients before the last shard
+        self._order = threading.Condition()
+        self._next_seq: dict[str, int] = {}  # model -> the sequence number it submits next
+
+    # ------------------------------------------------------------------ what the router reads
+    def info(self) -> dict[str, Any]:
+        """Who this worker is, what it holds and what waits in its queues."""
+        return {
+            "worker_id": self.worker_id,
+            "pid": os.getpid(),
+            "node": _node_ip(),
+            "base_model": self.engine.base.name,
+            "adapters": self.engine.adapter_ids(),
+            "queued": sum(self.scheduler.queue_depths().values()),
+            "ticks": self.scheduler.stats.ticks,
+            "limits": {
+                "vocab_size": self.engine.vocab_size,
+                "max_context": self.engine.max_context,
+                "max_batch_tokens": self.engine.max_batch_tokens,
+            },
+        }
+
+    # ------------------------------------------------------------------ a data-parallel replica's ops
+    def create_adapter(self, model_id: str, config: LoRAConfig) -> str:
+        return self._call(model_id, lambda eng: eng.create_adapter(config, model_id))
+
+    def forward_backward(self, model_id: str, req: ForwardRequest) -> ForwardResult:
+        """``req`` (for adapter ``model_id``) in the next tick, fused with whatever else is waiting."""
+        return _cpu_result(self.scheduler.submit_forward(model_id, req).result())
+
+    def delete_adapter(self, model_id: str) -> None:
+        self._call(model_id, lambda eng: eng.delete_adapter(model_id))
+        group = self._groups.pop(model_id, None)
+        if group is not None:
+            dist.destroy_process_group(group)
+
+    def adapter_state(self, model_id: str) -> dict[str, torch.Tensor]:
+        """A CPU copy of the adapter's weights (what a replica holds; tests compare them)."""
+        return self._call(
+            model_id,
+            lambda eng: {
+                k: v.detach().cpu().clone() for k, v in eng.adapter_weights(model_id).state_dict().items()
+            },
+        )
+
+    def _call(self, model_id: str, fn: Any) -> Any:
+        return self.scheduler.submit_call(model_id, fn).result()
+
+    # ------------------------------------------------------------------ routed ops, in order
+    def submit(
+        self,
+        model_id: str,
+        seq: int | None,
+        kind: str,
+        payload: Any,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> Any:
+        """One op of a routed model: ``forward`` (a ``ForwardRequest``), ``optim`` (``AdamParams``)
+        or ``call`` (the ``Engine`` method named ``payload`` with ``args``/``kwargs``).
+
+        The actor runs calls on many threads, so they may start out of order; ``seq`` (the
+        model's 0, 1, 2, ... as the router sent them) puts them back in order before they reach
+        the scheduler. A model's op n is queued only after op n-1 was, so a ``forward_backward``
+        and the ``optim_step`` sent right behind it still meet in one tick. ``seq`` None: a read
+        of another model's state, queued at once."""
+        if seq is not None:
+            with self._order:
+                while self._next_seq.get(model_id, 0) != seq:
+                    self._order.wait()
+        try:
+            if kind == "forward":
+                fut = self.scheduler.submit_forward(model_id, payload)
+            elif kind == "optim":
+                fut = self.scheduler.submit_optim(model_id, payload)
+            else:
+                method = str(payload)
+                if method not in ENGINE_CALLS:
+                    raise EngineError(f"a trainer worker does not run Engine.{method}")
+                fut = self.scheduler.submit_call(
+                    model_id, lambda eng: getattr(eng, method)(*args, **(kwargs or {}))
+                )
+        finally:
+            if seq is not None:
+                with self._order:
+                    self._next_seq[model_id] = seq + 1
+                    self._order.notify_all()
+        out = fut.result()
+        if isinstance(out, ForwardResult):
+            return _cpu_result(out)
+        if isinstance(out, LoRAWeights):
+            return moved(out, "cpu")
+        return out
+
+    def snapshot(self, model_id: str, seq: int) -> tuple[Any, LoRAWeights]:
+        """A snapshot of ``model_id`` in its order: its info and its weights (CPU), sent to the
+        router, which serves it for sampling; the worker keeps no copy."""
+
+        def take(eng: Engine) -> tuple[Any, LoRAWeights]:
+            info = eng.snapshot(model_id)
+            weights = moved(eng.adapter_weights(info.snapshot_id), "cpu")
+            eng.release_snapshot(info.snapshot_id)
+            return info, weights
+
+        return self._ordered_call(model_id, seq, take)
+
+    def adopt(
+        self, model_id: str, seq: int, weights: Any, *, step: int, parent: str | None, into: bool
+    ) -> str:
+        """Adapter ``model_id`` (new, or ``into`` the live one) with a copy of ``weights`` (a
+        ``LoRAWeights`` from elsewhere: a checkpoint the router holds, another worker's adapter)
+        and a fresh optimizer, in its order."""
+
+        def fork(eng: Engine) -> str:
+            tmp = f"adopt:{model_id}:{seq}"
+            eng.add_snapshot(tmp, moved(weights, eng.device), step=step)
+            try:
+                if into:
+                    return eng.fork_adapter(tmp, into=model_id, parent=parent)
+                return eng.fork_adapter(tmp, model_id, parent=parent)
+            finally:
+                eng.release_snapshot(tmp)
+
+        return self._ordered_call(model_id, seq, fork)
+
+    def _ordered_call(self, model_id: str, seq: int, fn: Any) -> Any:
+        with self._order:
+            while self._next_seq.get(model_id, 0) != seq:
+                self._order.wait()
+        try:
+            fut = self.scheduler.submit_call(model_id, fn)
+        finally:
+            with self._order:
+                self._next_seq[model_id] = seq + 1
+                self._order.notify_all()
+        return fut.result()
+
+    # ------------------------------------------------------------------ data parallel
+    def rendezvous(self) -> tuple[str, int]:
+        """An address and a free port on this worker's node, for the pool's process group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return _node_ip(), port
+
+    def join_pool(self, address: str, port: int, rank: int, world: int) -> None:
+        """Join the pool's default process group (every worker of the pool, once, at start-up)."""
+        backend = "nccl" if torch.device(self.device).type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address}:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+
+    def join_data_parallel(self, model_id: str, ranks: list[int]) -> None:
+        """This worker's part in forming ``model_id``'s process group over the pool ranks
+        ``ranks``: every worker of the pool takes part, in the same order (the pool serialises
+        it); only the members keep the group."""
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            self._groups[model_id] = group
+
+    def dp_forward_backward(self, model_id: str, req: ForwardRequest) -> ForwardResult:
+        """One shard of a data-parallel model's batch; the gradients it had before are kept aside
+        until the next shard, so :meth:`dp_revert` can put them back if another shard is refused."""
+
+        def keep(eng: Engine) -> None:
+            pending = eng.pending_gradients(model_id)
+            self._kept[model_id] = None if pending is None else {k: v.clone() for k, v in pending.items()}
+
+        self._call(model_id, keep)
+        return self.forward_backward(model_id, req)
+
+    def dp_revert(self, model_id: str) -> None:
+        """Undo this replica's last shard: its gradients as they were before it."""
+
+        def put_back(eng: Engine) -> None:
+            kept = self._kept.get(model_id)
+            named = eng.adapter_weights(model_id).state_dict()
+            eng.set_pending_gradients(
+                model_id, kept if kept is not None else {k: torch.zeros_like(v) for k, v in named.items()}
+            )
+
+        self._call(model_id, put_back)
+
+    def dp_optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        """Sum ``model_id``'s gradients over its replicas, then take the optimizer step (in its order).
+
+        Every replica contributes its accumulated gradients (zeros when its shards were empty);
+        one flat all-reduce sums them; each replica sets the sum and steps with the same AdamW
+        hyper-parameters, so their weights stay equal."""
+        group = self._groups.get(model_id)
+        if group is None:
+            raise EngineError(f"model {model_id!r} is not data-parallel on worker {self.worker_id}")
+        params.validate()  # refused on every replica alike, before any collective starts
+
+        def take(eng: Engine) -> tuple[list[str], list[torch.Tensor]]:
+            named = eng.adapter_weights(model_id).state_dict()
+            pending = eng.pending_gradients(model_id) or {}
+            names = sorted(named)
+            return names, [pending[n].detach() if n in pending else torch.zeros_like(named[n]) for n in names]
+
+        names, grads = self._call(model_id, take)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        summed, offset = {}, 0
+        for name, g in zip(names, grads, strict=True):
+            summed[name] = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+
+        def step(eng: Engine) -> dict[str, float]:
+            eng.set_pending_gradients(model_id, summed)
+            return eng.optim_step(model_id, params)
+
+        return self._call(model_id, step)
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def moved(weights: LoRAWeights, device: str | torch.device) -> LoRAWeights:
+    """A detached copy of ``weights`` on ``device`` (a fresh uid: another process's is not ours)."""
+    return LoRAWeights(
+        weights.config,
+        {g: t.detach().to(device).clone() for g, t in weights.a.items()},
+        {g: t.detach().to(device).clone() for g, t in weights.b.items()},
+    )
+
+
+def _cpu_result(res: ForwardResult) -> ForwardResult:
+    """The result with CPU tensors (a GPU worker's tensors would pin device memory in transit)."""
+    outputs = [{k: v.detach().cpu() for k, v in out.items()} for out in res.outputs]
+    return ForwardResult(outputs, dict(res.metrics))
