@@ -435,9 +435,11 @@ class Registry:
     ) -> Sampler:
         """A ``kind="inflight"`` sampler: ``snap`` becomes its model's inflight target, and every
         inflight sampler of that model (this one and the earlier ones) serves its next requests on
-        it. Requests already decoding finish on the weights they started with."""
+        it. Their requests already decoding continue on it from their next token, keys and values
+        kept (the rollout loop's ``Follow``; the exact rule is ``StepDecoder.switch``'s)."""
         stale = None
         client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
+        client.follow = snap.adapter_id
         with self._lock:
             target = self.inflight.get(snap.adapter_id)
             if target is None:
@@ -449,6 +451,7 @@ class Registry:
             for other in target.clients:
                 other.policy = snap.snapshot_id
             target.clients.append(client)
+        self.runtime.follow_inflight(base_model, snap.adapter_id, snap.snapshot_id)
         if stale is not None:
             self.runtime.release_snapshot(base_model, stale, queue=snap.adapter_id)
         return self.add_sampler(sess, sampler_id, client)  # the target owns (releases) its snapshots
