@@ -7,20 +7,29 @@ that reads the old weights' keys and values for the prompt and the earlier token
 new weights from the last token fed (the cache is kept, not recomputed: they differ from the new
 weights' own teacher-forced logprobs). A pinned request in the same batch equals the old weights'
 throughout; a following request still waiting for admission prefills on the new weights.
+
+Over HTTP, with the unmodified SDK: a long request of a ``kind="inflight"`` sampler decoding while
+its training run saves new inflight weights switches at some step inside it, to exactly the
+logprobs that rule gives; a snapshot sampler's request beside it keeps the old weights.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 
+import numpy as np
 import pytest
+import tinker
 import torch
+from tinker import types
 
+from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.rollout import Done, Follow, RolloutCore, Sample
-from tests.conftest import make_examples
+from tests.conftest import TEST_MODEL, local_server, make_examples
 from tests.tolerances import LOGPROB_ATOL, assert_logprobs_close
 
 PARAMS = SamplingParams(max_tokens=24, temperature=1.0, seed=11, stop=[])
@@ -130,3 +139,73 @@ def test_a_follow_naming_unknown_weights_changes_nothing(engine: Engine) -> None
         done += core.tick()
     [seq] = _result(done, 1).sequences
     assert_logprobs_close(seq.logprobs, _teacher_forced(engine, old, prompt, seq.tokens))
+
+
+# ---------------------------------------------------------------------------- over HTTP
+KEY = "tml-inflight-switch-0001"
+HTTP_PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 12]
+
+
+def _sgd(tc: tinker.TrainingClient, steps: int) -> None:
+    toks = [3, *HTTP_PROMPT, 8]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": types.TensorData.from_numpy(np.asarray(toks[1:], np.int64))},
+    )
+    for _ in range(steps):
+        tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+
+
+def test_an_inflight_request_over_http_switches_when_new_weights_are_saved(
+    tmp_path_factory: pytest.TempPathFactory, engine: Engine
+) -> None:
+    """The unmodified SDK against ``opentinker serve``: a long request on an inflight sampler and
+    the same request on a pinned snapshot sampler, decoding while the training run saves new
+    inflight weights. The pinned one has the old weights' logprobs throughout. The inflight one
+    has them up to a switch point inside the sequence, and from there on exactly the logprobs of
+    the new weights over the old weights' cache (computed here, in-process, from the two saved
+    checkpoints)."""
+    with local_server(tmp_path_factory, "inflight-http", threads=1) as srv:
+        sc = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+        tc = sc.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0).result()
+        _sgd(tc, 2)
+        old_path = tc.save_weights_for_sampler("old").result().path
+        inflight = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+        pinned = tc.save_weights_and_get_sampling_client().result()
+        _sgd(tc, 3)
+        new_path = tc.save_weights_for_sampler("new").result().path
+        prompt = types.ModelInput.from_ints(HTTP_PROMPT)
+        params = types.SamplingParams(max_tokens=1000, temperature=1.0, seed=5, stop=[])
+        fut_in, fut_pin = inflight.sample(prompt, 1, params), pinned.sample(prompt, 1, params)
+        # let them start decoding (a 1000-token decode takes seconds here): a short request sent
+        # after them is admitted after them, so once it is answered they are in the batch
+        pinned.sample(prompt, 1, types.SamplingParams(max_tokens=2, seed=0)).result()
+        time.sleep(0.1)
+        tc.save_weights_and_get_sampling_client(kind="inflight").result()  # the new weights: the switch
+        [seq_in], [seq_pin] = fut_in.result().sequences, fut_pin.result().sequences
+        store = CheckpointStore(srv.data_dir)
+        old = engine.load_snapshot(store.folder(parse_tinker_path(old_path)), "old").snapshot_id
+        new = engine.load_snapshot(store.folder(parse_tinker_path(new_path)), "new").snapshot_id
+
+    assert seq_pin.logprobs is not None and seq_in.logprobs is not None
+    assert_logprobs_close(seq_pin.logprobs, _teacher_forced(engine, old, HTTP_PROMPT, seq_pin.tokens))
+    tokens, got = list(seq_in.tokens), list(seq_in.logprobs)
+    on_old = _teacher_forced(engine, old, HTTP_PROMPT, tokens)
+    first_off = next(
+        (i for i, (a, b) in enumerate(zip(got, on_old, strict=True)) if abs(a - b) > LOGPROB_ATOL), None
+    )
+    assert first_off is not None, "the inflight request finished on the old weights"
+    assert 0 < first_off < len(tokens) - 1, first_off  # mid-decode, not at admission
+    # the switch point s: the first token whose logprob the new weights computed; the token
+    # there may by chance have nearly the same logprob under both, so s may precede first_off
+    matches = [
+        s
+        for s in range(max(1, first_off - 3), first_off + 1)
+        if max(
+            abs(a - b)
+            for a, b in zip(got[s:], _switched(engine, old, new, HTTP_PROMPT, tokens, s), strict=True)
+        )
+        <= LOGPROB_ATOL
+    ]
+    assert matches, "no switch point explains the inflight request's logprobs"
