@@ -11,24 +11,34 @@ throughout; a following request still waiting for admission prefills on the new 
 Over HTTP, with the unmodified SDK: a long request of a ``kind="inflight"`` sampler decoding while
 its training run saves new inflight weights switches at some step inside it, to exactly the
 logprobs that rule gives; a snapshot sampler's request beside it keeps the old weights.
+
+The snapshots held only for a model's inflight samplers are released when the model leaves
+memory (``unload_model``, eviction of an inactive session's model, the session's end).
 """
 
 from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import tinker
 import torch
+from fastapi.testclient import TestClient
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 
+from opentinker.client import Runtime
 from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.rollout import Done, Follow, RolloutCore, Sample
+from opentinker.server.app import create_app
+from opentinker.server.config import ServerConfig
 from tests.conftest import TEST_MODEL, local_server, make_examples
 from tests.tolerances import LOGPROB_ATOL, assert_logprobs_close
 
@@ -209,3 +219,101 @@ def test_an_inflight_request_over_http_switches_when_new_weights_are_saved(
         <= LOGPROB_ATOL
     ]
     assert matches, "no switch point explains the inflight request's logprobs"
+
+
+# ---------------------------------------------------------------------------- cleanup
+@pytest.fixture
+def app_runtime(tmp_path) -> Iterator[tuple[TestClient, Runtime]]:
+    runtime = Runtime(tmp_path / "data")
+    config = ServerConfig(tmp_path / "data", base_models=(TEST_MODEL,), dev=True, poll_timeout_s=5.0)
+    try:
+        with TestClient(
+            create_app(config, runtime=runtime), base_url="http://test/api/v1", headers={"X-API-Key": KEY}
+        ) as client:
+            yield client, runtime
+    finally:
+        runtime.shutdown()
+
+
+def _poll(http: TestClient, response: Any) -> Any:
+    assert response.status_code == 200, response.text
+    request_id = response.json()["request_id"]
+    for _ in range(100):
+        out = http.post("/retrieve_future", json={"request_id": request_id})
+        if (
+            out.headers.get("content-type", "").startswith("application/json")
+            and out.json().get("type") == "try_again"
+        ):
+            continue
+        return out
+    raise AssertionError("no result")
+
+
+def _answer(http: TestClient, response: Any) -> dict[str, Any]:
+    return _poll(http, response).json()
+
+
+def _sampled(http: TestClient, response: Any) -> int:
+    """How many sequences a sample answer holds (the SDK's protobuf SampleResponse)."""
+    msg = pb.SampleResponse()
+    msg.ParseFromString(_poll(http, response).content)
+    return len(msg.sequences)
+
+
+def _until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["unload_model", "eviction", "session_end"])
+def test_snapshots_held_for_inflight_samplers_are_released_when_the_model_goes(
+    app_runtime: tuple[TestClient, Runtime], how: str
+) -> None:
+    """Two inflight saves (the target's current and previous snapshots) and a snapshot sampler:
+    when the model is unloaded, evicted or its session ends, the inflight snapshots leave the
+    engine and the registry, and the inflight samplers answer 404 saying why. On unload and
+    eviction the snapshot sampler, which owns its own snapshot, still samples."""
+    http, runtime = app_runtime
+    server = http.app.state.server  # type: ignore[attr-defined]
+    reg, engine = server.registry, runtime.backend(TEST_MODEL).engine
+    sid = http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": TEST_MODEL, "lora_config": {"rank": 2}}
+    model_id = _answer(http, http.post("/create_model", json=body))["model_id"]
+    samplers = []
+    for seq, kind in enumerate(["inflight", "inflight", "snapshot"]):
+        body = {"model_id": model_id, "sampling_session_seq_id": seq, "kind": kind}
+        samplers.append(
+            _answer(http, http.post("/save_weights_for_sampler", json=body))["sampling_session_id"]
+        )
+    target = reg.inflight[model_id]
+    held = [target.current, target.previous]
+    assert None not in held and set(held) <= set(engine.snapshot_ids())
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]}
+
+    def sample(sampler_id: str) -> Any:
+        body = {"prompt": prompt, "sampling_params": {"max_tokens": 2}, "sampling_session_id": sampler_id}
+        return http.post("/asample", json=body)
+
+    assert [_sampled(http, sample(s)) for s in samplers] == [1, 1, 1]
+
+    if how == "unload_model":
+        _answer(http, http.post("/unload_model", json={"model_id": model_id}))
+        why = "was unloaded"
+    elif how == "eviction":
+        time.sleep(0.01)
+        assert reg.evict_idle(0.0) == [model_id]
+        _until(lambda: model_id in reg.evicted)
+        why = "was evicted"
+    else:
+        assert http.post(f"/sessions/{sid}/finish", json={"reason": {"type": "success"}}).status_code == 200
+        why = "is finished"
+    _until(lambda: not set(held) & set(engine.snapshot_ids()))
+    assert model_id not in reg.inflight
+    for sampler_id in samplers[:2]:
+        r = sample(sampler_id)
+        assert r.status_code == 404 and why in r.json()["detail"], r.text
+        assert sampler_id not in reg.samplers
+    if how != "session_end":
+        assert _sampled(http, sample(samplers[2])) == 1
