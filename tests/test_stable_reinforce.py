@@ -46,15 +46,19 @@ def service(server: LocalServer) -> Iterator[tinker.ServiceClient]:
     sc.close("success").result()
 
 
-def _datum(seq: types.SampledSequence, advantage: float, *, spans: bool = True) -> types.Datum:
+def _datum(
+    seq: types.SampledSequence, advantage: float, *, spans: bool = True, zero_prompt_targets: bool = False
+) -> types.Datum:
     """As tinker-cookbook's rl_loop builds it: prompt + all but the last sampled token in,
-    targets shifted by one; the provenance names the sampled sequence behind every position."""
+    targets shifted by one; the provenance names the sampled sequence behind every position.
+    ``zero_prompt_targets``: the prompt's targets are placeholder zeros, exactly as ``rl_loop``
+    sends them (its prompt advantages are 0)."""
     toks, n = list(seq.tokens), len(seq.tokens)
     ob = len(PROMPT) - 1
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(PROMPT + toks[:-1]),
         loss_fn_inputs={
-            "target_tokens": PROMPT[1:] + toks,
+            "target_tokens": ([0] * ob if zero_prompt_targets else PROMPT[1:]) + toks,
             "logprobs": [0.0] * ob + list(seq.logprobs or []),
             "advantages": [0.0] * ob + [advantage] * n,
         },  # type: ignore[dict-item]  # lists: the SDK converts
@@ -113,6 +117,23 @@ def test_stable_reinforce_trains_on_recorded_sequences_as_computed_by_hand(
     out = tc.forward_backward(data, "stable_reinforce").result()
     assert_scalar_close(out.metrics["loss:sum"], expected)
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+
+def test_placeholder_prompt_targets_train_like_the_real_prompt_tokens(service: tinker.ServiceClient) -> None:
+    """tinker-cookbook's rl_loop fills the prompt part of target_tokens with zeros under a prompt
+    provenance span; those targets have mask 0, so the loss (and so the update) is the one of the
+    real prompt tokens. Sampled targets are still checked against the record."""
+    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=3).result()
+    seqs = _sample(tc)
+    real = [_datum(s, a) for s, a in zip(seqs, (1.0, -0.5), strict=True)]
+    zeros = [_datum(s, a, zero_prompt_targets=True) for s, a in zip(seqs, (1.0, -0.5), strict=True)]
+    assert [d.loss_fn_inputs["target_tokens"].tolist() for d in zeros] != [
+        d.loss_fn_inputs["target_tokens"].tolist() for d in real
+    ]
+    want = tc.forward(real, "stable_reinforce").result().metrics["loss:sum"]
+    got = tc.forward(zeros, "stable_reinforce").result().metrics["loss:sum"]
+    assert want != 0.0
+    assert_scalar_close(got, want)
 
 
 def _refused(tc: tinker.TrainingClient, data: list[types.Datum], message: str) -> None:

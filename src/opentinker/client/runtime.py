@@ -551,6 +551,13 @@ class Runtime:
         with contextlib.suppress(RuntimeError):  # a shut-down scheduler has nothing left to free
             backend.scheduler.submit_call(queue or snapshot_id, lambda eng: eng.release_snapshot(snapshot_id))
 
+    def follow_inflight(self, base_model: str, model_id: str, snapshot_id: str) -> None:
+        """``model_id``'s inflight sample requests move to snapshot ``snapshot_id`` mid-decode."""
+        backend = self._backends.get(canonical_name(base_model))
+        if backend is not None:
+            with contextlib.suppress(RuntimeError):  # shut down: nothing is decoding
+                backend.scheduler.follow(model_id, snapshot_id)
+
     def note_sampled(self, base_model: str, policy: str, version: str) -> None:
         """Lineage: data may now come from ``version``; remember it on the model it was taken from."""
         backend = self._backends.get(canonical_name(base_model))

@@ -25,6 +25,7 @@ class SamplingClient(ReadyClient):
         self.base_model = runtime.base_model_info(base_model).name
         self.policy = policy
         self.model_path = model_path
+        self.follow: str | None = None  # an inflight sampler: the training model it follows
 
     @classmethod
     def for_checkpoint(cls, runtime: Runtime, model_path: str, *, tenant: str) -> SamplingClient:
@@ -63,6 +64,7 @@ class SamplingClient(ReadyClient):
             topk_sample_logprobs=topk_sample_logprobs,
             target_prompt_tokens=targets,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
+            follow=self.follow,
         )
         self._note_use()
 

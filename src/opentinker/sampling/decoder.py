@@ -13,6 +13,9 @@ one :class:`StepDecoder` through four moves:
   go on into the running batch (:meth:`~opentinker.sampling.forward.Forward.merge`).
 * **step** (:meth:`StepDecoder.step`): one decode step of every running row, old and new alike,
   each with its own policy, sampling parameters and seeded generator.
+* **switch** (:meth:`StepDecoder.switch`): the rows of every request following a training model
+  (``SampleRequest.follow``, a ``kind="inflight"`` sampler's) move to new weights in place, keys
+  and values kept; the rule is in the method's docstring.
 * **retire**: rows that stop leave the batch (and the KV cache) at once; a request whose rows have
   all stopped is returned by the ``admit``/``step`` call that finished it.
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -152,6 +155,37 @@ class StepDecoder:
             )
         weights = None if req.policy is None else self.engine.adapter_weights(req.policy)
         return Pinned(req, weights)
+
+    def switch(self, group: str, pinned: Pinned) -> int:
+        """Move the running requests that follow ``group`` to ``pinned``'s weights; returns how
+        many requests moved.
+
+        The switching rule: the next :meth:`step` after this call is the first to run their rows
+        with the new weights. That step feeds each row its last sampled token, so that token's keys
+        and values and the next token's logits are the new weights'; the keys and values of the
+        prompt and of the tokens before it, computed with the old weights, stay in the cache (they
+        are not recomputed). Sampled tokens and logprobs so far stay as they were. A moved
+        request's finished rows are not put in the prefix cache: their keys and values mix two
+        sets of weights, which no policy key describes. Requests not following ``group`` (pinned
+        ones) are untouched, in the same batch.
+        """
+        moved = [job for job in self._jobs.values() if job.pinned.req.follow == group]
+        if not moved:
+            return 0
+        new = pinned.slot
+        for job in moved:
+            job.pinned = Pinned(replace(job.pinned.req, policy=pinned.req.policy), pinned.weights)
+            job.cached = False
+        ids = {job.rid for job in moved}
+        for row in self._rows:
+            if row.req in ids:
+                row.policy = new
+        self._weights[new] = pinned.weights
+        live = {row.policy for row in self._rows}
+        self._weights = {p: w for p, w in self._weights.items() if p in live}
+        if self._model is not None:
+            self._plan = replan(self.engine, self._plan, [row.policy for row in self._rows], self._weights)
+        return len(moved)
 
     # ------------------------------------------------------------------ admit
     @torch.no_grad()

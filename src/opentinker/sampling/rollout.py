@@ -26,6 +26,13 @@ thread, against the engine's snapshots. The rows hold those weights until they s
   weights (their rows keep the tensors alive; they are freed when the last one stops); requests
   submitted after the retire fail with the unknown-policy error.
 
+**Inflight requests switch weights mid-decode.** A request with ``follow`` set (a
+``kind="inflight"`` sampler's) is pinned like any other, but a :class:`Follow` for its group moves
+it to newer weights in place: rows decoding switch at the next decode step, keeping their keys and
+values (the rule: :meth:`StepDecoder.switch`); rows waiting for admission prefill on the new ones.
+Pinned requests in the same batch are untouched. Decoders without ``switch`` (vLLM) and worker
+pools finish such rows on the weights they started with.
+
 **Threads and data races.** The loop thread reads: the frozen base weights (never written after
 load; the lean decoder's fused copies are built before the thread starts), snapshot weights
 (immutable copies: ``Engine.snapshot`` clones under the scheduler thread before publishing) and
@@ -46,14 +53,14 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
 from opentinker.sampling.backend import Mismatch, RolloutBackend
 from opentinker.sampling.decoder import Decoder, Pinned
-from opentinker.sampling.types import SampleRequest, SampleResult
+from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,17 @@ class Retire:
 
 
 @dataclass(frozen=True)
+class Follow:
+    """Requests following training model ``group`` (``SampleRequest.follow``: a ``kind="inflight"``
+    sampler's) move to ``policy_id``'s weights: those decoding from their next step on, with their
+    keys and values kept (:meth:`StepDecoder.switch` states the exact rule), those still waiting
+    for admission before their prefill. Unknown weights leave them as they are."""
+
+    group: str
+    policy_id: str
+
+
+@dataclass(frozen=True)
 class Done:
     """The answer to :class:`Sample` ``rid``: its result, or the error that refused or failed it."""
 
@@ -90,7 +108,7 @@ class Done:
     error: Exception | None = None
 
 
-Inbound = Sample | Publish | Retire
+Inbound = Sample | Publish | Retire | Follow
 
 
 @dataclass
@@ -143,11 +161,31 @@ class RolloutCore:
                     self._waiting.append((msg.rid, pinned))
             elif isinstance(msg, Publish):
                 self.backend.publish(msg.policy_id, msg.weights)
+            elif isinstance(msg, Follow):
+                self._follow(msg)
             else:
                 self.backend.retire(msg.policy_id)
         except EngineError as e:
             return [Done(msg.rid, error=e)] if isinstance(msg, Sample) else []
         return []
+
+    def _follow(self, msg: Follow) -> None:
+        switch = getattr(self.decoder, "switch", None)
+        if switch is None:  # a decoder without in-place switching: rows finish on their weights
+            return
+        # the weights, resolved (and checked: a snapshot, never a live adapter) as a request's are
+        carrier = self.decoder.pin(SampleRequest(msg.policy_id, [0], SamplingParams(max_tokens=1)))
+        switch(msg.group, carrier)
+        with self._lock:
+            self._waiting = deque(
+                (
+                    rid,
+                    Pinned(replace(p.req, policy=msg.policy_id), carrier.weights)
+                    if p.req.follow == msg.group
+                    else p,
+                )
+                for rid, p in self._waiting
+            )
 
     def tick(self) -> list[Done]:
         """Admit what may join, then one decode step; returns the requests that finished."""
@@ -293,12 +331,16 @@ class RolloutLoop:
             fut.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
         return True
 
-    def send(self, msg: Publish | Retire) -> None:
-        """Queue a publish or retire, run on the loop's thread in order with the requests."""
+    def send(self, msg: Publish | Retire | Follow) -> None:
+        """Queue a publish, retire or follow, run on the loop's thread in order with the requests."""
         with self._cv:
             self._check_open()
             self._inbox.append(msg)
             self._cv.notify()
+
+    def follow(self, group: str, policy_id: str) -> None:
+        """Requests following ``group`` move to ``policy_id``'s weights (see :class:`Follow`)."""
+        self.send(Follow(group, policy_id))
 
     def _check_open(self) -> None:
         if self._stopped:

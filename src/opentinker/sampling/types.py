@@ -43,6 +43,9 @@ class SampleRequest:
     target_prompt_tokens: tuple[tuple[int, ...], ...] | None = None
     # k independent draws (at the request's temperature) at every prompt position after the first
     prompt_alt_tokens_k: int = 0
+    # a ``kind="inflight"`` sampler's request: the training model whose newest saved weights it
+    # follows mid-decode (the rollout loop's ``Follow``); None: it stays on ``policy``
+    follow: str | None = None
 
     @property
     def wants_prompt(self) -> bool:

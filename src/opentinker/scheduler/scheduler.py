@@ -193,6 +193,15 @@ class Scheduler:
             self._cancelled.add(ticket)
             return True
 
+    def follow(self, group: str, policy_id: str) -> None:
+        """Sample requests following training model ``group`` move to ``policy_id``'s weights
+        mid-decode (:class:`~opentinker.sampling.rollout.Follow`), where the rollout service
+        supports it (the in-process loop). Inside ticks, a batch runs to completion on the weights
+        it started with."""
+        follow = getattr(self.rollout, "follow", None)
+        if follow is not None:
+            follow(group, policy_id)
+
     def queue_depths(self) -> dict[str, int]:
         """Operations waiting per model (those of the tick now running are no longer counted)."""
         with self._cv:

@@ -72,6 +72,7 @@ class InflightTarget:
     current: str
     previous: str | None = None
     clients: list[SamplingClient] = field(default_factory=list)
+    sampler_ids: list[str] = field(default_factory=list)
 
 
 class Registry:
@@ -93,6 +94,8 @@ class Registry:
         self.evicted: dict[str, str] = {}  # model id -> the checkpoint its state was saved to
         self._evict_failed: dict[str, float] = {}  # model id -> when its last eviction save failed
         self.unloaded: set[str] = set()  # models freed by /unload_model (their checkpoints stay)
+        # inflight samplers whose model left memory: why their weights are gone (their 404)
+        self.gone: dict[str, str] = {}
 
     # ------------------------------------------------------------------ base models
     def base_model(self, name: str) -> str:
@@ -163,12 +166,7 @@ class Registry:
                 self.runtime.delete_model(model_id)  # queued after what the model still has to run
             self.trainers.pop(model_id, None)
         for model_id in models:
-            target = self.inflight.pop(model_id, None)
-            if target is None:
-                continue
-            for snapshot_id in (target.current, target.previous):
-                if snapshot_id is not None:
-                    self.runtime.release_snapshot(target.base_model, snapshot_id, queue=target.owner)
+            self.drop_inflight(model_id, f"its session {sess.id} is finished")
         for sampler_id in samplers:
             sampler = self.samplers.pop(sampler_id, None)
             if sampler is not None and sampler.owner is not None and sampler.client.policy is not None:
@@ -177,6 +175,26 @@ class Registry:
                 )
 
     # ------------------------------------------------------------------ models
+    def drop_inflight(self, model_id: str, why: str) -> None:
+        """Release the snapshots held only for ``model_id``'s inflight samplers (its current and
+        previous inflight saves) and retire those samplers: their requests get a 404 saying
+        ``why``. Requests already decoding finish (their rows keep the weights alive)."""
+        with self._lock:
+            target = self.inflight.pop(model_id, None)
+            if target is None:
+                return
+            for sampler_id in target.sampler_ids:
+                self.gone[sampler_id] = (
+                    f"sampler {sampler_id!r} followed the inflight weights of model {model_id!r}, which "
+                    f"are gone: {why}; save weights for a sampler again"
+                )
+                self.samplers.pop(sampler_id, None)
+            for sess in self.sessions.values():
+                sess.samplers.difference_update(target.sampler_ids)
+        for snapshot_id in (target.current, target.previous):
+            if snapshot_id is not None:
+                self.runtime.release_snapshot(target.base_model, snapshot_id, queue=target.owner)
+
     def model(self, tenant: str, model_id: str) -> TrainingClient:
         try:
             self.runtime.model(model_id, tenant)
@@ -277,6 +295,7 @@ class Registry:
             self.seq.close(model_id, f"model {model_id} was evicted; its state is saved at {path}")
             self.runtime.delete_model(model_id)
             self.trainers.pop(model_id, None)
+            self.drop_inflight(model_id, f"the model was evicted (its state is saved at {path})")
             with self._lock:
                 sess.models.discard(model_id)
             self.evicting.discard(model_id)
@@ -299,6 +318,7 @@ class Registry:
         self.seq.close(model_id, f"model {model_id} was unloaded before this request's turn came")
         freed = self.runtime.delete_model(model_id, tenant)
         self.trainers.pop(model_id, None)
+        self.drop_inflight(model_id, "the model was unloaded")
         with self._lock:
             for sess in self.sessions.values():
                 sess.models.discard(model_id)
@@ -435,9 +455,11 @@ class Registry:
     ) -> Sampler:
         """A ``kind="inflight"`` sampler: ``snap`` becomes its model's inflight target, and every
         inflight sampler of that model (this one and the earlier ones) serves its next requests on
-        it. Requests already decoding finish on the weights they started with."""
+        it. Their requests already decoding continue on it from their next token, keys and values
+        kept (the rollout loop's ``Follow``; the exact rule is ``StepDecoder.switch``'s)."""
         stale = None
         client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
+        client.follow = snap.adapter_id
         with self._lock:
             target = self.inflight.get(snap.adapter_id)
             if target is None:
@@ -449,6 +471,8 @@ class Registry:
             for other in target.clients:
                 other.policy = snap.snapshot_id
             target.clients.append(client)
+            target.sampler_ids.append(sampler_id)
+        self.runtime.follow_inflight(base_model, snap.adapter_id, snap.snapshot_id)
         if stale is not None:
             self.runtime.release_snapshot(base_model, stale, queue=snap.adapter_id)
         return self.add_sampler(sess, sampler_id, client)  # the target owns (releases) its snapshots
@@ -456,6 +480,10 @@ class Registry:
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
         with self._lock:
             sampler = self.samplers.get(sampler_id)
+        if sampler is None and sampler_id in self.gone:
+            row = self.store.sampler(sampler_id)
+            if row is not None and row.tenant == tenant:
+                raise NotFound(self.gone[sampler_id])
         if sampler is not None and sampler.tenant == tenant:
             if sampler.foreign and sampler.model_path and not self.runtime.is_public(sampler.model_path):
                 # another tenant's checkpoint, unpublished since: as unknown as the checkpoint

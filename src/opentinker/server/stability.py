@@ -13,7 +13,9 @@ that day. Records live in this server process's memory (a restart forgets them) 
 :meth:`StabilityRecords.resolve` turns a ``stable_reinforce`` datum into the inputs the engine's
 loss reads (``engine/losses.py``): it checks that the spans tile ``model_input`` and
 ``target_tokens``, that every span names a sequence of the training model's own session, inside
-its tokens, and that the tokens the datum claims are the tokens recorded; then it adds
+its tokens, and that the tokens the datum claims are the tokens recorded (all of ``model_input``;
+of ``target_tokens``, the sampled targets only: prompt targets get mask 0 and never reach the
+loss, and tinker-cookbook's ``rl_loop`` fills them with placeholder zeros); then it adds
 ``stability_logprobs`` (the recorded sampler logprob on each sampled target, 0 elsewhere),
 ``stability_mask`` (1 on sampled targets) and ``stability_sequence`` (the sequence's index within
 the datum, -1 on prompt targets). Anything else is a user error naming the datum and span.
@@ -184,13 +186,12 @@ class StabilityRecords:
         index: dict[int, int] = {}  # id(record) -> its index within this datum
         runs = self._runs(tenant, session_id, f"{where} loss_fn_inputs", spans, n_t, used)
         for j, (pos, sampled, rec, off, n) in enumerate(runs):
-            recorded = (rec.tokens if sampled else rec.prompt)[off : off + n]
-            if targets[pos : pos + n] != recorded:
+            if not sampled:  # a prompt target: mask 0, so its token value never reaches the loss
+                continue
+            if targets[pos : pos + n] != rec.tokens[off : off + n]:
                 raise UserError(
                     f"{where} loss_fn_inputs span {j}: target_tokens differ from the tokens the sequence recorded"
                 )
-            if not sampled:
-                continue
             if len(rec.logprobs) < off + n:
                 raise UserError(f"{where} loss_fn_inputs span {j}: the sequence recorded no sampler logprobs")
             k = index.setdefault(id(rec), len(index))
