@@ -28,7 +28,11 @@ there), then each agent's update through the single-agent loop's own
 every agent's requests submitted before any is awaited, so the agents' updates fuse into one
 scheduler tick. Metrics go to ``cfg.log_dir/metrics.jsonl`` with per-agent keys
 ``<agent>/reward/mean``, ``<agent>/loss/per_token``, ... and game keys ``game/<metric>``; the
-evaluator's keys under ``eval/``; ``curves.png`` has one line per agent.
+evaluator's keys under ``eval/``; ``curves.png`` has one line per agent. As in the single-agent
+loop, ``cfg.rollouts_per_step`` episodes per agent and step go to ``cfg.log_dir/rollouts.jsonl``
+(:class:`~opentinker.tracking.RolloutLog`, within ``cfg.rollouts_max_bytes``), each with its
+agent's name as its ``series`` and its group-relative advantage among that agent's trajectories
+in the group (its whole game's: per-move advantages are not logged), for the console's viewer.
 
 Of :class:`~opentinker.rl.loop.RLConfig`, the sync mode is implemented (``mode="sync"``), with
 ``substeps``, ``step_on_empty``, ``kl_coef``, ``drop_constant_groups``, ``normalize_std``,
@@ -75,7 +79,7 @@ from opentinker.rl.types import (
     TrajectoryGroup,
     Transition,
 )
-from opentinker.tracking import RunLogger, plot_metrics
+from opentinker.tracking import RolloutLog, RunLogger, plot_metrics
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +304,14 @@ async def run_multiagent(
     )  # fmt: skip
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
     rows: list[dict[str, Any]] = []
+    rollout_log = (
+        RolloutLog(
+            log_dir, tcs[agents[0]].get_tokenizer(), per_step=cfg.rollouts_per_step,
+            max_bytes=cfg.rollouts_max_bytes, start_step=start,
+        )
+        if cfg.rollouts_per_step > 0
+        else None
+    )  # fmt: skip
 
     async def policies_now() -> dict[str, Any]:
         return {a: await tcs[a].save_weights_and_get_sampling_client() for a in agents}
@@ -337,6 +349,9 @@ async def run_multiagent(
             t1 = time.monotonic()
             m: dict[str, float] = game_metrics(groups)
             tgroups = {a: [g.trajectory_group(a) for g in groups] for a in agents}
+            if rollout_log is not None:
+                for a in agents:
+                    rollout_log.log(step, agent_episodes(tgroups[a]), series=a)
             lr = learning_rate_at(cfg, step, t1 - t_start)
             datums_fn = per_move_datums if task.per_move_advantages else None
             # every agent's update is submitted before any is awaited: they share scheduler ticks
@@ -372,6 +387,15 @@ async def run_multiagent(
             except Exception as e:
                 log.warning("plotting failed: %r", e)
     return MultiAgentResult(dict(tcs), rows, paths)
+
+
+def agent_episodes(groups: Sequence[TrajectoryGroup]) -> list[tuple[int, Trajectory, float]]:
+    """(group index, trajectory, group-relative advantage of its reward) of one agent's groups."""
+    out: list[tuple[int, Trajectory, float]] = []
+    for gi, g in enumerate(groups):
+        advs = group_advantages([t.total_reward for t in g.trajectories])
+        out += [(gi, t, a) for t, a in zip(g.trajectories, advs, strict=True)]
+    return out
 
 
 def last_complete_checkpoint(index: Path, agents: tuple[str, ...]) -> tuple[int, dict[str, str]]:
