@@ -5,7 +5,8 @@ A run is any folder (at any depth, up to :data:`MAX_DEPTH`) holding a ``metrics.
 read as they are now, so a run that is still going shows its newest lines. A malformed line is
 skipped and reported as ``problems`` (file and line number, relative to the runs directory); the
 rest of the file and every other run still show. Curves are downsampled to a fixed number of
-points (min and max of each bucket kept, so spikes stay visible); lists are paginated.
+points (min and max of each bucket kept, so spikes stay visible), at most :data:`MAX_SERIES`
+overlaid curves per metric come back unless the caller names which, and lists are paginated.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, TypeGuard
 MAX_DEPTH = 4
 MAX_POINTS = 2000  # per curve, after downsampling
 MAX_PAGE = 500  # items per page of any list
+MAX_SERIES = 32  # curves per metric in one answer (a run's adapters or agents), unless named
 
 # metrics a run's overview shows first, when it has them
 PREFERRED_KEYS = (
@@ -118,13 +120,16 @@ class RunsDir:
             if (folder / "checkpoints.jsonl").exists():
                 problems += ckpts.problems
             steps = [r["step"] for r in metrics.rows if isinstance(r.get("step"), int | float)]
+            keys, series = metric_keys(metrics.rows), series_names(metrics.rows)
             page.append(
                 {
                     "name": name,
                     "steps": len(metrics.rows),
                     "last_step": max(steps) if steps else None,
-                    "keys": metric_keys(metrics.rows),
-                    "series": series_names(metrics.rows),
+                    "keys": keys[:MAX_PAGE],
+                    "keys_count": len(keys),
+                    "series": series[:MAX_SERIES],
+                    "series_count": len(series),
                     "config": config,
                     "checkpoints": ckpts.rows[-MAX_PAGE:],
                     "has_rollouts": (folder / "rollouts.jsonl").exists(),
@@ -137,18 +142,29 @@ class RunsDir:
         }
 
     def curves(
-        self, name: str, keys: list[str], *, max_points: int = MAX_POINTS, series_by: str | None = None
+        self,
+        name: str,
+        keys: list[str],
+        *,
+        max_points: int = MAX_POINTS,
+        series_by: str | None = None,
+        series: list[str] | None = None,
     ) -> dict[str, Any]:
         """Run ``name``'s metrics ``keys`` against step, downsampled to ``max_points`` per curve.
 
         ``series_by`` splits the rows into one curve per value of that field (``adapter``,
-        ``agent``): a multi-LoRA or multi-agent run's overlays."""
+        ``agent``): a multi-LoRA or multi-agent run's overlays. Of those, the ones named in
+        ``series``, else the first :data:`MAX_SERIES` (``series_total`` says how many there are)."""
         if not 2 <= max_points <= MAX_POINTS:
             raise RunsError(f"max_points must be in [2, {MAX_POINTS}], got {max_points}")
         if len(keys) > 32:
             raise RunsError(f"at most 32 keys at once, got {len(keys)}")
+        if series is not None and len(series) > MAX_SERIES:
+            raise RunsError(f"at most {MAX_SERIES} series at once, got {len(series)}")
         metrics = read_jsonl(self.folder(name) / "metrics.jsonl", _rel(name, "metrics.jsonl"))
         split = series_by or _default_series(metrics.rows)
+        labels = sorted({str(r.get(split, "")) for r in metrics.rows}) if split else [""]
+        shown = set(series) if series is not None else set(labels[:MAX_SERIES])
         out: dict[str, Any] = {}
         for key in keys:
             groups: dict[str, list[tuple[float, float]]] = {}
@@ -156,13 +172,15 @@ class RunsDir:
                 x, y = r.get("step"), r.get(key)
                 if _number(x) and _number(y):
                     label = str(r.get(split, "")) if split else ""
-                    groups.setdefault(label, []).append((float(x), float(y)))
+                    if label in shown:
+                        groups.setdefault(label, []).append((float(x), float(y)))
             out[key] = {label: downsample(sorted(pts), max_points) for label, pts in sorted(groups.items())}
         total = len(metrics.rows)
         return {
             "run": name,
             "rows": total,
             "series_by": split,
+            "series_total": len(labels),
             "curves": out,
             "problems": [p.json() for p in metrics.problems],
         }
