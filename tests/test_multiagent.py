@@ -549,7 +549,8 @@ def test_each_agents_episodes_go_to_rollouts_jsonl_and_the_console_filters_them(
 ) -> None:
     """rollouts.jsonl of a multi-agent run: ``rollouts_per_step`` episodes per agent and step, each
     under its agent's name, with that agent's own prompts (X moves on an even board; O sees the
-    board swapped, one mark behind) and its sampled tokens; the console lists and filters them."""
+    board swapped, one mark behind) and its sampled tokens; the console lists and filters them,
+    and overlays each per-agent metric's curves, one per agent."""
     from fastapi.testclient import TestClient
 
     from opentinker.server.console_api import create_runs_app
@@ -585,3 +586,13 @@ def test_each_agents_episodes_go_to_rollouts_jsonl_and_the_console_filters_them(
     assert [e["series"] for e in only_o["episodes"]] == ["O"] * 3
     mine = [json.dumps(e, sort_keys=True) for e in eps if e["series"] == "O" and e["step"] == 1]
     assert sorted(json.dumps(e, sort_keys=True) for e in only_o["episodes"]) == sorted(mine)
+    # the curves: one per agent for each per-agent metric, the game's own keys as one curve
+    assert run["series"] == ["X", "O"] and run["keys"][0] == "reward/mean" and "game/draws" in run["keys"]
+    rows = [json.loads(x) for x in (tmp_path / "ttt" / "metrics.jsonl").read_text().splitlines()]
+    curves = client.get(
+        "/console/api/runs/curves", params={"run": "ttt", "keys": ["reward/mean", "game/draws"]}
+    ).json()
+    assert curves["series_by"] == "agent"
+    for a in ("X", "O"):
+        assert curves["curves"]["reward/mean"][a] == [[float(r["step"]), r[f"{a}/reward/mean"]] for r in rows]
+    assert curves["curves"]["game/draws"] == {"": [[float(r["step"]), r["game/draws"]] for r in rows]}

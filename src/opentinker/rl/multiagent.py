@@ -28,7 +28,8 @@ there), then each agent's update through the single-agent loop's own
 every agent's requests submitted before any is awaited, so the agents' updates fuse into one
 scheduler tick. Metrics go to ``cfg.log_dir/metrics.jsonl`` with per-agent keys
 ``<agent>/reward/mean``, ``<agent>/loss/per_token``, ... and game keys ``game/<metric>``; the
-evaluator's keys under ``eval/``; ``curves.png`` has one line per agent. As in the single-agent
+evaluator's keys under ``eval/``; ``curves.png`` has one line per agent, and ``config.json`` lists
+the ``agents`` (so the console overlays each metric's per-agent curves). As in the single-agent
 loop, ``cfg.rollouts_per_step`` episodes per agent and step go to ``cfg.log_dir/rollouts.jsonl``
 (:class:`~opentinker.tracking.RolloutLog`, within ``cfg.rollouts_max_bytes``), each with its
 agent's name as its ``series`` and its group-relative advantage among that agent's trajectories
@@ -51,6 +52,7 @@ moves before it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -298,8 +300,8 @@ async def run_multiagent(
         )  # fmt: skip
         tcs = dict(zip(agents, created, strict=True))
     base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
-    logger = RunLogger(
-        log_dir, cfg, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
+    logger = RunLogger(  # config.json names the agents: the console overlays their curves
+        log_dir, {**dataclasses.asdict(cfg), "agents": list(agents)}, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
         show=tuple(task.show_keys) or tuple(f"{a}/reward/mean" for a in agents[:1]),
     )  # fmt: skip
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
