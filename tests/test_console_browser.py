@@ -3,8 +3,9 @@ system browser (no browser download), against a live server and a live local run
 
 Server: a tenant signs in with its key and sees its runs and not another tenant's; a click from
 a checkpoint leads to its lineage (the checkpoint its run was created from); the engine page shows
-the live counters. Local runs: a curve has the run's points, and grows while the run writes more;
-an episode's text from ``rollouts.jsonl`` is shown. Screenshots of the main pages go to
+the live counters; a session's trace lists its requests (sampling too) with their waits and
+ticks. Local runs: a curve has the run's points, and grows while the run writes more; an
+episode's text from ``rollouts.jsonl`` is shown; a multi-agent run's episodes filter by agent. Screenshots of the main pages go to
 ``docs/screenshots/``. Marked slow: it starts a server and trains a real local run.
 """
 
@@ -67,6 +68,10 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     train = [sys.executable, "-m", "opentinker.cli.main", "train", "rl", "--task", "addition", "--runs", "2"]
     train += ["--base-model", TEST_MODEL, "--steps", "3", "--log-dir", str(runs / "multi")]
     subprocess.run(train, check=True, env=env, capture_output=True, timeout=600)
+    game = [sys.executable, "-m", "opentinker.cli.main", "train", "rl", "--task", "tictactoe"]
+    game += ["--base-model", TEST_MODEL, "--steps", "2", "--group-size", "2", "--groups-per-step", "2"]
+    game += ["--max-tokens", "4", "--extra", "eval_games=2", "--log-dir", str(runs / "game")]
+    subprocess.run(game, check=True, env=env, capture_output=True, timeout=600)
     (runs / "broken").mkdir()
     (runs / "broken" / "metrics.jsonl").write_text(
         '{"step": 0, "loss": 1}\nnot json\n{"step": 1, "loss": 2}\n'
@@ -191,8 +196,18 @@ def test_local_runs_curves_live_and_problems(browser: Any, local_run: tuple[str,
     selected = page.eval_on_selector_all("tr.run input:checked", "xs => xs.length")
     expected = 0
     for name in names[:selected]:
-        metrics = (runs / name / "metrics.jsonl").read_text().splitlines()
-        expected += sum(1 for x in metrics if x.strip().startswith("{") and "reward/mean" in json.loads(x))
+        metrics = [
+            json.loads(x)
+            for x in (runs / name / "metrics.jsonl").read_text().splitlines()
+            if x.startswith("{")
+        ]
+        config = (
+            json.loads((runs / name / "config.json").read_text())
+            if (runs / name / "config.json").exists()
+            else {}
+        )
+        keys = [f"{a}/reward/mean" for a in config.get("agents", [])] or ["reward/mean"]  # a curve per agent
+        expected += sum(1 for row in metrics for k in keys if k in row)
     assert int(reward.get_attribute("data-points") or 0) == expected >= len(rows)
     _shot(page, "runs-curves")
     with (runs / "multi" / "seed0" / "metrics.jsonl").open("a") as f:  # the run goes on
@@ -227,6 +242,55 @@ def test_local_runs_rollouts_are_shown(browser: Any, local_run: tuple[str, Path]
     metas = page.eval_on_selector_all(".episode .meta", "ms => ms.map(m => m.textContent)")
     assert all(float(m.split("reward ")[1].split(" ")[0]) >= 0.5 for m in metas)
     _shot(page, "runs-rollouts")
+    page.close()
+
+
+def test_a_multi_agent_runs_episodes_filter_by_agent(browser: Any, local_run: tuple[str, Path]) -> None:
+    url, runs = local_run
+    logged = [json.loads(x) for x in (runs / "game" / "rollouts.jsonl").read_text().splitlines()]
+    assert {e["series"] for e in logged} == {"X", "O"}
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(url + "/")
+    page.click("tr.run[data-run='game'] a.open-rollouts")
+    page.wait_for_selector(".episode")
+    assert page.eval_on_selector_all("select[name=series] option", "os => os.map(o => o.value)") == [
+        "",
+        "O",
+        "X",
+    ]
+    for agent in ("O", "X"):
+        page.select_option("select[name=series]", agent)
+        page.wait_for_function(
+            f"() => [...document.querySelectorAll('.episode .meta')].every(m => m.textContent.includes(' · {agent} · '))"
+        )
+        shown = page.eval_on_selector_all(".turn.prompt", "ts => ts.map(t => t.textContent)")
+        mine = [e["turns"][0]["text"] for e in logged if e["series"] == agent]
+        assert shown and all(t in mine for t in shown)
+        assert len(shown) == min(20, len(mine))
+    page.close()
+
+
+def test_the_session_trace_page_shows_waits_ticks_and_samples(
+    browser: Any, world: tuple[LocalServer, dict[str, Any]]
+) -> None:
+    srv, w = world
+    page = _sign_in(browser, srv, w["keys"]["alice"])
+    page.click("#tab-sessions")
+    session = w["alice_child"]["model_id"].split(":train:")[0]
+    page.wait_for_selector(f"tr[data-session='{session}'] a")
+    page.click(f"tr[data-session='{session}'] a")
+    page.wait_for_selector("#trace tr.request")
+    kinds = page.eval_on_selector_all("#trace tr.request", "rs => rs.map(r => r.dataset.kind)")
+    assert {"sample", "forward_backward", "optim_step"} <= set(kinds)
+    sample = page.locator("#trace tr.request[data-kind='sample']").first
+    assert ":sample:" in (sample.get_attribute("data-track") or "")
+    cells = sample.locator("td").all_inner_texts()
+    assert float(cells[3]) >= 0 and float(cells[5]) >= float(cells[3])  # waited, then ran
+    fb = page.locator("#trace tr.request[data-kind='forward_backward']").first.locator("td").all_inner_texts()
+    assert int(fb[6]) >= 1  # the tick that ran it
+    bars = page.eval_on_selector_all("#timeline .bar", "bs => bs.map(b => b.dataset.kind)")
+    assert sorted(bars) == sorted(kinds)
+    _shot(page, "server-trace")
     page.close()
 
 

@@ -118,3 +118,38 @@ def test_rollouts_filter_by_step_series_and_reward(tmp_path: Path) -> None:
     assert client.get("/console/api/runs/rollouts", params={"run": "r", "limit": 5}).json()["cursor"] == {
         "offset": 0, "limit": 5, "total_count": 13,
     }  # fmt: skip
+
+
+def test_a_run_of_1000_adapters_overlays_a_bounded_number_of_curves(tmp_path: Path) -> None:
+    """One metrics.jsonl with 1,000 adapters' rows (100 steps each, 100k rows): the listing names a
+    bounded number of them and says how many there are; a curve answer overlays at most
+    MAX_SERIES of them unless the caller names which, and stays small."""
+    from opentinker.console.runs import MAX_SERIES
+
+    n_adapters, n_steps = 1000, 100
+    rows = [
+        {"step": s, "adapter": f"a{k:04d}", "loss": k + s / 1000}
+        for s in range(n_steps)
+        for k in range(n_adapters)
+    ]
+    _write_run(tmp_path / "many", rows)
+    client = TestClient(create_runs_app(tmp_path))
+    (run,) = client.get("/console/api/runs").json()["runs"]
+    assert run["series_count"] == n_adapters and len(run["series"]) == MAX_SERIES
+    assert run["steps"] == n_adapters * n_steps
+    r = client.get("/console/api/runs/curves", params={"run": "many", "keys": ["loss"]})
+    body = r.json()
+    assert body["series_total"] == n_adapters and body["series_by"] == "adapter"
+    assert sorted(body["curves"]["loss"]) == [f"a{k:04d}" for k in range(MAX_SERIES)]
+    assert all(len(pts) == n_steps for pts in body["curves"]["loss"].values())
+    assert len(r.content) < 200_000  # all 1,000 would be ~2.5 MB
+    picked = client.get(
+        "/console/api/runs/curves", params={"run": "many", "keys": ["loss"], "series": ["a0999", "a0500"]}
+    ).json()["curves"]["loss"]
+    assert sorted(picked) == ["a0500", "a0999"]
+    assert picked["a0999"][:2] == [[0.0, 999.0], [1.0, 999.001]]
+    too_many = client.get(
+        "/console/api/runs/curves",
+        params={"run": "many", "keys": ["loss"], "series": [f"a{k:04d}" for k in range(MAX_SERIES + 1)]},
+    )
+    assert too_many.status_code == 400 and f"at most {MAX_SERIES} series" in too_many.text

@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+import tinker
 
 from opentinker.server.app import create_app
 from opentinker.server.config import ServerConfig
@@ -132,10 +133,59 @@ def test_history_lineage_and_trace(world: tuple[LocalServer, dict[str, Any]]) ->
     (saved,) = lin["checkpoints"]
     assert saved["tinker_path"] == w["alice_child"]["path"] and saved["parent"] == w["alice"]["path"]
     assert len(saved["sampler_versions"]) == 1  # its data came from the one snapshot it sampled
-    session = w["alice"]["model_id"].split(":train:")[0]
-    trace = _get(srv, f"{API}/sessions/{quote(session)}/trace", key).json()["requests"]
-    assert [r["kind"] for r in trace] == ["forward_backward", "optim_step"] * 3
-    assert all(r["duration_s"] >= 0 and r["tick"] >= 1 for r in trace)
+
+
+def _trace(srv: LocalServer, model_id: str, key: str) -> dict[str, Any]:
+    return _get(srv, f"{API}/sessions/{quote(model_id.split(':train:')[0])}/trace", key).json()
+
+
+def test_the_session_trace_shows_each_request_with_its_wait_and_tick(
+    world: tuple[LocalServer, dict[str, Any]],
+) -> None:
+    srv, w = world
+    key = w["keys"]["alice"]
+    model = w["alice"]["model_id"]
+    reqs = _trace(srv, model, key)["requests"]
+    training = [r for r in reqs if r["track"] == model and r["kind"] in ("forward_backward", "optim_step")]
+    assert [r["kind"] for r in training] == ["forward_backward", "optim_step"] * 3
+    assert all(r["tick"] >= 1 and r["fused_rows"] is not None for r in training)
+    assert all(r["fused_rows"] >= 1 for r in training if r["kind"] == "forward_backward")
+    assert {r["kind"] for r in reqs} >= {"create_model", "save_weights"}
+    for r in reqs:
+        assert r["status"] == "done" and r["queue_wait_s"] >= 0 and r["run_s"] >= 0, r
+        assert abs(r["queue_wait_s"] + r["run_s"] - r["duration_s"]) < 1e-5, r
+        assert r["received"] <= r["started"] <= r["done"]
+    # the session that sampled: its sample request, on its sampler's track
+    child = _trace(srv, w["alice_child"]["model_id"], key)
+    (sample,) = [r for r in child["requests"] if r["kind"] == "sample"]
+    assert ":sample:" in sample["track"] and sample["status"] == "done" and sample["tick"] is None
+    # pages: offset and limit over the same records
+    page = _get(srv, f"{API}/sessions/{quote(model.split(':train:')[0])}/trace?offset=2&limit=3", key).json()
+    assert [r["request_id"] for r in page["requests"]] == [r["request_id"] for r in reqs[2:5]]
+    assert page["total_count"] == len(reqs)
+
+
+def test_the_console_trace_and_the_exported_trace_are_the_same_records(
+    world: tuple[LocalServer, dict[str, Any]],
+) -> None:
+    srv, w = world
+    key, model = w["keys"]["alice"], w["alice_child"]["model_id"]
+    session = model.split(":train:")[0]
+    url = tinker.RestClient(base_url=srv.base_url, api_key=key).export_session_trace(session).result()
+    events = httpx.get(url, timeout=30).json()["traceEvents"]
+    exported = {
+        e["args"]["request_id"]: e["args"]
+        for e in events
+        if e["ph"] == "X" and "request_id" in e.get("args", {})
+    }
+    shown = {r["request_id"]: r for r in _trace(srv, model, key)["requests"]}
+    assert set(shown) == set(exported) and len(shown) >= 5
+    for rid, r in shown.items():
+        a = exported[rid]
+        assert a["status"] == r["status"] and a.get("tick") == r["tick"], (a, r)
+        # the same instants: ms rounded to 3 places there, s to 6 here
+        assert abs(a["queue_wait_ms"] - r["queue_wait_s"] * 1e3) < 2e-3
+        assert abs(a["run_ms"] - r["run_s"] * 1e3) < 2e-3
 
 
 def test_engine_counters_moved_with_the_work(world: tuple[LocalServer, dict[str, Any]]) -> None:
@@ -158,3 +208,69 @@ def test_a_checkpoint_downloads_as_a_peft_folder(world: tuple[LocalServer, dict[
     assert {"adapter_model.safetensors", "adapter_config.json"} <= names
     cfg = json.loads(z.read(next(n for n in z.namelist() if n.endswith("adapter_config.json"))))
     assert cfg["r"] == 2 and cfg["peft_type"] == "LORA"
+
+
+def test_a_huge_server_is_paginated_and_its_curves_downsampled(tmp_path: Path) -> None:
+    """1,000 runs in one session, one of them 100k steps long, a session with more requests than
+    its trace keeps: every console answer stays a page or a downsampled curve (sizes and counts,
+    not timings). The rows are the store's and the history's own records, as the API writes them."""
+    from fastapi.testclient import TestClient
+
+    from opentinker.server.auth import create_key
+    from opentinker.server.store import ModelRow
+    from opentinker.server.traces import MAX_SPANS
+
+    key = create_key(tmp_path, "big")
+    other = create_key(tmp_path, "small")
+    app = create_app(ServerConfig(data_dir=tmp_path))
+    server = app.state.server
+    n_models, n_steps, session = 1000, 100_000, "sess-0123456789ab"
+    server.store.add_session(session, "big", {})
+    for k in range(n_models):
+        server.store.add_model(
+            ModelRow(f"{session}:train:{k}", "big", session, "opentinker/tiny", {"rank": 2}, None, k, k, None)
+        )
+    long_run = f"{session}:train:0"
+    for i in range(n_steps):
+        server.ops.history.forward(long_run, {"loss:sum": 1.0 + (9.0 if i == 54_321 else 0.0)})
+        server.ops.history.optim(long_run, {"grad_norm:mean": 0.5, "learning_rate:mean": 1e-4})
+    for i in range(MAX_SPANS + 100):
+        server.traces.begin(session, f"r{i}", "forward_backward", long_run, None, i)
+    me, them = {"X-API-Key": key}, {"X-API-Key": other}
+    with TestClient(app) as c:
+        seen: list[str] = []
+        offset, pages = 0, 0
+        while True:
+            page = c.get(f"{API}/models", params={"offset": offset, "limit": 500}, headers=me).json()
+            pages += 1
+            seen += [m["model_id"] for m in page["models"]]
+            assert len(page["models"]) <= 500 and page["total_count"] == n_models
+            offset += 500
+            if offset >= page["total_count"]:
+                break
+        assert pages == 2 and len(set(seen)) == n_models
+        assert c.get(f"{API}/models", params={"limit": 501}, headers=me).status_code == 422
+        assert c.get(f"{API}/models", headers=them).json()["total_count"] == 0
+        run = c.get(f"{API}/models/{quote(long_run)}", headers=me)
+        body = run.json()
+        assert body["steps"] == n_steps
+        for name in ("loss", "grad_norm", "learning_rate"):
+            assert 2 <= len(body["curves"][name]) <= 500  # the default max_points
+        assert max(y for _, y in body["curves"]["loss"]) == 10.0  # the spike survives
+        assert len(run.content) < 64_000  # 300k points would be ~6 MB
+        more = c.get(f"{API}/models/{quote(long_run)}", params={"max_points": 2000}, headers=me).json()
+        assert 500 < len(more["curves"]["loss"]) <= 2000
+        assert (
+            c.get(f"{API}/models/{quote(long_run)}", params={"max_points": 10**6}, headers=me).status_code
+            == 422
+        )
+        (sess,) = c.get(f"{API}/sessions", headers=me).json()["sessions"]
+        assert len(sess["models"]) == 500  # of the session's 1,000
+        trace = c.get(f"{API}/sessions/{session}/trace", headers=me).json()
+        assert trace["total_count"] == MAX_SPANS and len(trace["requests"]) == 500
+        assert trace["requests"][0]["request_id"] == "r100"  # the oldest beyond the bound dropped
+        last = c.get(f"{API}/sessions/{session}/trace", params={"offset": MAX_SPANS - 10}, headers=me).json()
+        assert [r["request_id"] for r in last["requests"]] == [
+            f"r{i}" for i in range(MAX_SPANS + 90, MAX_SPANS + 100)
+        ]
+        assert all(r["status"] == "running" for r in last["requests"])

@@ -542,3 +542,57 @@ def test_tictactoe_recipe_and_reevaluation_smoke(tmp_path) -> None:
         for a in ("X", "O"):
             rates = [r[f"{a}/{k}_rate"] for k in ("win", "loss", "draw")]
             assert abs(sum(rates) - 1) < 1e-9 and r[f"{a}/errors"] == 0
+
+
+def test_each_agents_episodes_go_to_rollouts_jsonl_and_the_console_filters_them(
+    service, renderer, tmp_path
+) -> None:
+    """rollouts.jsonl of a multi-agent run: ``rollouts_per_step`` episodes per agent and step, each
+    under its agent's name, with that agent's own prompts (X moves on an even board; O sees the
+    board swapped, one mark behind) and its sampled tokens; the console lists and filters them,
+    and overlays each per-agent metric's curves, one per agent."""
+    from fastapi.testclient import TestClient
+
+    from opentinker.server.console_api import create_runs_app
+
+    cfg = RLConfig(
+        base_model=TEST_MODEL, log_dir=str(tmp_path / "ttt"), steps=2, groups_per_step=2, group_size=4,
+        max_tokens=4, lora_rank=4, learning_rate=2e-3, eval_every=0, progress=False, rollouts_per_step=3,
+    )  # fmt: skip
+    task = build(renderer, cfg)
+    task.evaluator = None
+    asyncio.run(run_multiagent(cfg, service, task))
+    eps = [json.loads(x) for x in (tmp_path / "ttt" / "rollouts.jsonl").read_text().splitlines()]
+    counts: dict[tuple[int, str], int] = {}
+    for e in eps:
+        counts[e["step"], e["series"]] = counts.get((e["step"], e["series"]), 0) + 1
+    assert counts == {(s, a): 3 for s in (0, 1) for a in ("X", "O")}
+    for e in eps:
+        diff = 0 if e["series"] == "X" else 1
+        first = e["turns"][0]
+        assert first["kind"] == "prompt"
+        board = re.findall(r"([XO.]{3})\n([XO.]{3})\n([XO.]{3})\nYour move as X", first["text"])
+        cells = "".join(board[-1])
+        assert cells.count("O") - cells.count("X") == diff, (e["series"], cells)
+        actions = [t for t in e["turns"] if t["kind"] == "action"]
+        assert actions and all(len(t["tokens"]) == len(t["logprobs"]) > 0 for t in actions)
+        assert -1.0 <= e["reward"] <= 1.0 and e["policy_version"] == e["step"]
+    client = TestClient(create_runs_app(tmp_path))
+    (run,) = client.get("/console/api/runs").json()["runs"]
+    assert run["name"] == "ttt" and run["has_rollouts"]
+    page = client.get("/console/api/runs/rollouts", params={"run": "ttt", "limit": 100}).json()
+    assert page["series"] == ["O", "X"] and page["steps"] == [0, 1] and page["problems"] == []
+    only_o = client.get("/console/api/runs/rollouts", params={"run": "ttt", "series": "O", "step": 1}).json()
+    assert [e["series"] for e in only_o["episodes"]] == ["O"] * 3
+    mine = [json.dumps(e, sort_keys=True) for e in eps if e["series"] == "O" and e["step"] == 1]
+    assert sorted(json.dumps(e, sort_keys=True) for e in only_o["episodes"]) == sorted(mine)
+    # the curves: one per agent for each per-agent metric, the game's own keys as one curve
+    assert run["series"] == ["X", "O"] and run["keys"][0] == "reward/mean" and "game/draws" in run["keys"]
+    rows = [json.loads(x) for x in (tmp_path / "ttt" / "metrics.jsonl").read_text().splitlines()]
+    curves = client.get(
+        "/console/api/runs/curves", params={"run": "ttt", "keys": ["reward/mean", "game/draws"]}
+    ).json()
+    assert curves["series_by"] == "agent"
+    for a in ("X", "O"):
+        assert curves["curves"]["reward/mean"][a] == [[float(r["step"]), r[f"{a}/reward/mean"]] for r in rows]
+    assert curves["curves"]["game/draws"] == {"": [[float(r["step"]), r["game/draws"]] for r in rows]}

@@ -5,7 +5,10 @@ A run is any folder (at any depth, up to :data:`MAX_DEPTH`) holding a ``metrics.
 read as they are now, so a run that is still going shows its newest lines. A malformed line is
 skipped and reported as ``problems`` (file and line number, relative to the runs directory); the
 rest of the file and every other run still show. Curves are downsampled to a fixed number of
-points (min and max of each bucket kept, so spikes stay visible); lists are paginated.
+points (min and max of each bucket kept, so spikes stay visible). A multi-agent run (its
+``config.json`` lists ``agents``) shows its per-agent keys (``X/reward/mean``,
+``eval/X/win_rate``) as one metric (``reward/mean``, ``eval/win_rate``) with a curve per agent. At most :data:`MAX_SERIES`
+overlaid curves per metric come back unless the caller names which, and lists are paginated.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, TypeGuard
 MAX_DEPTH = 4
 MAX_POINTS = 2000  # per curve, after downsampling
 MAX_PAGE = 500  # items per page of any list
+MAX_SERIES = 32  # curves per metric in one answer (a run's adapters or agents), unless named
 
 # metrics a run's overview shows first, when it has them
 PREFERRED_KEYS = (
@@ -107,24 +111,25 @@ class RunsDir:
             folder = self.root / name
             metrics = read_jsonl(folder / "metrics.jsonl", _rel(name, "metrics.jsonl"))
             problems += metrics.problems
-            config: Any = None
-            cfg_path = folder / "config.json"
-            if cfg_path.exists():
-                try:
-                    config = json.loads(cfg_path.read_text(errors="replace"))
-                except json.JSONDecodeError as e:
-                    problems.append(Problem(_rel(name, "config.json"), e.lineno, f"not JSON ({e.msg})"))
+            config, problem = self._config(name)
+            if problem is not None:
+                problems.append(problem)
             ckpts = read_jsonl(folder / "checkpoints.jsonl", _rel(name, "checkpoints.jsonl"))
             if (folder / "checkpoints.jsonl").exists():
                 problems += ckpts.problems
             steps = [r["step"] for r in metrics.rows if isinstance(r.get("step"), int | float)]
+            agents = agents_of(config)
+            keys = metric_keys(metrics.rows, agents)
+            series = agents or series_names(metrics.rows)
             page.append(
                 {
                     "name": name,
                     "steps": len(metrics.rows),
                     "last_step": max(steps) if steps else None,
-                    "keys": metric_keys(metrics.rows),
-                    "series": series_names(metrics.rows),
+                    "keys": keys[:MAX_PAGE],
+                    "keys_count": len(keys),
+                    "series": series[:MAX_SERIES],
+                    "series_count": len(series),
                     "config": config,
                     "checkpoints": ckpts.rows[-MAX_PAGE:],
                     "has_rollouts": (folder / "rollouts.jsonl").exists(),
@@ -136,33 +141,71 @@ class RunsDir:
             "problems": [p.json() for p in problems],
         }
 
+    def _config(self, name: str) -> tuple[Any, Problem | None]:
+        path = self.root / name / "config.json"
+        if not path.exists():
+            return None, None
+        try:
+            return json.loads(path.read_text(errors="replace")), None
+        except json.JSONDecodeError as e:
+            return None, Problem(_rel(name, "config.json"), e.lineno, f"not JSON ({e.msg})")
+
     def curves(
-        self, name: str, keys: list[str], *, max_points: int = MAX_POINTS, series_by: str | None = None
+        self,
+        name: str,
+        keys: list[str],
+        *,
+        max_points: int = MAX_POINTS,
+        series_by: str | None = None,
+        series: list[str] | None = None,
     ) -> dict[str, Any]:
         """Run ``name``'s metrics ``keys`` against step, downsampled to ``max_points`` per curve.
 
         ``series_by`` splits the rows into one curve per value of that field (``adapter``,
-        ``agent``): a multi-LoRA or multi-agent run's overlays."""
+        ``agent``): a multi-LoRA or multi-agent run's overlays; a run whose config names its
+        ``agents`` gets one curve per agent from the agents' own keys (:func:`agent_key`). Of
+        those, the ones named in ``series``, else the first :data:`MAX_SERIES` (``series_total``
+        says how many there are)."""
         if not 2 <= max_points <= MAX_POINTS:
             raise RunsError(f"max_points must be in [2, {MAX_POINTS}], got {max_points}")
         if len(keys) > 32:
             raise RunsError(f"at most 32 keys at once, got {len(keys)}")
+        if series is not None and len(series) > MAX_SERIES:
+            raise RunsError(f"at most {MAX_SERIES} series at once, got {len(series)}")
         metrics = read_jsonl(self.folder(name) / "metrics.jsonl", _rel(name, "metrics.jsonl"))
-        split = series_by or _default_series(metrics.rows)
+        agents = agents_of(self._config(name)[0]) if series_by is None else []
+        split = "agent" if agents else series_by or _default_series(metrics.rows)
+        if agents:
+            labels = sorted(agents)
+        else:
+            labels = sorted({str(r.get(split, "")) for r in metrics.rows}) if split else [""]
+        shown = set(series) if series is not None else set(labels[:MAX_SERIES])
         out: dict[str, Any] = {}
         for key in keys:
             groups: dict[str, list[tuple[float, float]]] = {}
             for r in metrics.rows:
-                x, y = r.get("step"), r.get(key)
-                if _number(x) and _number(y):
+                x = r.get("step")
+                if not _number(x):
+                    continue
+                if agents:  # each agent's own key for this metric
+                    for a in agents:
+                        y = r.get(agent_key(a, key))
+                        if a in shown and _number(y):
+                            groups.setdefault(a, []).append((float(x), float(y)))
+                    if any(agent_key(a, key) in r for a in agents):
+                        continue  # else a key of the whole game (game/..., time/...): below
+                y = r.get(key)
+                if _number(y):
                     label = str(r.get(split, "")) if split else ""
-                    groups.setdefault(label, []).append((float(x), float(y)))
+                    if agents or label in shown:
+                        groups.setdefault(label, []).append((float(x), float(y)))
             out[key] = {label: downsample(sorted(pts), max_points) for label, pts in sorted(groups.items())}
         total = len(metrics.rows)
         return {
             "run": name,
             "rows": total,
             "series_by": split,
+            "series_total": len(labels),
             "curves": out,
             "problems": [p.json() for p in metrics.problems],
         }
@@ -206,13 +249,37 @@ class RunsDir:
         }
 
 
-def metric_keys(rows: list[dict[str, Any]]) -> list[str]:
-    """The numeric metric keys of ``rows`` (not ``step``), preferred ones first."""
+def agents_of(config: Any) -> list[str]:
+    """The agents a multi-agent run's ``config.json`` names (none for other runs)."""
+    agents = config.get("agents") if isinstance(config, dict) else None
+    if not isinstance(agents, list) or not all(isinstance(a, str) and a for a in agents):
+        return []
+    return list(dict.fromkeys(agents))
+
+
+def agent_key(agent: str, key: str) -> str:
+    """Where a multi-agent run logs ``agent``'s ``key``: ``X/reward/mean``, ``eval/X/win_rate``."""
+    return f"eval/{agent}/{key[5:]}" if key.startswith("eval/") else f"{agent}/{key}"
+
+
+def _agent_metric(key: str, agents: list[str]) -> str:
+    """``key`` without its agent (``X/reward/mean`` -> ``reward/mean``); other keys as they are."""
+    for a in agents:
+        if key.startswith(f"{a}/"):
+            return key[len(a) + 1 :]
+        if key.startswith(f"eval/{a}/"):
+            return "eval/" + key[len(a) + 6 :]
+    return key
+
+
+def metric_keys(rows: list[dict[str, Any]], agents: list[str] | None = None) -> list[str]:
+    """The numeric metric keys of ``rows`` (not ``step``), preferred ones first; a multi-agent
+    run's per-agent keys as one key each (:func:`agent_key`)."""
     seen: dict[str, None] = {}
     for r in rows[:2000]:
         for k, v in r.items():
             if k != "step" and _number(v):
-                seen.setdefault(k, None)
+                seen.setdefault(_agent_metric(k, agents or []), None)
     first = [k for k in PREFERRED_KEYS if k in seen]
     return first + sorted(k for k in seen if k not in first)
 

@@ -28,7 +28,12 @@ there), then each agent's update through the single-agent loop's own
 every agent's requests submitted before any is awaited, so the agents' updates fuse into one
 scheduler tick. Metrics go to ``cfg.log_dir/metrics.jsonl`` with per-agent keys
 ``<agent>/reward/mean``, ``<agent>/loss/per_token``, ... and game keys ``game/<metric>``; the
-evaluator's keys under ``eval/``; ``curves.png`` has one line per agent.
+evaluator's keys under ``eval/``; ``curves.png`` has one line per agent, and ``config.json`` lists
+the ``agents`` (so the console overlays each metric's per-agent curves). As in the single-agent
+loop, ``cfg.rollouts_per_step`` episodes per agent and step go to ``cfg.log_dir/rollouts.jsonl``
+(:class:`~opentinker.tracking.RolloutLog`, within ``cfg.rollouts_max_bytes``), each with its
+agent's name as its ``series`` and its group-relative advantage among that agent's trajectories
+in the group (its whole game's: per-move advantages are not logged), for the console's viewer.
 
 Of :class:`~opentinker.rl.loop.RLConfig`, the sync mode is implemented (``mode="sync"``), with
 ``substeps``, ``step_on_empty``, ``kl_coef``, ``drop_constant_groups``, ``normalize_std``,
@@ -47,6 +52,7 @@ moves before it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -75,7 +81,7 @@ from opentinker.rl.types import (
     TrajectoryGroup,
     Transition,
 )
-from opentinker.tracking import RunLogger, plot_metrics
+from opentinker.tracking import RolloutLog, RunLogger, plot_metrics
 
 log = logging.getLogger(__name__)
 
@@ -294,12 +300,20 @@ async def run_multiagent(
         )  # fmt: skip
         tcs = dict(zip(agents, created, strict=True))
     base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
-    logger = RunLogger(
-        log_dir, cfg, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
+    logger = RunLogger(  # config.json names the agents: the console overlays their curves
+        log_dir, {**dataclasses.asdict(cfg), "agents": list(agents)}, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
         show=tuple(task.show_keys) or tuple(f"{a}/reward/mean" for a in agents[:1]),
     )  # fmt: skip
     params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
     rows: list[dict[str, Any]] = []
+    rollout_log = (
+        RolloutLog(
+            log_dir, tcs[agents[0]].get_tokenizer(), per_step=cfg.rollouts_per_step,
+            max_bytes=cfg.rollouts_max_bytes, start_step=start,
+        )
+        if cfg.rollouts_per_step > 0
+        else None
+    )  # fmt: skip
 
     async def policies_now() -> dict[str, Any]:
         return {a: await tcs[a].save_weights_and_get_sampling_client() for a in agents}
@@ -337,6 +351,9 @@ async def run_multiagent(
             t1 = time.monotonic()
             m: dict[str, float] = game_metrics(groups)
             tgroups = {a: [g.trajectory_group(a) for g in groups] for a in agents}
+            if rollout_log is not None:
+                for a in agents:
+                    rollout_log.log(step, agent_episodes(tgroups[a]), series=a)
             lr = learning_rate_at(cfg, step, t1 - t_start)
             datums_fn = per_move_datums if task.per_move_advantages else None
             # every agent's update is submitted before any is awaited: they share scheduler ticks
@@ -372,6 +389,15 @@ async def run_multiagent(
             except Exception as e:
                 log.warning("plotting failed: %r", e)
     return MultiAgentResult(dict(tcs), rows, paths)
+
+
+def agent_episodes(groups: Sequence[TrajectoryGroup]) -> list[tuple[int, Trajectory, float]]:
+    """(group index, trajectory, group-relative advantage of its reward) of one agent's groups."""
+    out: list[tuple[int, Trajectory, float]] = []
+    for gi, g in enumerate(groups):
+        advs = group_advantages([t.total_reward for t in g.trajectories])
+        out += [(gi, t, a) for t, a in zip(g.trajectories, advs, strict=True)]
+    return out
 
 
 def last_complete_checkpoint(index: Path, agents: tuple[str, ...]) -> tuple[int, dict[str, str]]:

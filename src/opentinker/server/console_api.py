@@ -164,14 +164,18 @@ def add_console(app: FastAPI, server: Any) -> None:
     async def session_trace(
         session_id: str, who: Who, offset: Offset = 0, limit: Limit = 500
     ) -> dict[str, Any]:
+        """The session's requests (training, sampling, checkpoints, ...) with their queue wait, run
+        time and tick: the spans ``export_session_trace`` exports."""
         row = store.session(session_id)
         if row is None or not who.sees(row.tenant):
             raise NotFound(f"unknown session {session_id!r}")
-        trace = history.trace(session_id)
+        requests, total = server.traces.requests(session_id, offset, limit)
         return {
             "session_id": session_id,
-            "requests": trace[offset : offset + limit],
-            "total_count": len(trace),
+            "requests": requests,
+            "offset": offset,
+            "limit": limit,
+            "total_count": total,
         }
 
     @app.get(f"{API}/models", tags=["console"])
@@ -291,8 +295,9 @@ def create_runs_app(runs_dir: str | Path) -> FastAPI:
         run: str,
         keys: Annotated[list[str], Query()],
         max_points: Annotated[int, Query(ge=2, le=MAX_CURVE_POINTS)] = 1000,
+        series: Annotated[list[str] | None, Query()] = None,
     ) -> dict[str, Any]:
-        return await asyncio.to_thread(runs.curves, run, keys, max_points=max_points)
+        return await asyncio.to_thread(runs.curves, run, keys, max_points=max_points, series=series)
 
     @app.get(f"{API}/runs/rollouts")
     async def rollouts(

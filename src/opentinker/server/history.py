@@ -1,23 +1,20 @@
 """The server's own record of each training run's progress, for the console: loss per
-``forward_backward``, grad norm and learning rate per ``optim_step``, and each request's timing
-(the session trace).
+``forward_backward``, grad norm and learning rate per ``optim_step``, as their results reported
+them.
 
-Kept in memory, bounded per model (:data:`MAX_POINTS`, the oldest dropped first) and for the
-trace per session (:data:`MAX_TRACE`). A restarted server starts them afresh; checkpoints and
-their lineage live in the store.
+Kept in memory, bounded per model (:data:`MAX_POINTS`, the oldest dropped first). A restarted
+server starts them afresh; checkpoints and their lineage live in the store. Each request's timing
+(queue wait, tick, duration) is recorded once, by :mod:`opentinker.server.traces`.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_POINTS = 100_000  # per model and metric
-MAX_TRACE = 10_000  # requests per session
-MAX_SESSIONS = 10_000  # sessions with a trace kept
 
 
 @dataclass
@@ -31,7 +28,6 @@ class RunHistory:
 class History:
     def __init__(self) -> None:
         self._runs: dict[str, RunHistory] = {}
-        self._traces: dict[str, deque[dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def _run(self, model_id: str) -> RunHistory:
@@ -67,26 +63,3 @@ class History:
         with self._lock:
             run = self._runs.get(model_id)
             return 0 if run is None else run.steps
-
-    def request(self, session_id: str, kind: str, model_id: str | None, submitted: float) -> dict[str, Any]:
-        """Start a trace entry of a request; :meth:`finished` completes it."""
-        entry: dict[str, Any] = {"kind": kind, "model_id": model_id, "submitted": submitted}
-        with self._lock:
-            trace = self._traces.get(session_id)
-            if trace is None:
-                if len(self._traces) >= MAX_SESSIONS:
-                    self._traces.pop(next(iter(self._traces)))
-                trace = self._traces[session_id] = deque(maxlen=MAX_TRACE)
-            trace.append(entry)
-        return entry
-
-    @staticmethod
-    def finished(entry: dict[str, Any], *, tick: float | None, error: bool) -> None:
-        entry["done"] = time.time()
-        entry["duration_s"] = round(entry["done"] - entry["submitted"], 6)
-        entry["tick"] = tick
-        entry["error"] = error
-
-    def trace(self, session_id: str) -> list[dict[str, Any]]:
-        with self._lock:
-            return [dict(e) for e in self._traces.get(session_id, ())]

@@ -10,7 +10,6 @@ clients queue work on the scheduler and hand back futures.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -72,7 +71,7 @@ class Operations:
         self.admit = Admission(config.max_running_per_tenant)
         self.custom_losses = CustomLosses()
         self.stability = StabilityRecords()
-        self.history = History()  # loss / grad norm per run, request timings per session
+        self.history = History()  # loss / grad norm / learning rate per run, from their results
         self.traces = traces  # each session's requests on a timeline (export_session_trace)
 
     # ------------------------------------------------------------------ plumbing
@@ -287,14 +286,12 @@ class Operations:
         base = self.reg.runtime.model(call.model_id).base_model
         session = call.model_id.split(":train:", 1)[0]
         name = "forward" if call.forward_only else "forward_backward"
-        traced = self.history.request(session, name, call.model_id, time.time())
 
         def encode(out: Any) -> Any:
             if ledger is not None:
                 ledger.count(tenant, "training", tokens, session_id=session, base_model=base)
             if not call.forward_only:
                 self.history.forward(call.model_id, out.metrics)
-            self.history.finished(traced, tick=out.metrics.get("clock_cycle:unique"), error=False)
             return encode_forward_output(out)
 
         return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode, name)
@@ -311,14 +308,9 @@ class Operations:
             params = req.adam_params or S.AdamParams()
             return tc.optim_step(types.AdamParams(**params.model_dump())).future()
 
-        traced = self.history.request(
-            req.model_id.split(":train:", 1)[0], "optim_step", req.model_id, time.time()
-        )
-
         def encode(r: Any) -> Any:
             metrics = r.metrics or {}
             self.history.optim(str(req.model_id), metrics)
-            self.history.finished(traced, tick=metrics.get("clock_cycle:unique"), error=False)
             return r.model_dump(mode="json", exclude_none=True)
 
         return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, encode, "optim_step")

@@ -3,7 +3,10 @@
 Each request an operation accepts gets a :class:`Span`: when it arrived, when it was handed to the
 scheduler or the sampler (after its ``seq_id`` turn and the tenant's admission), the tick that ran
 it (the tick number its result reports as ``clock_cycle:unique``) and when its result was ready.
-A session keeps its last ``MAX_SPANS`` spans in memory (a restart forgets them).
+A session keeps its last ``MAX_SPANS`` spans in memory (a restart forgets them). These spans are
+the server's one record of requests: the console's session-trace page reads them too
+(:meth:`SessionTraces.requests`), while :mod:`opentinker.server.history` keeps only what the
+results said (loss, grad norm, learning rate per run).
 
 ``GET /sessions/<id>/trace_export`` writes the session's trace as a Chrome trace-event JSON file,
 which https://ui.perfetto.dev (and ``chrome://tracing``) opens, and answers the SDK's poll format
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentinker.client.runtime import TickRecord
 from opentinker.server.errors import NotFound
@@ -160,6 +163,43 @@ class SessionTraces:
             raise NotFound(f"tinker://{session_id}/{KIND}/{name} has no file {file!r}")
         return path
 
+    # ------------------------------------------------------------------ reading
+    def requests(
+        self, session_id: str, offset: int = 0, limit: int = 500
+    ) -> tuple[list[dict[str, Any]], int]:
+        """A page of the session's requests, oldest first, with their timing (:func:`timing`), and
+        how many it has: the console's session-trace page."""
+        with self._lock:
+            spans = list(self._spans.get(session_id, ()))
+        now = time.time()
+        out = []
+        for s in spans[offset : offset + limit]:
+            rec = self._tick_of(s)
+            t = timing(s, rec, now)
+            out.append(
+                {
+                    "request_id": s.request_id,
+                    "kind": s.name,
+                    "track": s.track,
+                    "base_model": s.base_model,
+                    "seq_id": s.seq_id,
+                    "received": s.received,
+                    "started": t.start,
+                    "done": s.done,
+                    "queue_wait_s": round(t.start - s.received, 6),
+                    "run_s": round(t.end - t.start, 6),
+                    "duration_s": round(t.end - s.received, 6),
+                    "tick": s.tick,
+                    "fused_requests": rec.fused_requests if rec is not None else None,
+                    "fused_rows": rec.fused_rows if rec is not None else None,
+                    "status": t.status,
+                }
+            )
+        return out, len(spans)
+
+    def _tick_of(self, s: Span) -> TickRecord | None:
+        return self._ticks(s.base_model, s.tick) if s.base_model and s.tick is not None else None
+
     def chrome_trace(self, session_id: str, spans: list[Span]) -> dict[str, Any]:
         """The Chrome trace-event JSON of ``spans`` (times in µs since the epoch)."""
         now = time.time()
@@ -175,15 +215,13 @@ class SessionTraces:
 
         ticks: dict[tuple[str, int], TickRecord] = {}
         for s in spans:
-            rec = self._ticks(s.base_model, s.tick) if s.base_model and s.tick is not None else None
+            rec = self._tick_of(s)
             if rec is not None:
                 ticks[(str(s.base_model), rec.tick)] = rec
-            end = s.done if s.done is not None else now
-            start = rec.start if rec is not None else (s.submitted if s.submitted is not None else end)
-            start = min(max(start, s.received), end)
+            start, end, status = timing(s, rec, now)
             args: dict[str, Any] = {
                 "request_id": s.request_id,
-                "status": "running" if s.done is None else ("failed: " + s.error if s.error else "done"),
+                "status": status,
                 "queue_wait_ms": round((start - s.received) * 1e3, 3),
                 "run_ms": round((end - start) * 1e3, 3),
             }
@@ -212,6 +250,22 @@ class SessionTraces:
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"session_id": session_id}}
 
 
+class Timing(NamedTuple):
+    start: float  # the end of its wait: the start of the tick that ran it, else its hand-off
+    end: float  # its result (now, while it runs)
+    status: str  # running, done, failed: <error type>
+
+
+def timing(s: Span, rec: TickRecord | None, now: float) -> Timing:
+    """Where ``s``'s wait ends and its run begins: the start of the tick that ran it (``rec``), or
+    its hand-off to the scheduler or sampler when no tick reports it (clamped into the span)."""
+    end = s.done if s.done is not None else now
+    start = rec.start if rec is not None else (s.submitted if s.submitted is not None else end)
+    start = min(max(start, s.received), end)
+    status = "running" if s.done is None else ("failed: " + s.error if s.error else "done")
+    return Timing(start, end, status)
+
+
 def _meta(pid: int, tid: int, what: str, name: str) -> dict[str, Any]:
     return {"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}}
 
@@ -229,4 +283,4 @@ def _slice(pid: int, tid: int, name: str, start: float, end: float, args: dict[s
     }
 
 
-__all__ = ["FILE", "KIND", "SessionTraces", "Span"]
+__all__ = ["FILE", "KIND", "SessionTraces", "Span", "Timing", "timing"]

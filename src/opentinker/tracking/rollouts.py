@@ -42,16 +42,18 @@ class RolloutLog:
         self.size = self.path.stat().st_size if self.path.exists() else 0
         self.full = self.size >= max_bytes
 
-    def log(self, step: int, episodes: Sequence[tuple[int, Any, float]]) -> int:
+    def log(self, step: int, episodes: Sequence[tuple[int, Any, float]], *, series: str | None = None) -> int:
         """Log up to ``per_step`` of ``episodes`` (group index, trajectory, advantage) of ``step``:
-        spread over the groups, highest and lowest reward first. Returns how many were written."""
+        spread over the groups, highest and lowest reward first. Returns how many were written.
+        ``series`` names whose episodes they are (default: the log's own ``series``); a multi-agent
+        run logs each agent's under its name, ``per_step`` each."""
         if self.full or self.per_step <= 0 or not episodes:
             return 0
         ranked = sorted(episodes, key=lambda e: e[1].total_reward)
         picked: list[tuple[int, Any, float]] = []
         while ranked and len(picked) < self.per_step:  # alternately the best and the worst
             picked.append(ranked.pop(-1 if len(picked) % 2 == 0 else 0))
-        lines = [json.dumps(self.record(step, g, traj, adv)) + "\n" for g, traj, adv in picked]
+        lines = [json.dumps(self.record(step, g, traj, adv, series=series)) + "\n" for g, traj, adv in picked]
         written = 0
         with self.path.open("a") as f:
             for line in lines:
@@ -67,7 +69,9 @@ class RolloutLog:
                 written += 1
         return written
 
-    def record(self, step: int, group: int, traj: Any, advantage: float) -> dict[str, Any]:
+    def record(
+        self, step: int, group: int, traj: Any, advantage: float, *, series: str | None = None
+    ) -> dict[str, Any]:
         turns: list[dict[str, Any]] = []
         seen: list[int] = []
         for t in traj.transitions:
@@ -87,7 +91,7 @@ class RolloutLog:
             seen = ob + ac
         return {
             "step": step,
-            "series": self.series,
+            "series": self.series if series is None else series,
             "group": group,
             "reward": traj.total_reward,
             "advantage": advantage,

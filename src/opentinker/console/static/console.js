@@ -127,7 +127,7 @@ async function runsPage() {
         el("td", {}, el("code", { text: r.name })),
         el("td", { class: "num", text: fmt(r.steps) }),
         el("td", { class: "num", text: fmt(r.last_step) }),
-        el("td", { text: r.series.join(", ") }),
+        el("td", { text: r.series.join(", ") + (r.series_count > r.series.length ? ` (+${r.series_count - r.series.length} more)` : "") }),
         el("td", {}, r.checkpoints.slice(-3).map((c) => el("div", {}, el("code", { text: `step ${c.step}: ${c.path}` })))),
         el("td", {}, r.has_rollouts ? el("a", { class: "open-rollouts", onclick: () => rolloutsView(r.name) }, "episodes") : ""),
       )));
@@ -157,6 +157,10 @@ async function runsPage() {
       });
       return series.length ? chart(k, series) : null;
     }).filter(Boolean);
+    const shownOf = (c) => Math.max(0, ...Object.values(c.curves).map((byLabel) => Object.keys(byLabel).length));
+    const capped = got.map((c, i) => (c && c.series_total > shownOf(c)
+      ? `${names[i]}: ${shownOf(c)} of its ${c.series_total} ${c.series_by}s` : null)).filter(Boolean);
+    if (capped.length) nodes.unshift(el("p", { class: "capped", text: "Overlaid: " + capped.join("; ") }));
     charts.replaceChildren(...nodes);
   }
 
@@ -294,26 +298,37 @@ async function sessionsPage(offset = 0) {
     pager(page, sessionsPage));
 }
 
-async function tracePage(sessionId) {
+async function tracePage(sessionId, offset = null) {
+  // the session's requests (the server's spans: what export_session_trace exports), newest page first
+  const base = `/sessions/${encodeURIComponent(sessionId)}/trace`;
   let t;
-  try { t = await api(`/sessions/${encodeURIComponent(sessionId)}/trace`); } catch (e) { return fail(e); }
-  const reqs = t.requests.filter((r) => r.done);
-  const t0 = Math.min(...reqs.map((r) => r.submitted)), t1 = Math.max(...reqs.map((r) => r.done));
+  try {
+    t = await api(`${base}?offset=${offset ?? 0}&limit=500`);
+    if (offset === null && t.total_count > t.limit) t = await api(`${base}?offset=${t.total_count - t.limit}&limit=500`);
+  } catch (e) { return fail(e); }
+  const reqs = t.requests;
+  const t0 = Math.min(...reqs.map((r) => r.received)), t1 = Math.max(...reqs.map((r) => r.received + r.duration_s));
   const span = Math.max(1e-3, t1 - t0), width = 900;
-  const models = [...new Set(reqs.map((r) => r.model_id))];
-  const line = el("div", { class: "timeline", id: "timeline", style: `width:${width}px;height:${Math.max(1, models.length) * 18 + 6}px` },
+  const tracks = [...new Set(reqs.map((r) => r.track))];
+  const x = (v) => ((v - t0) / span) * width;
+  const line = el("div", { class: "timeline", id: "timeline", style: `width:${width}px;height:${Math.max(1, tracks.length) * 18 + 6}px` },
     reqs.map((r) => el("div", {
-      class: `bar ${r.kind}${r.error ? " err" : ""}`,
-      style: `left:${((r.submitted - t0) / span) * width}px;width:${Math.max(2, (r.duration_s / span) * width)}px;top:${models.indexOf(r.model_id) * 18 + 3}px`,
-      title: `${r.kind} ${r.model_id} · tick ${fmt(r.tick)} · ${fmt(r.duration_s * 1000, 3)} ms`,
-    }, r.kind)));
+      class: `bar ${r.kind}${r.status.startsWith("failed") ? " err" : ""}`, "data-kind": r.kind,
+      style: `left:${x(r.received)}px;width:${Math.max(2, (r.duration_s / span) * width)}px;top:${tracks.indexOf(r.track) * 18 + 3}px`,
+      title: `${r.kind} on ${r.track} · waited ${fmt(r.queue_wait_s * 1000, 3)} ms · ran ${fmt(r.run_s * 1000, 3)} ms` + (r.tick === null ? "" : ` · tick ${r.tick}`),
+    }, el("span", { class: "wait", style: `width:${(r.queue_wait_s / Math.max(r.duration_s, 1e-9)) * 100}%` }), r.kind)));
+  const ms = (v) => fmt(v * 1000, 3);
   show(el("p", {}, el("a", { onclick: () => sessionsPage() }, "‹ sessions")), el("h2", {}, "Trace of ", el("code", { text: sessionId })),
-    el("p", { text: `${t.total_count} requests; ${span.toFixed(3)} s from first submission to last result; one row per model` }),
+    el("p", { text: `${t.total_count} requests; these ${reqs.length} span ${span.toFixed(3)} s from first arrival to last result; one row per model or sampler, the lighter part of a bar is its wait` }),
     line,
-    el("table", {}, el("tr", {}, ["kind", "model", "submitted", "duration (ms)", "tick"].map((h) => el("th", { text: h }))),
-      t.requests.slice(-200).map((r) => el("tr", {}, el("td", { text: r.kind }), el("td", {}, el("code", { text: r.model_id })),
-        el("td", { text: when(r.submitted) }), el("td", { class: "num", text: r.duration_s === undefined ? "pending" : fmt(r.duration_s * 1000, 3) }),
-        el("td", { class: "num", text: fmt(r.tick) })))));
+    pager(t, (o) => tracePage(sessionId, o)),
+    el("table", { id: "trace" }, el("tr", {}, ["request", "on", "arrived", "queue wait (ms)", "run (ms)", "duration (ms)", "tick", "fused rows", "status"].map((h) => el("th", { text: h }))),
+      reqs.slice().reverse().map((r) => el("tr", { class: "request", "data-kind": r.kind, "data-track": r.track },
+        el("td", { text: r.kind }), el("td", {}, el("code", { text: r.track })),
+        el("td", { text: when(r.received) }), el("td", { class: "num", text: ms(r.queue_wait_s) }),
+        el("td", { class: "num", text: ms(r.run_s) }), el("td", { class: "num", text: ms(r.duration_s) }),
+        el("td", { class: "num", text: fmt(r.tick) }), el("td", { class: "num", text: fmt(r.fused_rows) }),
+        el("td", { text: r.status })))));
 }
 
 async function modelsPage(offset = 0) {
