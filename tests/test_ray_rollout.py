@@ -33,7 +33,7 @@ from opentinker.cli import main as cli_main  # noqa: E402
 from opentinker.client.runtime import Runtime  # noqa: E402
 from opentinker.cluster.ray_env import NAMESPACE  # noqa: E402
 from opentinker.cluster.ray_rollout import RayTransport, RayWorker  # noqa: E402
-from opentinker.engine import AdamParams, Engine, ForwardRequest  # noqa: E402
+from opentinker.engine import Engine  # noqa: E402
 from opentinker.lora import LoRAConfig  # noqa: E402
 from opentinker.rollout.pool import WorkerPool  # noqa: E402
 from opentinker.rollout.process import WorkerStartError  # noqa: E402
@@ -41,8 +41,10 @@ from opentinker.rollout.wire import to_bytes  # noqa: E402
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams  # noqa: E402
 from opentinker.server.auth import create_key  # noqa: E402
 from opentinker.server.local import LocalServer, free_port  # noqa: E402
-from tests.conftest import TEST_MODEL, make_examples  # noqa: E402
-from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close  # noqa: E402
+from tests.conftest import TEST_MODEL  # noqa: E402
+from tests.test_rollout_workers import Served as ProcessServed  # noqa: E402
+from tests.test_rollout_workers import _requests, _same, _same_up_to_near_ties, _wait  # noqa: E402
+from tests.tolerances import assert_logprobs_close  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, stop=[])
 SEEDED = SamplingParams(max_tokens=24, temperature=1.0, seed=7, stop=[])
@@ -65,82 +67,18 @@ def _actors() -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
-class Served:
+class Served(ProcessServed):
     """A runtime whose sampling runs on two Ray actors, its engine, pool and a reference."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.runtime = Runtime(data_dir, rollout_workers=2, ray="local", worker_cpus=CPUS)
-        backend = self.runtime.backend(TEST_MODEL)
-        self.engine: Engine = backend.engine
-        pool = backend.scheduler.rollout
-        assert isinstance(pool, WorkerPool) and isinstance(pool.transport, RayTransport)
-        self.pool = pool
-        self.transport: RayTransport = pool.transport
-        self.scheduler = backend.scheduler
-        self.reference = NativeBackend(self.engine, prefix_cache_bytes=0)  # in process, each alone
+        super().__init__(data_dir, ray="local", worker_cpus=CPUS)
+        assert isinstance(self.pool.transport, RayTransport)
+        self.transport: RayTransport = self.pool.transport
 
     def handle(self, index: int) -> RayWorker:
         h = self.pool.worker_handle(index)
         assert isinstance(h, RayWorker)
         return h
-
-    def train_snapshot(self, aid: str, seed: int) -> str:
-        self.engine.forward_backward(ForwardRequest(aid, make_examples(4, self.engine.vocab_size, seed=seed)))
-        self.engine.optim_step(aid, AdamParams(learning_rate=2e-2))
-        return self.engine.snapshot(aid).snapshot_id
-
-    def sample(self, reqs: list[SampleRequest], timeout: float = 180) -> list[SampleResult | BaseException]:
-        futs = [self.scheduler.submit_sample(r) for r in reqs]
-        out: list[SampleResult | BaseException] = []
-        for f in futs:
-            try:
-                out.append(f.result(timeout=timeout))
-            except Exception as e:
-                out.append(e)
-        return out
-
-
-def _same(got: SampleResult | BaseException, want: SampleResult | BaseException) -> None:
-    assert isinstance(got, SampleResult), got
-    assert isinstance(want, SampleResult), want
-    assert len(got.sequences) == len(want.sequences)
-    for g, w in zip(got.sequences, want.sequences, strict=True):
-        assert g.tokens == w.tokens and g.stop_reason == w.stop_reason
-        assert_logprobs_close(g.logprobs, w.logprobs)
-
-
-def _same_up_to_near_ties(
-    got: SampleResult | BaseException, req: SampleRequest, reference: NativeBackend
-) -> None:
-    """Long greedy rows: tokens identical up to the first near tie of the reference's top two
-    logprobs (where fp32 rounding of another batch may pick either), logprobs close up to there."""
-    [want] = reference.generate([replace(req, topk_sample_logprobs=2)])
-    assert isinstance(got, SampleResult) and isinstance(want, SampleResult), (got, want)
-    for g, w in zip(got.sequences, want.sequences, strict=True):
-        assert w.topk_logprobs is not None
-        gaps = [top[0][1] - top[1][1] for top in w.topk_logprobs]
-        assert_greedy_equal(g.tokens, w.tokens, gaps=gaps, gap_tol=2 * LOGPROB_ATOL)
-        n = next((i for i, x in enumerate(gaps) if x < 2 * LOGPROB_ATOL), len(gaps))
-        assert_logprobs_close(g.logprobs[:n], w.logprobs[:n])
-
-
-def _requests(
-    policies: list[str | None], n: int, params: SamplingParams, num_samples: int = 1
-) -> list[SampleRequest]:
-    out = []
-    for i in range(n):
-        p = replace(params, seed=params.seed + i) if params.seed is not None else params
-        out.append(SampleRequest(policies[i % len(policies)], [1, 5 + i, 9, 20 + 3 * i, 7], p, num_samples))
-    return out
-
-
-def _wait(cond: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 # ---------------------------------------------------------------------- in process, over Ray

@@ -41,10 +41,11 @@ SEEDED = SamplingParams(max_tokens=24, temperature=1.0, seed=7, stop=[])
 
 
 class Served:
-    """A runtime whose sampling runs in two worker processes, its engine, pool and a reference."""
+    """A runtime whose sampling runs in two rollout workers (processes unless ``runtime_options``
+    say otherwise), its engine, pool and a reference."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self.runtime = Runtime(data_dir, rollout_workers=2)
+    def __init__(self, data_dir: Path, **runtime_options: Any) -> None:
+        self.runtime = Runtime(data_dir, rollout_workers=2, **runtime_options)
         backend = self.runtime.backend(TEST_MODEL)
         self.engine: Engine = backend.engine
         pool = backend.scheduler.rollout
@@ -58,7 +59,7 @@ class Served:
         self.engine.optim_step(aid, AdamParams(learning_rate=2e-2))
         return self.engine.snapshot(aid).snapshot_id
 
-    def sample(self, reqs: list[SampleRequest], timeout: float = 120) -> list[SampleResult | BaseException]:
+    def sample(self, reqs: list[SampleRequest], timeout: float = 180) -> list[SampleResult | BaseException]:
         futs = [self.scheduler.submit_sample(r) for r in reqs]
         out: list[SampleResult | BaseException] = []
         for f in futs:
