@@ -105,6 +105,11 @@ def in_named_dir(named_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    # ``datasets`` reads that variable once, at import (the cookbook's import, at collection), so
+    # set its config too: a shared cache serves an earlier run's ``openai/gsm8k`` by name
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
     return named_dir
 
 

@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import logging
 import os
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any, NamedTuple
 
 from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
 from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
+from opentinker.client.scaleout import ScaleOut
 from opentinker.engine import Engine, EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
@@ -46,7 +46,6 @@ from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.scheduler import Scheduler, TickRecord
 
-_log = logging.getLogger(__name__)
 ROLLOUT_BACKENDS = ("native", "vllm")
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -160,39 +159,16 @@ class Runtime:
             from opentinker.sampling.vllm_backend import import_vllm
 
             import_vllm()  # not installed: fail now, naming the cause, not at the first request
-        self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
-        self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
-        self.worker_startup_timeout = worker_startup_timeout
-        self._ray_rollout = ray is not None and bool(rollout_workers)  # rollout workers as actors
-        if ray is not None:
-            if not rollout_workers and not trainer_workers:
-                raise ValueError(
-                    "ray runs rollout or trainer workers as actors: give rollout_workers >= 1 "
-                    "or trainer_workers >= 1"
-                )
-            from opentinker.cluster.ray_env import check_fits, connect
-            from opentinker.cluster.ray_rollout import RayTransport
-
-            RayTransport(worker_cpus, worker_gpus)  # refuses resources no worker could have
-            self.ray_cluster = connect(ray)
-            if rollout_workers:
-                check_fits(rollout_workers, worker_cpus, worker_gpus)
-        if not isinstance(trainer_workers, int) or trainer_workers < 0:
-            raise ValueError(f"trainer_workers must be an integer >= 0, got {trainer_workers!r}")
-        self.trainer_workers = trainer_workers
-        self.trainer_options = dict(trainer_options or {})
-        self.auto_restore = auto_restore
-        self.restored: dict[str, dict[str, Any]] = {}  # model -> how auto-restore brought it back
-        if trainer_workers:
-            from opentinker.cluster.trainer import check_resources, start_local_ray
-
-            if self.ray_cluster is None:  # no address given: a Ray instance started here
-                start_local_ray()
-            check_resources(
-                trainer_workers,
-                float(self.trainer_options.get("worker_cpus", 1.0)),
-                float(self.trainer_options.get("worker_gpus", 0.0)),
-            )
+        self.scaleout = ScaleOut(
+            rollout_workers=rollout_workers,
+            ray=ray,
+            worker_cpus=worker_cpus,
+            worker_gpus=worker_gpus,
+            worker_startup_timeout=worker_startup_timeout,
+            trainer_workers=trainer_workers,
+            trainer_options=trainer_options,
+            auto_restore=auto_restore,
+        )
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = CheckpointStore(self.data_dir)
@@ -237,22 +213,29 @@ class Runtime:
                         device=self.device,
                         max_rank=self.max_rank,
                         prefix_cache_bytes=self.prefix_cache_bytes,
-                        startup_timeout=self.worker_startup_timeout,
-                        transport=self._transport(),
+                        startup_timeout=self.scaleout.worker_startup_timeout,
+                        transport=self.scaleout.transport(),
                     )
                 elif not self.sample_in_ticks:  # sampling on its own thread, continuous batching
                     rollout = RolloutLoop(RolloutCore(decoder(), sampler))
-                b = Backend(engine, sampler, self._scheduler(name, engine, sampler, rollout))
+                scheduler = self.scaleout.scheduler(
+                    name,
+                    engine,
+                    sampler,
+                    rollout,
+                    device=self.device,
+                    max_rank=self.max_rank,
+                    models=lambda: self.models,
+                    store=self.store,
+                )
+                b = Backend(engine, sampler, scheduler)
                 self._backends[name] = b
             return b
 
-    def _transport(self) -> Any:
-        """How a base model's rollout workers are reached: processes here, or Ray actors."""
-        if not self._ray_rollout:
-            return None
-        from opentinker.cluster.ray_rollout import RayTransport
-
-        return RayTransport(self.worker_cpus, self.worker_gpus)
+    @property
+    def restored(self) -> dict[str, dict[str, Any]]:
+        """Per model put back after its trainer worker was lost: from where, and the steps lost."""
+        return self.scaleout.restored
 
     def _worker_pools(self) -> dict[str, WorkerPool]:
         with self._lock:
@@ -264,99 +247,16 @@ class Runtime:
 
     def rollout_workers_info(self) -> dict[str, Any]:
         """The rollout workers now: per base model, each worker's state and requests served."""
-        out: dict[str, Any] = {}
-        for name, pool in self._worker_pools().items():
-            stats = pool.stats
-            out[name] = {
-                "workers": pool.size,
-                "transport": pool.transport.name,
-                "states": pool.worker_states(),
-                "served": stats.served,
-                "restarts": stats.restarts,
-                "rerun": stats.rerun,
-            }
-        return {
-            "ray": None if self.ray_cluster is None else self.ray_cluster.address,
-            "rollout_workers": self.rollout_workers,
-            "base_models": out,
-        }
+        return self.scaleout.workers_info(self._worker_pools(), self.rollout_workers)
 
     def scale_rollout_workers(self, workers: int) -> dict[str, int]:
         """Serve every base model's sampling from ``workers`` rollout workers, while serving: new
         ones start first and serve the current snapshots, removed ones drain first. Returns the
         count per base model. Raises ``ValueError`` (below one, no worker pool, more than the
         cluster can place) before anything changes."""
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"rollout workers cannot be scaled below one, got {workers!r}")
-        pools = self._worker_pools()
-        if not pools:
-            raise ValueError(
-                "this service has no rollout workers to scale (serve it with --rollout-workers N)"
-            )
-        extra = sum(max(0, workers - p.size) for p in pools.values())
-        if extra:
-            next(iter(pools.values())).transport.check_capacity(extra)
-        out = {name: pool.scale(workers) for name, pool in pools.items()}
+        out = self.scaleout.scale(self._worker_pools(), workers)
         self.rollout_workers = workers  # base models loaded later start this many
         return out
-
-    def _scheduler(
-        self, name: str, engine: Engine, sampler: RolloutBackend, rollout: RolloutService | None
-    ) -> Scheduler:
-        """The base model's scheduler: training here, or routed to its trainer workers."""
-        if not self.trainer_workers:
-            return Scheduler(engine, sampler, rollout=rollout)
-        from opentinker.cluster.trainer import TrainerPool
-        from opentinker.cluster.trainer_router import RoutedScheduler
-
-        opts = self.trainer_options
-        pool = TrainerPool(
-            name,
-            self.trainer_workers,
-            worker_cpus=float(opts.get("worker_cpus", 1.0)),
-            worker_gpus=float(opts.get("worker_gpus", 0.0)),
-            device=self.device,
-            max_rank=self.max_rank,
-        )
-        router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
-        router.on_worker_lost = lambda slot, models: self._worker_lost(router, slot.worker_id, models)
-        return router
-
-    def _worker_lost(self, router: Any, worker_id: str, models: list[str]) -> None:
-        """A trainer worker is gone: with ``auto_restore``, each of its models is put back from
-        its newest ``save_state`` checkpoint; :attr:`restored` records how (or why not)."""
-        for model_id in models:
-            rec = self.models.get(model_id)
-            if rec is None or rec.deleted:
-                continue
-            lost_at = int(router.steps.get(model_id, 0))
-            entry: dict[str, Any] = {"worker": worker_id, "steps_at_loss": lost_at, "restored": False}
-            saved = [
-                r
-                for r in self.store.list(model_id)
-                if r.ref.kind == "weights" and r.meta.get("has_optimizer")
-            ]
-            if not self.auto_restore or not saved:
-                entry["reason"] = (
-                    "auto-restore is off" if not self.auto_restore else "no save_state checkpoint"
-                )
-                self.restored[model_id] = entry
-                continue
-            newest = saved[-1]
-            step = int(newest.meta.get("step", 0))
-            try:
-                entry["to_worker"] = router.restore(model_id, str(newest.folder)).result()
-            except Exception as e:  # reported, not raised: this runs on a background thread
-                entry["reason"] = str(e)
-                self.restored[model_id] = entry
-                continue
-            rec.parent = newest.ref.tinker_path
-            entry.update(restored=True, checkpoint=newest.ref.tinker_path, lost_steps=max(0, lost_at - step))
-            self.restored[model_id] = entry
-            _log.warning(
-                "trainer worker %s lost: model %s restored from %s on %s; %d step(s) lost",
-                worker_id, model_id, newest.ref.tinker_path, entry["to_worker"], entry["lost_steps"],
-            )  # fmt: skip
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
@@ -700,11 +600,11 @@ class Runtime:
                 if callable(close):
                     close()
             self._backends.clear()
-        if self.ray_cluster is not None:
+        if self.scaleout.ray_cluster is not None:
             from opentinker.cluster.ray_env import shutdown
 
-            shutdown(self.ray_cluster)
-            self.ray_cluster = None
+            shutdown(self.scaleout.ray_cluster)
+            self.scaleout.ray_cluster = None
 
 
 _default: Runtime | None = None
