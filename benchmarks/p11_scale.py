@@ -7,12 +7,18 @@ thread), both alive at once and timed in alternating rounds; aggregate optimizer
 Line ``P11train <2 workers ÷ 1>``. The in-process runtime (one torch thread, no Ray) runs the same
 loop as the baseline the routing overhead is read against.
 
+``rollout``: 8 sampling-bound RL loops, one thread each (per step: save the weights for a sampler,
+sample ``--samples`` replies of ``--rollout-tokens`` tokens, then train on one short datum), served
+by one trainer (the runtime's own engine, one torch thread) with 1 and with 2 Ray rollout workers
+(one torch thread each), both alive at once and timed in alternating rounds; aggregate episodes
+per second. Line ``P11rollout <2 rollout workers ÷ 1>``.
+
 ``costs`` (one engine in this process, one thread): a fused forward/backward + optimizer step
 against the rows in it (the trainer's cost model, ``step(rows) = a + b·rows``), the LoRA snapshot
 bytes per policy version (what a handoff moves), and decode tokens per second for a mixed batch
 (the sampler's). ``docs/SCALING.md`` projects these to a cluster.
 
-    python benchmarks/p11_scale.py [--model opentinker/tiny] [--steps 6] [--repeats 3] [--json F]
+    python benchmarks/p11_scale.py [--what train|rollout|costs|both] [--model opentinker/tiny] [--steps 6] [--repeats 3] [--json F]
 """
 
 from __future__ import annotations
@@ -116,6 +122,79 @@ def bench_train(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return {"times_s": times, "steps_per_s": rates, "P11train": ratio, "placement": placement}
 
 
+def rollout_round(clients: list[Any], data: list[list[types.Datum]], args: argparse.Namespace) -> float:
+    """Every tenant's ``args.steps`` RL-shaped steps (sampling-bound), all at once; seconds."""
+    barrier = threading.Barrier(len(clients) + 1)
+    params = types.SamplingParams(max_tokens=args.rollout_tokens, temperature=1.0, stop=[])
+
+    def loop(i: int, tc: Any, d: list[types.Datum]) -> None:
+        barrier.wait()
+        for step in range(args.steps):
+            sc = tc.save_weights_and_get_sampling_client(f"t{i}-s{step}")
+            prompt = types.ModelInput.from_ints([1, 5 + i, 9, 20 + step])
+            sc.sample(prompt=prompt, num_samples=args.samples, sampling_params=params).result()
+            fb = tc.forward_backward(d, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+            fb.result()
+
+    threads = [
+        threading.Thread(target=loop, args=(i, tc, d))
+        for i, (tc, d) in enumerate(zip(clients, data, strict=True))
+    ]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    import ray
+
+    torch.set_num_threads(1)  # the trainer: one thread, like each rollout worker
+    ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
+    root = Path(tempfile.mkdtemp(prefix="p11r-"))
+    runtimes = {
+        f"{k} rollout worker{'s' if k > 1 else ''}": Runtime(
+            root / f"r{k}", rollout_workers=k, ray="local", worker_cpus=0.5
+        )
+        for k in (1, 2)
+    }
+    setups = {}
+    try:
+        for name, rt in runtimes.items():
+            svc = opentinker.ServiceClient(runtime=rt)
+            clients = [svc.create_lora_training_client(model, rank=8, seed=i) for i in range(TENANTS)]
+            vocab = rt.base_model_info(model).vocab_size
+            data = [_datums(i, 1, 16, vocab) for i in range(TENANTS)]
+            warm = argparse.Namespace(**{**vars(args), "steps": 1})
+            rollout_round(clients, data, warm)  # first-use costs on every worker
+            setups[name] = (clients, data)
+        times: dict[str, list[float]] = {n: [] for n in runtimes}
+        names = list(runtimes)
+        for rep in range(args.repeats):
+            for name in names if rep % 2 == 0 else reversed(names):
+                clients, data = setups[name]
+                times[name].append(rollout_round(clients, data, args))
+    finally:
+        for rt in runtimes.values():
+            rt.shutdown()
+        ray.shutdown()
+    episodes = TENANTS * args.steps * args.samples
+    rates = {n: episodes / statistics.median(ts) for n, ts in times.items()}
+    print(
+        f"{'run':<20} {'median s':>9} {'episodes/s':>10}   ({TENANTS} loops x {args.steps} steps x "
+        f"{args.samples} samples of {args.rollout_tokens} tokens)"
+    )
+    for n, ts in times.items():
+        print(f"{n:<20} {statistics.median(ts):>9.2f} {rates[n]:>10.2f}")
+    ratio = rates["2 rollout workers"] / rates["1 rollout worker"]
+    print(f"P11rollout {ratio:.2f}")
+    return {"times_s": times, "episodes_per_s": rates, "P11rollout": ratio}
+
+
 def bench_costs(args: argparse.Namespace, model: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     eng = Engine(model)
@@ -178,13 +257,15 @@ def bench_costs(args: argparse.Namespace, model: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=SMOLLM2_INSTRUCT)
-    ap.add_argument("--what", choices=("train", "costs", "both"), default="both")
+    ap.add_argument("--what", choices=("train", "rollout", "costs", "both"), default="both")
     ap.add_argument("--steps", type=int, default=4, help="training steps per tenant per timed round")
     ap.add_argument("--rows", type=int, default=2, help="datums per tenant per step")
     ap.add_argument("--seq", type=int, default=64, help="tokens per datum")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cost-rows", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=4, help="rollout: replies per step per loop")
+    ap.add_argument("--rollout-tokens", type=int, default=64, help="rollout: tokens per reply")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model = args.model
@@ -193,6 +274,8 @@ def main() -> None:
         out["costs"] = bench_costs(args, model)
     if args.what in ("train", "both"):
         out["train"] = bench_train(args, model)
+    if args.what == "rollout":
+        out["rollout"] = bench_rollout(args, model)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1, default=str))
 
