@@ -69,7 +69,13 @@ def train_round(clients: list[Any], data: list[list[types.Datum]], steps: int) -
             tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
             fb.result()
 
-    threads = [threading.Thread(target=loop, args=(tc, d)) for tc, d in zip(clients, data, strict=True)]
+    return _timed(
+        [threading.Thread(target=loop, args=(tc, d)) for tc, d in zip(clients, data, strict=True)], barrier
+    )
+
+
+def _timed(threads: list[threading.Thread], barrier: threading.Barrier) -> float:
+    """Start every tenant's thread, release them together at ``barrier``; seconds until all end."""
     for t in threads:
         t.start()
     barrier.wait()
@@ -137,17 +143,8 @@ def rollout_round(clients: list[Any], data: list[list[types.Datum]], args: argpa
             tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
             fb.result()
 
-    threads = [
-        threading.Thread(target=loop, args=(i, tc, d))
-        for i, (tc, d) in enumerate(zip(clients, data, strict=True))
-    ]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
+    pairs = enumerate(zip(clients, data, strict=True))
+    return _timed([threading.Thread(target=loop, args=(i, tc, d)) for i, (tc, d) in pairs], barrier)
 
 
 def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:

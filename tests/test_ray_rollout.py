@@ -43,7 +43,7 @@ from opentinker.server.auth import create_key  # noqa: E402
 from opentinker.server.local import LocalServer, free_port  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 from tests.test_rollout_workers import Served as ProcessServed  # noqa: E402
-from tests.test_rollout_workers import _requests, _same, _same_up_to_near_ties, _wait  # noqa: E402
+from tests.test_rollout_workers import _probe, _requests, _same, _same_up_to_near_ties, _wait  # noqa: E402
 from tests.tolerances import assert_logprobs_close  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, stop=[])
@@ -254,31 +254,6 @@ def test_serve_refuses_an_address_that_does_not_answer_and_resources_it_cannot_p
     assert out.returncode == 2, out.stderr[-2000:]
     assert "a rollout worker asks for 64 CPUs but the largest Ray node has 2" in out.stderr
     assert "Traceback" not in out.stderr and _actors() == actors
-
-
-def _probe(service: Any) -> list[tuple[list[int], list[float]]]:
-    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
-    if hasattr(tc, "result"):
-        tc = tc.result()
-    toks = list(range(3, 27))
-    inputs: dict[str, Any] = {"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)}
-    datum = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs=inputs)
-    for _ in range(2):
-        tc.forward_backward([datum], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    sampler = tc.save_weights_and_get_sampling_client().result()
-    prompt = types.ModelInput.from_ints(toks[:8])
-    out: list[tuple[list[int], list[float]]] = []
-    for params in (
-        types.SamplingParams(max_tokens=12, temperature=0.0, stop=[]),
-        types.SamplingParams(max_tokens=12, temperature=1.0, seed=5, stop=[]),
-    ):
-        res = sampler.sample(
-            prompt, num_samples=3, sampling_params=params, include_prompt_logprobs=True
-        ).result()
-        out += [(list(s.tokens), list(s.logprobs or [])) for s in res.sequences]
-        out.append(([], [x for x in (res.prompt_logprobs or [])[1:] if x is not None]))
-    return out
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
