@@ -169,7 +169,9 @@ def test_scale_2_to_1_hands_a_training_model_over_without_losing_a_step(
     losses += _losses(_steps(tc, BEFORE + DURING, AFTER))
     report = out["trainer_scale"][TEST_MODEL]
     assert report["removed"] == ["trainer-1"] and report["added"] == []
-    assert report["moved"] == {tc.model_id: {"from": "trainer-1", "to": "trainer-0"}}
+    moved = report["moved"][tc.model_id]
+    assert (moved["from"], moved["to"]) == ("trainer-1", "trainer-0") and len(report["moved"]) == 1
+    assert BEFORE <= moved["at_step"] <= BEFORE + DURING  # it moved while the client trained
     workers = _trainers(srv, ops)
     assert [(w["worker_id"], w["model_ids"]) for w in workers] == [
         ("trainer-0", sorted([idle.model_id, tc.model_id]))

@@ -199,8 +199,8 @@ class RoutedScheduler(Scheduler):
         model's order: the ops sent before finish there, then its whole state goes through
         ``folder`` (storage every worker reads: :meth:`TrainerWorker.hand_out`) onto the least
         loaded other worker, and routing switches; the ops queued behind wait in its lane
-        meanwhile and then run on the new worker. The future gives the new worker's id (None:
-        the model was deleted meanwhile)."""
+        meanwhile and then run on the new worker. The future gives the new worker's id and the
+        model's optimizer step at the move (None: the model was deleted meanwhile)."""
 
         def run(fut: Future) -> None:
             if not self.pool.is_placed(model_id):
@@ -221,7 +221,7 @@ class RoutedScheduler(Scheduler):
                     lane.worker, lane.seq = target.rank, 0  # take_over started its numbering at 0
                 self.pool.finish_move(model_id, target)
                 self.note_step(model_id, step)
-                fut.set_result(target.worker_id)
+                fut.set_result((target.worker_id, step))
             except Exception as e:
                 self.pool.abort_move(model_id, target)
                 fut.set_exception(self._translate(e, old, model_id))

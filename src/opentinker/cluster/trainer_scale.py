@@ -43,7 +43,7 @@ def check_scale(workers: Any) -> int:
 
 def scale_trainers(router: RoutedScheduler, workers: int, folder: str | Path) -> dict[str, Any]:
     """Bring ``router``'s pool to ``workers`` live trainer workers (module docstring); returns
-    the workers added, removed and where each moved model went."""
+    the workers added, removed and where each moved model went (and its step then)."""
     pool = router.pool
     live = [w for w in pool.live_workers() if not w.draining]
     out: dict[str, Any] = {"added": [], "removed": [], "moved": {}}
@@ -66,7 +66,7 @@ def scale_trainers(router: RoutedScheduler, workers: int, folder: str | Path) ->
             failed.append(f"{model_id!r} on {worker_id}: {e}")
             continue
         if to is not None:
-            out["moved"][model_id] = {"from": worker_id, "to": to}
+            out["moved"][model_id] = {"from": worker_id, "to": to[0], "at_step": to[1]}
     shutil.rmtree(folder, ignore_errors=True)  # every moved model is live on its new worker
     for worker_id in leaving:
         slot = pool.slot(worker_id)
