@@ -226,3 +226,31 @@ def test_scale_1_to_2_places_a_new_model_on_the_new_worker(
     [new] = [w for w in _trainers(srv, ops) if w["worker_id"] == added]
     assert new["alive"] and new["ticks"] > 0 and new["model_ids"] == [tc.model_id]
     remote.close("success").result(timeout=WAIT)
+
+
+def test_gradients_accumulated_before_a_move_are_stepped_on_after_it(
+    served: tuple[LocalServer, str], tmp_path: Path
+) -> None:
+    """A forward_backward before the move, its optim_step after: the gradients went with the model."""
+    srv, ops = served
+    if len(_trainers(srv, ops)) != 2:  # run alone: start from two workers
+        _scale(srv, ops, {"trainer_workers": 2})
+    remote = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+    clients = [_client(remote, 6), _client(remote, 7)]  # one on each worker: one of them moves
+    assert len({_placement(srv, ops)[c.model_id] for c in clients}) == 2
+    pending = [c.forward_backward(_data(0), "cross_entropy").result(timeout=WAIT) for c in clients]
+    moved = _scale(srv, ops, {"trainer_workers": 1})["trainer_scale"][TEST_MODEL]["moved"]
+    assert len(moved) == 1 and next(iter(moved.values()))["at_step"] == 0
+    for c in clients:
+        c.optim_step(ADAM).result(timeout=WAIT)
+    got = [[p.metrics["loss:sum"], *_losses(_steps(c, 1, 1))] for p, c in zip(pending, clients, strict=True)]
+    rt = Runtime(tmp_path / "ref")
+    try:
+        service = opentinker.ServiceClient(runtime=rt)
+        want = [_losses(_steps(_client(service, seed), 0, 2)) for seed in (6, 7)]
+    finally:
+        rt.shutdown()
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert_scalar_close(a, b, rel=1e-5)
+    remote.close("success").result(timeout=WAIT)
