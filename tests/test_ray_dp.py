@@ -144,6 +144,22 @@ def test_refused_shard_leaves_every_replica_as_it_was(pool: TrainerPool):
         clean.delete()
 
 
+def test_a_worker_holding_a_data_parallel_replica_is_not_removed(pool: TrainerPool):
+    """Data-parallel replicas are not handed over: a scale-down that would need a worker holding
+    one is refused, naming the model, and no worker is left draining."""
+    dp = DataParallelModel(pool, "dp-scale", CONFIG, degree=2)
+    try:
+        with pytest.raises(
+            ClusterConfigError, match=r"only 0 hold no data-parallel replica .*'dp-scale' on trainer-0"
+        ):
+            pool.choose_leaving(1)
+        with pytest.raises(ClusterConfigError, match="cannot be scaled below one"):
+            pool.choose_leaving(2)
+        assert not any(w.draining for w in pool.workers) and len(pool.live_workers()) == 2
+    finally:
+        dp.delete()
+
+
 def test_bad_input_is_refused_at_once_changing_nothing(pool: TrainerPool):
     before = pool.placement()
     with pytest.raises(EngineError, match=r"degree 3 is above the number of live trainer workers \(2\)"):

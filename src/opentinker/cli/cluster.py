@@ -1,10 +1,12 @@
-"""``opentinker cluster``: an operator's view and control of a running server's rollout workers.
+"""``opentinker cluster``: an operator's view and control of a running server's rollout and trainer workers.
 
     opentinker cluster status --url http://HOST:PORT --api-key tml-…
     opentinker cluster scale --rollout-workers K --url http://HOST:PORT --api-key tml-…
+    opentinker cluster scale --trainer-workers T --url http://HOST:PORT --api-key tml-…
 
-The key must be an operator's (a tenant the server names with ``--operator``). ``scale`` returns
-once new workers serve and removed ones have drained; it prints the workers as JSON. A refused
+The key must be an operator's (a tenant the server names with ``--operator``). ``scale`` (either
+count or both) returns once new workers serve, removed rollout workers have drained and removed
+trainer workers have handed their models over; it prints the workers as JSON. A refused
 request prints the server's reason and exits 1. ``--url`` and ``--api-key`` default to
 ``$TINKER_BASE_URL`` and ``$TINKER_API_KEY``.
 """
@@ -25,13 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="opentinker cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
-    for name, what in (("status", "the rollout workers now"), ("scale", "add or remove rollout workers")):
+    for name, what in (("status", "the workers now"), ("scale", "add or remove rollout or trainer workers")):
         c = sub.add_parser(name, help=what)
         c.add_argument("--url", default=os.environ.get("TINKER_BASE_URL"), help="the server's base URL")
         c.add_argument("--api-key", default=os.environ.get("TINKER_API_KEY"), help="an operator's key")
         c.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the answer")
         if name == "scale":
-            c.add_argument("--rollout-workers", type=int, required=True, help="workers per base model")
+            c.add_argument("--rollout-workers", type=int, help="rollout workers per base model")
+            c.add_argument("--trainer-workers", type=int, help="trainer workers per base model")
     return p
 
 
@@ -44,7 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if args.command == "scale":
-        body: dict[str, Any] | None = {"rollout_workers": args.rollout_workers}
+        body: dict[str, Any] | None = {
+            k: v
+            for k, v in (("rollout_workers", args.rollout_workers), ("trainer_workers", args.trainer_workers))
+            if v is not None
+        }
+        if not body:
+            print(
+                "opentinker cluster: error: give --rollout-workers and/or --trainer-workers", file=sys.stderr
+            )
+            return 2
         route = "/api/v1/cluster/scale"
     else:
         body, route = None, "/api/v1/cluster"

@@ -245,9 +245,28 @@ class Runtime:
                 if isinstance(b.scheduler.rollout, WorkerPool)
             }
 
+    def _routers(self) -> dict[str, Any]:
+        with self._lock:
+            return {n: b.scheduler for n, b in self._backends.items() if hasattr(b.scheduler, "pool")}
+
     def rollout_workers_info(self) -> dict[str, Any]:
-        """The rollout workers now: per base model, each worker's state and requests served."""
-        return self.scaleout.workers_info(self._worker_pools(), self.rollout_workers)
+        """The workers now: per base model, each rollout worker's state and requests served, and
+        each trainer worker with the models it holds."""
+        return self.scaleout.workers_info(self._worker_pools(), self.rollout_workers, self._routers())
+
+    def scale_trainer_workers(self, workers: int) -> dict[str, Any]:
+        """Train every base model on ``workers`` trainer workers, while serving: new ones start and
+        take new models, removed ones hand each model over (its whole state through the data dir)
+        without losing a step (:mod:`opentinker.cluster.trainer_scale`). ``ValueError`` (below
+        one, no trainer workers, more than the cluster has free) before anything changes."""
+        return self.scaleout.scale_trainers(self._routers(), workers, self.data_dir / "handover")
+
+    def check_scale(self, rollout_workers: int | None, trainer_workers: int | None) -> None:
+        """``ValueError`` unless both scales (each one given) can be done; changes nothing."""
+        if rollout_workers is not None:
+            self.scaleout.check_rollout_scale(self._worker_pools(), rollout_workers)
+        if trainer_workers is not None:
+            self.scaleout.check_trainer_scale(self._routers(), trainer_workers)
 
     def scale_rollout_workers(self, workers: int) -> dict[str, int]:
         """Serve every base model's sampling from ``workers`` rollout workers, while serving: new

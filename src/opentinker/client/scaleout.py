@@ -9,7 +9,9 @@ loads. Nothing of :mod:`opentinker.cluster` (nor Ray) is imported unless Ray is 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opentinker.engine import Engine
@@ -60,6 +62,7 @@ class ScaleOut:
         self.trainer_options = dict(trainer_options or {})
         self.auto_restore = auto_restore
         self.restored: dict[str, dict[str, Any]] = {}  # model -> how auto-restore brought it back
+        self._scale_lock = threading.Lock()  # one trainer scale at a time
         if trainer_workers:
             from opentinker.cluster.trainer import check_resources, start_local_ray
 
@@ -79,8 +82,11 @@ class ScaleOut:
 
         return RayTransport(self.worker_cpus, self.worker_gpus)
 
-    def workers_info(self, pools: Mapping[str, WorkerPool], rollout_workers: int) -> dict[str, Any]:
-        """The rollout workers now: per base model, each worker's state and requests served."""
+    def workers_info(
+        self, pools: Mapping[str, WorkerPool], rollout_workers: int, routers: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The rollout workers now: per base model, each worker's state and requests served; and
+        with trainer workers, per base model each trainer worker and the models it holds."""
         out: dict[str, Any] = {}
         for name, pool in pools.items():
             stats = pool.stats
@@ -92,16 +98,58 @@ class ScaleOut:
                 "restarts": stats.restarts,
                 "rerun": stats.rerun,
             }
-        return {
+        info: dict[str, Any] = {
             "ray": None if self.ray_cluster is None else self.ray_cluster.address,
             "rollout_workers": rollout_workers,
             "base_models": out,
         }
+        if self.trainer_workers:
+            info["trainer_workers"] = self.trainer_workers
+            info["trainers"] = {name: r.trainer_info() for name, r in (routers or {}).items()}
+        return info
+
+    def check_trainer_scale(self, routers: Mapping[str, Any], workers: Any) -> None:
+        """Refuse (``ValueError``, nothing changed) a trainer scale below one worker, without
+        trainer workers, or needing more than the Ray cluster has free."""
+        from opentinker.cluster.ray_env import check_fits
+        from opentinker.cluster.trainer_scale import check_scale
+
+        check_scale(workers)
+        if not self.trainer_workers:
+            raise ValueError(
+                "this service trains in its own process: no trainer workers to scale "
+                "(serve it with --trainer-workers N)"
+            )
+        extra = sum(
+            max(0, workers - sum(1 for w in r.pool.live_workers() if not w.draining))
+            for r in routers.values()
+        )
+        if extra:
+            opts = self.trainer_options
+            cpus, gpus = float(opts.get("worker_cpus", 1.0)), float(opts.get("worker_gpus", 0.0))
+            check_fits(extra, cpus, gpus, what="trainer worker")
+
+    def scale_trainers(self, routers: Mapping[str, Any], workers: int, folder: Path) -> dict[str, Any]:
+        """Serve every base model's training from ``workers`` trainer workers, while serving (see
+        :mod:`opentinker.cluster.trainer_scale`); per base model what was added, removed, moved."""
+        from opentinker.cluster.trainer_scale import scale_trainers
+
+        with self._scale_lock:
+            self.check_trainer_scale(routers, workers)
+            out = {name: scale_trainers(r, workers, folder / _safe(name)) for name, r in routers.items()}
+            self.trainer_workers = workers  # base models loaded later start this many
+        return out
 
     @staticmethod
     def scale(pools: Mapping[str, WorkerPool], workers: int) -> dict[str, int]:
         """Serve every base model's sampling from ``workers`` rollout workers, while serving (see
         :meth:`Runtime.scale_rollout_workers <opentinker.client.runtime.Runtime.scale_rollout_workers>`)."""
+        ScaleOut.check_rollout_scale(pools, workers)
+        return {name: pool.scale(workers) for name, pool in pools.items()}
+
+    @staticmethod
+    def check_rollout_scale(pools: Mapping[str, WorkerPool], workers: Any) -> None:
+        """Refuse (``ValueError``, nothing changed) what :meth:`scale` cannot do."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"rollout workers cannot be scaled below one, got {workers!r}")
         if not pools:
@@ -111,7 +159,6 @@ class ScaleOut:
         extra = sum(max(0, workers - p.size) for p in pools.values())
         if extra:
             next(iter(pools.values())).transport.check_capacity(extra)
-        return {name: pool.scale(workers) for name, pool in pools.items()}
 
     def scheduler(
         self,
@@ -182,3 +229,7 @@ class ScaleOut:
                 "trainer worker %s lost: model %s restored from %s on %s; %d step(s) lost",
                 worker_id, model_id, newest.ref.tinker_path, entry["to_worker"], entry["lost_steps"],
             )  # fmt: skip
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -60,7 +60,8 @@ class DataParallelModel:
     """One adapter replicated over ``degree`` trainer workers (module docstring)."""
 
     def __init__(self, pool: TrainerPool, model_id: str, config: LoRAConfig, *, degree: int) -> None:
-        live = pool.live_workers()
+        group = pool.group_workers()  # the founding workers: the process group's members
+        live = [w for w in group if not w.draining]
         if not isinstance(degree, int) or degree < 1:
             raise EngineError(f"the data-parallel degree must be an integer >= 1, got {degree!r}")
         if degree > len(live):
@@ -80,7 +81,7 @@ class DataParallelModel:
         pool.reserve(model_id, self.replicas)
         try:
             with pool.group_lock:  # every worker forms every group, one group at a time
-                ray.get([w.actor.join_data_parallel.remote(model_id, ranks) for w in pool.workers])
+                ray.get([w.actor.join_data_parallel.remote(model_id, ranks) for w in group])
             self._all(lambda w: w.actor.create_adapter.remote(model_id, config))
         except Exception:
             pool.release(model_id, self.replicas)

@@ -10,6 +10,14 @@ Placement: a new model goes to the live worker holding the fewest models (ties: 
 requests in flight, then the lowest rank). A model never moves while it has requests in flight: it
 stays where it was created until it is deleted or its worker is lost.
 
+Elastic: :meth:`TrainerPool.add_workers` starts more workers (same resources, checked free first;
+they join the placement at once, but not the process group formed at start-up, so data-parallel
+models use the founding workers only). :meth:`TrainerPool.choose_leaving` picks the workers to
+remove, the least loaded (ties: the newest) among those holding no data-parallel replica, and
+stops placing models on them; the router hands each of their models over
+(:mod:`opentinker.cluster.trainer_scale`), moving it with :meth:`begin_move` /
+:meth:`finish_move`, and :meth:`retire` stops an emptied worker.
+
 Worker loss: a request to a dead worker, or one in flight when it dies, raises
 :class:`WorkerLostError` naming the worker and the model, at once (Ray reports the actor's death
 to every pending call); the model's later requests raise it too, never hang. ``restore`` puts the
@@ -47,6 +55,8 @@ class WorkerSlot:
     models: set[str] = field(default_factory=set)
     in_flight: int = 0
     lost_reason: str = ""
+    draining: bool = False  # being removed: no model is placed on it any more
+    founder: bool = True  # started with the pool: a member of its process group
 
 
 def ray_module() -> Any:
@@ -104,26 +114,21 @@ class TrainerPool:
         check_resources(workers, worker_cpus, worker_gpus)
         self.base_model = canonical_name(base_model)
         self.device = device or ("cuda" if worker_gpus > 0 else "cpu")
-        cls = ray.remote(TrainerWorker).options(
+        self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
+        self._cls = ray.remote(TrainerWorker).options(
             num_cpus=worker_cpus, num_gpus=worker_gpus, max_concurrency=max_concurrency, max_restarts=0
         )
-        threads = max(1, int(worker_cpus))
-        self.workers = [
-            WorkerSlot(
-                r,
-                f"trainer-{r}",
-                cls.remote(
-                    self.base_model,
-                    worker_id=f"trainer-{r}",
-                    device=self.device,
-                    max_rank=max_rank,
-                    threads=threads,
-                ),
-            )
-            for r in range(workers)
-        ]
+        self._actor_kwargs = {
+            "device": self.device,
+            "max_rank": max_rank,
+            "threads": max(1, int(worker_cpus)),
+        }
+        self.workers = [self._start(r) for r in range(workers)]
+        self._next_rank = workers  # ranks are never reused: a worker id names one actor
+        self._founders = workers
         self._lock = threading.RLock()
         self._placement: dict[str, WorkerSlot] = {}
+        self._dp: set[str] = set()  # data-parallel models (reserved on their replicas' slots)
         self.group_lock = threading.Lock()  # process groups are formed by all workers, in one order
         try:
             infos = ray.get([w.actor.info.remote() for w in self.workers])
@@ -135,6 +140,120 @@ class TrainerPool:
 
         self.limits: dict[str, int] = infos[0]["limits"]  # what a request is checked against
 
+    def _start(self, rank: int) -> WorkerSlot:
+        wid = f"trainer-{rank}"
+        return WorkerSlot(rank, wid, self._cls.remote(self.base_model, worker_id=wid, **self._actor_kwargs))
+
+    # ------------------------------------------------------------------ elastic
+    def add_workers(self, n: int, *, timeout: float = 300.0) -> list[WorkerSlot]:
+        """Start ``n`` more workers (the same resources as the others) and, once every one has
+        loaded its replica, place models on them. The free resources are checked first; a
+        worker that fails to start fails the call (``RuntimeError`` naming it) and every one
+        started by it is stopped, the pool unchanged."""
+        from opentinker.cluster.ray_env import ClusterError, check_fits
+
+        ray = ray_module()
+        try:
+            check_fits(n, self.worker_cpus, self.worker_gpus, what="trainer worker")
+        except ClusterError as e:
+            raise ClusterConfigError(str(e)) from None
+        with self._lock:
+            ranks = list(range(self._next_rank, self._next_rank + n))
+            self._next_rank += n
+        slots = [self._start(r) for r in ranks]
+        for slot in slots:
+            slot.founder = False
+        try:
+            ray.get([s.actor.info.remote() for s in slots], timeout=timeout)
+        except Exception as e:
+            for slot in slots:
+                ray.kill(slot.actor, no_restart=True)
+            reason = (
+                "did not start in time" if isinstance(e, ray.exceptions.GetTimeoutError) else type(e).__name__
+            )
+            raise RuntimeError(
+                f"new trainer workers {', '.join(s.worker_id for s in slots)} failed to start: {reason}"
+            ) from None
+        with self._lock:
+            self.workers.extend(slots)
+        return slots
+
+    def choose_leaving(self, n: int) -> dict[str, list[str]]:
+        """Mark the ``n`` workers to remove as draining (no new model goes to them) and return
+        each one's models (worker id -> model ids): the least loaded (ties: the newest) of the
+        live workers that hold no data-parallel replica. Refused, nothing changed, if fewer such
+        workers than ``n`` or fewer than one live worker would be left."""
+        with self._lock:
+            live = [w for w in self.workers if w.alive and not w.draining]
+            if len(live) - n < 1:
+                raise ClusterConfigError(
+                    f"trainer workers cannot be scaled below one (asked to remove {n} of {len(live)})"
+                )
+            free = [w for w in live if not (w.models & self._dp)]
+            if len(free) < n:
+                held = sorted({f"{m!r} on {w.worker_id}" for w in live for m in w.models & self._dp})
+                raise ClusterConfigError(
+                    f"cannot remove {n} trainer worker(s): only {len(free)} hold no data-parallel replica "
+                    f"(data-parallel models are not handed over; delete them first: {', '.join(held)})"
+                )
+            leaving = sorted(free, key=lambda w: (len(w.models), w.in_flight, -w.rank))[:n]
+            for w in leaving:
+                w.draining = True
+            return {w.worker_id: sorted(w.models) for w in leaving}
+
+    def slot(self, worker_id: str) -> WorkerSlot:
+        with self._lock:
+            for w in self.workers:
+                if w.worker_id == worker_id:
+                    return w
+        raise EngineError(f"no trainer worker {worker_id!r}")
+
+    def begin_move(self, model_id: str) -> WorkerSlot:
+        """The worker ``model_id`` moves to: the least loaded live one not draining, counted as
+        holding it from now (routing still goes to its old worker until :meth:`finish_move`)."""
+        with self._lock:
+            target = self.least_loaded()
+            target.models.add(model_id)
+            return target
+
+    def finish_move(self, model_id: str, target: WorkerSlot) -> None:
+        """Route ``model_id`` to ``target`` from now on."""
+        with self._lock:
+            old = self._placement.get(model_id)
+            if old is not None and old is not target:
+                old.models.discard(model_id)
+            self._placement[model_id] = target
+
+    def abort_move(self, model_id: str, target: WorkerSlot) -> None:
+        with self._lock:
+            if self._placement.get(model_id) is not target:
+                target.models.discard(model_id)
+
+    def undrain(self, slot: WorkerSlot) -> None:
+        with self._lock:
+            slot.draining = False
+
+    def retire(self, slot: WorkerSlot) -> None:
+        """Stop an emptied worker's actor and drop it from the pool."""
+        with self._lock:
+            if slot.models:
+                raise EngineError(f"trainer worker {slot.worker_id} still holds {sorted(slot.models)}")
+            slot.alive, slot.lost_reason = False, "removed"
+            self.workers = [w for w in self.workers if w is not slot]
+        ray_module().kill(slot.actor, no_restart=True)
+
+    def group_workers(self) -> list[WorkerSlot]:
+        """The live members of the pool's process group (what data-parallel models run on);
+        refused once a founding worker is gone (a group is formed by all its members)."""
+        with self._lock:
+            founders = [w for w in self.workers if w.founder]
+            if len(founders) < self._founders or not all(w.alive for w in founders):
+                raise EngineError(
+                    "data-parallel models need every trainer worker the pool started with, "
+                    "and one was removed or lost"
+                )
+            return founders
+
     # ------------------------------------------------------------------ placement
     def reserve(self, model_id: str, slots: list[WorkerSlot]) -> None:
         """Count ``model_id`` (a data-parallel model, routed by itself) on each of ``slots``."""
@@ -143,11 +262,13 @@ class TrainerPool:
                 raise EngineError(f"model {model_id!r} already exists")
             for w in slots:
                 w.models.add(model_id)
+            self._dp.add(model_id)
 
     def release(self, model_id: str, slots: list[WorkerSlot]) -> None:
         with self._lock:
             for w in slots:
                 w.models.discard(model_id)
+            self._dp.discard(model_id)
 
     def worker_of(self, model_id: str) -> WorkerSlot:
         """The live worker holding ``model_id``; a lost one raises :class:`WorkerLostError`."""
@@ -168,7 +289,9 @@ class TrainerPool:
 
     def least_loaded(self, exclude: set[int] | None = None) -> WorkerSlot:
         with self._lock:
-            live = [w for w in self.workers if w.alive and w.rank not in (exclude or set())]
+            live = [
+                w for w in self.workers if w.alive and not w.draining and w.rank not in (exclude or set())
+            ]
             if not live:
                 raise WorkerLostError("no live trainer worker is left")
             return min(live, key=lambda w: (len(w.models), w.in_flight, w.rank))
@@ -243,7 +366,8 @@ class TrainerPool:
 
     def kill_worker(self, rank: int) -> None:
         """Kill one worker's actor at once (what a crashed node does; the tests' fault)."""
-        ray_module().kill(self.workers[rank].actor, no_restart=True)
+        [slot] = [w for w in self.workers if w.rank == rank]
+        ray_module().kill(slot.actor, no_restart=True)
 
     def shutdown(self) -> None:
         """Kill every worker's actor (nothing to do once Ray itself is shut down)."""

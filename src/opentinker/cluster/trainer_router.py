@@ -194,6 +194,40 @@ class RoutedScheduler(Scheduler):
 
         return self._enqueue(model_id, run)
 
+    def hand_over(self, model_id: str, folder: str) -> Future:
+        """Move ``model_id`` off its worker (one being removed) without losing a step, in the
+        model's order: the ops sent before finish there, then its whole state goes through
+        ``folder`` (storage every worker reads: :meth:`TrainerWorker.hand_out`) onto the least
+        loaded other worker, and routing switches; the ops queued behind wait in its lane
+        meanwhile and then run on the new worker. The future gives the new worker's id and the
+        model's optimizer step at the move (None: the model was deleted meanwhile)."""
+
+        def run(fut: Future) -> None:
+            if not self.pool.is_placed(model_id):
+                fut.set_result(None)
+                return
+            try:
+                old = self.pool.worker_of(model_id)
+                target = self.pool.begin_move(model_id)
+            except EngineError as e:
+                fut.set_exception(e)
+                return
+            try:
+                ref = old.actor.hand_out.remote(model_id, self.next_seq(model_id, old), folder)
+                self.pool.get(old, model_id, ref)
+                step = int(self.pool.get(target, model_id, target.actor.take_over.remote(model_id, folder)))
+                with self._lane_lock:
+                    lane = self._lanes.setdefault(model_id, _Lane())
+                    lane.worker, lane.seq = target.rank, 0  # take_over started its numbering at 0
+                self.pool.finish_move(model_id, target)
+                self.note_step(model_id, step)
+                fut.set_result((target.worker_id, step))
+            except Exception as e:
+                self.pool.abort_move(model_id, target)
+                fut.set_exception(self._translate(e, old, model_id))
+
+        return self._enqueue(model_id, run)
+
     def note_step(self, model_id: str, step: int) -> None:
         """The optimizer steps ``model_id`` has taken (known at its creation or load)."""
         with self._lane_lock:
@@ -231,7 +265,12 @@ class RoutedScheduler(Scheduler):
         ray = ray_module()
         out = []
         for w in self.pool.workers:
-            entry: dict[str, Any] = {"worker_id": w.worker_id, "alive": w.alive, "models": len(w.models)}
+            entry: dict[str, Any] = {
+                "worker_id": w.worker_id,
+                "alive": w.alive,
+                "models": len(w.models),
+                "model_ids": sorted(w.models),
+            }
             if w.alive:
                 try:
                     info = ray.get(w.actor.info.remote(), timeout=10)

@@ -21,12 +21,14 @@ import os
 import socket
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
+from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
 from opentinker.lora import LoRAConfig, LoRAWeights
 from opentinker.models import load_base_model
 from opentinker.sampling import NativeBackend
@@ -40,6 +42,7 @@ ENGINE_CALLS = frozenset(
         "set_pending_gradients", "optim_step", "forward_backward", "forward_backward_many",
     }
 )  # fmt: skip
+GRADIENTS_FILE = "gradients.safetensors"  # a handed-over model's gradients since its last step
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a peer that never joins fails the step, not hangs it
 
 
@@ -186,6 +189,50 @@ class TrainerWorker:
                 eng.release_snapshot(tmp)
 
         return self._ordered_call(model_id, seq, fork)
+
+    # ------------------------------------------------------------------ handing a model over
+    def hand_out(self, model_id: str, seq: int, folder: str) -> None:
+        """Save ``model_id``'s whole state to ``folder`` (storage the other workers read), in its
+        order, so after every op sent before it: weights, optimizer moments and step
+        (``state``, a plain checkpoint whose meta also holds the snapshot count and lineage) and
+        the gradients accumulated since its last step, if any (``gradients``). The adapter stays
+        here until the worker is stopped (a late read of it still answers)."""
+
+        def save(eng: Engine) -> None:
+            lineage = eng.adapter_lineage(model_id)
+            eng.save_state(model_id, Path(folder) / "state", optimizer=True, meta={"lineage": lineage})
+            grads = eng.pending_gradients(model_id)
+            if grads is not None:
+                write_checkpoint(Path(folder) / "gradients", {GRADIENTS_FILE: grads}, {"model": model_id})
+
+        self._ordered_call(model_id, seq, save)
+
+    def take_over(self, model_id: str, folder: str) -> int:
+        """Adapter ``model_id`` exactly as :meth:`hand_out` saved it in ``folder`` (another
+        worker's); returns its optimizer step. Its routed ops number afresh from 0 here (the
+        router sends nothing else for it until this returns)."""
+
+        def load(eng: Engine) -> int:
+            state = Path(folder) / "state"
+            lineage = read_manifest(state)["meta"].get("lineage", {})
+            eng.load_state(state, adapter_id=model_id, optimizer=True)
+            try:
+                if (Path(folder) / "gradients").exists():
+                    files, _ = read_checkpoint(Path(folder) / "gradients")
+                    eng.set_pending_gradients(model_id, files[GRADIENTS_FILE])
+                eng.set_adapter_lineage(
+                    model_id, versions=int(lineage.get("versions", 0)), parent=lineage.get("parent")
+                )
+            except Exception:
+                eng.delete_adapter(model_id)  # all or nothing: no half-loaded model stays here
+                raise
+            return eng.adapter_step(model_id)
+
+        step = self._call(model_id, load)
+        with self._order:
+            self._next_seq[model_id] = 0
+            self._order.notify_all()
+        return step
 
     def _ordered_call(self, model_id: str, seq: int, fn: Any) -> Any:
         with self._order:

@@ -184,6 +184,17 @@ class Engine:
     def optimizer_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
         return self._adapter(adapter_id).optimizer.state_tensors()
 
+    def adapter_lineage(self, adapter_id: str) -> dict[str, Any]:
+        """What an adapter's history holds beyond its weights, optimizer and step: the snapshots
+        taken (its next policy version is ``versions + 1``) and the checkpoint it came from."""
+        a = self._adapter(adapter_id)
+        return {"versions": a.versions, "parent": a.parent}
+
+    def set_adapter_lineage(self, adapter_id: str, *, versions: int, parent: str | None) -> None:
+        """Put back an adapter's lineage (a model moved to another engine numbers on as before)."""
+        a = self._adapter(adapter_id)
+        a.versions, a.parent = int(versions), parent
+
     def _adapter(self, adapter_id: str) -> _Adapter:
         a = self._adapters.get(adapter_id)
         if a is None:

@@ -1,13 +1,16 @@
-"""The operator's cluster routes: read and scale the rollout workers of a running server.
+"""The operator's cluster routes: read and scale the rollout and trainer workers of a running server.
 
     GET  /api/v1/cluster                          the workers now, per base model
-    POST /api/v1/cluster/scale {"rollout_workers": K}
+    POST /api/v1/cluster/scale {"rollout_workers": K, "trainer_workers": T}   (either or both)
 
 Only a key of a tenant named by ``--operator`` may call them (403 otherwise). A scale answers once
-it is done: new workers serve (they get the current snapshots on first use), removed ones have
-drained (their running requests finished). A request below one worker, or for more workers than
-the cluster can place, is refused at once with 400 and nothing changes; a worker that fails to
-start answers 503 naming it, and the pool stays as it was. ``opentinker cluster`` is the client.
+it is done: new rollout workers serve (they get the current snapshots on first use), removed ones
+have drained (their running requests finished); new trainer workers take new models, removed ones
+have handed each of their models over to another worker (its whole state, without losing a step)
+and stopped. A request below one worker, for more workers than the cluster has free, or with no
+or unknown fields, is refused at once with 400 (422 for a malformed body) and nothing changes;
+both counts are checked before either scale starts. A worker that fails to start, or a model that
+could not be handed over, answers 503 naming it. ``opentinker cluster`` is the client.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ Operator = Annotated[str, Depends(_operator)]
 
 class ScaleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rollout_workers: int
+    rollout_workers: int | None = None
+    trainer_workers: int | None = None
 
 
 def add_cluster_routes(app: FastAPI, server: Any) -> None:
@@ -47,16 +51,25 @@ def add_cluster_routes(app: FastAPI, server: Any) -> None:
 
     @app.get(api, tags=["admin"])
     async def cluster_info(_: Operator) -> dict[str, Any]:
-        return server.runtime.rollout_workers_info()
+        return await asyncio.to_thread(server.runtime.rollout_workers_info)
 
     @app.post(f"{api}/scale", tags=["admin"])
     async def cluster_scale(body: ScaleRequest, _: Operator) -> dict[str, Any]:
+        rollout, trainer = body.rollout_workers, body.trainer_workers
+        if rollout is None and trainer is None:
+            raise ApiError("give rollout_workers and/or trainer_workers", 400)
+        runtime = server.runtime
+        out: dict[str, Any] = {}
         try:
-            counts = await asyncio.to_thread(server.runtime.scale_rollout_workers, body.rollout_workers)
+            await asyncio.to_thread(runtime.check_scale, rollout, trainer)  # both, before either acts
+            if rollout is not None:
+                out["rollout_workers"] = await asyncio.to_thread(runtime.scale_rollout_workers, rollout)
+            if trainer is not None:
+                out["trainer_scale"] = await asyncio.to_thread(runtime.scale_trainer_workers, trainer)
         except ValueError as e:
             raise ApiError(server.redact(str(e)), 400) from None
         except TimeoutError as e:
             raise ApiError(server.redact(str(e)), 504) from None
-        except RuntimeError as e:  # a worker could not start: named, the pool unchanged
+        except RuntimeError as e:  # a worker could not start, a model not handed over: named
             raise ApiError(server.redact(str(e)), 503) from None
-        return {"rollout_workers": counts, **server.runtime.rollout_workers_info()}
+        return {**out, **(await asyncio.to_thread(runtime.rollout_workers_info))}
