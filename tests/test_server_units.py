@@ -311,3 +311,9 @@ def test_serve_flags_reach_the_config(tmp_path: Any, capsys: Any) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args([*args, "--prefix-cache-mb", "-1"])
     assert "--prefix-cache-mb" in capsys.readouterr().err
+    # --data-parallel K: every new model's degree (1 by default); below 1 refused, naming the flag
+    assert config_from_args(build_parser().parse_args(args)).data_parallel == 1
+    assert config_from_args(build_parser().parse_args([*args, "--data-parallel", "2"])).data_parallel == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*args, "--data-parallel", "0"])
+    assert "--data-parallel" in capsys.readouterr().err

@@ -140,9 +140,10 @@ class Runtime:
         (:mod:`opentinker.cluster.trainer_router`; on the Ray of ``ray``, else a local instance
         started if none is up), each a base-model replica holding a shard
         of the adapters; ``trainer_options`` (``worker_cpus``, ``worker_gpus``) size each, and a
-        size the cluster cannot place is refused here. ``auto_restore``: when a trainer worker is
-        lost, put each of its models back from its newest ``save_state`` checkpoint on another
-        worker (:attr:`restored` says from where, and how many steps were lost)."""
+        size the cluster cannot place is refused here; its ``data_parallel`` K makes every new
+        model data-parallel over K of them (:mod:`opentinker.cluster.dp`). ``auto_restore``: when
+        a trainer worker is lost, put each of its models back from its newest ``save_state``
+        checkpoint on another worker (:attr:`restored` says from where, and how many steps were lost)."""
         if not isinstance(rollout_workers, int) or rollout_workers < 0:
             raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
         if rollout_workers and sample_in_ticks:
@@ -331,20 +332,28 @@ class Runtime:
         tenant: str,
         optimizer_type: str = "adamw",
         on_created: Callable[[ModelRecord], None] | None = None,
+        data_parallel: int | str | None = None,
     ) -> Future[ModelRecord]:
-        """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued).
+        """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued);
+        data-parallel over ``data_parallel`` trainer workers (default: the runtime's
+        ``trainer_options["data_parallel"]``, 1), a degree it cannot serve refused here.
 
         ``on_created`` runs on the scheduler thread right after the model is registered, before
         any later request for it can run (the server records it durably there)."""
         check_optimizer_config({"type": optimizer_type})
+        degree = self.check_data_parallel(data_parallel)
         self._check_new(model_id)
         backend = self.backend(base_model)
 
         def make(eng: Engine) -> ModelRecord:
-            eng.create_adapter(config, model_id)
+            self.scaleout.create_adapter(eng, config, model_id, degree)
             return self._register(ModelRecord(model_id, eng.base.name, config, tenant), on_created)
 
         return backend.scheduler.submit_call(model_id, make)
+
+    def check_data_parallel(self, value: int | str | None) -> int:
+        """The data-parallel degree ``value`` asks for (None: the default), or ``ValueError``."""
+        return self.scaleout.data_parallel if value is None else self.scaleout.data_parallel_degree(value)
 
     def create_model_from_checkpoint(
         self,

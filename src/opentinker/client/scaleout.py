@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from opentinker.engine import Engine
+from opentinker.lora import LoRAConfig
 from opentinker.rollout.pool import WorkerPool
 from opentinker.sampling import RolloutBackend
 from opentinker.sampling.rollout import RolloutService
@@ -41,6 +42,10 @@ class ScaleOut:
     ) -> None:
         if not isinstance(trainer_workers, int) or trainer_workers < 0:
             raise ValueError(f"trainer_workers must be an integer >= 0, got {trainer_workers!r}")
+        self.trainer_workers = trainer_workers
+        self.trainer_options = dict(trainer_options or {})
+        # every new model's data-parallel degree unless it asks for its own; checked before Ray starts
+        self.data_parallel = self.data_parallel_degree(self.trainer_options.pop("data_parallel", 1))
         self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
         self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
         self.worker_startup_timeout = worker_startup_timeout
@@ -58,8 +63,6 @@ class ScaleOut:
             self.ray_cluster = connect(ray)
             if rollout_workers:
                 check_fits(rollout_workers, worker_cpus, worker_gpus)
-        self.trainer_workers = trainer_workers
-        self.trainer_options = dict(trainer_options or {})
         self.auto_restore = auto_restore
         self.restored: dict[str, dict[str, Any]] = {}  # model -> how auto-restore brought it back
         self._scale_lock = threading.Lock()  # one trainer scale at a time
@@ -73,6 +76,32 @@ class ScaleOut:
                 float(self.trainer_options.get("worker_cpus", 1.0)),
                 float(self.trainer_options.get("worker_gpus", 0.0)),
             )
+
+    def data_parallel_degree(self, value: Any) -> int:
+        """The data-parallel degree ``value`` asks for (an integer, or its text as ``user_metadata``
+        carries it), checked against the trainer workers; ``ValueError`` naming the problem."""
+        text = value.strip() if isinstance(value, str) else value
+        if isinstance(text, bool) or not (
+            isinstance(text, int) or (isinstance(text, str) and text.isascii() and text.isdigit())
+        ):
+            raise ValueError(f"data_parallel must be an integer >= 1, got {value!r}")
+        degree = int(text)
+        if degree < 1:
+            raise ValueError(f"data_parallel must be an integer >= 1, got {value!r}")
+        if degree > max(1, self.trainer_workers):
+            raise ValueError(
+                f"data_parallel {degree} is above the number of trainer workers ({self.trainer_workers})"
+                + ("" if self.trainer_workers else "; serve with --ray --trainer-workers N")
+            )
+        return degree
+
+    def create_adapter(self, eng: Engine, config: LoRAConfig, model_id: str, degree: int) -> None:
+        """Model ``model_id``'s adapter: on one worker (or this process), or data-parallel over
+        ``degree`` trainer workers (``eng`` is then the router's proxy, :mod:`opentinker.cluster.dp`)."""
+        if degree == 1:
+            eng.create_adapter(config, model_id)
+        else:
+            eng.create_data_parallel(config, model_id, degree)  # type: ignore[attr-defined]
 
     def transport(self) -> Any:
         """How a base model's rollout workers are reached: processes here (None), or Ray actors."""

@@ -16,6 +16,11 @@ A request is checked before any shard runs; a shard the engine still refuses (a 
 on its data) puts back the gradients the other shards just accumulated, so the replicas never
 disagree. A model's operations run one at a time, in call order (a lock per model), which is
 also what keeps each replica's collectives in the same order.
+
+Served over the router (:class:`~opentinker.cluster.trainer_router.RoutedScheduler`, a model
+created with a data-parallel degree through the SDK or `serve --data-parallel K`): reads, checkpoints
+and snapshots are replica 0's (every replica holds the same weights and optimizer state); loads
+and weight copies go into every replica.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class DataParallelModel:
         self.replicas: list[WorkerSlot] = sorted(live, key=lambda w: (len(w.models), w.rank))[:degree]
         self._limits = pool.limits
         self._lock = threading.Lock()
+        self._seqs: dict[int, int] = {}  # replica rank -> the next sequence number (:meth:`_next`)
         ranks = sorted(w.rank for w in self.replicas)
         pool.reserve(model_id, self.replicas)
         try:
@@ -145,6 +151,53 @@ class DataParallelModel:
         with self._lock:
             self._all(lambda w: w.actor.delete_adapter.remote(self.model_id))
         self.pool.release(self.model_id, self.replicas)
+
+    # ------------------------------------------------------------------ served over the router
+    def forward_request(self, req: ForwardRequest) -> ForwardResult:
+        """:meth:`forward_backward` of a routed ``ForwardRequest`` for this model."""
+        return self.forward_backward(req.examples, req.loss_fn, req.loss_fn_config, backward=req.backward)
+
+    def read(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``Engine.method`` on replica 0 (what the model's state reads and checkpoints are: the
+        replicas hold the same weights and optimizer state)."""
+        w = self.replicas[0]
+        with self._lock:
+            return self.pool.get(
+                w, self.model_id, w.actor.submit.remote(self.model_id, None, "call", method, args, kwargs)
+            )
+
+    def load(self, folder: str, *, optimizer: bool) -> str:
+        """A checkpoint's weights (and optimizer state) into every replica."""
+        with self._lock:
+            self._all(
+                lambda w: w.actor.submit.remote(
+                    self.model_id, None, "call", "load_state", (folder,), {"optimizer": optimizer, "into": self.model_id}
+                )
+            )  # fmt: skip
+        return self.model_id
+
+    def adopt(self, weights: Any, *, step: int, parent: str | None) -> str:
+        """A copy of ``weights`` (CPU ``LoRAWeights``) into every replica, with fresh optimizers."""
+        with self._lock:
+            self._all(
+                lambda w: w.actor.adopt.remote(
+                    self.model_id, self._next(w), weights, step=step, parent=parent, into=True
+                )
+            )
+        return self.model_id
+
+    def snapshot(self) -> tuple[Any, Any]:
+        """Replica 0's snapshot: its info and its weights (CPU)."""
+        w = self.replicas[0]
+        with self._lock:
+            return self.pool.get(w, self.model_id, w.actor.snapshot.remote(self.model_id, self._next(w)))
+
+    def _next(self, w: WorkerSlot) -> int:
+        """The model's next sequence number on replica ``w`` (for the worker's ordered calls; only
+        this model's own calls, one at a time under its lock, count on it)."""
+        seq = self._seqs.get(w.rank, 0)
+        self._seqs[w.rank] = seq + 1
+        return seq
 
     def _all(self, call: Any, among: list[WorkerSlot] | None = None) -> list[Any]:
         """One call on every replica (or ``among``) at once; wait for all, then raise the first error."""

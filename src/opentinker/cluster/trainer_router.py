@@ -23,21 +23,30 @@ A model whose worker is lost answers :class:`~opentinker.cluster.trainer.WorkerL
 the requests in flight and every later one, at once. ``on_worker_lost`` (set by the runtime) is
 told the models it held, once per lost worker: with ``--auto-restore`` the runtime puts each back
 from its newest checkpoint.
+
+A data-parallel model (created with a degree k > 1: the SDK's ``user_metadata`` ``{"data_parallel":
+"k"}`` or ``serve --data-parallel k``) is a :class:`~opentinker.cluster.dp.DataParallelModel` over k
+workers, routed by itself: its lane runs each op to its end (``forward_backward`` split over the
+replicas, ``optim_step`` after the all-reduce), reads and checkpoints are replica 0's, loads go into
+every replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from opentinker.cluster.dp import DataParallelModel
 from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
 from opentinker.cluster.trainer_worker import moved
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, SnapshotInfo
+from opentinker.lora import LoRAConfig
 from opentinker.sampling import RolloutBackend
 from opentinker.sampling.rollout import RolloutService
 from opentinker.scheduler import Scheduler
@@ -82,6 +91,7 @@ class RoutedScheduler(Scheduler):
         self._reported: set[int] = set()  # lost workers already reported
         self._names = itertools.count(1)
         self.steps: dict[str, int] = {}  # model -> optimizer steps taken (what a loss would lose)
+        self.dp: dict[str, DataParallelModel] = {}  # data-parallel models, routed by themselves
 
     # ------------------------------------------------------------------ submission
     def submit_forward(self, model_id: str, req: ForwardRequest) -> Future:
@@ -145,6 +155,10 @@ class RoutedScheduler(Scheduler):
 
     def _send(self, model_id: str, kind: str, payload: Any, fut: Future) -> None:
         """Send one forward/optim op to the model's worker; ``fut`` settles when it is done."""
+        dp = self.dp.get(model_id)
+        if dp is not None:
+            self._dp_send(dp, kind, payload, fut)
+            return
         try:
             slot = self.pool.worker_of(model_id)
         except EngineError as e:
@@ -152,6 +166,18 @@ class RoutedScheduler(Scheduler):
             return
         ref = slot.actor.submit.remote(model_id, self.next_seq(model_id, slot), kind, payload)
         ref.future().add_done_callback(lambda f: self._settle(slot, model_id, kind, f, fut))
+
+    def _dp_send(self, dp: DataParallelModel, kind: str, payload: Any, fut: Future) -> None:
+        """A data-parallel model's forward/optim op, run to its end in the model's lane."""
+        try:
+            out = dp.forward_request(payload) if kind == "forward" else dp.optim_step(payload)
+        except Exception as e:
+            fut.set_exception(self._translate(e))
+            return
+        if kind == "optim":
+            with self._lane_lock:
+                self.steps[dp.model_id] = self.steps.get(dp.model_id, 0) + 1
+        fut.set_result(out)
 
     def call(
         self, model_id: str, slot: WorkerSlot, method: str, *args: Any, ordered: bool = True, **kwargs: Any
@@ -307,7 +333,14 @@ class EngineProxy:
         """The worker of adapter ``ref`` if a worker holds it (a lost one raises), else None."""
         return self._pool.worker_of(ref) if ref is not None and self._pool.is_placed(ref) else None
 
+    def _dp(self, ref: str | None) -> DataParallelModel | None:
+        """The data-parallel model ``ref``, if it is one."""
+        return None if ref is None else self._router.dp.get(ref)
+
     def _remote(self, model_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        dp = self._dp(model_id)
+        if dp is not None:  # a read: replica 0's (the replicas are the same)
+            return dp.read(method, *args, **kwargs)
         slot = self._pool.worker_of(model_id)
         return self._router.call(model_id, slot, method, *args, ordered=model_id == self._key, **kwargs)
 
@@ -328,10 +361,21 @@ class EngineProxy:
         self._router.note_step(adapter_id, 0)
         return out
 
+    def create_data_parallel(self, config: LoRAConfig, adapter_id: str, degree: int) -> str:
+        """A fresh adapter replicated over ``degree`` trainer workers (:mod:`opentinker.cluster.dp`)."""
+        if config.seed is None:  # every replica starts from the same weights: one seed for all
+            config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
+        self._router.dp[adapter_id] = DataParallelModel(self._pool, adapter_id, config, degree=degree)
+        self._router.note_step(adapter_id, 0)
+        return adapter_id
+
     def load_state(
         self, path: Any, *, adapter_id: str | None = None, optimizer: bool = True, into: str | None = None
     ) -> str:
         if into is not None:
+            dp = self._dp(into)
+            if dp is not None:
+                return dp.load(str(path), optimizer=optimizer)
             return self._remote(into, "load_state", path, optimizer=optimizer, into=into)
         aid = adapter_id or f"adapter-routed-{next(self._router._names)}"
         out = self._placed_call(aid, "load_state", path, adapter_id=aid, optimizer=optimizer)
@@ -347,13 +391,18 @@ class EngineProxy:
         parent: str | None = None,
     ) -> str:
         src_slot = self._placed(source)
-        if src_slot is not None:
+        if src_slot is not None or self._dp(source) is not None:
             weights = self._remote(source, "adapter_weights", source)
             step = int(self._remote(source, "adapter_step", source))
         else:
             weights = moved(self._local.adapter_weights(source), "cpu")
             step = self._local.snapshot_info(source).step
         if into is not None:
+            dp = self._dp(into)
+            if dp is not None:
+                dp.adopt(weights, step=step, parent=parent or source)
+                self._router.note_step(into, step)
+                return into
             slot = self._pool.worker_of(into)
             seq = self._router.next_seq(into, slot)
             ref = slot.actor.adopt.remote(into, seq, weights, step=step, parent=parent or source, into=True)
@@ -373,20 +422,28 @@ class EngineProxy:
             raise
 
     def delete_adapter(self, adapter_id: str) -> None:
+        dp = self._router.dp.pop(adapter_id, None)
+        if dp is not None:
+            dp.delete()
+            return
         self._remote(adapter_id, "delete_adapter", adapter_id)
         self._pool.forget(adapter_id)
 
     def has_adapter(self, adapter_id: str) -> bool:
-        return self._placed(adapter_id) is not None
+        return self._dp(adapter_id) is not None or self._placed(adapter_id) is not None
 
     def adapter_ids(self) -> list[str]:
-        return sorted(self._pool.placement())
+        return sorted([*self._pool.placement(), *self._router.dp])
 
     def snapshot(self, adapter_id: str) -> SnapshotInfo:
         """The worker's snapshot, its tensors registered on the front-end engine for sampling."""
-        slot = self._pool.worker_of(adapter_id)
-        seq = self._router.next_seq(adapter_id, slot)
-        info, weights = self._pool.get(slot, adapter_id, slot.actor.snapshot.remote(adapter_id, seq))
+        dp = self._dp(adapter_id)
+        if dp is not None:
+            info, weights = dp.snapshot()
+        else:
+            slot = self._pool.worker_of(adapter_id)
+            seq = self._router.next_seq(adapter_id, slot)
+            info, weights = self._pool.get(slot, adapter_id, slot.actor.snapshot.remote(adapter_id, seq))
         sid = info.snapshot_id
         while sid in self._local.snapshot_ids():  # a restored model counts its versions afresh
             sid = f"{info.snapshot_id}.{next(self._router._names)}"
@@ -394,13 +451,13 @@ class EngineProxy:
         return dataclasses.replace(info, snapshot_id=sid)
 
     def check_policy(self, ref: str | None) -> None:
-        if self._placed(ref) is None:
+        if self._dp(ref) is None and self._placed(ref) is None:
             self._local.check_policy(ref)
 
     def _either(self, method: str, ref: str | None, *args: Any, **kwargs: Any) -> Any:
         """``method`` on the worker holding adapter ``ref``, or on the front-end's engine for a
         policy version (a snapshot) or the bare base model."""
-        if self._placed(ref) is not None:
+        if self._dp(ref) is not None or self._placed(ref) is not None:
             assert ref is not None
             return self._remote(ref, method, ref, *args, **kwargs)
         return getattr(self._local, method)(ref, *args, **kwargs)
@@ -430,9 +487,15 @@ class EngineProxy:
         return self._remote(adapter_id, "pending_gradients", adapter_id)
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> Any:
+        dp = self._dp(adapter_id)
+        if dp is not None:
+            return dp.optim_step(params)
         return self._remote(adapter_id, "optim_step", adapter_id, params)
 
     def forward_backward(self, req: ForwardRequest) -> Any:
+        dp = self._dp(req.policy)
+        if dp is not None:
+            return dp.forward_request(req)
         if self._placed(req.policy) is None:
             return self._local.forward_backward(req)
         assert req.policy is not None

@@ -83,7 +83,11 @@ class Server:
             worker_cpus=config.worker_cpus,
             worker_gpus=config.worker_gpus,
             trainer_workers=config.trainer_workers,
-            trainer_options={"worker_cpus": config.trainer_cpus, "worker_gpus": config.trainer_gpus},
+            trainer_options={
+                "worker_cpus": config.trainer_cpus,
+                "worker_gpus": config.trainer_gpus,
+                "data_parallel": config.data_parallel,
+            },
             auto_restore=config.auto_restore,
         )
         self.store = Store(config.data_dir)

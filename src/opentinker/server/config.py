@@ -52,6 +52,9 @@ class ServerConfig:
     # train on this many Ray trainer workers per base model (0: in this process); each worker's
     # CPUs and GPUs; put the models of a lost worker back from their newest checkpoints
     trainer_workers: int = 0
+    # every new model data-parallel over this many trainer workers (a model's user_metadata
+    # {"data_parallel": "k"} overrides it)
+    data_parallel: int = 1
     trainer_cpus: float = 1.0
     trainer_gpus: float = 0.0
     auto_restore: bool = False

@@ -178,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         "unless this process is connected to one",
     )
     p.add_argument(
+        "--data-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="every new model is data-parallel over K trainer workers (its batches split, its LoRA "
+        "gradients all-reduced; K <= --trainer-workers; default 1); a model's SDK user_metadata "
+        '{"data_parallel": "k"} overrides it',
+    )
+    p.add_argument(
         "--trainer-cpus", type=_non_negative_float, default=1.0, help="CPUs of each trainer worker (Ray)"
     )
     p.add_argument(
@@ -222,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         checkpoint_sweep_s=args.checkpoint_sweep,
         rollout_backend=args.rollout_backend,
         trainer_workers=args.trainer_workers,
+        data_parallel=args.data_parallel,
         trainer_cpus=args.trainer_cpus,
         trainer_gpus=args.trainer_gpus,
         auto_restore=args.auto_restore,

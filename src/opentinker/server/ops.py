@@ -159,6 +159,7 @@ class Operations:
     def create_model(self, tenant: str, req: S.CreateModelRequest) -> str:
         sess = self.reg.session(tenant, req.session_id)
         digest = digest_json("create_model", req.model_dump(mode="json"))
+        degree = self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400, nothing made
 
         def make() -> str:
             def submit() -> Future:
@@ -178,6 +179,7 @@ class Operations:
                     config=config,
                     optimizer_type=optimizer_type(req.optimizer_config),
                     user_metadata=req.user_metadata,
+                    data_parallel=degree,
                 )
 
             trace = (sess.id, "create_model", sess.id, req.base_model, req.model_seq_id)
@@ -188,6 +190,17 @@ class Operations:
         return self._once(
             ("model", sess.id, req.model_seq_id), digest, f"model_seq_id {req.model_seq_id}", make
         )
+
+    def _data_parallel(self, user_metadata: dict[str, Any] | None) -> int | None:
+        """The data-parallel degree a new model's ``user_metadata`` asks for (``"data_parallel"``;
+        None: the server's ``--data-parallel``), or 400 naming the value and the trainer workers."""
+        value = (user_metadata or {}).get("data_parallel")
+        if value is None:
+            return None
+        try:
+            return self.reg.runtime.check_data_parallel(value)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
     def get_info(self, tenant: str, model_id: str) -> dict[str, Any]:
         tc = self.reg.model(tenant, model_id)

@@ -335,8 +335,10 @@ class Registry:
         checkpoint: str | None = None,
         optimizer: bool = False,
         user_metadata: dict[str, Any] | None = None,
+        data_parallel: int | None = None,
     ) -> Future[ModelRecord]:
-        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``) or from the
+        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``, data-parallel over
+        ``data_parallel`` trainer workers or the server's default) or from the
         tinker path ``checkpoint`` (with its optimizer state if ``optimizer``).
 
         The runtime makes the model; here it is recorded durably, on the scheduler thread right
@@ -381,6 +383,7 @@ class Registry:
             tenant=sess.tenant,
             optimizer_type=optimizer_type,
             on_created=created,
+            data_parallel=data_parallel,
         )
 
     # ------------------------------------------------------------------ checkpoints
