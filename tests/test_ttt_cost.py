@@ -16,6 +16,7 @@ import opentinker
 from opentinker.client.runtime import Runtime
 from opentinker.data.datum import datum_from_tokens
 from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ngram_weights, window_datum
+from opentinker.sampling.native import NativeBackend
 from tests.conftest import TEST_MODEL
 from tests.test_ttt import _opt, _same, _tensors
 
@@ -75,7 +76,9 @@ def test_an_inflight_session_reuses_its_keys_and_values_across_saves(runtime: Ru
     tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
     tok = tc.get_tokenizer()
     ids = tok.encode("I'm thinking of a number between 1 and 1000. Is it 500? Higher. Is it")
-    cache = runtime.backend(TEST_MODEL).sampler.prefix_cache
+    sampler = runtime.backend(TEST_MODEL).sampler
+    assert isinstance(sampler, NativeBackend)
+    cache = sampler.prefix_cache
     params = types.SamplingParams(max_tokens=4, temperature=0.0)
 
     def train() -> None:
