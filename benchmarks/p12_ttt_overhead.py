@@ -10,8 +10,10 @@ snapshot of it; one ``TTTUpdates`` serves every repeat, as the RL loop's serves 
 the forks of the warm-up are reused. Same secrets, same seeds.  Also printed: the training ticks
 of each TTT repeat and how many episodes' updates each fused, and the seconds spent in them. The arms alternate (no-TTT, TTT, ...) ``--repeats`` times after one warm-up of each;
 the ratio is of the medians of wall time per episode, and of wall time per sampled turn
-(target ≤ 1.5; aTTT reports 1.9). On a loaded shared machine the number is noisy: the script
-prints the load average at start and end.
+(target ≤ 1.5; aTTT reports 1.9). ``--window W`` and ``--reuse-kv`` switch on TTT's cost options
+(``TTTConfig.window``: train on the last W targets; ``TTTConfig.reuse_kv``: sample through inflight
+sessions that keep earlier keys and values; both documented in ``rl/ttt.py``). On a loaded
+shared machine the number is noisy: the script prints the load average at start and end.
 """
 
 from __future__ import annotations
