@@ -246,7 +246,7 @@ def _episodes(groups: list[Any]) -> list[list[tuple[list[int], list[float]]]]:
     return [[(tr.ac_T, tr.logprobs_T) for tr in t.transitions] for g in groups for t in g.trajectories]
 
 
-async def _ttt_run(service: Any, seed: int = 0) -> tuple[list[Any], TTTStats]:
+async def _ttt_run(service: Any, seed: int = 0, cfg: TTTConfig | None = None) -> tuple[list[Any], TTTStats]:
     tc = await service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
     renderer = get_renderer("auto", tc.get_tokenizer())
     policy = await tc.save_weights_and_get_sampling_client()
@@ -254,7 +254,7 @@ async def _ttt_run(service: Any, seed: int = 0) -> tuple[list[Any], TTTStats]:
     group = LongGuessGroup(renderer, [700, 123], high=1000, max_turns=4)
     params = types.SamplingParams(max_tokens=8, temperature=0.0)
     stats, again = TTTStats(), TTTStats()
-    cfg = TTTConfig(steps=1, learning_rate=5e-2)
+    cfg = cfg if cfg is not None else TTTConfig(steps=1, learning_rate=5e-2)
     ups = TTTUpdates(service, cfg)
     kw: dict[str, Any] = {"service": service, "fork_path": path, "cfg": cfg, "seed": seed, "updates": ups}
     g = await ttt_rollout_group(group, policy, params, stats=stats, **kw)

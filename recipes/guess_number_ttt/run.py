@@ -37,6 +37,10 @@ async def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--window", type=int, default=None, help="TTT update window W (tokens; default all)")
+    ap.add_argument(
+        "--reuse-kv", action="store_true", help="TTT samples through inflight sessions (KV reused)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrent", type=int, default=0, help="episodes live at once (0: all)")
     ap.add_argument("--out", default="")
@@ -57,7 +61,14 @@ async def main() -> None:
         for i in range(0, len(secrets), n)
     ]
     params = types.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
-    cfg = TTTConfig(steps=a.steps, learning_rate=a.lr, ngram=a.ngram, repeat_weight=a.repeat_weight)
+    cfg = TTTConfig(
+        steps=a.steps,
+        learning_rate=a.lr,
+        ngram=a.ngram,
+        repeat_weight=a.repeat_weight,
+        window=a.window,
+        reuse_kv=a.reuse_kv,
+    )
     updates = TTTUpdates(service, cfg)  # the chunks reuse each other's forks
     out: dict[str, dict[str, float]] = {}
     for arm in ("no_ttt", "ttt"):

@@ -26,6 +26,9 @@ class SamplingClient(ReadyClient):
         self.policy = policy
         self.model_path = model_path
         self.follow: str | None = None  # an inflight sampler: the training model it follows
+        # an inflight sampler's KV-cache namespace: its requests' prefix-cache entries are keyed by
+        # it, not by the weights, so they survive the weights it follows (client/inflight.py)
+        self.kv_namespace: str | None = None
 
     @classmethod
     def for_checkpoint(cls, runtime: Runtime, model_path: str, *, tenant: str) -> SamplingClient:
@@ -65,6 +68,7 @@ class SamplingClient(ReadyClient):
             target_prompt_tokens=targets,
             prompt_alt_tokens_k=prompt_alt_tokens_k,
             follow=self.follow,
+            kv_namespace=self.kv_namespace,
         )
         self._note_use()
 

@@ -17,6 +17,7 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 from opentinker.client.checkpoints import CheckpointRef, check_name
 from opentinker.client.convert import datum_to_example, forward_output
 from opentinker.client.futures import ClientFuture, ReadyClient, client_future, mapped
+from opentinker.client.inflight import inflight_client
 from opentinker.client.runtime import ModelRecord, Runtime
 from opentinker.client.sampling import SamplingClient
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult, SnapshotInfo
@@ -181,16 +182,23 @@ class TrainingClient(ReadyClient):
 
     # ---------------------------------------------------------------- sampling
     def save_weights_and_get_sampling_client(
-        self, name: str | None = None, **_: Any
+        self, name: str | None = None, *, kind: types.SamplingClientKind = "snapshot", **_: Any
     ) -> ClientFuture[SamplingClient]:
         # a future of the client, as in the SDK 0.38: awaiting it leaves the event loop free
-        # (other runs of ``run_rl_many`` keep going) while the scheduler takes the snapshot
-        return client_future(self._runtime.snapshot(self.model_id), self._sampling_client)
+        # (other runs of ``run_rl_many`` keep going) while the scheduler takes the snapshot.
+        # ``kind="inflight"``: the model's shared inflight target (client/inflight.py)
+        if kind not in ("snapshot", "inflight"):
+            raise ValueError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
+        make = self._inflight_client if kind == "inflight" else self._sampling_client
+        return client_future(self._runtime.snapshot(self.model_id), make)
 
     async def save_weights_and_get_sampling_client_async(
-        self, name: str | None = None, **_: Any
+        self, name: str | None = None, *, kind: types.SamplingClientKind = "snapshot", **_: Any
     ) -> SamplingClient:
-        return await self.save_weights_and_get_sampling_client(name)
+        return await self.save_weights_and_get_sampling_client(name, kind=kind)
+
+    def _inflight_client(self, snap: SnapshotInfo) -> SamplingClient:
+        return inflight_client(self._runtime, self._base_model, self.model_id, snap.snapshot_id)
 
     def _sampling_client(self, snap: SnapshotInfo) -> SamplingClient:
         client = SamplingClient(self._runtime, self._base_model, snap.snapshot_id)

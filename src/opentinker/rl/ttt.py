@@ -46,6 +46,26 @@ weights. The datum's weights are the raw weights divided by the span's length ``
 loss is a per-token mean (the learning rate does not scale with the episode's length).
 :func:`ngram_weights` computes the raw weights.
 
+**The update window** (``window`` = W, an option; None by default: all the text). With
+``s = max(P, L - W)`` the trained targets are ``x_s … x_{L-1}`` (the last W, or fewer when the
+text after the prompt is shorter), each with its raw weight above (the n-gram rule still reads the
+whole text), divided by ``L - s``. The datum keeps the opening ``x_0 … x_{P-1}`` and then
+``x_{s-1} … x_{L-1}``: the text between is left out of the input, so the model sees the task's
+prompt followed by the window (``x_{s-1}``, the window's first context token, is not a target;
+nothing is left out when ``s <= P + 1``). ``H`` gains only the window's n-grams. The update's
+forward/backward then costs ``P + W`` tokens instead of ``L``, whatever the episode's length.
+
+**Reusing the sampler's keys and values** (``reuse_kv``, an option; off by default). After an
+update, a new snapshot has no cached prefix, so the next turn re-prefills the episode's whole
+text. With ``reuse_kv`` each episode's adapter is saved with ``kind="inflight"``
+(the SDK's contract; embedded: ``client/inflight.py``) and the episode samples all its later
+turns through its first inflight session, whose KV-cache namespace outlives the saves: a turn
+prefills only the text new since the last turn (the environment's reply), attending to the keys
+and values of the earlier text as they were computed, under the adapter versions that sampled
+those turns. The approximation: the turn's tokens are sampled from the updated adapter over
+stale keys and values of its context (their logprobs, in the trajectory, are those of that
+computation, not of a full prefill under the new weights); what is trained is unchanged.
+
 **With RL.** The trajectories are ordinary :class:`~opentinker.rl.types.Trajectory` s: their
 sampled logprobs are those of the adapter that sampled each turn, so the outer policy trains on
 them as usual (``importance_sampling``, ``ppo``, … correct for the difference between the TTT
@@ -74,7 +94,11 @@ class TTTConfig:
     """``steps`` (k >= 1) updates before each turn after the first, AdamW at ``learning_rate``;
     n-grams of ``ngram`` (n >= 1) tokens; ``repeat_weight`` in [0, 1] on repeated ones; ``keep``:
     keep each episode's adapter when it ends instead of pooling it for reuse; ``max_wait_s``: how
-    long an update waits at most for the other live episodes' (to fuse with them)."""
+    long an update waits at most for the other live episodes' (to fuse with them); ``window``: train
+    on the last ``window`` (W >= 1) targets of the text only (None: all of it; the rule is in the
+    module docstring); ``reuse_kv``: sample each episode through one ``kind="inflight"`` session, whose
+    cached keys and values of earlier turns are reused after an update (the approximation is in the
+    module docstring)."""
 
     steps: int = 1
     learning_rate: float = 1e-3
@@ -83,6 +107,8 @@ class TTTConfig:
     train_prompt: bool = False
     keep: bool = False
     max_wait_s: float = 5.0
+    window: int | None = None
+    reuse_kv: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -98,6 +124,11 @@ class TTTConfig:
         mw = self.max_wait_s
         if isinstance(mw, bool) or not isinstance(mw, int | float) or not (math.isfinite(mw) and mw >= 0):
             raise ValueError(f"TTT max_wait_s must be a finite number >= 0, got {mw!r}")
+        if not isinstance(self.reuse_kv, bool):
+            raise ValueError(f"TTT reuse_kv must be True or False, got {self.reuse_kv!r}")
+        win = self.window
+        if win is not None and (isinstance(win, bool) or not isinstance(win, int) or win < 1):
+            raise ValueError(f"TTT window (W) must be an integer >= 1 or None, got {win!r}")
 
 
 def ngram_weights(
@@ -128,6 +159,22 @@ def ttt_datum(tokens: Sequence[int], weights: Sequence[float], prompt_len: int) 
         raise ValueError(f"need one weight per target token ({len(toks) - 1}), got {len(weights)}")
     span = max(1, len(toks) - max(1, prompt_len))
     return datum_from_tokens(toks, weights=[0.0, *(float(w) / span for w in weights)])
+
+
+def window_datum(
+    tokens: Sequence[int], weights: Sequence[float], prompt_len: int, window: int
+) -> tuple[types.Datum, int]:
+    """The update's datum under ``TTTConfig.window`` = W (the module docstring's rule): the
+    opening ``P`` tokens, then ``x_{s-1} … x_{L-1}`` with ``s = max(P, L - W)``, the targets
+    ``j >= s`` keeping their raw ``weights`` and divided by ``L - s``. Returns it and ``s``."""
+    toks = [int(t) for t in tokens]
+    if len(weights) != len(toks) - 1:
+        raise ValueError(f"need one weight per target token ({len(toks) - 1}), got {len(weights)}")
+    p = max(1, prompt_len)
+    s = max(p, len(toks) - window)
+    keep = list(range(len(toks))) if s <= p + 1 else [*range(p), *range(s - 1, len(toks))]
+    w = [0.0] + [float(weights[j - 1]) / max(1, len(toks) - s) if j >= s else 0.0 for j in keep[1:]]
+    return datum_from_tokens([toks[j] for j in keep], weights=w), s
 
 
 async def fork_point(training_client: Any, name: str) -> str:
@@ -265,6 +312,7 @@ class TTTEpisode:
         self.updates, self.cfg, self.fork_path, self.prompt_len = updates, updates.cfg, fork_path, prompt_len
         self.sampler, self.stats = policy, stats
         self.tc: Any = None
+        self.session: Any = None  # reuse_kv: the inflight sampling session of this episode
         self.seen: set[NGram] = set()
         self.trained_len = prompt_len
 
@@ -272,7 +320,12 @@ class TTTEpisode:
         cfg = self.cfg
         start = 1 if cfg.train_prompt else self.prompt_len
         weights, grams = ngram_weights(tokens, start, self.seen, cfg.ngram, cfg.repeat_weight)
-        datum = ttt_datum(tokens, weights, start)
+        if cfg.window is None:
+            datum = ttt_datum(tokens, weights, start)
+        else:  # only the window's n-grams were trained on
+            datum, s = window_datum(tokens, weights, start, cfg.window)
+            n = cfg.ngram
+            grams = {tuple(tokens[j - n + 1 : j + 1]) for j in range(max(s, n - 1), len(tokens))}
         adam = types.AdamParams(learning_rate=cfg.learning_rate)
         # the data is ready before the gate: once released, the episodes only submit
         together = await self.updates.gate(self)
@@ -287,7 +340,7 @@ class TTTEpisode:
             (self.tc.forward_backward([datum], "cross_entropy"), self.tc.optim_step(adam))
             for _ in range(cfg.steps)
         ]
-        snap = self.tc.save_weights_and_get_sampling_client()
+        snap = self.tc.save_weights_and_get_sampling_client(kind="inflight" if cfg.reuse_kv else "snapshot")
         if reset is not None:
             await reset
         for fb, opt in steps:
@@ -295,8 +348,12 @@ class TTTEpisode:
             await opt
             self.stats.loss_sum += float(out.metrics.get("loss:sum", 0.0))
             self.stats.updates += 1
-            self.stats.tokens += len(tokens) - 1
-        self.sampler = await snap
+            self.stats.tokens += len(datum.model_input.to_ints())
+        sampler = await snap
+        if cfg.reuse_kv:  # the episode's first inflight session follows every later save
+            self.session = self.session if self.session is not None else sampler
+            sampler = self.session
+        self.sampler = sampler
         self.seen |= grams
         self.trained_len = len(tokens)
 

@@ -165,8 +165,9 @@ class StepDecoder:
         and values and the next token's logits are the new weights'; the keys and values of the
         prompt and of the tokens before it, computed with the old weights, stay in the cache (they
         are not recomputed). Sampled tokens and logprobs so far stay as they were. A moved
-        request's finished rows are not put in the prefix cache: their keys and values mix two
-        sets of weights, which no policy key describes. Requests not following ``group`` (pinned
+        request's finished rows are not put in the prefix cache (their keys and values mix two
+        sets of weights, which no policy key describes), unless it has a KV-cache namespace (an
+        inflight session's, whose entries are keyed by it and may mix weights by contract). Requests not following ``group`` (pinned
         ones) are untouched, in the same batch.
         """
         moved = [job for job in self._jobs.values() if job.pinned.req.follow == group]
@@ -175,7 +176,9 @@ class StepDecoder:
         new = pinned.slot
         for job in moved:
             job.pinned = Pinned(replace(job.pinned.req, policy=pinned.req.policy), pinned.weights)
-            job.cached = False
+            job.cached = (
+                job.cached and job.pinned.req.kv_namespace is not None
+            )  # a namespace allows mixed weights
         ids = {job.rid for job in moved}
         for row in self._rows:
             if row.req in ids:
@@ -419,7 +422,10 @@ def _limit_row(row: Row, ctx: int) -> int:
 def _policy_key(p: Pinned) -> Hashable:
     """What the keys and values a policy computes depend on: the base model's (None), or a
     policy's id with its weights' process-unique id and version counters (an adapter that
-    trained, or a snapshot id released and reused for other weights, never matches)."""
+    trained, or a snapshot id released and reused for other weights, never matches); a request with a
+    KV-cache namespace (an inflight session's): that namespace, whatever weights it is on now."""
+    if p.req.kv_namespace is not None:
+        return ("kv_namespace", p.req.kv_namespace)
     if p.weights is None:
         return None
     return (p.req.policy, p.weights.uid, tuple(t._version for t in p.weights.tensors()))

@@ -46,6 +46,11 @@ class SampleRequest:
     # a ``kind="inflight"`` sampler's request: the training model whose newest saved weights it
     # follows mid-decode (the rollout loop's ``Follow``); None: it stays on ``policy``
     follow: str | None = None
+    # a sampling session's KV-cache namespace (a ``kind="inflight"`` sampler's): its finished
+    # sequences are cached under it instead of under the weights, so its later requests reuse them
+    # across the weights it follows (keys and values computed under earlier weights: the SDK's
+    # inflight contract); None: cached under the exact weights
+    kv_namespace: str | None = None
 
     @property
     def wants_prompt(self) -> bool:

@@ -463,6 +463,7 @@ class Registry:
         stale = None
         client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
         client.follow = snap.adapter_id
+        client.kv_namespace = f"sampler:{sampler_id}"  # its own KV-cache namespace (client/inflight.py)
         with self._lock:
             target = self.inflight.get(snap.adapter_id)
             if target is None:
