@@ -7,11 +7,13 @@ and one ``sample`` of ``--samples`` × ``--max-tokens`` tokens from a sampler of
 submitted before any is awaited (so they fuse into shared ticks and share decode batches). A
 *block* is ``--rounds`` rounds, timed.
 
-The console: a second process polls every console JSON route the server page reads
-(``whoami``, ``engine``, ``sessions``, a session's ``trace``, ``models``, a run with its curves,
-its ``lineage``, ``checkpoints``; not the PEFT download, which is a click, not a poll) once per
-``--poll-interval`` seconds (default 1 s: the engine page's interval, the page's fastest), with
-the tenant's key, as the open page would. It is switched on for the ``console`` blocks and off
+The console: a second process polls, with the tenant's key, what an open console page reads. With
+``--page engine`` (the default) that is the live engine page, the page that polls fastest: its
+``engine`` route once per ``--poll-interval`` seconds (1 s, the page's own interval; every other
+page reads its routes once when opened, and a run's curves every 3 s). With ``--page all`` it is a
+stress bound no real page makes: every console JSON route (``whoami``, ``engine``, ``sessions``, a
+session's ``trace``, ``models``, a run with its curves, its ``lineage``, ``checkpoints``; not the
+PEFT download, which is a click, not a poll) once per interval. It is switched on for the ``console`` blocks and off
 for the ``plain`` blocks; the two alternate (plain, console, console, plain, …) after a warm-up
 of each, so a noisy machine drifts on both alike.
 
@@ -142,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8, help="timed blocks per condition")
     p.add_argument("--warmup", type=int, default=1, help="untimed blocks per condition first")
     p.add_argument("--poll-interval", type=float, default=1.0)
+    p.add_argument(
+        "--page", choices=("engine", "all"), default="engine",
+        help="engine: what the open live-engine page polls; all: every console route each interval",
+    )  # fmt: skip
     p.add_argument("--idle-s", type=float, default=20.0, help="the idle server's cpu, polled and not")
     p.add_argument("--threads", type=int, default=1, help="torch threads in the server (0: torch's default)")
     args = p.parse_args(argv)
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
             on, stop, count, busy = ctx.Event(), ctx.Event(), ctx.Value("l", 0), ctx.Value("i", 0)
             routes = console_routes([tc.model_id for tc in tcs])
+            if args.page == "engine":
+                routes = [r for r in routes if r.endswith("/engine")]
             proc = ctx.Process(
                 target=poller,
                 args=(server.base_url, key, routes, args.poll_interval, on, stop, count, busy),
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model {args.model}, {args.adapters} adapters (rank {args.rank}), a round = per adapter "
         f"forward_backward {args.batch}x{args.seq} + optim_step + sample {args.samples}x{args.max_tokens}; "
         f"{args.rounds} rounds a block, {args.repeats} blocks each, console polls {len(routes)} routes "
-        f"every {args.poll_interval:g} s"
+        f"every {args.poll_interval:g} s (--page {args.page})"
     )
     print(
         f"{'condition':<10} {'median s':>9} {'min s':>7} {'max s':>7} {'server cpu s':>12} "

@@ -31,6 +31,7 @@ cache takes.
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 import threading
@@ -65,6 +66,23 @@ PromptLogprobs = Callable[
 
 class VLLMUnavailableError(RuntimeError):
     """vLLM is not installed (or fails to import) in this environment."""
+
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache on CPU when nothing sets it: 1 GiB
+
+
+def _kv_cache_bytes(explicit: int | None) -> int | None:
+    """The KV cache size to give vLLM: ``explicit``, else on the CPU build
+    :data:`CPU_KV_CACHE_BYTES` unless ``VLLM_CPU_KVCACHE_SPACE`` sets it, else None (vLLM sizes it)."""
+    if explicit is not None:
+        if explicit <= 0:
+            raise EngineError(f"kv_cache_bytes must be positive, got {explicit}")
+        return explicit
+    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+
+    if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return CPU_KV_CACHE_BYTES
+    return None
 
 
 def import_vllm() -> Any:
@@ -118,6 +136,7 @@ class VLLMBackend(RolloutBackend):
         max_logprobs: int = 20,
         dtype: str = "float32",
         gpu_memory_utilization: float = 0.15,
+        kv_cache_bytes: int | None = None,
         enforce_eager: bool = True,
         multiprocessing: bool = False,
         export_dir: str | Path | None = None,
@@ -129,7 +148,11 @@ class VLLMBackend(RolloutBackend):
         ``MultiLoRA.groups``). ``resolve``: where a request's policy id is looked up when it was
         not published here (the training engine's snapshots, in process); ``trainer``: scores
         finished rows for the mismatch figures (None: not measured). ``multiprocessing``: run
-        vLLM's engine core in a child process (then the caller's ``__main__`` must be guarded)."""
+        vLLM's engine core in a child process (then the caller's ``__main__`` must be guarded).
+        ``kv_cache_bytes``: the KV cache's size; None on CPU means :data:`CPU_KV_CACHE_BYTES` unless
+        ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM-CPU otherwise sizes it as ``gpu_memory_utilization``
+        of the first NUMA node's memory minus the process's resident memory, which fails outright
+        where that node holds only part of the machine's RAM); on GPU, ``gpu_memory_utilization``."""
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
@@ -165,6 +188,7 @@ class VLLMBackend(RolloutBackend):
             max_logprobs=max_logprobs,
             logprobs_mode="processed_logprobs",
             gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=_kv_cache_bytes(kv_cache_bytes),
             enforce_eager=enforce_eager,
             seed=seed,
             disable_log_stats=True,
