@@ -37,6 +37,7 @@ from tinker import types
 
 import opentinker
 from opentinker.client import Runtime
+from opentinker.cluster.ray_env import LOCAL_SYSTEM_CONFIG
 from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import SMOLLM2 as SMOLLM2_INSTRUCT
@@ -88,7 +89,13 @@ def _timed(threads: list[threading.Thread], barrier: threading.Barrier) -> float
 def bench_train(args: argparse.Namespace, model: str) -> dict[str, Any]:
     import ray
 
-    ray.init(num_cpus=3, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=3,
+        object_store_memory=300 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config=LOCAL_SYSTEM_CONFIG,  # workers at nice 0, as the server starts them
+    )
     root = Path(tempfile.mkdtemp(prefix="p11-"))
     runtimes = {
         "in-process": Runtime(root / "plain"),
@@ -151,7 +158,13 @@ def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
     import ray
 
     torch.set_num_threads(1)  # the trainer: one thread, like each rollout worker
-    ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        object_store_memory=300 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config=LOCAL_SYSTEM_CONFIG,  # workers at nice 0, as the server starts them
+    )
     root = Path(tempfile.mkdtemp(prefix="p11r-"))
     runtimes = {
         f"{k} rollout worker{'s' if k > 1 else ''}": Runtime(

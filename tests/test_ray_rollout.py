@@ -391,3 +391,22 @@ def test_plain_serve_and_the_embedded_mode_never_import_ray(tmp_path: Path) -> N
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_ray_instance_started_here_runs_its_workers_at_the_servers_priority() -> None:
+    """Ray starts worker processes at nice 15 by default; ``connect("local")`` starts them at
+    nice 0, so the actors that sample and train are not starved by any other job on the machine."""
+    probe = (
+        "import os, ray\n"
+        "from opentinker.cluster.ray_env import connect\n"
+        "connect('local', num_cpus=1)\n"
+        "prio = ray.remote(lambda: os.getpriority(os.PRIO_PROCESS, 0))\n"
+        "print(ray.get(prio.remote()) - os.getpriority(os.PRIO_PROCESS, 0))\n"
+        "ray.shutdown()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=180, check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0"

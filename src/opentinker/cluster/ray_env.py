@@ -13,6 +13,11 @@
 never meet (more CPUs or GPUs per worker than any node has) or cannot meet now (more than is
 free), so a ``serve --ray`` with impossible resources fails before any actor waits for placement.
 
+A Ray instance started here runs its workers at the server's own priority
+(:data:`LOCAL_SYSTEM_CONFIG`): Ray's default starts every worker process at nice 15, below any
+other job on the machine, which would starve exactly the processes that do the work (a cluster
+joined keeps its own setting; ``ray start --system-config='{"worker_niceness": 0}'`` sets it).
+
 Every node of a joined cluster must have this package (and the base models) installed; workers
 read checkpoints from the storage path they are given, which on a cluster is a shared directory.
 """
@@ -27,6 +32,8 @@ from typing import Any
 NAMESPACE = "opentinker"
 TCP_PROBE_S = 5.0  # how long a joined cluster's address has to accept a TCP connection
 _EPS = 1e-9
+# Ray's system config for an instance started here: worker processes at nice 0 (Ray's default is 15)
+LOCAL_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
 
 _lock = threading.Lock()
 
@@ -53,6 +60,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> Clust
             ray.init(
                 num_cpus=num_cpus,
                 include_dashboard=False,
+                _system_config=LOCAL_SYSTEM_CONFIG,
                 namespace=NAMESPACE,
                 configure_logging=False,
                 log_to_driver=False,

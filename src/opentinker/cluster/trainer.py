@@ -31,6 +31,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentinker.cluster.ray_env import LOCAL_SYSTEM_CONFIG
 from opentinker.cluster.trainer_worker import TrainerWorker
 from opentinker.engine import EngineError
 from opentinker.models.registry import canonical_name
@@ -76,7 +77,7 @@ def start_local_ray() -> None:
     except ImportError as e:
         raise ClusterConfigError("Ray is not installed: pip install 'opentinker[ray]'") from e
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG)
 
 
 def check_resources(workers: int, worker_cpus: float, worker_gpus: float) -> None:
