@@ -308,6 +308,9 @@ class TrainerWorker:
                 eng.delete_adapter(model_id)
 
         self._call(model_id, drop)
+        with self._order:  # the model id, made here again, numbers its ordered ops from 0
+            self._next_seq.pop(model_id, None)
+            self._order.notify_all()
 
     def dp_optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         """Sum ``model_id``'s gradients over its replicas, then take the optimizer step (in its order).
