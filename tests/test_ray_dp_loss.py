@@ -14,7 +14,6 @@ instance (3 CPUs: two trainer workers of 1 CPU, and room for one more worker of 
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import opentinker
 from opentinker.client.runtime import Runtime
 from opentinker.engine.checkpoint import read_manifest
 from tests.conftest import TEST_MODEL
-from tests.test_ray_trainer import WAIT, _client, _datum, _train
+from tests.test_ray_trainer import WAIT, _client, _datum, _train, wait_restored
 from tests.tolerances import assert_scalar_close
 
 ray = pytest.importorskip("ray")
@@ -123,12 +122,7 @@ def test_auto_restore_brings_a_data_parallel_model_back_on_one_worker(tmp_path: 
         router.pool.kill_worker(lost.rank)
         with pytest.raises(WorkerLostError, match=tc.model_id):
             tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT)
-        pause = threading.Event()
-        for _ in range(WAIT * 10):  # the restore runs in the background; wait for its report
-            if rt.restored.get(tc.model_id, {}).get("restored"):
-                break
-            pause.wait(0.1)
-        report = rt.restored[tc.model_id]
+        report = wait_restored(rt, tc.model_id)
         assert report["restored"] and report["checkpoint"] == path
         assert report["lost_steps"] == 1 and report["steps_at_loss"] == 2
         assert report["data_parallel"] == 1 and "data-parallel degree 2 not kept" in report["note"]
