@@ -5,8 +5,9 @@ Every new model is data-parallel over both workers (the server's default) unless
 ``user_metadata`` asks for another degree; the reference is a ``{"data_parallel": "1"}`` model on
 one worker, made with the same LoRA seed. Over 3 steps the k = 2 model's losses equal it (the sum
 of the two shards' gradients is the whole batch's, so only fp32 summation order differs), its
-greedy samples after training are identical, its checkpoint (replica 0's state) loads into a plain
-model with the same tensors, and loads into it reach both replicas (a step after the load equals
+greedy samples after training are identical, its checkpoint (replica 0's state, recording the
+degree) makes a k = 2 model again by default and a plain one with the same tensors when asked
+(``{"data_parallel": "1"}``), and loads into it reach both replicas (a step after the load equals
 the plain model's). A degree the server cannot serve is a 400 at once, naming the value and the
 trainer workers, and creates nothing.
 """
@@ -143,10 +144,16 @@ def test_a_data_parallel_checkpoint_loads_into_a_plain_model_and_back(
     _train(dp, data, 2)
     path = dp.save_state("dp-two").result(timeout=WAIT).path
     at_save = _loss(dp, data)
-    # a model made from the checkpoint is a plain one (one worker), with the same tensors
+    # a model made from the checkpoint keeps its degree (both workers) unless it asks for one
     before = sum(_models_per_worker(server.base_url))
-    plain = service.create_training_client_from_state_with_optimizer(path).result()
-    assert sum(_models_per_worker(server.base_url)) == before + 1
+    kept = service.create_training_client_from_state_with_optimizer(path).result()
+    assert sum(_models_per_worker(server.base_url)) == before + 2
+    assert_scalar_close(_loss(kept, data), at_save, rel=REL)
+    # a plain one (one worker), with the same tensors
+    plain = service.create_training_client_from_state_with_optimizer(
+        path, user_metadata={"data_parallel": "1"}
+    ).result()
+    assert sum(_models_per_worker(server.base_url)) == before + 3
     copy = plain.save_state("copy").result(timeout=WAIT).path
     saved, copied = _tensors(store, path), _tensors(store, copy)
     assert saved.keys() == copied.keys() and any(k.startswith("optimizer") for k in saved)

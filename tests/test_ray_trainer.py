@@ -173,6 +173,16 @@ def test_a_lost_worker_fails_its_models_clearly_and_they_restore_elsewhere(
         rt.shutdown()
 
 
+def wait_restored(rt: Runtime, model_id: str) -> dict[str, Any]:
+    """Auto-restore's report on ``model_id`` once it is back (the restore runs in the background)."""
+    pause = threading.Event()
+    for _ in range(WAIT * 10):
+        if rt.restored.get(model_id, {}).get("restored"):
+            break
+        pause.wait(0.1)
+    return rt.restored[model_id]
+
+
 def test_auto_restore_puts_the_model_back_and_reports_the_lost_steps(ray_up: None, tmp_path: Path) -> None:
     rt = Runtime(tmp_path, trainer_workers=2, auto_restore=True)
     try:
@@ -187,12 +197,7 @@ def test_auto_restore_puts_the_model_back_and_reports_the_lost_steps(ray_up: Non
         pool.kill_worker(rank)
         with pytest.raises(WorkerLostError, match=tc.model_id):
             tc.forward_backward(data, "cross_entropy").result(timeout=WAIT)
-        deadline = threading.Event()
-        for _ in range(WAIT * 10):  # the restore runs in the background; wait for its report
-            if rt.restored.get(tc.model_id, {}).get("restored"):
-                break
-            deadline.wait(0.1)
-        report = rt.restored[tc.model_id]
+        report = wait_restored(rt, tc.model_id)
         assert report["restored"] and report["checkpoint"] == path
         assert report["lost_steps"] == 2 and report["steps_at_loss"] == 3
         assert report["to_worker"] == f"trainer-{1 - rank}"

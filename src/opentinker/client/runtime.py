@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
 from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
-from opentinker.client.scaleout import ScaleOut
+from opentinker.client.scaleout import ScaleOut, ScaleOutMethods
 from opentinker.engine import Engine, EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
@@ -39,7 +39,6 @@ from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
-from opentinker.rollout.pool import WorkerPool
 from opentinker.sampling import NativeBackend, RolloutBackend
 from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
@@ -65,6 +64,8 @@ class ModelRecord:
     lora: LoRAConfig
     tenant: str
     parent: str | None = None  # tinker path of the checkpoint it was created from
+    data_parallel: int = 1  # trainer workers it is replicated over (opentinker.cluster.dp)
+    note: str | None = None  # why it is not at the degree its checkpoint records, if it is not
     sampled_versions: set[str] = field(default_factory=set)  # its snapshots sampled since last save
     deleted: bool = False
 
@@ -103,7 +104,7 @@ def default_data_dir() -> Path:
     return Path(env) if env else cache_dir() / "data"
 
 
-class Runtime:
+class Runtime(ScaleOutMethods):
     def __init__(
         self,
         data_dir: str | Path | None = None,
@@ -130,22 +131,11 @@ class Runtime:
         keeps the rollout loop on a thread of this process. ``rollout_backend``: what samples,
         ``native`` (the default: the engine's own KV-cache decoder) or ``vllm`` (vLLM's engine with
         runtime LoRA, in-process loop only; ``rollout_options`` are passed to
-        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``ray``: run the rollout workers
-        as Ray actors of ``worker_cpus`` CPUs and ``worker_gpus`` GPUs each
-        (:mod:`opentinker.cluster.ray_rollout`), on a Ray instance started here (``"local"``) or a
-        cluster joined (``"auto"``, ``"ray://HOST:PORT"``, ``"HOST:PORT"``); an address that does
-        not answer, or workers the cluster cannot place, raise ``ValueError`` here. A worker not
-        started within ``worker_startup_timeout`` seconds fails its pool's start, naming why.
-        ``trainer_workers``: train on that many Ray trainer workers per base model
-        (:mod:`opentinker.cluster.trainer_router`; on the Ray of ``ray``, else a local instance
-        started if none is up), each a base-model replica holding a shard
-        of the adapters; ``trainer_options`` (``worker_cpus``, ``worker_gpus``) size each, and a
-        size the cluster cannot place is refused here; its ``data_parallel`` K makes every new
-        model data-parallel over K of them (:mod:`opentinker.cluster.dp`). ``auto_restore``: when
-        a trainer worker is lost, put each of its models back from its newest ``save_state``
-        checkpoint on another worker (:attr:`restored` says from where, and how many steps were lost)."""
-        if not isinstance(rollout_workers, int) or rollout_workers < 0:
-            raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
+        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``ray``, ``worker_cpus``,
+        ``worker_gpus``, ``worker_startup_timeout``, ``trainer_workers``, ``trainer_options`` and
+        ``auto_restore``: rollout workers as Ray actors, Ray trainer workers, data parallelism
+        and the restore of a lost worker's models (:class:`~opentinker.client.scaleout.ScaleOut`);
+        a setting the cluster cannot meet raises ``ValueError`` here."""
         if rollout_workers and sample_in_ticks:
             raise ValueError("rollout_workers and sample_in_ticks exclude each other")
         if rollout_backend not in ROLLOUT_BACKENDS:
@@ -201,82 +191,13 @@ class Runtime:
                     load_base_model(name, device=self.device), max_rank=self.max_rank, device=self.device
                 )
                 sampler, decoder = self._sampler(engine)
-                rollout: RolloutService | None = None
-                if self.rollout_workers:  # sampling in worker processes, snapshots sent as bytes
-                    rollout = WorkerPool(
-                        engine,
-                        NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0)
-                        .decoder(snapshots_only=True)
-                        .pin,
-                        self.rollout_workers,
-                        base_model=name,
-                        backend=self.rollout_backend,
-                        device=self.device,
-                        max_rank=self.max_rank,
-                        prefix_cache_bytes=self.prefix_cache_bytes,
-                        startup_timeout=self.scaleout.worker_startup_timeout,
-                        transport=self.scaleout.transport(),
-                    )
-                elif not self.sample_in_ticks:  # sampling on its own thread, continuous batching
-                    rollout = RolloutLoop(RolloutCore(decoder(), sampler))
-                scheduler = self.scaleout.scheduler(
-                    name,
-                    engine,
-                    sampler,
-                    rollout,
-                    device=self.device,
-                    max_rank=self.max_rank,
-                    models=lambda: self.models,
-                    store=self.store,
+                # sampling on its own thread, continuous batching (None: in the scheduler's ticks)
+                loop: Callable[[], RolloutService] | None = (
+                    None if self.sample_in_ticks else lambda: RolloutLoop(RolloutCore(decoder(), sampler))
                 )
-                b = Backend(engine, sampler, scheduler)
+                b = Backend(engine, sampler, self._scheduler_for(name, engine, sampler, loop))
                 self._backends[name] = b
             return b
-
-    @property
-    def restored(self) -> dict[str, dict[str, Any]]:
-        """Per model put back after its trainer worker was lost: from where, and the steps lost."""
-        return self.scaleout.restored
-
-    def _worker_pools(self) -> dict[str, WorkerPool]:
-        with self._lock:
-            return {
-                n: b.scheduler.rollout
-                for n, b in self._backends.items()
-                if isinstance(b.scheduler.rollout, WorkerPool)
-            }
-
-    def _routers(self) -> dict[str, Any]:
-        with self._lock:
-            return {n: b.scheduler for n, b in self._backends.items() if hasattr(b.scheduler, "pool")}
-
-    def rollout_workers_info(self) -> dict[str, Any]:
-        """The workers now: per base model, each rollout worker's state and requests served, and
-        each trainer worker with the models it holds."""
-        return self.scaleout.workers_info(self._worker_pools(), self.rollout_workers, self._routers())
-
-    def scale_trainer_workers(self, workers: int) -> dict[str, Any]:
-        """Train every base model on ``workers`` trainer workers, while serving: new ones start and
-        take new models, removed ones hand each model over (its whole state through the data dir)
-        without losing a step (:mod:`opentinker.cluster.trainer_scale`). ``ValueError`` (below
-        one, no trainer workers, more than the cluster has free) before anything changes."""
-        return self.scaleout.scale_trainers(self._routers(), workers, self.data_dir / "handover")
-
-    def check_scale(self, rollout_workers: int | None, trainer_workers: int | None) -> None:
-        """``ValueError`` unless both scales (each one given) can be done; changes nothing."""
-        if rollout_workers is not None:
-            self.scaleout.check_rollout_scale(self._worker_pools(), rollout_workers)
-        if trainer_workers is not None:
-            self.scaleout.check_trainer_scale(self._routers(), trainer_workers)
-
-    def scale_rollout_workers(self, workers: int) -> dict[str, int]:
-        """Serve every base model's sampling from ``workers`` rollout workers, while serving: new
-        ones start first and serve the current snapshots, removed ones drain first. Returns the
-        count per base model. Raises ``ValueError`` (below one, no worker pool, more than the
-        cluster can place) before anything changes."""
-        out = self.scaleout.scale(self._worker_pools(), workers)
-        self.rollout_workers = workers  # base models loaded later start this many
-        return out
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
@@ -347,13 +268,10 @@ class Runtime:
 
         def make(eng: Engine) -> ModelRecord:
             self.scaleout.create_adapter(eng, config, model_id, degree)
-            return self._register(ModelRecord(model_id, eng.base.name, config, tenant), on_created)
+            rec = ModelRecord(model_id, eng.base.name, config, tenant, data_parallel=degree)
+            return self._register(rec, on_created)
 
         return backend.scheduler.submit_call(model_id, make)
-
-    def check_data_parallel(self, value: int | str | None) -> int:
-        """The data-parallel degree ``value`` asks for (None: the default), or ``ValueError``."""
-        return self.scaleout.data_parallel if value is None else self.scaleout.data_parallel_degree(value)
 
     def create_model_from_checkpoint(
         self,
@@ -364,9 +282,13 @@ class Runtime:
         optimizer: bool,
         base_model: str | None = None,
         on_created: Callable[[ModelRecord], None] | None = None,
+        data_parallel: int | str | None = None,
     ) -> Future[ModelRecord]:
         """A model ``model_id`` loaded from ``tenant``'s checkpoint at ``path`` (with its optimizer
-        state if ``optimizer``), on the base model it was trained on (queued)."""
+        state if ``optimizer``), on the base model it was trained on (queued); data-parallel over
+        ``data_parallel`` trainer workers, by default the degree the checkpoint records where the
+        workers can hold it (else one, the record's ``note`` says why: ``ScaleOut.checkpoint_degree``)."""
+        asked = None if data_parallel is None else self.check_data_parallel(data_parallel)
         ref, meta = self.checkpoint(path, tenant)
         ckpt_base = str(meta.get("base_model", ""))
         if base_model is not None and canonical_name(base_model) != ckpt_base:
@@ -376,12 +298,16 @@ class Runtime:
         folder = self.store.folder(ref)
 
         def make(eng: Engine) -> ModelRecord:
-            if optimizer:
+            degree, note = self.scaleout.checkpoint_degree(eng, asked, meta)
+            if degree > 1:  # every replica reads the checkpoint (storage every worker reads)
+                eng.load_data_parallel(folder, model_id, degree, optimizer=optimizer)  # type: ignore[attr-defined]
+            elif optimizer:
                 eng.load_state(folder, adapter_id=model_id, optimizer=True)
             else:  # weights only: a copy of the checkpoint's weights, read from disk once
                 eng.fork_adapter(self._weights_source(eng, ref), model_id, parent=str(folder))
+            config = eng.adapter_config(model_id)
             rec = ModelRecord(
-                model_id, eng.base.name, eng.adapter_config(model_id), tenant, parent=ref.tinker_path
+                model_id, eng.base.name, config, tenant, ref.tinker_path, data_parallel=degree, note=note
             )
             return self._register(rec, on_created)
 
@@ -610,14 +536,7 @@ class Runtime:
                     "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
                 }
             )
-            trainers = getattr(sched, "trainer_info", None)  # trained on Ray trainer workers
-            if callable(trainers):
-                out[-1]["trainer_workers"] = trainers()
-                out[-1]["restored"] = {
-                    m: e
-                    for m, e in self.restored.items()
-                    if (r := self.models.get(m)) and r.base_model == name
-                }
+            out[-1].update(self.trainer_stats(name, self.models))  # trained on Ray trainer workers
         return out
 
     def shutdown(self) -> None:
@@ -628,11 +547,7 @@ class Runtime:
                 if callable(close):
                     close()
             self._backends.clear()
-        if self.scaleout.ray_cluster is not None:
-            from opentinker.cluster.ray_env import shutdown
-
-            shutdown(self.scaleout.ray_cluster)
-            self.scaleout.ray_cluster = None
+        self.scaleout.shutdown()
 
 
 _default: Runtime | None = None

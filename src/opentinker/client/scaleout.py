@@ -4,6 +4,15 @@ actors), and trainer workers on Ray with the auto-restore of a lost worker's mod
 :class:`ScaleOut` checks a runtime's scale-out settings once, at construction, so a Ray address
 that does not answer or workers the cluster cannot place fail there, naming why, before any model
 loads. Nothing of :mod:`opentinker.cluster` (nor Ray) is imported unless Ray is asked for.
+:class:`ScaleOutMethods` is the scale-out half of :class:`~opentinker.client.runtime.Runtime`
+(mixed into it): the workers now, scaling them while it serves, data-parallel degrees, what
+auto-restore did.
+
+Data-parallel models and checkpoints: a checkpoint of a data-parallel model records its degree
+(``data_parallel`` in its manifest's metadata); a model made from it (and one auto-restored after
+a worker's loss) keeps that degree where the trainer workers can hold it, else it is made on one
+worker and its record's ``note`` (also logged, and in the response) says why
+(:meth:`ScaleOut.checkpoint_degree`).
 """
 
 from __future__ import annotations
@@ -28,6 +37,25 @@ _log = logging.getLogger(__name__)
 
 
 class ScaleOut:
+    """A runtime's scale-out settings, checked once, and what runs on them.
+
+    ``rollout_workers``: serve sampling from that many worker processes per base model
+    (:mod:`opentinker.rollout.pool`; 0: the runtime's own rollout loop). ``ray``: run them as Ray
+    actors of ``worker_cpus`` CPUs and ``worker_gpus`` GPUs each (:mod:`opentinker.cluster.ray_rollout`),
+    on a Ray instance started here (``"local"``) or a cluster joined (``"auto"``,
+    ``"ray://HOST:PORT"``, ``"HOST:PORT"``); an address that does not answer, or workers the
+    cluster cannot place, raise ``ValueError`` here. A worker not started within
+    ``worker_startup_timeout`` seconds fails its pool's start, naming why. ``trainer_workers``:
+    train on that many Ray trainer workers per base model (:mod:`opentinker.cluster.trainer_router`;
+    on the Ray of ``ray``, else a local instance started if none is up), each a base-model
+    replica holding a shard of the adapters; ``trainer_options`` (``worker_cpus``,
+    ``worker_gpus``) size each, and a size the cluster cannot place is refused here; its
+    ``data_parallel`` K makes every new model data-parallel over K of them
+    (:mod:`opentinker.cluster.dp`). ``auto_restore``: when a trainer worker is lost, put each of
+    its models back from its newest ``save_state`` checkpoint on another worker (:attr:`restored`
+    says from where, how many steps were lost, and the degree it came back at).
+    """
+
     def __init__(
         self,
         *,
@@ -40,6 +68,8 @@ class ScaleOut:
         trainer_options: dict[str, Any] | None,
         auto_restore: bool,
     ) -> None:
+        if not isinstance(rollout_workers, int) or rollout_workers < 0:
+            raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
         if not isinstance(trainer_workers, int) or trainer_workers < 0:
             raise ValueError(f"trainer_workers must be an integer >= 0, got {trainer_workers!r}")
         self.trainer_workers = trainer_workers
@@ -71,11 +101,7 @@ class ScaleOut:
 
             if self.ray_cluster is None:  # no address given: a Ray instance started here
                 start_local_ray()
-            check_resources(
-                trainer_workers,
-                float(self.trainer_options.get("worker_cpus", 1.0)),
-                float(self.trainer_options.get("worker_gpus", 0.0)),
-            )
+            check_resources(trainer_workers, *self._trainer_size())
 
     def data_parallel_degree(self, value: Any) -> int:
         """The data-parallel degree ``value`` asks for (an integer, or its text as ``user_metadata``
@@ -102,6 +128,43 @@ class ScaleOut:
             eng.create_adapter(config, model_id)
         else:
             eng.create_data_parallel(config, model_id, degree)  # type: ignore[attr-defined]
+
+    def rollout_pool(
+        self,
+        engine: Engine,
+        name: str,
+        workers: int,
+        *,
+        backend: str,
+        device: str,
+        max_rank: int,
+        prefix_cache_bytes: int,
+    ) -> WorkerPool:
+        """``name``'s sampling served by ``workers`` rollout worker processes or actors, each with
+        its own copy of the base model; snapshots go to them as bytes."""
+        from opentinker.sampling import NativeBackend
+
+        pin = NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0).decoder(snapshots_only=True).pin
+        return WorkerPool(
+            engine,
+            pin,
+            workers,
+            base_model=name,
+            backend=backend,
+            device=device,
+            max_rank=max_rank,
+            prefix_cache_bytes=prefix_cache_bytes,
+            startup_timeout=self.worker_startup_timeout,
+            transport=self.transport(),
+        )
+
+    def shutdown(self) -> None:
+        """Stop the Ray instance this runtime started, if any."""
+        if self.ray_cluster is not None:
+            from opentinker.cluster.ray_env import shutdown
+
+            shutdown(self.ray_cluster)
+            self.ray_cluster = None
 
     def transport(self) -> Any:
         """How a base model's rollout workers are reached: processes here (None), or Ray actors."""
@@ -137,9 +200,40 @@ class ScaleOut:
             info["trainers"] = {name: r.trainer_info() for name, r in (routers or {}).items()}
         return info
 
-    def check_trainer_scale(self, routers: Mapping[str, Any], workers: Any) -> None:
+    def check_scale(
+        self,
+        pools: Mapping[str, WorkerPool],
+        routers: Mapping[str, Any],
+        rollout_workers: Any = None,
+        trainer_workers: Any = None,
+    ) -> None:
+        """Refuse (``ValueError``, nothing changed) a scale of the rollout and/or trainer workers
+        (each one given) that cannot be done: each kind on its own (below one worker, none to
+        scale, more than the cluster has free), then both together: the new workers of both
+        kinds must fit in what the Ray cluster has free now (workers a scale removes are not
+        counted as freed: the two scales run one after the other)."""
+        asks: list[tuple[int, float, float, str]] = []
+        if rollout_workers is not None:
+            extra = self.check_rollout_scale(pools, rollout_workers)
+            if self.ray_rollout:  # rollout processes here are not Ray's to place
+                asks.append((extra, self.worker_cpus, self.worker_gpus, "rollout worker"))
+        if trainer_workers is not None:
+            asks.append(
+                (self.check_trainer_scale(routers, trainer_workers), *self._trainer_size(), "trainer worker")
+            )
+        if sum(1 for a in asks if a[0]) > 1:
+            from opentinker.cluster.ray_env import check_fits_together
+
+            check_fits_together(asks)
+
+    def _trainer_size(self) -> tuple[float, float]:
+        opts = self.trainer_options
+        return float(opts.get("worker_cpus", 1.0)), float(opts.get("worker_gpus", 0.0))
+
+    def check_trainer_scale(self, routers: Mapping[str, Any], workers: Any) -> int:
         """Refuse (``ValueError``, nothing changed) a trainer scale below one worker, without
-        trainer workers, or needing more than the Ray cluster has free."""
+        trainer workers, or needing more than the Ray cluster has free; returns how many
+        workers it adds."""
         from opentinker.cluster.ray_env import check_fits
         from opentinker.cluster.trainer_scale import check_scale
 
@@ -154,9 +248,8 @@ class ScaleOut:
             for r in routers.values()
         )
         if extra:
-            opts = self.trainer_options
-            cpus, gpus = float(opts.get("worker_cpus", 1.0)), float(opts.get("worker_gpus", 0.0))
-            check_fits(extra, cpus, gpus, what="trainer worker")
+            check_fits(extra, *self._trainer_size(), what="trainer worker")
+        return extra
 
     def scale_trainers(self, routers: Mapping[str, Any], workers: int, folder: Path) -> dict[str, Any]:
         """Serve every base model's training from ``workers`` trainer workers, while serving (see
@@ -177,8 +270,9 @@ class ScaleOut:
         return {name: pool.scale(workers) for name, pool in pools.items()}
 
     @staticmethod
-    def check_rollout_scale(pools: Mapping[str, WorkerPool], workers: Any) -> None:
-        """Refuse (``ValueError``, nothing changed) what :meth:`scale` cannot do."""
+    def check_rollout_scale(pools: Mapping[str, WorkerPool], workers: Any) -> int:
+        """Refuse (``ValueError``, nothing changed) what :meth:`scale` cannot do; returns how many
+        workers it adds."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"rollout workers cannot be scaled below one, got {workers!r}")
         if not pools:
@@ -188,6 +282,7 @@ class ScaleOut:
         extra = sum(max(0, workers - p.size) for p in pools.values())
         if extra:
             next(iter(pools.values())).transport.check_capacity(extra)
+        return extra
 
     def scheduler(
         self,
@@ -208,14 +303,9 @@ class ScaleOut:
         from opentinker.cluster.trainer import TrainerPool
         from opentinker.cluster.trainer_router import RoutedScheduler
 
-        opts = self.trainer_options
+        cpus, gpus = self._trainer_size()
         pool = TrainerPool(
-            name,
-            self.trainer_workers,
-            worker_cpus=float(opts.get("worker_cpus", 1.0)),
-            worker_gpus=float(opts.get("worker_gpus", 0.0)),
-            device=device,
-            max_rank=max_rank,
+            name, self.trainer_workers, worker_cpus=cpus, worker_gpus=gpus, device=device, max_rank=max_rank
         )
         router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
         router.on_worker_lost = lambda slot, lost: self.worker_lost(
@@ -246,18 +336,152 @@ class ScaleOut:
             newest = saved[-1]
             step = int(newest.meta.get("step", 0))
             try:
-                entry["to_worker"] = router.restore(model_id, str(newest.folder)).result()
+                where = router.restore(model_id, str(newest.folder)).result()
             except Exception as e:  # reported, not raised: this runs on a background thread
                 entry["reason"] = str(e)
                 self.restored[model_id] = entry
                 continue
             rec.parent = newest.ref.tinker_path
-            entry.update(restored=True, checkpoint=newest.ref.tinker_path, lost_steps=max(0, lost_at - step))
+            rec.data_parallel, rec.note = where["data_parallel"], where["note"]
+            entry.update(
+                where, restored=True, checkpoint=newest.ref.tinker_path, lost_steps=max(0, lost_at - step)
+            )
+            if entry["note"] is None:
+                del entry["note"]
             self.restored[model_id] = entry
             _log.warning(
-                "trainer worker %s lost: model %s restored from %s on %s; %d step(s) lost",
+                "trainer worker %s lost: model %s restored from %s on %s; %d step(s) lost%s",
                 worker_id, model_id, newest.ref.tinker_path, entry["to_worker"], entry["lost_steps"],
+                f"; {where['note']}" if where["note"] else "",
             )  # fmt: skip
+
+    def checkpoint_degree(
+        self, eng: Engine, asked: int | None, meta: Mapping[str, Any]
+    ) -> tuple[int, str | None]:
+        """The data-parallel degree of a model made from a checkpoint with manifest ``meta``, and
+        a note if it is not the one the checkpoint records. ``asked`` (the request's own degree,
+        checked by :meth:`data_parallel_degree`) is kept; otherwise
+        the recorded degree is kept where the trainer workers can hold it, else the model is
+        made on one worker and the note (also logged) says why."""
+        if asked is not None:  # a degree the workers cannot hold now is refused where it is made
+            return asked, None
+        recorded = int(meta.get("data_parallel", 1) or 1)
+        if recorded <= 1:
+            return 1, None
+        room = getattr(eng, "data_parallel_shortfall", None)  # the router's proxy: trainer workers
+        why = room(recorded) if callable(room) else "this service trains in its own process"
+        if why is None:
+            return recorded, None
+        note = f"the checkpoint was data-parallel over {recorded} trainer workers, made on one worker: {why}"
+        _log.warning("%s: %s", meta.get("tinker_path", "a checkpoint"), note)
+        return 1, note
+
+
+class ScaleOutMethods:
+    """The scale-out half of :class:`~opentinker.client.runtime.Runtime` (module docstring)."""
+
+    scaleout: ScaleOut
+    rollout_workers: int
+    rollout_backend: str
+    device: str
+    max_rank: int
+    prefix_cache_bytes: int
+    data_dir: Path
+    store: CheckpointStore
+    models: dict[str, Any]  # model id -> its ModelRecord
+    _backends: dict[str, Any]  # base model -> its Backend (engine, sampler, scheduler)
+    _lock: Any
+
+    def _scheduler_for(
+        self,
+        name: str,
+        engine: Engine,
+        sampler: RolloutBackend,
+        loop: Callable[[], RolloutService] | None,
+    ) -> Scheduler:
+        """Base model ``name``'s scheduler, training here or routed to its trainer workers, over
+        its rollout service: its rollout workers (processes or Ray actors, snapshots sent as
+        bytes) if it has any, else ``loop()`` (None: sampling in the scheduler's ticks)."""
+        if self.rollout_workers:
+            rollout: RolloutService | None = self.scaleout.rollout_pool(
+                engine,
+                name,
+                self.rollout_workers,
+                backend=self.rollout_backend,
+                device=self.device,
+                max_rank=self.max_rank,
+                prefix_cache_bytes=self.prefix_cache_bytes,
+            )
+        else:
+            rollout = None if loop is None else loop()
+        return self.scaleout.scheduler(
+            name,
+            engine,
+            sampler,
+            rollout,
+            device=self.device,
+            max_rank=self.max_rank,
+            models=lambda: self.models,
+            store=self.store,
+        )
+
+    @property
+    def restored(self) -> dict[str, dict[str, Any]]:
+        """Per model put back after its trainer worker was lost: from where, and the steps lost."""
+        return self.scaleout.restored
+
+    def _worker_pools(self) -> dict[str, WorkerPool]:
+        with self._lock:
+            return {
+                n: b.scheduler.rollout
+                for n, b in self._backends.items()
+                if isinstance(b.scheduler.rollout, WorkerPool)
+            }
+
+    def _routers(self) -> dict[str, Any]:
+        with self._lock:
+            return {n: b.scheduler for n, b in self._backends.items() if hasattr(b.scheduler, "pool")}
+
+    def rollout_workers_info(self) -> dict[str, Any]:
+        """The workers now: per base model, each rollout worker's state and requests served, and
+        each trainer worker with the models it holds."""
+        return self.scaleout.workers_info(self._worker_pools(), self.rollout_workers, self._routers())
+
+    def scale_trainer_workers(self, workers: int) -> dict[str, Any]:
+        """Train every base model on ``workers`` trainer workers, while serving: new ones start and
+        take new models, removed ones hand each model over (its whole state through the data dir)
+        without losing a step (:mod:`opentinker.cluster.trainer_scale`). ``ValueError`` (below
+        one, no trainer workers, more than the cluster has free) before anything changes."""
+        return self.scaleout.scale_trainers(self._routers(), workers, self.data_dir / "handover")
+
+    def check_scale(self, rollout_workers: int | None, trainer_workers: int | None) -> None:
+        """``ValueError`` unless both scales (each one given) can be done, each alone and both
+        together (:meth:`ScaleOut.check_scale`); changes nothing."""
+        self.scaleout.check_scale(self._worker_pools(), self._routers(), rollout_workers, trainer_workers)
+
+    def scale_rollout_workers(self, workers: int) -> dict[str, int]:
+        """Serve every base model's sampling from ``workers`` rollout workers, while serving: new
+        ones start first and serve the current snapshots, removed ones drain first. Returns the
+        count per base model. Raises ``ValueError`` (below one, no worker pool, more than the
+        cluster can place) before anything changes."""
+        out = self.scaleout.scale(self._worker_pools(), workers)
+        self.rollout_workers = workers  # base models loaded later start this many
+        return out
+
+    def check_data_parallel(self, value: int | str | None) -> int:
+        """The data-parallel degree ``value`` asks for (None: the default), or ``ValueError``."""
+        return self.scaleout.data_parallel if value is None else self.scaleout.data_parallel_degree(value)
+
+    def trainer_stats(self, name: str, models: Mapping[str, Any]) -> dict[str, Any]:
+        """Base model ``name``'s trainer workers and the models auto-restore put back (empty
+        when it trains in this process): part of :meth:`Runtime.engine_stats`."""
+        with self._lock:
+            backend = self._backends.get(name)
+        trainers = getattr(backend.scheduler, "trainer_info", None) if backend is not None else None
+        if not callable(trainers):
+            return {}
+        restored = {m: e for m, e in self.restored.items() if (r := models.get(m)) and r.base_model == name}
+        return {"trainer_workers": trainers(), "restored": restored}
 
 
 def _safe(name: str) -> str:

@@ -149,6 +149,8 @@ class TrainingClient(ReadyClient):
             "parent": rec.parent,
             "sampler_versions": sorted(rec.sampled_versions),
         }
+        if rec.data_parallel > 1:  # a model made from it keeps the degree where it can
+            meta["data_parallel"] = rec.data_parallel
         store = self._runtime.store
         if store.exists(ref) and not overwrite:
             raise CheckpointError(f"checkpoint {ref.tinker_path} already exists (pass overwrite=True)")

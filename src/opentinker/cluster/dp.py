@@ -20,15 +20,25 @@ also what keeps each replica's collectives in the same order.
 Served over the router (:class:`~opentinker.cluster.trainer_router.RoutedScheduler`, a model
 created with a data-parallel degree through the SDK or `serve --data-parallel K`): reads, checkpoints
 and snapshots are replica 0's (every replica holds the same weights and optimizer state); loads
-and weight copies go into every replica.
+and weight copies go into every replica. ``checkpoint=`` makes the model from a checkpoint (on
+storage every worker reads), each replica loading it.
+
+Worker loss: once a replica's worker is lost, every op of the model raises
+:class:`~opentinker.cluster.trainer.WorkerLostError` naming the worker and the model, at once
+(an op in flight when it died too: an optimizer step does not wait for the other replicas'
+all-reduce, which cannot complete, to time out). :meth:`DataParallelModel.discard` then frees
+what the live replicas hold, so the model can be made again from its newest checkpoint.
+:func:`shortfall` says why a pool cannot hold a new data-parallel model of some degree now
+(a founding worker gone, fewer live ones than the degree).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
-from opentinker.cluster.trainer import TrainerPool, WorkerSlot, ray_module
+from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
 from opentinker.engine import AdamParams, EngineError, ForwardRequest, ForwardResult
 from opentinker.engine.validate import validate_request
 from opentinker.lora import LoRAConfig
@@ -61,22 +71,44 @@ def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult
     return ForwardResult(outputs, metrics)
 
 
-class DataParallelModel:
-    """One adapter replicated over ``degree`` trainer workers (module docstring)."""
+def shortfall(pool: TrainerPool, degree: int) -> str | None:
+    """Why ``pool`` cannot hold a new data-parallel model of ``degree`` now, or None if it can."""
+    try:
+        group = pool.group_workers()
+    except EngineError as e:
+        return str(e)
+    live = sum(1 for w in group if not w.draining)
+    if degree > live:
+        return f"data-parallel degree {degree} is above the number of live trainer workers ({live})"
+    return None
 
-    def __init__(self, pool: TrainerPool, model_id: str, config: LoRAConfig, *, degree: int) -> None:
-        group = pool.group_workers()  # the founding workers: the process group's members
-        live = [w for w in group if not w.draining]
+
+class DataParallelModel:
+    """One adapter replicated over ``degree`` trainer workers (module docstring): fresh from
+    ``config`` (which needs a seed), or loaded from the checkpoint folder ``checkpoint`` (with its
+    optimizer state if ``optimizer``; ``config`` is then unused)."""
+
+    def __init__(
+        self,
+        pool: TrainerPool,
+        model_id: str,
+        config: LoRAConfig | None,
+        *,
+        degree: int,
+        checkpoint: str | None = None,
+        optimizer: bool = True,
+    ) -> None:
         if not isinstance(degree, int) or degree < 1:
             raise EngineError(f"the data-parallel degree must be an integer >= 1, got {degree!r}")
-        if degree > len(live):
-            raise EngineError(
-                f"data-parallel degree {degree} is above the number of live trainer workers ({len(live)})"
-            )
-        if config.seed is None:
+        why = shortfall(pool, degree)
+        if why is not None:
+            raise EngineError(why)
+        if checkpoint is None and (config is None or config.seed is None):
             raise EngineError(
                 "a data-parallel model needs a LoRA seed: every replica starts from the same weights"
             )
+        group = pool.group_workers()  # the founding workers: the process group's members
+        live = [w for w in group if not w.draining]
         ray = ray_module()
         self.pool, self.model_id, self.config = pool, model_id, config
         self.replicas: list[WorkerSlot] = sorted(live, key=lambda w: (len(w.models), w.rank))[:degree]
@@ -88,7 +120,15 @@ class DataParallelModel:
         try:
             with pool.group_lock:  # every worker forms every group, one group at a time
                 ray.get([w.actor.join_data_parallel.remote(model_id, ranks) for w in group])
-            self._all(lambda w: w.actor.create_adapter.remote(model_id, config))
+            if checkpoint is None:
+                self._all(lambda w: w.actor.create_adapter.remote(model_id, config))
+            else:
+                kwargs = {"adapter_id": model_id, "optimizer": optimizer}
+                self._all(
+                    lambda w: w.actor.submit.remote(
+                        model_id, None, "call", "load_state", (checkpoint,), kwargs
+                    )
+                )
         except Exception:
             pool.release(model_id, self.replicas)
             raise
@@ -110,6 +150,7 @@ class DataParallelModel:
         if req.custom_loss is not None:
             raise EngineError("custom losses are not served data-parallel")
         validate_request(req, **self._limits)  # a bad request fails here, before any replica runs
+        self.check_live()
         sizes = shard_sizes(len(req.examples), self.degree)
         with self._lock:
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -138,6 +179,7 @@ class DataParallelModel:
     def optim_step(self, params: AdamParams) -> dict[str, float]:
         """Sum the replicas' gradients (all-reduce in the actors), then the same step on each."""
         params.validate()
+        self.check_live()
         with self._lock:
             results = self._all(lambda w: w.actor.dp_optim_step.remote(self.model_id, params))
         return results[0]
@@ -148,8 +190,37 @@ class DataParallelModel:
         return self.pool.get(w, self.model_id, w.actor.adapter_state.remote(self.model_id))
 
     def delete(self) -> None:
+        if self.lost() is not None:  # what the live replicas hold is freed; the lost one's went with it
+            self.discard()
+            return
         with self._lock:
             self._all(lambda w: w.actor.delete_adapter.remote(self.model_id))
+        self.pool.release(self.model_id, self.replicas)
+
+    # ------------------------------------------------------------------ worker loss
+    def lost(self) -> WorkerSlot | None:
+        """The first replica whose worker is lost, if any."""
+        return next((w for w in self.replicas if not w.alive), None)
+
+    def check_live(self) -> None:
+        """Raise :class:`WorkerLostError` naming the worker and the model if a replica is lost."""
+        w = self.lost()
+        if w is not None:
+            raise WorkerLostError(
+                f"trainer worker {w.worker_id} was lost ({w.lost_reason}) with data-parallel model "
+                f"{self.model_id!r} (replica {self.replicas.index(w) + 1} of {self.degree}); "
+                "restore it from its newest checkpoint"
+            )
+
+    def discard(self) -> None:
+        """After a replica's loss: drop the adapter from the live replicas (each keeps its side of
+        the process group: a peer is gone, and a collective of it may still be pending) and free
+        the model's places in the pool. Best effort: a replica that fails to answer is left as is."""
+        live = [w for w in self.replicas if w.alive]
+        refs = [(w, w.actor.dp_discard.remote(self.model_id)) for w in live]
+        for w, ref in refs:
+            with contextlib.suppress(Exception):  # lost meanwhile: nothing left there to free
+                self.pool.get(w, self.model_id, ref)
         self.pool.release(self.model_id, self.replicas)
 
     # ------------------------------------------------------------------ served over the router
@@ -160,6 +231,7 @@ class DataParallelModel:
     def read(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``Engine.method`` on replica 0 (what the model's state reads and checkpoints are: the
         replicas hold the same weights and optimizer state)."""
+        self.check_live()
         w = self.replicas[0]
         with self._lock:
             return self.pool.get(
@@ -168,6 +240,7 @@ class DataParallelModel:
 
     def load(self, folder: str, *, optimizer: bool) -> str:
         """A checkpoint's weights (and optimizer state) into every replica."""
+        self.check_live()
         with self._lock:
             self._all(
                 lambda w: w.actor.submit.remote(
@@ -178,6 +251,7 @@ class DataParallelModel:
 
     def adopt(self, weights: Any, *, step: int, parent: str | None) -> str:
         """A copy of ``weights`` (CPU ``LoRAWeights``) into every replica, with fresh optimizers."""
+        self.check_live()
         with self._lock:
             self._all(
                 lambda w: w.actor.adopt.remote(
@@ -188,6 +262,7 @@ class DataParallelModel:
 
     def snapshot(self) -> tuple[Any, Any]:
         """Replica 0's snapshot: its info and its weights (CPU)."""
+        self.check_live()
         w = self.replicas[0]
         with self._lock:
             return self.pool.get(w, self.model_id, w.actor.snapshot.remote(self.model_id, self._next(w)))
@@ -200,16 +275,25 @@ class DataParallelModel:
         return seq
 
     def _all(self, call: Any, among: list[WorkerSlot] | None = None) -> list[Any]:
-        """One call on every replica (or ``among``) at once; wait for all, then raise the first error."""
+        """One call on every replica (or ``among``) at once; wait for all, then raise the first
+        error, in replica order. A lost worker raises at once: the other replicas may be waiting
+        for it in a collective that can no longer complete."""
         slots = self.replicas if among is None else among
-        refs = [(w, call(w)) for w in slots]
-        out: list[Any] = []
-        first: BaseException | None = None
-        for w, ref in refs:
-            try:
-                out.append(self.pool.get(w, self.model_id, ref))
-            except Exception as e:
-                first = first or e
-        if first is not None:
-            raise first
-        return out
+        refs = [call(w) for w in slots]
+        pending = dict(zip(refs, range(len(slots)), strict=True))
+        out: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        ray = ray_module()
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    out[i] = self.pool.get(slots[i], self.model_id, ref)
+                except WorkerLostError:
+                    raise
+                except Exception as e:
+                    errors[i] = e
+        if errors:
+            raise errors[min(errors)]
+        return [out[i] for i in range(len(slots))]

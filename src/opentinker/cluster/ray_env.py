@@ -11,7 +11,9 @@
 
 :func:`check_fits` refuses, at once and naming the shortfall, a worker request the cluster can
 never meet (more CPUs or GPUs per worker than any node has) or cannot meet now (more than is
-free), so a ``serve --ray`` with impossible resources fails before any actor waits for placement.
+free), so a ``serve --ray`` with impossible resources fails before any actor waits for placement;
+:func:`check_fits_together` does it for workers of several kinds asked for at once (a scale of
+rollout and trainer workers in one request), each kind fitting alone but not all together.
 
 A Ray instance started here runs its workers at the server's own priority
 (:data:`LOCAL_SYSTEM_CONFIG`): Ray's default starts every worker process at nice 15, below any
@@ -117,22 +119,44 @@ def resources() -> dict[str, Any]:
 def check_fits(workers: int, cpus: float, gpus: float, what: str = "rollout worker") -> None:
     """Raise :class:`ClusterError` unless ``workers`` actors of ``cpus`` CPUs and ``gpus`` GPUs
     each can be placed now (each on one node, all within what is free)."""
+    check_fits_together([(workers, cpus, gpus, what)])
+
+
+def check_fits_together(asks: list[tuple[int, float, float, str]]) -> None:
+    """Raise :class:`ClusterError` unless every ask (``workers`` more actors of ``cpus`` CPUs and
+    ``gpus`` GPUs each, and what they are) can be placed now, all of them at once: each actor on
+    one node, their sum within what is free. The message names the kinds and their shares."""
     have = resources()
-    for kind, each in (("CPU", cpus), ("GPU", gpus)):
-        if each <= 0:
+    asks = [a for a in asks if a[0] > 0]
+    for kind in ("CPU", "GPU"):
+        need: list[tuple[int, float, str]] = []
+        for workers, cpus, gpus, what in asks:
+            each = cpus if kind == "CPU" else gpus
+            if each <= 0:
+                continue
+            largest = have["largest_node"][kind]
+            if each > largest + _EPS:
+                raise ClusterError(
+                    f"a {what} asks for {each:g} {kind}s but the largest Ray node has {largest:g} "
+                    f"(the cluster has {have['total'].get(kind, 0.0):g} {kind}s in all)"
+                )
+            need.append((workers, each, what))
+        free, total = have["free"].get(kind, 0.0), have["total"].get(kind, 0.0)
+        wanted = sum(n * each for n, each, _ in need)
+        if wanted <= free + _EPS:
             continue
-        largest = have["largest_node"][kind]
-        if each > largest + _EPS:
+        if len(need) == 1:
+            [(n, each, what)] = need
             raise ClusterError(
-                f"a {what} asks for {each:g} {kind}s but the largest Ray node has {largest:g} "
-                f"(the cluster has {have['total'].get(kind, 0.0):g} {kind}s in all)"
+                f"{n} more {what}s of {each:g} {kind}s need {wanted:g} {kind}s, "
+                f"but only {free:g} of the cluster's {total:g} are free"
             )
-        free = have["free"].get(kind, 0.0)
-        if workers * each > free + _EPS:
-            raise ClusterError(
-                f"{workers} more {what}s of {each:g} {kind}s need {workers * each:g} {kind}s, "
-                f"but only {free:g} of the cluster's {have['total'].get(kind, 0.0):g} are free"
-            )
+        shares = " and ".join(f"{n} more {what}s ({n * each:g} {kind}s)" for n, each, what in need)
+        alone = all(n * each <= free + _EPS for n, each, _ in need)
+        raise ClusterError(
+            f"{shares} need {wanted:g} {kind}s together, but only {free:g} of the cluster's "
+            f"{total:g} are free" + (" (each kind alone would fit)" if alone else "")
+        )
 
 
 def shutdown(cluster: Cluster | None) -> None:

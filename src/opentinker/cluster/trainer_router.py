@@ -28,7 +28,9 @@ A data-parallel model (created with a degree k > 1: the SDK's ``user_metadata`` 
 "k"}`` or ``serve --data-parallel k``) is a :class:`~opentinker.cluster.dp.DataParallelModel` over k
 workers, routed by itself: its lane runs each op to its end (``forward_backward`` split over the
 replicas, ``optim_step`` after the all-reduce), reads and checkpoints are replica 0's, loads go into
-every replica.
+every replica. A data-parallel model whose replica's worker is lost answers the same
+``WorkerLostError`` for every op; ``restore`` puts it back at its degree where the pool can
+still hold it (:func:`~opentinker.cluster.dp.shortfall`), else on one worker, saying why.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from opentinker.cluster.dp import DataParallelModel
+from opentinker.cluster.dp import DataParallelModel, shortfall
 from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
 from opentinker.cluster.trainer_worker import moved
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, SnapshotInfo
@@ -202,23 +204,54 @@ class RoutedScheduler(Scheduler):
     def restore(self, model_id: str, folder: str) -> Future:
         """Put ``model_id``, whose worker was lost, back from the checkpoint in ``folder``
         (weights and optimizer state) on the least-loaded live worker, in the model's order:
-        its later requests run there. The future gives the new worker's id."""
+        its later requests run there. A data-parallel model comes back at its degree where the
+        pool can hold it, else on one worker. The future gives a dict: ``to_worker`` (the new
+        worker's id; a data-parallel model's, comma-separated), ``data_parallel`` (its degree now)
+        and ``note`` (why the degree was not kept, or None)."""
 
         def run(fut: Future) -> None:
             try:
-                slot, old = self.pool.move_lost(model_id)
-            except EngineError as e:
-                fut.set_exception(e)
-                return
-            try:
-                self.call(model_id, slot, "load_state", folder, adapter_id=model_id, optimizer=True)
-                self.note_step(model_id, int(self.call(model_id, slot, "adapter_step", model_id)))
-                fut.set_result(slot.worker_id)
+                fut.set_result(self._restore(model_id, folder))
             except Exception as e:
-                self.pool.undo_move(model_id, slot, old)
-                fut.set_exception(self._translate(e, slot, model_id))
+                fut.set_exception(self._translate(e))
 
         return self._enqueue(model_id, run)
+
+    def _restore(self, model_id: str, folder: str) -> dict[str, Any]:
+        lost = self.dp.get(model_id)
+        note: str | None = None
+        if lost is not None:
+            if lost.lost() is None:
+                raise EngineError(f"model {model_id!r} is live on its trainer workers; nothing to restore")
+            lost.discard()
+            del self.dp[model_id]
+            why = shortfall(self.pool, lost.degree)
+            try:
+                if why is None:
+                    dp = DataParallelModel(self.pool, model_id, None, degree=lost.degree, checkpoint=folder)
+                    self.dp[model_id] = dp
+                    self.note_step(model_id, int(dp.read("adapter_step", model_id)))
+                    return {
+                        "to_worker": ",".join(w.worker_id for w in dp.replicas),
+                        "data_parallel": dp.degree,
+                        "note": None,
+                    }
+                note = f"data-parallel degree {lost.degree} not kept ({why}): restored on one worker"
+                return {**self._restore_plain(model_id, folder), "note": note}
+            except Exception:
+                self.dp.setdefault(model_id, lost)  # still answers the loss of its worker
+                raise
+        return {**self._restore_plain(model_id, folder), "note": None}
+
+    def _restore_plain(self, model_id: str, folder: str) -> dict[str, Any]:
+        slot, old = self.pool.move_lost(model_id)
+        try:
+            self.call(model_id, slot, "load_state", folder, adapter_id=model_id, optimizer=True)
+            self.note_step(model_id, int(self.call(model_id, slot, "adapter_step", model_id)))
+        except Exception as e:
+            self.pool.undo_move(model_id, slot, old)
+            raise self._translate(e, slot, model_id) from None
+        return {"to_worker": slot.worker_id, "data_parallel": 1}
 
     def hand_over(self, model_id: str, folder: str) -> Future:
         """Move ``model_id`` off its worker (one being removed) without losing a step, in the
@@ -367,6 +400,20 @@ class EngineProxy:
             config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
         self._router.dp[adapter_id] = DataParallelModel(self._pool, adapter_id, config, degree=degree)
         self._router.note_step(adapter_id, 0)
+        return adapter_id
+
+    def data_parallel_shortfall(self, degree: int) -> str | None:
+        """Why a new data-parallel model of ``degree`` cannot be made now (None: it can)."""
+        return shortfall(self._pool, degree)
+
+    def load_data_parallel(self, path: Any, adapter_id: str, degree: int, *, optimizer: bool) -> str:
+        """Adapter ``adapter_id`` from the checkpoint at ``path`` (storage every worker reads),
+        replicated over ``degree`` trainer workers, each loading it."""
+        dp = DataParallelModel(
+            self._pool, adapter_id, None, degree=degree, checkpoint=str(path), optimizer=optimizer
+        )
+        self._router.dp[adapter_id] = dp
+        self._router.note_step(adapter_id, int(dp.read("adapter_step", adapter_id)))
         return adapter_id
 
     def load_state(

@@ -296,6 +296,22 @@ class TrainerWorker:
 
         self._call(model_id, put_back)
 
+    def dp_discard(self, model_id: str) -> None:
+        """Drop data-parallel model ``model_id`` after another replica's loss: its adapter goes;
+        the process group is only forgotten, not destroyed (a collective on it may still wait for
+        the lost peer, and fails on its own: its step is then never taken)."""
+        self._groups.pop(model_id, None)
+        self._kept.pop(model_id, None)
+
+        def drop(eng: Engine) -> None:
+            if eng.has_adapter(model_id):
+                eng.delete_adapter(model_id)
+
+        self._call(model_id, drop)
+        with self._order:  # the model id, made here again, numbers its ordered ops from 0
+            self._next_seq.pop(model_id, None)
+            self._order.notify_all()
+
     def dp_optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         """Sum ``model_id``'s gradients over its replicas, then take the optimizer step (in its order).
 
@@ -322,6 +338,8 @@ class TrainerWorker:
             offset += g.numel()
 
         def step(eng: Engine) -> dict[str, float]:
+            if self._groups.get(model_id) is not group:  # discarded meanwhile (dp_discard)
+                raise EngineError(f"data-parallel model {model_id!r} was discarded on {self.worker_id}")
             eng.set_pending_gradients(model_id, summed)
             return eng.optim_step(model_id, params)
 

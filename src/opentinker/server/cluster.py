@@ -9,7 +9,8 @@ have drained (their running requests finished); new trainer workers take new mod
 have handed each of their models over to another worker (its whole state, without losing a step)
 and stopped. A request below one worker, for more workers than the cluster has free, or with no
 or unknown fields, is refused at once with 400 (422 for a malformed body) and nothing changes;
-both counts are checked before either scale starts. A worker that fails to start, or a model that
+both counts are checked before either scale starts, each alone and together (the new workers of
+both kinds must fit in what the Ray cluster has free). A worker that fails to start, or a model that
 could not be handed over, answers 503 naming it. ``opentinker cluster`` is the client.
 """
 

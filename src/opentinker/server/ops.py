@@ -214,6 +214,7 @@ class Operations:
         if req.session_id is not None and req.model_seq_id is not None:  # create-from-state
             sess = self.reg.session(tenant, req.session_id)
             ref, meta = self.reg.checkpoint(tenant, req.path)
+            degree = self._data_parallel(req.user_metadata)  # None: the checkpoint's own degree
 
             def make() -> str:
                 def submit() -> Future:
@@ -230,12 +231,23 @@ class Operations:
                         checkpoint=ref.tinker_path,
                         optimizer=req.optimizer,
                         user_metadata=req.user_metadata,
+                        data_parallel=degree,
                     )
+
+                def done(
+                    rec: Any,
+                ) -> dict[str, Any]:  # the degree it came at, and why if not its checkpoint's
+                    out = {"path": req.path, "model_id": rec.model_id, "type": "load_weights"}
+                    return {
+                        **out,
+                        "data_parallel": rec.data_parallel,
+                        **({"note": rec.note} if rec.note else {}),
+                    }
 
                 return self._run(
                     tenant,
                     submit,
-                    lambda rec: {"path": req.path, "model_id": rec.model_id, "type": "load_weights"},
+                    done,
                     (sess.id, "create_model_from_state", sess.id, req.base_model, req.model_seq_id),
                 )
 

@@ -374,6 +374,7 @@ class Registry:
                 optimizer=optimizer,
                 base_model=base_model,
                 on_created=created,
+                data_parallel=data_parallel,
             )
         assert config is not None
         return self.runtime.create_model(

@@ -1,0 +1,158 @@
+"""Data-parallel models and worker loss, checkpoints and combined scales, on one local Ray
+instance (3 CPUs: two trainer workers of 1 CPU, and room for one more worker of either kind).
+
+- A checkpoint of a k = 2 model records its degree; a model made from it on a whole pool is
+  data-parallel over 2 again, and trains on as the original does.
+- ``ray.kill`` of one replica's worker: the model's ops answer ``WorkerLostError`` naming the
+  worker and the model at once (an optimizer step in flight does not wait for the all-reduce's
+  timeout); ``create_training_client_from_state_with_optimizer`` works, on one worker (the pool
+  can no longer form a process group), and the model's record says why; ``auto_restore`` puts the
+  same model id back, reporting the degree and the steps lost.
+- A scale of rollout and trainer workers whose kinds each fit the free CPUs but not together is
+  refused at once, naming both, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tinker import types
+
+import opentinker
+from opentinker.client.runtime import Runtime
+from opentinker.engine.checkpoint import read_manifest
+from tests.conftest import TEST_MODEL
+from tests.test_ray_trainer import WAIT, _client, _datum, _train, wait_restored
+from tests.tolerances import assert_scalar_close
+
+ray = pytest.importorskip("ray")
+
+from opentinker.client.checkpoints import parse_tinker_path  # noqa: E402
+from opentinker.cluster.trainer import WorkerLostError  # noqa: E402
+
+pytestmark = pytest.mark.slow  # Ray, two trainer actors per runtime: ~1-2 min in all here
+
+DATA = [_datum(list(range(3, 20))), _datum([5 + (3 * k) % 90 for k in range(11)])]
+PROMPT = 30.0  # seconds: an error "at once" (the collective timeout is 120 s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_up():
+    ray.init(num_cpus=3, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _dp_runtime(data_dir: Path, **kw: Any) -> Runtime:
+    return Runtime(data_dir, trainer_workers=2, trainer_options={"data_parallel": 2}, **kw)
+
+
+def _router(rt: Runtime) -> Any:
+    return rt.backend(TEST_MODEL).scheduler
+
+
+def _plain_resume(data_dir: Path, path: str, steps: int) -> list[float]:
+    """The same checkpoint resumed in one process (the reference)."""
+    plain = Runtime(data_dir)
+    try:
+        tc = opentinker.ServiceClient(runtime=plain).create_training_client_from_state_with_optimizer(path)
+        return _train(tc, DATA, steps)
+    finally:
+        plain.shutdown()
+
+
+def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path: Path) -> None:
+    rt = _dp_runtime(tmp_path)
+    try:
+        service = opentinker.ServiceClient(runtime=rt)
+        tc = _client(service, 5)  # the runtime's default: data-parallel over both workers
+        router = _router(rt)
+        assert router.dp[tc.model_id].degree == 2 and rt.models[tc.model_id].data_parallel == 2
+        _train(tc, DATA, 1)
+        path = tc.save_state("dp").result(timeout=WAIT).path
+        assert read_manifest(rt.store.folder(parse_tinker_path(path)))["meta"]["data_parallel"] == 2
+        # made from the checkpoint on the whole pool: data-parallel over 2 again, the same next step
+        again = service.create_training_client_from_state_with_optimizer(path)
+        rec = rt.models[again.model_id]
+        assert rec.data_parallel == 2 and rec.note is None and router.dp[again.model_id].degree == 2
+        assert_scalar_close(_train(again, DATA, 1)[0], _train(tc, DATA, 1)[0], rel=1e-5)
+
+        # one replica's worker dies; the first op is an optimizer step (its all-reduce cannot finish)
+        tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT)
+        lost = router.dp[tc.model_id].replicas[1]
+        router.pool.kill_worker(lost.rank)
+        t0 = time.monotonic()
+        named = rf"trainer worker {lost.worker_id} .*model {tc.model_id!r}"
+        with pytest.raises(WorkerLostError, match=named):
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=WAIT)
+        for _ in range(2):  # and every later op, at once
+            with pytest.raises(WorkerLostError, match=named):
+                tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT)
+        with pytest.raises(WorkerLostError, match=lost.worker_id):
+            tc.save_state("late").result(timeout=WAIT)
+        assert time.monotonic() - t0 < PROMPT
+
+        # restored from its checkpoint: on one worker now (no process group can be formed), saying so
+        restored = service.create_training_client_from_state_with_optimizer(path)
+        rec = rt.models[restored.model_id]
+        assert rec.data_parallel == 1 and restored.model_id not in router.dp
+        assert rec.note is not None and "data-parallel over 2" in rec.note and "lost" in rec.note
+        assert router.pool.placement()[restored.model_id] != lost.worker_id
+        got = _train(restored, DATA, 2)
+        service.delete_model(tc.model_id)
+        assert tc.model_id not in router.dp  # a lost model can be deleted: the live replica is freed
+    finally:
+        rt.shutdown()
+    for g, w in zip(got, _plain_resume(tmp_path, path, 2), strict=True):
+        assert_scalar_close(g, w, rel=1e-5)
+
+
+def test_auto_restore_brings_a_data_parallel_model_back_on_one_worker(tmp_path: Path) -> None:
+    rt = _dp_runtime(tmp_path, auto_restore=True)
+    try:
+        tc = _client(opentinker.ServiceClient(runtime=rt), 6)
+        router = _router(rt)
+        _train(tc, DATA, 1)
+        path = tc.save_state("s1").result(timeout=WAIT).path
+        _train(tc, DATA, 1)  # one step past the checkpoint: what the loss costs
+        lost = router.dp[tc.model_id].replicas[0]
+        router.pool.kill_worker(lost.rank)
+        with pytest.raises(WorkerLostError, match=tc.model_id):
+            tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT)
+        report = wait_restored(rt, tc.model_id)
+        assert report["restored"] and report["checkpoint"] == path
+        assert report["lost_steps"] == 1 and report["steps_at_loss"] == 2
+        assert report["data_parallel"] == 1 and "data-parallel degree 2 not kept" in report["note"]
+        assert report["to_worker"] != lost.worker_id and tc.model_id not in router.dp
+        assert rt.models[tc.model_id].data_parallel == 1
+        got = _train(tc, DATA, 1)  # the same model id trains on, from the checkpoint
+    finally:
+        rt.shutdown()
+    assert_scalar_close(got[0], _plain_resume(tmp_path, path, 1)[0], rel=1e-5)
+
+
+def test_a_combined_scale_that_fits_only_kind_by_kind_is_refused(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, ray="local", rollout_workers=1, worker_cpus=1, trainer_workers=1)
+    try:
+        rt.backend(TEST_MODEL)  # one rollout actor and one trainer actor: 1 of 3 CPUs left
+        before = rt.rollout_workers_info()
+        rt.check_scale(2, None)  # each kind alone fits
+        rt.check_scale(None, 2)
+        with pytest.raises(
+            ValueError,
+            match=r"1 more rollout workers \(1 CPUs\) and 1 more trainer workers \(1 CPUs\) need 2 CPUs "
+            r"together, but only 1 of the cluster's 3 are free \(each kind alone would fit\)",
+        ):
+            rt.check_scale(2, 2)
+        with pytest.raises(ValueError, match="trainer workers cannot be scaled below one"):
+            rt.check_scale(2, 0)
+        after = rt.rollout_workers_info()
+        assert (
+            after["base_models"][TEST_MODEL]["workers"] == before["base_models"][TEST_MODEL]["workers"] == 1
+        )
+        assert [w["worker_id"] for w in after["trainers"][TEST_MODEL]] == ["trainer-0"]
+    finally:
+        rt.shutdown()
