@@ -29,6 +29,8 @@ from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 
+RANK = 8  # every adapter's LoRA rank
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -51,7 +53,8 @@ def main() -> None:
     engine = Engine(base, dtype=dtype)
     unembed = args.backend == "native"
     ids = [
-        engine.create_adapter(LoRAConfig(rank=8, seed=i, train_unembed=unembed)) for i in range(args.adapters)
+        engine.create_adapter(LoRAConfig(rank=RANK, seed=i, train_unembed=unembed))
+        for i in range(args.adapters)
     ]
     for aid in ids:  # non-zero B so every adapter really changes the function
         for t in engine.adapter_weights(aid).b.values():
@@ -101,7 +104,11 @@ def main() -> None:
 
         snaps = [engine.snapshot(aid).snapshot_id for aid in ids]
         vllm = VLLMBackend.for_engine(
-            engine, measure_mismatch=False, max_loras=args.adapters, gpu_memory_utilization=args.vllm_memory
+            engine,
+            measure_mismatch=False,
+            max_loras=args.adapters,
+            max_lora_rank=RANK,  # the adapters' own rank: vLLM computes every adapter at max_lora_rank
+            gpu_memory_utilization=args.vllm_memory,
         )
         vreqs = [SampleRequest(sid, p, params) for sid, p in zip(snaps, prompts, strict=True)]
 

