@@ -59,6 +59,18 @@ def _datums(seed: int, rows: int, seq: int, vocab: int) -> list[types.Datum]:
     return out
 
 
+def _start_ray(num_cpus: int) -> None:
+    import ray
+
+    ray.init(
+        num_cpus=num_cpus,
+        object_store_memory=300 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config=LOCAL_SYSTEM_CONFIG,  # workers at nice 0, as the server starts them
+    )
+
+
 def train_round(clients: list[Any], data: list[list[types.Datum]], steps: int) -> float:
     """Every tenant's ``steps`` training steps, all tenants at once; seconds."""
     barrier = threading.Barrier(len(clients) + 1)
@@ -89,13 +101,7 @@ def _timed(threads: list[threading.Thread], barrier: threading.Barrier) -> float
 def bench_train(args: argparse.Namespace, model: str) -> dict[str, Any]:
     import ray
 
-    ray.init(
-        num_cpus=3,
-        object_store_memory=300 * 2**20,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config=LOCAL_SYSTEM_CONFIG,  # workers at nice 0, as the server starts them
-    )
+    _start_ray(3)
     root = Path(tempfile.mkdtemp(prefix="p11-"))
     runtimes = {
         "in-process": Runtime(root / "plain"),
@@ -158,13 +164,7 @@ def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
     import ray
 
     torch.set_num_threads(1)  # the trainer: one thread, like each rollout worker
-    ray.init(
-        num_cpus=2,
-        object_store_memory=300 * 2**20,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config=LOCAL_SYSTEM_CONFIG,  # workers at nice 0, as the server starts them
-    )
+    _start_ray(2)
     root = Path(tempfile.mkdtemp(prefix="p11r-"))
     runtimes = {
         f"{k} rollout worker{'s' if k > 1 else ''}": Runtime(

@@ -385,12 +385,7 @@ def test_plain_serve_and_the_embedded_mode_never_import_ray(tmp_path: Path) -> N
         "    rt.shutdown()\n"
         "print('ray' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert _last_line_of(probe, timeout=300) == "False"
 
 
 def test_a_ray_instance_started_here_runs_its_workers_at_the_servers_priority() -> None:
@@ -404,9 +399,14 @@ def test_a_ray_instance_started_here_runs_its_workers_at_the_servers_priority() 
         "print(ray.get(prio.remote()) - os.getpriority(os.PRIO_PROCESS, 0))\n"
         "ray.shutdown()\n"
     )
+    assert _last_line_of(probe, timeout=180) == "0"
+
+
+def _last_line_of(probe: str, *, timeout: float) -> str:
+    """Run ``probe`` in a fresh interpreter (one torch thread); the last line it printed."""
     out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=180, check=False,
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=timeout, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "0"
+    return out.stdout.strip().splitlines()[-1]
