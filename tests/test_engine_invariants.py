@@ -224,3 +224,59 @@ def test_soft_targets_in_a_mixed_batch_match_their_hard_target_parts(engine: Eng
     for col in range(2):
         assert_rel_close(lp[:, col], res_hard.outputs[col]["logprobs"])
     assert_scalar_close(res_soft.metrics["loss:sum"], 0.5 * res_hard.metrics["loss:sum"])
+
+
+def test_a_ticks_optimizer_steps_at_once_are_bitwise_each_adapters_own(engine: Engine) -> None:
+    """``optim_step_many`` (what a scheduler tick runs) against each adapter's own ``optim_step``:
+    twins with the same seed, gradients and hyperparameters (ranks, learning rates, weight decay,
+    clipping, fresh and stepped moments) end bitwise equal; a refused step (bad hyperparameters,
+    an overflowing learning rate, an unknown adapter) fails alone and changes nothing."""
+    hps = [
+        AdamParams(learning_rate=1e-2),
+        AdamParams(learning_rate=3e-3, weight_decay=0.1, beta1=0.8),
+        AdamParams(learning_rate=1e-2, grad_clip_norm=1e-3, eps=1e-6),
+        AdamParams(learning_rate=5e-4, beta2=0.99),
+    ]
+    pairs = []
+    for i, rank in enumerate((4, 8, 8, 16)):
+        cfg = LoRAConfig(rank=rank, seed=10 + i)
+        pairs.append((engine.create_adapter(cfg), engine.create_adapter(cfg)))
+    for round_ in range(3):
+        for i, (solo, many) in enumerate(pairs):
+            data = make_examples(2, engine.vocab_size, seed=100 * round_ + i)
+            for aid in (solo, many):
+                engine.forward_backward(ForwardRequest(aid, data))
+        solo_metrics = [engine.optim_step(solo, hp) for (solo, _), hp in zip(pairs, hps, strict=True)]
+        many_metrics = engine.optim_step_many([(many, hp) for (_, many), hp in zip(pairs, hps, strict=True)])
+        assert many_metrics == solo_metrics
+        for solo, many in pairs:
+            _assert_bitwise_equal(_state(engine, solo), _state(engine, many))
+            assert engine.adapter_step(solo) == engine.adapter_step(many) == round_ + 1
+    # refusals: each fails in its place, the others step
+    (_, a), (_, b), (_, c), (_, d) = pairs
+    for aid in (b, c):
+        engine.forward_backward(ForwardRequest(aid, make_examples(2, engine.vocab_size, seed=7)))
+    grads = engine.pending_gradients(b)
+    assert grads is not None  # squares past fp32's range: b's moments would be inf
+    engine.set_pending_gradients(b, {k: torch.full_like(g, 1e38) for k, g in grads.items()})
+    before = {aid: _state(engine, aid) for aid in (a, b, c)}
+    out = engine.optim_step_many(
+        [
+            (a, AdamParams(learning_rate=-1.0)),
+            (b, AdamParams(learning_rate=1e-2)),
+            ("ghost", AdamParams()),
+            (c, AdamParams(learning_rate=1e-2)),
+        ]
+    )
+    assert "learning_rate" in str(out[0]) and "NaN or inf" in str(out[1]) and "ghost" in str(out[2])
+    assert isinstance(out[3], dict) and out[3]["learning_rate:mean"] == 1e-2
+    _assert_bitwise_equal(_state(engine, a), before[a])
+    _assert_bitwise_equal(_state(engine, b), before[b])
+    # a scalar past fp32's range runs the batch one adapter at a time: refused alone, as optim_step
+    out = engine.optim_step_many([(a, AdamParams(learning_rate=3e38)), (d, AdamParams(learning_rate=1e-3))])
+    assert "not applied" in str(out[0]) and isinstance(out[1], dict)
+    _assert_bitwise_equal(_state(engine, a), before[a])
+    assert not torch.equal(
+        _state(engine, c)["w.self_attn.q_proj.lora_B"], before[c]["w.self_attn.q_proj.lora_B"]
+    )
+    assert engine.adapter_step(d) == 4

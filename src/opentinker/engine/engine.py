@@ -36,7 +36,7 @@ from opentinker.engine.checkpoint import CheckpointError, read_checkpoint, write
 from opentinker.engine.custom_loss import reduce_metrics
 from opentinker.engine.export import export_merged, export_peft
 from opentinker.engine.losses import LOSSES, resolve_config
-from opentinker.engine.optim import AdapterOptimizer
+from opentinker.engine.optim import AdapterOptimizer, step_many
 from opentinker.engine.prefix import plan_shared_prefixes, shared_prefix_logprobs
 from opentinker.engine.types import (
     AdamParams,
@@ -403,6 +403,36 @@ class Engine:
         a.step += 1
         return metrics
 
+    def optim_step_many(self, items: list[tuple[str, AdamParams]]) -> list[dict[str, float] | EngineError]:
+        """Several adapters' ``optim_step`` at once (a tick's): each result, weights and moments
+        bitwise what its own ``optim_step`` gives (``engine/optim.py`` ``step_many``); a refused
+        one is an :class:`EngineError` in its place and changes nothing of that adapter."""
+        ids = [aid for aid, _ in items]
+        if len(set(ids)) != len(ids):  # one adapter twice: its steps in order, one at a time
+            return [_call_or_error(lambda a=aid, p=p: self.optim_step(a, p)) for aid, p in items]
+        out: list[dict[str, float] | EngineError | None] = [None] * len(items)
+        batch, where = [], []
+        for i, (aid, params) in enumerate(items):
+            try:
+                a = self._adapter(aid)
+            except EngineError as e:
+                out[i] = e
+                continue
+            grads = (
+                a.grads
+                if a.grads is not None
+                else {n: torch.zeros_like(p) for n, p in _named(a.weights).items()}
+            )
+            batch.append((a.optimizer, grads, params))
+            where.append(i)
+        for i, res in zip(where, step_many(batch), strict=True):
+            if not isinstance(res, EngineError):
+                a = self._adapters[items[i][0]]
+                a.grads = None
+                a.step += 1
+            out[i] = res
+        return [r if r is not None else EngineError("optimizer step was not run") for r in out]
+
     def pending_gradients(self, adapter_id: str) -> dict[str, torch.Tensor] | None:
         """Gradients accumulated since the adapter's last ``optim_step`` (None if none). Read-only."""
         return self._adapter(adapter_id).grads
@@ -571,6 +601,13 @@ class Engine:
     def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The base model with ``ref``'s delta merged in, as a full HF model folder."""
         return export_merged(self.adapter_weights(ref), self.lora.groups, self.base.path, out_dir)
+
+
+def _call_or_error(fn: Any) -> Any:
+    try:
+        return fn()
+    except EngineError as e:
+        return e
 
 
 def _named(weights: LoRAWeights) -> dict[str, torch.Tensor]:

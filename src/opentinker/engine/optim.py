@@ -168,6 +168,114 @@ class AdapterOptimizer:
             }
 
 
+def step_many(
+    items: list[tuple[AdapterOptimizer, dict[str, torch.Tensor], AdamParams]],
+) -> list[dict[str, float] | EngineError]:
+    """Several adapters' AdamW steps at once (a tick's optimizer steps): each result is what
+    ``opt.step(grads, hp)`` would give, the same elementwise operations in the same order on the
+    same tensors, so the weights and moments are bitwise the same; each adapter's step is still
+    all or nothing on its own (a refused one is an :class:`EngineError` in its place, the others
+    go on). Every operation runs once over all the adapters' tensors (``torch._foreach_*``), so a
+    tick with many small adapters does not pay Python's dispatch per tensor. Scalars torch refuses
+    (a value past fp32's range) make the whole batch run one adapter at a time, as ``step`` does."""
+    refused: dict[int, EngineError] = {}
+    for k, (_, _, hp) in enumerate(items):
+        try:
+            hp.validate()
+        except EngineError as e:
+            refused[k] = e
+    if refused:  # the valid ones as a batch, each refusal in its place
+        valid = [k for k in range(len(items)) if k not in refused]
+        done = iter(step_many([items[k] for k in valid]))
+        return [refused[k] if k in refused else next(done) for k in range(len(items))]
+    if len(items) <= 1:
+        return [_step_or_error(*it) for it in items]
+    # per adapter: its grad norm and clip factor (the same double-precision sum as ``step``)
+    norms, clips = [], []
+    for opt, grads, hp in items:
+        sq = torch.stack([grads[name].double().pow(2).sum() for name in opt.params])
+        norm = math.sqrt(sum(sq.tolist()))
+        clip = (
+            hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm else 1.0
+        )
+        norms.append(norm)
+        clips.append(clip)
+    params, grads_l, avgs, sqs, steps, owner = [], [], [], [], [], []
+    decay, b1, b2, eps, step_size, bias2 = [], [], [], [], [], []
+    for k, (opt, grads, hp) in enumerate(items):
+        for name, p in opt.params.items():
+            st = opt.state.get(name)
+            step = (st["step"] if st else torch.zeros((), dtype=torch.float32)) + 1
+            n = float(step.item())
+            params.append(p)
+            g = grads[name]
+            grads_l.append(g * clips[k] if clips[k] != 1.0 else g)
+            avgs.append(st["exp_avg"] if st else torch.zeros_like(p))
+            sqs.append(st["exp_avg_sq"] if st else torch.zeros_like(p))
+            steps.append(step)
+            owner.append((k, name))
+            lr = hp.learning_rate
+            decay.append(1 - lr * hp.weight_decay if hp.weight_decay != 0 else None)
+            b1.append(1 - hp.beta1)
+            b2.append((hp.beta2, 1 - hp.beta2))
+            eps.append(hp.eps)
+            step_size.append(-(lr / (1 - hp.beta1**n)))
+            bias2.append((1 - hp.beta2**n) ** 0.5)
+    try:
+        with torch.no_grad():
+            values = [p.mul(d) if d is not None else p for p, d in zip(params, decay, strict=True)]
+            new_avgs = torch._foreach_lerp(avgs, grads_l, b1)
+            new_sqs = torch._foreach_mul(sqs, [b[0] for b in b2])
+            torch._foreach_addcmul_(new_sqs, grads_l, grads_l, [b[1] for b in b2])
+            denom = torch._foreach_sqrt(new_sqs)
+            denom = torch._foreach_div(denom, bias2)
+            torch._foreach_add_(denom, eps)
+            values = torch._foreach_addcdiv(values, new_avgs, denom, step_size)
+    except RuntimeError:  # a scalar torch refuses: each adapter alone, as ``step`` refuses it
+        return [_step_or_error(*it) for it in items]
+    # each tensor's finiteness from one L1 norm each, in one call (a NaN or inf makes it so; only a
+    # norm past fp32's range, of finite values, needs the element-wise look)
+    n = len(values)
+    norms1 = torch.stack(torch._foreach_norm([*values, *new_avgs, *new_sqs], 1)).isfinite().tolist()
+    finite = [
+        [ok or bool(torch.isfinite(t).all()) for ok, t in zip(norms1[j * n : (j + 1) * n], ts, strict=True)]
+        for j, ts in enumerate((values, new_avgs, new_sqs))
+    ]
+    out: list[dict[str, float] | EngineError] = []
+    by_adapter: list[list[int]] = [[] for _ in items]
+    for i, (k, _) in enumerate(owner):
+        by_adapter[k].append(i)
+    for k, (opt, _, hp) in enumerate(items):
+        idx = by_adapter[k]
+        try:
+            with torch.no_grad():
+                for i in idx:
+                    name = owner[i][1]
+                    if not finite[0][i]:
+                        opt._refuse(f"would make the adapter's weights {name} NaN or inf", hp)
+                    if not (finite[1][i] and finite[2][i]):
+                        opt._refuse(f"would make the adapter's optimizer moments of {name} NaN or inf", hp)
+                for i in idx:  # all checked: commit
+                    name = owner[i][1]
+                    opt.params[name].copy_(values[i])
+                    opt.state[name] = {"step": steps[i], "exp_avg": new_avgs[i], "exp_avg_sq": new_sqs[i]}
+        except EngineError as e:
+            out.append(e)
+            continue
+        out.append({"grad_norm:mean": norms[k], "learning_rate:mean": hp.learning_rate})
+    return out
+
+
+def _step_or_error(
+    opt: AdapterOptimizer, grads: dict[str, torch.Tensor], hp: AdamParams
+) -> dict[str, float] | EngineError:
+    try:
+        hp.validate()
+        return opt.step(grads, hp)
+    except EngineError as e:
+        return e
+
+
 def _finite(t: torch.Tensor) -> bool:
     """Whether every element is finite. A finite sum proves it (a NaN or inf anywhere makes the
     sum NaN or inf) in one cheap pass; only a non-finite sum needs the element-wise look."""

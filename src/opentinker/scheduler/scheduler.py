@@ -341,14 +341,16 @@ class Scheduler:
                 else:
                     res.metrics["clock_cycle:unique"] = float(tick)
                     op.future.set_result(res)
-        for model_id, op in optims:
-            _settle(
-                op.future,
-                lambda m=model_id, p=op.payload: {
-                    **self.engine.optim_step(m, p),
-                    "clock_cycle:unique": float(tick),
-                },
-            )
+        if optims:  # every model's step at once: each bitwise its own step, refused alone
+            try:
+                steps: list[Any] = self.engine.optim_step_many([(m, op.payload) for m, op in optims])
+            except Exception as e:  # an engine bug must fail the requests, never the thread
+                steps = [e] * len(optims)
+            for (_, op), res in zip(optims, steps, strict=True):
+                if isinstance(res, BaseException):
+                    op.future.set_exception(res)
+                else:
+                    op.future.set_result({**res, "clock_cycle:unique": float(tick)})
         if samples:
             try:
                 outs: list[Any] = self.sampler.generate([r for r, _ in samples])
