@@ -11,14 +11,17 @@ loop as the baseline the routing overhead is read against.
 sample ``--samples`` replies of ``--rollout-tokens`` tokens, then train on one short datum), served
 by one trainer (the runtime's own engine, one torch thread) with 1 and with 2 Ray rollout workers
 (one torch thread each), both alive at once and timed in alternating rounds; aggregate episodes
-per second. Line ``P11rollout <2 rollout workers ÷ 1>``.
+per second. Line ``P11rollout <2 rollout workers ÷ 1>``, and how long a loop waited for its
+samples and for its training per round. ``--overlap`` pipelines each loop one step off-policy,
+as asynchronous RL runs (the samples of step s + 1, from the weights saved before step s trains,
+are asked for before step s trains), so the training hides under the next rollouts.
 
 ``costs`` (one engine in this process, one thread): a fused forward/backward + optimizer step
 against the rows in it (the trainer's cost model, ``step(rows) = a + b·rows``), the LoRA snapshot
 bytes per policy version (what a handoff moves), and decode tokens per second for a mixed batch
 (the sampler's). ``docs/SCALING.md`` projects these to a cluster.
 
-    python benchmarks/p11_scale.py [--what train|rollout|costs|both] [--model opentinker/tiny] [--steps 6] [--repeats 3] [--json F]
+    python benchmarks/p11_scale.py [--what train|rollout|costs|both] [--model opentinker/tiny] [--steps 6] [--repeats 3] [--overlap] [--json F]
 """
 
 from __future__ import annotations
@@ -141,20 +144,50 @@ def bench_train(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return {"times_s": times, "steps_per_s": rates, "P11train": ratio, "placement": placement}
 
 
-def rollout_round(clients: list[Any], data: list[list[types.Datum]], args: argparse.Namespace) -> float:
-    """Every tenant's ``args.steps`` RL-shaped steps (sampling-bound), all at once; seconds."""
+def rollout_round(
+    clients: list[Any], data: list[list[types.Datum]], args: argparse.Namespace, phases: dict[str, float]
+) -> float:
+    """Every tenant's ``args.steps`` RL-shaped steps (sampling-bound), all at once; seconds.
+    ``phases`` gains each loop's seconds spent waiting for its samples and for its training.
+
+    In order (the default), a loop saves its weights, samples from them, then trains on the
+    result. With ``args.overlap`` it is pipelined one step off-policy, as asynchronous RL runs: the
+    samples of step s + 1 are asked for (from the weights saved before step s trains) before step
+    s trains, so a loop's training runs while its next rollouts decode."""
     barrier = threading.Barrier(len(clients) + 1)
     params = types.SamplingParams(max_tokens=args.rollout_tokens, temperature=1.0, stop=[])
+    lock = threading.Lock()
 
     def loop(i: int, tc: Any, d: list[types.Datum]) -> None:
-        barrier.wait()
-        for step in range(args.steps):
+        waited = {"sample": 0.0, "train": 0.0}
+
+        def ask(step: int) -> Any:
             sc = tc.save_weights_and_get_sampling_client(f"t{i}-s{step}")
             prompt = types.ModelInput.from_ints([1, 5 + i, 9, 20 + step])
-            sc.sample(prompt=prompt, num_samples=args.samples, sampling_params=params).result()
+            return sc.sample(prompt=prompt, num_samples=args.samples, sampling_params=params)
+
+        def timed(kind: str, fn: Any) -> None:
+            t = time.perf_counter()
+            fn()
+            waited[kind] += time.perf_counter() - t
+
+        def train() -> None:
             fb = tc.forward_backward(d, "cross_entropy")
             tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
             fb.result()
+
+        barrier.wait()
+        pending = ask(0) if args.overlap else None
+        for step in range(args.steps):
+            if args.overlap:
+                timed("sample", pending.result)
+                pending = ask(step + 1) if step + 1 < args.steps else None
+            else:
+                timed("sample", lambda s=step: ask(s).result())
+            timed("train", train)
+        with lock:
+            for k, v in waited.items():
+                phases[k] = phases.get(k, 0.0) + v / len(clients)
 
     pairs = enumerate(zip(clients, data, strict=True))
     return _timed([threading.Thread(target=loop, args=(i, tc, d)) for i, (tc, d) in pairs], barrier)
@@ -180,14 +213,15 @@ def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
             vocab = rt.base_model_info(model).vocab_size
             data = [_datums(i, 1, 16, vocab) for i in range(TENANTS)]
             warm = argparse.Namespace(**{**vars(args), "steps": 1})
-            rollout_round(clients, data, warm)  # first-use costs on every worker
+            rollout_round(clients, data, warm, {})  # first-use costs on every worker
             setups[name] = (clients, data)
         times: dict[str, list[float]] = {n: [] for n in runtimes}
+        phases: dict[str, dict[str, float]] = {n: {} for n in runtimes}
         names = list(runtimes)
         for rep in range(args.repeats):
             for name in names if rep % 2 == 0 else reversed(names):
                 clients, data = setups[name]
-                times[name].append(rollout_round(clients, data, args))
+                times[name].append(rollout_round(clients, data, args, phases[name]))
     finally:
         for rt in runtimes.values():
             rt.shutdown()
@@ -199,10 +233,14 @@ def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
         f"{args.samples} samples of {args.rollout_tokens} tokens)"
     )
     for n, ts in times.items():
-        print(f"{n:<20} {statistics.median(ts):>9.2f} {rates[n]:>10.2f}")
+        waits = {k: v / args.repeats for k, v in phases[n].items()}
+        print(
+            f"{n:<20} {statistics.median(ts):>9.2f} {rates[n]:>10.2f}   a loop waits per round: "
+            f"{waits.get('sample', 0.0):.2f} s for samples, {waits.get('train', 0.0):.2f} s for training"
+        )
     ratio = rates["2 rollout workers"] / rates["1 rollout worker"]
-    print(f"P11rollout {ratio:.2f}")
-    return {"times_s": times, "episodes_per_s": rates, "P11rollout": ratio}
+    print(f"P11rollout {ratio:.2f}{'  (pipelined one step off-policy)' if args.overlap else ''}")
+    return {"times_s": times, "episodes_per_s": rates, "P11rollout": ratio, "waits_s": phases}
 
 
 def bench_costs(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -276,6 +314,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--samples", type=int, default=4, help="rollout: replies per step per loop")
     ap.add_argument("--rollout-tokens", type=int, default=64, help="rollout: tokens per reply")
+    ap.add_argument("--overlap", action="store_true", help="rollout: pipeline each loop one step off-policy")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     model = args.model
