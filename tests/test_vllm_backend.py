@@ -32,7 +32,7 @@ def test_unknown_backend_and_missing_vllm_fail_at_start(
     with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; choose one of native, vllm"):
         Runtime(tmp_path, rollout_backend="sglang")
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM imports
-    from opentinker.sampling.vllm_backend import VLLMUnavailableError
+    from opentinker.sampling.vllm_engine import VLLMUnavailableError
 
     with pytest.raises(VLLMUnavailableError, match="needs vLLM, which cannot be imported"):
         Runtime(tmp_path, rollout_backend="vllm")

@@ -147,7 +147,7 @@ class Runtime(ScaleOutMethods):
                 raise ValueError(
                     "rollout_backend='vllm' runs vLLM's own engine processes; use it with rollout_workers=0"
                 )
-            from opentinker.sampling.vllm_backend import check_max_lora_rank, import_vllm
+            from opentinker.sampling.vllm_engine import check_max_lora_rank, import_vllm
 
             import_vllm()  # not installed: fail now, naming the cause, not at the first request
             if "max_lora_rank" in (rollout_options or {}):

@@ -7,7 +7,9 @@ serving published snapshots that reach them as bytes (:mod:`~opentinker.rollout.
 - :mod:`~opentinker.rollout.transport`: the seam between the pool and how it reaches a worker
   (processes here; Ray actors in ``opentinker.cluster.ray_rollout``);
 - :mod:`~opentinker.rollout.pool`: :class:`WorkerPool`, the service the scheduler hands samples
-  to: snapshot handoff, least-outstanding-rows and prefix-aware routing, restarts.
+  to: snapshot handoff, least-outstanding-rows and prefix-aware routing, re-runs;
+- :mod:`~opentinker.rollout.lifecycle`: the pool's workers starting, scaling, draining, dying
+  and restarting.
 
 Nothing here is imported by the package root: a worker process imports only what it runs.
 """

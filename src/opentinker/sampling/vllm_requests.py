@@ -1,0 +1,90 @@
+"""Requests to and from vLLM: the ``SamplingParams`` contract mapped onto vLLM's, and vLLM's
+finished completions back into :class:`~opentinker.sampling.types.SampleResult`.
+
+``num_samples`` rows are separate vLLM requests (each with its own seed derived from the
+request's seed and the row index, so seeded requests are reproducible and their rows differ),
+``stop=None`` stops at EOS, a list of strings or token ids stops there too (and at EOS), ``[]``
+never stops early (``ignore_eos``); ``max_tokens`` is capped by the context length (stop reason
+``length``), as natively. Sampled tokens carry their logprob with the native convention
+(``log softmax(logits / T)``, T = 1 when greedy: vLLM's ``processed_logprobs`` mode, set by
+:func:`~opentinker.sampling.vllm_engine.start_engine`).
+
+A :class:`Job` is one request while its rows decode (the vLLM backend's decoder holds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from opentinker.sampling.decoder import Pinned
+from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
+from opentinker.sampling.vllm_lora import VLLMLora
+
+
+@dataclass
+class Job:
+    rid: int
+    pinned: Pinned
+    lora: VLLMLora | None
+    seqs: list[SampledSequence | None]
+    left: int
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+def sampling_params(
+    vllm: Any, req: SampleRequest, sample: int, *, eos_ids: set[int], max_context: int
+) -> Any:
+    """vLLM's ``SamplingParams`` for row ``sample`` of ``req`` (``vllm``: the imported module)."""
+    p = req.params
+    stop_strs: list[str] = []
+    stop_ids = set(eos_ids)
+    ignore_eos = False
+    if p.stop is not None and len(p.stop) == 0:
+        stop_ids, ignore_eos = set(), True
+    elif p.stop is not None:
+        for s in p.stop:
+            if isinstance(s, str):
+                stop_strs.append(s)
+            else:
+                stop_ids.add(int(s))
+    seed = None if p.seed is None else (int(p.seed) * 1_000_003 + sample) % (1 << 63)
+    return vllm.SamplingParams(
+        n=1,
+        max_tokens=min(p.max_tokens, max_context - len(req.prompt)),
+        temperature=float(p.temperature),
+        top_k=int(p.top_k) if p.top_k > 0 else 0,
+        top_p=float(p.top_p),
+        seed=seed,
+        stop=stop_strs or None,
+        stop_token_ids=sorted(stop_ids),
+        ignore_eos=ignore_eos,
+        include_stop_str_in_output=True,
+        logprobs=req.topk_sample_logprobs,
+        detokenize=bool(stop_strs),
+        skip_special_tokens=False,
+        output_kind=vllm.sampling_params.RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def sequence_of(completion: Any, k: int) -> SampledSequence:
+    """A finished vLLM completion as a sampled sequence (``k``: top-k logprobs per token, 0: none)."""
+    tokens = [int(t) for t in completion.token_ids]
+    lps = completion.logprobs or []
+    logprobs: list[float] = []
+    topk: list[list[tuple[int, float]]] = []
+    for t, d in zip(tokens, lps, strict=False):
+        logprobs.append(float(d[t].logprob))
+        if k:
+            ranked = sorted(((int(i), float(v.logprob)) for i, v in d.items()), key=lambda x: -x[1])
+            topk.append(ranked[:k])
+    reason: StopReason = "length" if completion.finish_reason == "length" else "stop"
+    return SampledSequence(tokens, logprobs, reason, topk_logprobs=topk if k else None)
+
+
+def result_of(job: Job) -> SampleResult:
+    seqs = [s for s in job.seqs if s is not None]
+    return SampleResult(
+        seqs, prompt_logprobs=job.prompt_logprobs, topk_prompt_logprobs=job.topk_prompt_logprobs
+    )

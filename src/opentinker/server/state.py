@@ -1,0 +1,106 @@
+"""The server's state: :class:`Server`, everything one server process holds, built from its
+config (and an optional runtime): the store, authentication, futures, the per-tenant registry,
+the operations over the runtime, checkpoints, downloads, sessions, projects, the audit log.
+
+The app (:mod:`~opentinker.server.app`) makes one and hands it to every route group; the routes
+only authenticate, parse and delegate to what it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentinker.client import Runtime
+from opentinker.server.auth import Authenticator
+from opentinker.server.checkpoints import CheckpointApi, reconcile
+from opentinker.server.config import ServerConfig
+from opentinker.server.downloads import Downloads
+from opentinker.server.errors import Redactor
+from opentinker.server.futures import FutureStore
+from opentinker.server.lifecycle import Lifecycle
+from opentinker.server.ops import Operations
+from opentinker.server.ordering import Sequencer
+from opentinker.server.projects import ProjectApi
+from opentinker.server.registry import Registry
+from opentinker.server.sessions import SessionApi
+from opentinker.server.signing import UrlSigner
+from opentinker.server.store import Store
+from opentinker.server.tokens import TokenSigner, load_secret
+from opentinker.server.traces import SessionTraces
+from opentinker.server.usage import Ledger
+
+
+class Server:
+    """Everything one server process holds, built from its config (and an optional runtime)."""
+
+    def __init__(self, config: ServerConfig, runtime: Runtime | None = None) -> None:
+        self.config = config
+        self.runtime = runtime or Runtime(
+            config.data_dir,
+            device=config.device,
+            prefix_cache_bytes=config.prefix_cache_bytes,
+            rollout_workers=config.rollout_workers,
+            rollout_backend=config.rollout_backend,
+            rollout_options=(
+                {"max_lora_rank": config.vllm_max_lora_rank} if config.rollout_backend == "vllm" else None
+            ),
+            ray=config.ray,
+            worker_cpus=config.worker_cpus,
+            worker_gpus=config.worker_gpus,
+            trainer_workers=config.trainer_workers,
+            trainer_options={
+                "worker_cpus": config.trainer_cpus,
+                "worker_gpus": config.trainer_gpus,
+                "data_parallel": config.data_parallel,
+            },
+            auto_restore=config.auto_restore,
+        )
+        self.store = Store(config.data_dir)
+        self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client
+        signer = (
+            TokenSigner(load_secret(config.data_dir), config.token_ttl_s) if config.token_ttl_s > 0 else None
+        )
+        self.auth = Authenticator(self.store, dev=config.dev, signer=signer)
+        self.futures = FutureStore(
+            max_pending=config.max_pending_per_tenant, result_ttl_s=config.result_ttl_s
+        )
+        self.sequencer = Sequencer()
+        self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
+        self.usage = Ledger(self.store.path, self.runtime.store)  # audit log and usage counters
+        self.traces = SessionTraces(config.data_dir, self.runtime.tick_record)
+        self.ops = Operations(config, self.registry, self.futures, self.sequencer, self.usage, self.traces)
+        self.lifecycle = Lifecycle(config, self.registry, self.futures, self.ops)
+        self.checkpoints = CheckpointApi(self.runtime.store, self.store, self.runtime.external)
+        self.runtime.is_public = self.checkpoints.is_public  # published checkpoints: readable by all
+        signer = UrlSigner(config.data_dir)
+        self.downloads = Downloads(self.checkpoints, self.runtime.external, signer, self.traces, self.store)
+        self.sessions = SessionApi(self.store, config.session_inactive_s)
+        self.projects = ProjectApi(self.registry)
+        reconcile(self.runtime.store, self.store, self.runtime.external)
+
+    def audit_when_done(self, tenant: str, request_id: str, event: str, **details: Any) -> None:
+        """Record ``event`` in the audit log when the request succeeds, with what its result names."""
+
+        def record(result: Any) -> None:
+            found = {k: result[k] for k in ("model_id", "path", "sampling_session_id") if k in result}
+            if event == "checkpoint_create" and "path" not in found:  # ephemeral sampler weights
+                self.usage.record(
+                    tenant, "sampler_create", sampler_id=found.get("sampling_session_id"), **details
+                )
+                return
+            extra = {**details, **found}
+            if "path" in extra:
+                extra["tinker_path"] = extra.pop("path")
+            if event == "checkpoint_create":
+                row = self.store.checkpoint(extra["tinker_path"])
+                if row is not None:
+                    extra |= {"size_bytes": row.size_bytes, "base_model": row.meta.get("base_model")}
+                    extra |= {"session_id": row.model_id.split(":train:", 1)[0]}
+            self.usage.record(tenant, event, **extra)
+
+        self.usage.after(f"{request_id}:{event}", self.futures.future_of(request_id), record)
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+        self.usage.close()
+        self.store.close()
