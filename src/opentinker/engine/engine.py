@@ -393,15 +393,10 @@ class Engine:
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         """AdamW on one adapter with its accumulated gradients (zeros if none), then clear them."""
-        a = self._adapter(adapter_id)
-        params.validate()
-        grads = (
-            a.grads if a.grads is not None else {n: torch.zeros_like(p) for n, p in _named(a.weights).items()}
-        )
-        metrics = a.optimizer.step(grads, params)
-        a.grads = None
-        a.step += 1
-        return metrics
+        [res] = self.optim_step_many([(adapter_id, params)])
+        if isinstance(res, EngineError):
+            raise res
+        return res
 
     def optim_step_many(self, items: list[tuple[str, AdamParams]]) -> list[dict[str, float] | EngineError]:
         """Several adapters' ``optim_step`` at once (a tick's): each result, weights and moments
@@ -409,7 +404,7 @@ class Engine:
         one is an :class:`EngineError` in its place and changes nothing of that adapter."""
         ids = [aid for aid, _ in items]
         if len(set(ids)) != len(ids):  # one adapter twice: its steps in order, one at a time
-            return [_call_or_error(lambda a=aid, p=p: self.optim_step(a, p)) for aid, p in items]
+            return [self.optim_step_many([item])[0] for item in items]
         out: list[dict[str, float] | EngineError | None] = [None] * len(items)
         batch, where = [], []
         for i, (aid, params) in enumerate(items):
@@ -601,13 +596,6 @@ class Engine:
     def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The base model with ``ref``'s delta merged in, as a full HF model folder."""
         return export_merged(self.adapter_weights(ref), self.lora.groups, self.base.path, out_dir)
-
-
-def _call_or_error(fn: Any) -> Any:
-    try:
-        return fn()
-    except EngineError as e:
-        return e
 
 
 def _named(weights: LoRAWeights) -> dict[str, torch.Tensor]:
