@@ -1,0 +1,144 @@
+"""Removing a trainer worker that holds a data-parallel replica: the model is handed over whole,
+on one local Ray instance (3 CPUs: three trainer workers of 1 CPU).
+
+Two k = 2 models with the same seed: ``twin`` on trainer-0 and trainer-1, ``main`` on trainer-2
+(its replica 0) and trainer-0. ``main`` takes steps, takes a snapshot, accumulates one
+``forward_backward`` without its ``optim_step``; the pool is scaled 3 -> 2 (trainer-2 leaves: the
+least loaded, ties to the newest); the ``optim_step`` and the next steps are sent while it runs
+and wait in ``main``'s lane. ``main`` comes back on trainer-0 and trainer-1, same id, same degree,
+and from then on is ``twin`` (which never moved, run on the same data afterwards) bit for bit:
+losses, both replicas' weights, optimizer state, step, snapshot count. The summed pending
+gradients went into the new replica 0 alone, and the next all-reduce gave the same sum.
+
+A removal that would leave a data-parallel model fewer founding workers than its degree is refused
+at once, naming the model and why, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tinker import types
+
+import opentinker
+from opentinker.client.runtime import Runtime
+from tests.conftest import TEST_MODEL
+from tests.test_ray_dp_loss import DATA, _router
+from tests.test_ray_trainer import WAIT, _client, _train
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow  # Ray, three trainer actors: ~1 min here
+
+ADAM = types.AdamParams(learning_rate=2e-2)
+BEFORE, AFTER = 2, 2  # steps before the move, and after the step on the moved gradients
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_up():
+    ray.init(num_cpus=3, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _replicas(router: Any, model_id: str) -> list[str]:
+    return [w.worker_id for w in router.dp[model_id].replicas]
+
+
+def _state(router: Any, model_id: str) -> dict[str, Any]:
+    """Everything the model's training goes on from: both replicas' weights, replica 0's
+    optimizer state and step (read in the model's order)."""
+    dp = router.dp[model_id]
+    return router.submit_call(
+        model_id,
+        lambda eng: {
+            "w0": dp.weights(0),
+            "w1": dp.weights(1),
+            "opt": eng.optimizer_state(model_id),
+            "step": eng.adapter_step(model_id),
+        },
+    ).result(timeout=WAIT)
+
+
+def _run(rt: Runtime, tc: Any, scale: Any = None) -> tuple[list[float], list[str], Any]:
+    """The schedule both models follow: steps, a snapshot, a forward_backward whose optim_step
+    comes later (``scale`` started in between, when given), more steps, a snapshot."""
+    losses = _train(tc, DATA, BEFORE)
+    snaps = [rt.snapshot(tc.model_id).result(timeout=WAIT).snapshot_id]
+    losses.append(tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"])
+    report = None
+    with ThreadPoolExecutor(1) as ex:
+        if scale is not None:
+            report = ex.submit(scale)
+            deadline = time.monotonic() + WAIT
+            while not any(w.draining for w in _router(rt).pool.workers):  # the handover is queued next
+                assert time.monotonic() < deadline and not report.done(), report
+                time.sleep(0.01)
+            time.sleep(0.2)
+        # sent while the model moves: they wait in its lane, then run on the new replicas
+        step = tc.optim_step(ADAM)
+        losses += _train(tc, DATA, AFTER)
+        step.result(timeout=WAIT)
+        if report is not None:
+            report = report.result(timeout=WAIT)
+    snaps.append(rt.snapshot(tc.model_id).result(timeout=WAIT).snapshot_id)
+    return losses, snaps, report
+
+
+def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, trainer_workers=3, trainer_options={"data_parallel": 2})
+    try:
+        service = opentinker.ServiceClient(runtime=rt)
+        twin, main = _client(service, 5), _client(service, 5)
+        router = _router(rt)
+        assert _replicas(router, twin.model_id) == ["trainer-0", "trainer-1"]
+        assert _replicas(router, main.model_id) == ["trainer-2", "trainer-0"]
+
+        # bad input: 3 -> 1 would leave one founding worker for two degree-2 models
+        before = {m: _replicas(router, m) for m in router.dp}
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            rt.scale_trainer_workers(1)
+        for m in (twin.model_id, main.model_id):
+            assert f"data-parallel model {m!r}: degree 2 needs 2 founding workers, 1 would be left" in str(
+                info.value
+            )
+        assert time.monotonic() - t0 < 5  # at once
+        assert {m: _replicas(router, m) for m in router.dp} == before
+        assert not any(w.draining for w in router.pool.workers) and len(router.pool.live_workers()) == 3
+
+        got, got_snaps, report = _run(rt, main, lambda: rt.scale_trainer_workers(2))
+        moved = report[TEST_MODEL]
+        assert moved["removed"] == ["trainer-2"] and moved["added"] == []
+        # it moved with the gradients of the forward_backward before the scale, not yet stepped on
+        assert moved["moved"] == {
+            main.model_id: {"from": "trainer-2", "to": "trainer-0,trainer-1", "at_step": 2}
+        }
+        assert _replicas(router, main.model_id) == ["trainer-0", "trainer-1"]
+        assert router.pool.placement() == {} and router.dp[main.model_id].degree == 2
+        assert [w.worker_id for w in router.pool.live_workers()] == ["trainer-0", "trainer-1"]
+        assert rt.models[main.model_id].data_parallel == 2
+        got_state = _state(router, main.model_id)
+
+        want, want_snaps, _ = _run(rt, twin)  # the twin, the same schedule, never moved
+        want_state = _state(router, twin.model_id)
+    finally:
+        rt.shutdown()
+    assert got == want, (got, want)  # the same tensors went on: bit for bit
+    assert got_state["step"] == want_state["step"] == BEFORE + 1 + AFTER
+    for key in ("w0", "w1", "opt"):
+        assert set(got_state[key]) == set(want_state[key])
+        for name, t in want_state[key].items():
+            assert torch.equal(got_state[key][name], t), (key, name)
+    assert any(float(v.abs().sum()) > 0 for n, v in got_state["w0"].items() if n.endswith("lora_B"))
+    # the snapshot count went on across the move
+    assert (
+        [s.rpartition("@")[2] for s in got_snaps]
+        == [s.rpartition("@")[2] for s in want_snaps]
+        == ["v1", "v2"]
+    )
