@@ -5,7 +5,9 @@ Two k = 2 models with the same seed: ``twin`` on trainer-0 and trainer-1, ``main
 (its replica 0) and trainer-0. ``main`` takes steps, takes a snapshot, accumulates one
 ``forward_backward`` without its ``optim_step``; the pool is scaled 3 -> 2 (trainer-2 leaves: the
 least loaded, ties to the newest); the ``optim_step`` and the next steps are sent while it runs
-and wait in ``main``'s lane. ``main`` comes back on trainer-0 and trainer-1, same id, same degree,
+and wait in ``main``'s lane. Before that, one scale whose handover is made to fail (a fault
+injected in the router) puts ``main`` back where it was, from the handover folder, and keeps the
+worker. ``main`` comes back on trainer-0 and trainer-1, same id, same degree,
 and from then on is ``twin`` (which never moved, run on the same data afterwards) bit for bit:
 losses, both replicas' weights, optimizer state, step, snapshot count. The summed pending
 gradients went into the new replica 0 alone, and the next all-reduce gave the same sum.
@@ -27,11 +29,14 @@ from tinker import types
 
 import opentinker
 from opentinker.client.runtime import Runtime
+from opentinker.engine import EngineError
 from tests.conftest import TEST_MODEL
 from tests.test_ray_dp_loss import DATA, _router
 from tests.test_ray_trainer import WAIT, _client, _train
 
 ray = pytest.importorskip("ray")
+
+from opentinker.cluster import trainer_router  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray, three trainer actors: ~1 min here
 
@@ -65,12 +70,14 @@ def _state(router: Any, model_id: str) -> dict[str, Any]:
     ).result(timeout=WAIT)
 
 
-def _run(rt: Runtime, tc: Any, scale: Any = None) -> tuple[list[float], list[str], Any]:
+def _run(rt: Runtime, tc: Any, scale: Any = None, first: Any = None) -> tuple[list[float], list[str], Any]:
     """The schedule both models follow: steps, a snapshot, a forward_backward whose optim_step
-    comes later (``scale`` started in between, when given), more steps, a snapshot."""
+    comes later (``first``, then ``scale`` started in between, when given), more steps, a snapshot."""
     losses = _train(tc, DATA, BEFORE)
     snaps = [rt.snapshot(tc.model_id).result(timeout=WAIT).snapshot_id]
     losses.append(tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"])
+    if first is not None:
+        first()
     report = None
     with ThreadPoolExecutor(1) as ex:
         if scale is not None:
@@ -90,7 +97,32 @@ def _run(rt: Runtime, tc: Any, scale: Any = None) -> tuple[list[float], list[str
     return losses, snaps, report
 
 
-def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit(tmp_path: Path) -> None:
+def _failed_handover(rt: Runtime, model_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scale whose handover cannot make the model on other workers (a fault injected in the
+    router): the model is made again where it was, from the handover folder, and the worker kept."""
+    router = _router(rt)
+    made = trainer_router.DataParallelModel
+
+    class Refused(made):
+        def __init__(self, *args: Any, on: Any = None, **kwargs: Any) -> None:
+            if on is None:
+                raise EngineError("injected: no room")
+            super().__init__(*args, on=on, **kwargs)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer_router, "DataParallelModel", Refused)
+        with pytest.raises(RuntimeError) as info:
+            rt.scale_trainer_workers(2)
+    text = str(info.value)
+    assert text.startswith(f"trainer workers kept, models not handed over: {model_id!r} on trainer-2"), text
+    assert "injected: no room" in text and "it stays on trainer-2, trainer-0" in text
+    assert _replicas(router, model_id) == ["trainer-2", "trainer-0"]
+    assert not any(w.draining for w in router.pool.workers) and len(router.pool.live_workers()) == 3
+
+
+def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rt = Runtime(tmp_path, trainer_workers=3, trainer_options={"data_parallel": 2})
     try:
         service = opentinker.ServiceClient(runtime=rt)
@@ -112,7 +144,14 @@ def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit
         assert {m: _replicas(router, m) for m in router.dp} == before
         assert not any(w.draining for w in router.pool.workers) and len(router.pool.live_workers()) == 3
 
-        got, got_snaps, report = _run(rt, main, lambda: rt.scale_trainer_workers(2))
+        # a handover that fails first (the model goes back where it was, its pending gradients
+        # summed into replica 0), then the scale that moves it
+        got, got_snaps, report = _run(
+            rt,
+            main,
+            lambda: rt.scale_trainer_workers(2),
+            first=lambda: _failed_handover(rt, main.model_id, monkeypatch),
+        )
         moved = report[TEST_MODEL]
         assert moved["removed"] == ["trainer-2"] and moved["added"] == []
         # it moved with the gradients of the forward_backward before the scale, not yet stepped on

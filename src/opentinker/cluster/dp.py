@@ -30,6 +30,16 @@ all-reduce, which cannot complete, to time out). :meth:`DataParallelModel.discar
 what the live replicas hold, so the model can be made again from its newest checkpoint.
 :func:`shortfall` says why a pool cannot hold a new data-parallel model of some degree now
 (a founding worker gone, fewer live ones than the degree).
+
+Handover (a trainer worker holding a replica is removed, :mod:`opentinker.cluster.trainer_scale`):
+:meth:`DataParallelModel.hand_out` saves replica 0's whole state (weights, optimizer state and
+step, snapshot count and lineage) and, as the pending gradients, the sum of every replica's
+(one all-reduce, the one the next optimizer step would do); the model is deleted from its
+replicas and made again under the same id at the same degree on founding workers not leaving
+(a process group is formed among founding workers only, while all of them are there), every
+replica loading the state and :meth:`DataParallelModel.take_over` giving replica 0 the summed
+gradients and the others none. The next all-reduce then gives the same sum, so the training goes
+on bit for bit as it would have without the move.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ replicas, ``optim_step`` after the all-reduce), reads and checkpoints are replic
 every replica. A data-parallel model whose replica's worker is lost answers the same
 ``WorkerLostError`` for every op; ``restore`` puts it back at its degree where the pool can
 still hold it (:func:`~opentinker.cluster.dp.shortfall`), else on one worker, saying why.
+``hand_over`` of a data-parallel model (a worker holding a replica is removed) makes it again at
+its degree on other founding workers, in its lane, with its whole state and pending gradients.
 """
 
 from __future__ import annotations
