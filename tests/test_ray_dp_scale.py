@@ -13,11 +13,14 @@ losses, both replicas' weights, optimizer state, step, snapshot count. The summe
 gradients went into the new replica 0 alone, and the next all-reduce gave the same sum.
 
 A removal that would leave a data-parallel model fewer founding workers than its degree is refused
-at once, naming the model and why, and changes nothing.
+at once, naming the model and why, and changes nothing. The choice itself (on a pool's bookkeeping,
+no actors): workers without replicas first, least loaded, ties to the newest; a replica holder
+only where its models keep their degree; none once a founding worker is gone.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,8 +40,9 @@ from tests.test_ray_trainer import WAIT, _client, _train
 ray = pytest.importorskip("ray")
 
 from opentinker.cluster import trainer_router  # noqa: E402
+from opentinker.cluster.trainer import ClusterConfigError, TrainerPool, WorkerSlot  # noqa: E402
 
-pytestmark = pytest.mark.slow  # Ray, three trainer actors: ~1 min here
+pytestmark = pytest.mark.slow  # Ray, three trainer actors: ~1 min in all here
 
 ADAM = types.AdamParams(learning_rate=2e-2)
 BEFORE, AFTER = 2, 2  # steps before the move, and after the step on the moved gradients
@@ -181,3 +185,54 @@ def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit
         == [s.rpartition("@")[2] for s in want_snaps]
         == ["v1", "v2"]
     )
+
+
+def _bare_pool(founders: int, added: int, dp: dict[str, list[int]], plain: dict[int, int]) -> TrainerPool:
+    """A pool's bookkeeping without its actors (what ``choose_leaving`` decides on)."""
+    pool = TrainerPool.__new__(TrainerPool)
+    pool._lock, pool._founders, pool._placement, pool._dp = threading.RLock(), founders, {}, {}
+    pool.workers = [
+        WorkerSlot(r, f"trainer-{r}", None, founder=r < founders) for r in range(founders + added)
+    ]
+    for model_id, ranks in dp.items():
+        pool.reserve(model_id, [pool.workers[r] for r in ranks])
+    for r, n in plain.items():
+        pool.workers[r].models |= {f"plain-{r}-{i}" for i in range(n)}
+    return pool
+
+
+def _leave(pool: TrainerPool, n: int) -> list[str]:
+    chosen = list(pool.choose_leaving(n))
+    for w in pool.workers:
+        w.draining = False
+    return chosen
+
+
+def test_the_choice_prefers_workers_without_replicas_and_keeps_every_degree() -> None:
+    # free workers first, least loaded, ties to the newest; a replica holder only when needed
+    pool = _bare_pool(3, 1, {"a": [0, 1]}, {2: 2})
+    assert _leave(pool, 1) == ["trainer-3"] and _leave(pool, 2) == ["trainer-3", "trainer-2"]
+    with pytest.raises(ClusterConfigError, match=r"'a': degree 2 needs 2 founding workers, 1 would be left"):
+        pool.choose_leaving(3)  # both free ones and a holder of 'a': 1 founder would stay
+    # every worker holds a replica: the least loaded (ties: the newest) whose models fit
+    pool = _bare_pool(3, 0, {"a": [0, 1], "b": [2, 0]}, {})
+    assert _leave(pool, 1) == ["trainer-2"]
+    pool.workers[2].models |= {"plain-2-0", "plain-2-1"}
+    assert _leave(pool, 1) == ["trainer-1"]
+    # refused, naming each model and why, nothing left draining
+    with pytest.raises(ClusterConfigError) as info:
+        pool.choose_leaving(2)
+    assert "'a': degree 2 needs 2 founding workers, 1 would be left" in str(info.value)
+    assert "'b': degree 2 needs 2 founding workers, 1 would be left" in str(info.value)
+    assert not any(w.draining for w in pool.workers)
+    # a free worker leaving counts: degree 3 over the 3 founders, one added worker, remove 2
+    pool = _bare_pool(3, 1, {"c": [0, 1, 2]}, {})
+    with pytest.raises(ClusterConfigError, match=r"'c': degree 3 needs 3 founding workers, 2 would be left"):
+        pool.choose_leaving(2)
+    # a founder gone: no process group can be formed, so no replica holder leaves
+    pool = _bare_pool(3, 1, {"a": [0, 1]}, {})
+    pool.workers[2].alive = False
+    assert _leave(pool, 1) == ["trainer-3"]
+    with pytest.raises(ClusterConfigError, match="'a': a founding trainer worker was removed or lost"):
+        pool.choose_leaving(2)
+    assert not any(w.draining for w in pool.workers)
