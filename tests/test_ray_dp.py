@@ -144,13 +144,15 @@ def test_refused_shard_leaves_every_replica_as_it_was(pool: TrainerPool):
         clean.delete()
 
 
-def test_a_worker_holding_a_data_parallel_replica_is_not_removed(pool: TrainerPool):
-    """Data-parallel replicas are not handed over: a scale-down that would need a worker holding
-    one is refused, naming the model, and no worker is left draining."""
+def test_a_worker_holding_a_data_parallel_replica_is_not_removed_below_its_degree(pool: TrainerPool):
+    """A scale-down that would leave a data-parallel model fewer founding workers than its degree
+    is refused, naming the model and why, and no worker is left draining (the handover where
+    the degree can be kept: tests/test_ray_dp_scale.py)."""
     dp = DataParallelModel(pool, "dp-scale", CONFIG, degree=2)
     try:
         with pytest.raises(
-            ClusterConfigError, match=r"only 0 hold no data-parallel replica .*'dp-scale' on trainer-0"
+            ClusterConfigError,
+            match=r"0 hold no data-parallel replica .*'dp-scale': degree 2 needs 2 founding workers, 1 would be left",
         ):
             pool.choose_leaving(1)
         with pytest.raises(ClusterConfigError, match="cannot be scaled below one"):

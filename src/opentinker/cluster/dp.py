@@ -30,6 +30,16 @@ all-reduce, which cannot complete, to time out). :meth:`DataParallelModel.discar
 what the live replicas hold, so the model can be made again from its newest checkpoint.
 :func:`shortfall` says why a pool cannot hold a new data-parallel model of some degree now
 (a founding worker gone, fewer live ones than the degree).
+
+Handover (a trainer worker holding a replica is removed, :mod:`opentinker.cluster.trainer_scale`):
+:meth:`DataParallelModel.hand_out` saves replica 0's whole state (weights, optimizer state and
+step, snapshot count and lineage) and, as the pending gradients, the sum of every replica's
+(one all-reduce, the one the next optimizer step would do); the model is deleted from its
+replicas and made again under the same id at the same degree on founding workers not leaving
+(a process group is formed among founding workers only, while all of them are there), every
+replica loading the state and :meth:`DataParallelModel.take_over` giving replica 0 the summed
+gradients and the others none. The next all-reduce then gives the same sum, so the training goes
+on bit for bit as it would have without the move.
 """
 
 from __future__ import annotations
@@ -86,7 +96,9 @@ def shortfall(pool: TrainerPool, degree: int) -> str | None:
 class DataParallelModel:
     """One adapter replicated over ``degree`` trainer workers (module docstring): fresh from
     ``config`` (which needs a seed), or loaded from the checkpoint folder ``checkpoint`` (with its
-    optimizer state if ``optimizer``; ``config`` is then unused)."""
+    optimizer state if ``optimizer``; ``config`` is then unused). ``on``: the replicas' workers,
+    in order, instead of the least loaded live founding ones (a handover puts a model back where
+    it was with it)."""
 
     def __init__(
         self,
@@ -97,10 +109,11 @@ class DataParallelModel:
         degree: int,
         checkpoint: str | None = None,
         optimizer: bool = True,
+        on: list[WorkerSlot] | None = None,
     ) -> None:
         if not isinstance(degree, int) or degree < 1:
             raise EngineError(f"the data-parallel degree must be an integer >= 1, got {degree!r}")
-        why = shortfall(pool, degree)
+        why = shortfall(pool, degree) if on is None else None
         if why is not None:
             raise EngineError(why)
         if checkpoint is None and (config is None or config.seed is None):
@@ -112,6 +125,10 @@ class DataParallelModel:
         ray = ray_module()
         self.pool, self.model_id, self.config = pool, model_id, config
         self.replicas: list[WorkerSlot] = sorted(live, key=lambda w: (len(w.models), w.rank))[:degree]
+        if on is not None:  # where it was (a handover undone): founding workers, draining or not
+            if len(on) != degree or not all(w in group for w in on):
+                raise EngineError(f"{len(on)} replica workers given for data-parallel degree {degree}")
+            self.replicas = list(on)
         self._limits = pool.limits
         self._lock = threading.Lock()
         self._seqs: dict[int, int] = {}  # replica rank -> the next sequence number (:meth:`_next`)
@@ -130,7 +147,7 @@ class DataParallelModel:
                     )
                 )
         except Exception:
-            pool.release(model_id, self.replicas)
+            self.discard()  # all or nothing: no replica keeps a half-made model
             raise
 
     @property
@@ -196,6 +213,32 @@ class DataParallelModel:
         with self._lock:
             self._all(lambda w: w.actor.delete_adapter.remote(self.model_id))
         self.pool.release(self.model_id, self.replicas)
+
+    # ------------------------------------------------------------------ handover
+    def hand_out(self, folder: str) -> int:
+        """Save the model's whole state to ``folder`` (storage every worker reads) for
+        :meth:`take_over` on new replicas: replica 0's weights, optimizer state, step, snapshot
+        count and lineage, and as the pending gradients the sum of every replica's (their
+        all-reduce, as the next optimizer step would do it). Returns the optimizer step. The
+        replicas keep the model (:meth:`delete` frees them)."""
+        self.check_live()
+        with self._lock:
+            steps = self._all(
+                lambda w: w.actor.dp_hand_out.remote(self.model_id, folder if w is self.replicas[0] else None)
+            )
+        return int(steps[0])
+
+    def take_over(self, folder: str) -> int:
+        """Complete a model made from ``folder``'s ``state`` (:meth:`hand_out`'s): every replica
+        takes the lineage, replica 0 the summed gradients (the others none: the next all-reduce
+        sums them to the same gradients, so the next step is the one the old replicas would
+        have taken). Returns the optimizer step."""
+        self.check_live()
+        with self._lock:
+            steps = self._all(
+                lambda w: w.actor.dp_take_over.remote(self.model_id, folder, gradients=w is self.replicas[0])
+            )
+        return int(steps[0])
 
     # ------------------------------------------------------------------ worker loss
     def lost(self) -> WorkerSlot | None:

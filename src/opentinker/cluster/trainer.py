@@ -13,10 +13,14 @@ stays where it was created until it is deleted or its worker is lost.
 Elastic: :meth:`TrainerPool.add_workers` starts more workers (same resources, checked free first;
 they join the placement at once, but not the process group formed at start-up, so data-parallel
 models use the founding workers only). :meth:`TrainerPool.choose_leaving` picks the workers to
-remove, the least loaded (ties: the newest) among those holding no data-parallel replica, and
-stops placing models on them; the router hands each of their models over
-(:mod:`opentinker.cluster.trainer_scale`), moving it with :meth:`begin_move` /
-:meth:`finish_move`, and :meth:`retire` stops an emptied worker.
+remove, the least loaded (ties: the newest), preferring those holding no data-parallel replica;
+one holding a replica is taken only where each data-parallel model on it can be made again at
+its degree on the founding workers that stay. It stops placing models on them; the router
+hands each of their models over (:mod:`opentinker.cluster.trainer_scale`), moving a plain one
+with :meth:`begin_move` / :meth:`finish_move` and making a data-parallel one again on other
+founding workers, and :meth:`retire` stops an emptied worker. Once a founding worker is
+retired the pool can form no new process group: no data-parallel model can be made (nor
+handed over) on it any more (:meth:`group_workers`).
 
 Worker loss: a request to a dead worker, or one in flight when it dies, raises
 :class:`WorkerLostError` naming the worker and the model, at once (Ray reports the actor's death
@@ -129,7 +133,7 @@ class TrainerPool:
         self._founders = workers
         self._lock = threading.RLock()
         self._placement: dict[str, WorkerSlot] = {}
-        self._dp: set[str] = set()  # data-parallel models (reserved on their replicas' slots)
+        self._dp: dict[str, int] = {}  # data-parallel model -> its degree (reserved on its replicas' slots)
         self.group_lock = threading.Lock()  # process groups are formed by all workers, in one order
         try:
             infos = ray.get([w.actor.info.remote() for w in self.workers])
@@ -181,26 +185,63 @@ class TrainerPool:
 
     def choose_leaving(self, n: int) -> dict[str, list[str]]:
         """Mark the ``n`` workers to remove as draining (no new model goes to them) and return
-        each one's models (worker id -> model ids): the least loaded (ties: the newest) of the
-        live workers that hold no data-parallel replica. Refused, nothing changed, if fewer such
-        workers than ``n`` or fewer than one live worker would be left."""
+        each one's models (worker id -> model ids).
+
+        Workers holding no data-parallel replica come first, the least loaded (ties: the newest).
+        Where fewer than ``n`` of them are live, every one of them leaves and the rest are taken,
+        in the same order, among the workers holding replicas whose data-parallel models can each
+        be made again at their degree on the live founding workers that stay (a process group is
+        formed among founding workers only, all of them still there). Refused, nothing changed,
+        naming the models and why, if no such choice exists, or if fewer than one live worker
+        would be left."""
         with self._lock:
             live = [w for w in self.workers if w.alive and not w.draining]
             if len(live) - n < 1:
                 raise ClusterConfigError(
                     f"trainer workers cannot be scaled below one (asked to remove {n} of {len(live)})"
                 )
-            free = [w for w in live if not (w.models & self._dp)]
-            if len(free) < n:
-                held = sorted({f"{m!r} on {w.worker_id}" for w in live for m in w.models & self._dp})
-                raise ClusterConfigError(
-                    f"cannot remove {n} trainer worker(s): only {len(free)} hold no data-parallel replica "
-                    f"(data-parallel models are not handed over; delete them first: {', '.join(held)})"
-                )
-            leaving = sorted(free, key=lambda w: (len(w.models), w.in_flight, -w.rank))[:n]
+            order = sorted(live, key=lambda w: (len(w.models), w.in_flight, -w.rank))
+            free = [w for w in order if not w.models & self._dp.keys()]
+            leaving = free[:n]
+            if len(leaving) < n:
+                leaving += self._replica_holders_leaving(n - len(leaving), order, leaving)
             for w in leaving:
                 w.draining = True
             return {w.worker_id: sorted(w.models) for w in leaving}
+
+    def _replica_holders_leaving(
+        self, k: int, order: list[WorkerSlot], leaving: list[WorkerSlot]
+    ) -> list[WorkerSlot]:
+        """``k`` workers holding data-parallel replicas that may leave besides ``leaving`` (the
+        workers holding none, all of them), in ``order``: each of their data-parallel models
+        needs its degree in founding workers that stay. The replica holders are founding workers,
+        so how many founders stay does not depend on which are chosen; only the models do."""
+        held = [w for w in order if w.models & self._dp.keys()]
+        founders = [w for w in self.workers if w.founder]
+        intact = len(founders) == self._founders and all(w.alive for w in founders)
+        stay = sum(1 for w in founders if w.alive and not w.draining and w not in leaving) - k
+        why: dict[str, str] = {}
+        able: list[WorkerSlot] = []
+        for w in held:
+            blocked = []
+            for m in sorted(w.models & self._dp.keys()):
+                degree = self._dp[m]
+                if not intact:
+                    why[m] = "a founding trainer worker was removed or lost: no process group can be formed"
+                elif degree > stay:
+                    why[m] = f"degree {degree} needs {degree} founding workers, {stay} would be left"
+                else:
+                    continue
+                blocked.append(m)
+            if not blocked:
+                able.append(w)
+        if len(able) < k:
+            names = "; ".join(f"data-parallel model {m!r}: {r}" for m, r in sorted(why.items()))
+            raise ClusterConfigError(
+                f"cannot remove {k + len(leaving)} trainer worker(s): {len(leaving)} hold no data-parallel "
+                f"replica and the others' models cannot be handed over at their degree ({names})"
+            )
+        return able[:k]
 
     def slot(self, worker_id: str) -> WorkerSlot:
         with self._lock:
@@ -263,13 +304,13 @@ class TrainerPool:
                 raise EngineError(f"model {model_id!r} already exists")
             for w in slots:
                 w.models.add(model_id)
-            self._dp.add(model_id)
+            self._dp[model_id] = len(slots)
 
     def release(self, model_id: str, slots: list[WorkerSlot]) -> None:
         with self._lock:
             for w in slots:
                 w.models.discard(model_id)
-            self._dp.discard(model_id)
+            self._dp.pop(model_id, None)
 
     def worker_of(self, model_id: str) -> WorkerSlot:
         """The live worker holding ``model_id``; a lost one raises :class:`WorkerLostError`."""

@@ -31,6 +31,8 @@ replicas, ``optim_step`` after the all-reduce), reads and checkpoints are replic
 every replica. A data-parallel model whose replica's worker is lost answers the same
 ``WorkerLostError`` for every op; ``restore`` puts it back at its degree where the pool can
 still hold it (:func:`~opentinker.cluster.dp.shortfall`), else on one worker, saying why.
+``hand_over`` of a data-parallel model (a worker holding a replica is removed) makes it again at
+its degree on other founding workers, in its lane, with its whole state and pending gradients.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from opentinker.cluster.dp import DataParallelModel, shortfall
@@ -259,9 +262,18 @@ class RoutedScheduler(Scheduler):
         ``folder`` (storage every worker reads: :meth:`TrainerWorker.hand_out`) onto the least
         loaded other worker, and routing switches; the ops queued behind wait in its lane
         meanwhile and then run on the new worker. The future gives the new worker's id and the
-        model's optimizer step at the move (None: the model was deleted meanwhile)."""
+        model's optimizer step at the move (None: the model was deleted meanwhile).
+
+        A data-parallel model is made again at its degree on founding workers not leaving
+        (:meth:`_dp_hand_over`); the future then gives its new workers' ids, comma-separated."""
 
         def run(fut: Future) -> None:
+            if model_id in self.dp:
+                try:
+                    fut.set_result(self._dp_hand_over(model_id, folder))
+                except Exception as e:
+                    fut.set_exception(self._translate(e))
+                return
             if not self.pool.is_placed(model_id):
                 fut.set_result(None)
                 return
@@ -286,6 +298,39 @@ class RoutedScheduler(Scheduler):
                 fut.set_exception(self._translate(e, old, model_id))
 
         return self._enqueue(model_id, run)
+
+    def _dp_hand_over(self, model_id: str, folder: str) -> tuple[str, int]:
+        """Data-parallel model ``model_id`` (in its lane: no op of it runs meanwhile) off its
+        workers: its whole state and the sum of its replicas' pending gradients go through
+        ``folder`` (:meth:`DataParallelModel.hand_out`), its replicas are freed, and it is made
+        again under the same id at the same degree on the least loaded founding workers not
+        draining, each replica loading the state and replica 0 the gradients; then routing
+        switches. If it cannot be made there it is made again where it was, from the same
+        folder, and the call raises saying why (its workers are then kept)."""
+        old = self.dp[model_id]
+        step = old.hand_out(folder)  # refused: nothing changed, the model stays where it is
+        state = str(Path(folder) / "state")
+        new: DataParallelModel | None = None
+        try:
+            old.delete()
+            new = DataParallelModel(self.pool, model_id, None, degree=old.degree, checkpoint=state)
+            new.take_over(folder)
+        except Exception as e:
+            if new is not None:
+                new.discard()
+            old.discard()  # whatever a failed delete left on the old replicas
+            back = DataParallelModel(
+                self.pool, model_id, None, degree=old.degree, checkpoint=state, on=old.replicas
+            )
+            back.take_over(folder)
+            self.dp[model_id] = back
+            raise EngineError(
+                f"data-parallel model {model_id!r} could not be made again on other trainer workers "
+                f"({e}); it stays on {', '.join(w.worker_id for w in old.replicas)}"
+            ) from e
+        self.dp[model_id] = new
+        self.note_step(model_id, step)
+        return ",".join(w.worker_id for w in new.replicas), step
 
     def note_step(self, model_id: str, step: int) -> None:
         """The optimizer steps ``model_id`` has taken (known at its creation or load)."""

@@ -6,8 +6,8 @@ to ``workers`` live trainer workers while it serves:
 - **adding**: new Ray actors with the same resources as the others start (the free resources are
   checked first; one that fails to start fails the call, the pool as it was) and join the
   placement: new models go to the least loaded worker, so to them first;
-- **removing**: the least loaded workers (ties: the newest) that hold no data-parallel replica
-  are chosen and take no new model; each model on them is handed over
+- **removing**: the least loaded workers (ties: the newest) are chosen, those holding no
+  data-parallel replica first, and take no new model; each model on them is handed over
   (:meth:`RoutedScheduler.hand_over`): its new requests wait in its lane, in order, its
   requests in flight finish, its whole state (weights, Adam moments and step, the gradients
   accumulated since its last step, its snapshot count and lineage) is saved under ``folder``
@@ -15,10 +15,20 @@ to ``workers`` live trainer workers while it serves:
   requests go on there. An emptied worker is then stopped. The training of a moved model is
   the training it would have had without the move: the same tensors, bit for bit, go on.
 
-A model whose handover fails stays on its worker, which is then kept (no longer draining): the
-call raises ``RuntimeError`` naming the models and why, after the other moves are done.
-Data-parallel replicas are not handed over: a worker holding one is never chosen, and a
-removal that would need one is refused before anything changes.
+A data-parallel model with a replica on a leaving worker is handed over whole, once: replica
+0's state and, as its pending gradients, the sum of every replica's (the all-reduce its next
+optimizer step would have done) are saved, its replicas freed, and it is made again under the
+same id at the same degree on founding workers that stay (a process group is formed among
+founding workers only), replica 0 taking the summed gradients and the others none; so its next
+step, and the training after, are the ones it would have had. A worker holding a replica is
+chosen only where every data-parallel model on it can be made again so; a removal that cannot
+be done so is refused before anything changes, naming the model and why. Once a founding
+worker is stopped no new process group can be formed: the pool then makes no new data-parallel
+model, and hands none over again.
+
+A model whose handover fails stays on its worker(s), which are then kept (no longer draining):
+the call raises ``RuntimeError`` naming the models and why, after the other moves are done (the
+handover folder is then kept).
 """
 
 from __future__ import annotations
@@ -56,6 +66,9 @@ def scale_trainers(router: RoutedScheduler, workers: int, folder: str | Path) ->
     moves: dict[str, tuple[str, Future]] = {}
     for worker_id, models in leaving.items():
         for model_id in models:
+            if model_id in moves:  # a data-parallel model with replicas on several leaving workers
+                moves[model_id] = (f"{moves[model_id][0]},{worker_id}", moves[model_id][1])
+                continue
             handover = Path(folder) / f"{_safe(model_id)}-{uuid.uuid4().hex[:8]}"
             moves[model_id] = (worker_id, router.hand_over(model_id, str(handover)))
     failed: list[str] = []
@@ -67,7 +80,8 @@ def scale_trainers(router: RoutedScheduler, workers: int, folder: str | Path) ->
             continue
         if to is not None:
             out["moved"][model_id] = {"from": worker_id, "to": to[0], "at_step": to[1]}
-    shutil.rmtree(folder, ignore_errors=True)  # every moved model is live on its new worker
+    if not failed:
+        shutil.rmtree(folder, ignore_errors=True)  # every moved model is live on its new worker(s)
     for worker_id in leaving:
         slot = pool.slot(worker_id)
         if slot.models:  # a handover failed: the worker stays and serves its models

@@ -97,9 +97,13 @@ class TrainerWorker:
 
     def delete_adapter(self, model_id: str) -> None:
         self._call(model_id, lambda eng: eng.delete_adapter(model_id))
+        self._kept.pop(model_id, None)
         group = self._groups.pop(model_id, None)
         if group is not None:
             dist.destroy_process_group(group)
+        with self._order:  # the model id, made here again (a handover), numbers its ordered ops from 0
+            self._next_seq.pop(model_id, None)
+            self._order.notify_all()
 
     def adapter_state(self, model_id: str) -> dict[str, torch.Tensor]:
         """A CPU copy of the adapter's weights (what a replica holds; tests compare them)."""
@@ -214,15 +218,9 @@ class TrainerWorker:
 
         def load(eng: Engine) -> int:
             state = Path(folder) / "state"
-            lineage = read_manifest(state)["meta"].get("lineage", {})
             eng.load_state(state, adapter_id=model_id, optimizer=True)
             try:
-                if (Path(folder) / "gradients").exists():
-                    files, _ = read_checkpoint(Path(folder) / "gradients")
-                    eng.set_pending_gradients(model_id, files[GRADIENTS_FILE])
-                eng.set_adapter_lineage(
-                    model_id, versions=int(lineage.get("versions", 0)), parent=lineage.get("parent")
-                )
+                _take_rest(eng, model_id, Path(folder), gradients=True)
             except Exception:
                 eng.delete_adapter(model_id)  # all or nothing: no half-loaded model stays here
                 raise
@@ -323,6 +321,20 @@ class TrainerWorker:
             raise EngineError(f"model {model_id!r} is not data-parallel on worker {self.worker_id}")
         params.validate()  # refused on every replica alike, before any collective starts
 
+        summed = self._summed_gradients(model_id, group)
+
+        def step(eng: Engine) -> dict[str, float]:
+            if self._groups.get(model_id) is not group:  # discarded meanwhile (dp_discard)
+                raise EngineError(f"data-parallel model {model_id!r} was discarded on {self.worker_id}")
+            eng.set_pending_gradients(model_id, summed)
+            return eng.optim_step(model_id, params)
+
+        return self._call(model_id, step)
+
+    def _summed_gradients(self, model_id: str, group: Any) -> dict[str, torch.Tensor]:
+        """The sum over ``model_id``'s replicas of their accumulated gradients (zeros where a
+        replica has none): one flat all-reduce over its process group, every replica calling it."""
+
         def take(eng: Engine) -> tuple[list[str], list[torch.Tensor]]:
             named = eng.adapter_weights(model_id).state_dict()
             pending = eng.pending_gradients(model_id) or {}
@@ -336,19 +348,58 @@ class TrainerWorker:
         for name, g in zip(names, grads, strict=True):
             summed[name] = flat[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
+        return summed
 
-        def step(eng: Engine) -> dict[str, float]:
-            if self._groups.get(model_id) is not group:  # discarded meanwhile (dp_discard)
-                raise EngineError(f"data-parallel model {model_id!r} was discarded on {self.worker_id}")
-            eng.set_pending_gradients(model_id, summed)
-            return eng.optim_step(model_id, params)
+    def dp_hand_out(self, model_id: str, folder: str | None) -> int:
+        """This replica's part in handing data-parallel model ``model_id`` over: every replica
+        sums the gradients accumulated since the last step (the all-reduce its next optimizer step
+        would do, so the same sum, bit for bit); the one given ``folder`` (replica 0) then saves
+        what :meth:`hand_out` saves there, its own state and that sum as the gradients. Returns
+        the model's optimizer step. The adapter stays here (the model deletes it after)."""
+        group = self._groups.get(model_id)
+        if group is None:
+            raise EngineError(f"model {model_id!r} is not data-parallel on worker {self.worker_id}")
+        summed = self._summed_gradients(model_id, group)
 
-        return self._call(model_id, step)
+        def save(eng: Engine) -> int:
+            if folder is not None:
+                lineage = eng.adapter_lineage(model_id)
+                eng.save_state(model_id, Path(folder) / "state", optimizer=True, meta={"lineage": lineage})
+                if any(bool(g.any()) for g in summed.values()):
+                    gradients = {k: v.detach().cpu() for k, v in summed.items()}
+                    write_checkpoint(
+                        Path(folder) / "gradients", {GRADIENTS_FILE: gradients}, {"model": model_id}
+                    )
+            return eng.adapter_step(model_id)
+
+        return self._call(model_id, save)
+
+    def dp_take_over(self, model_id: str, folder: str, *, gradients: bool) -> int:
+        """A new data-parallel replica of ``model_id`` (its weights and optimizer state just
+        loaded from ``folder``'s ``state``) takes the rest of what :meth:`dp_hand_out` saved: the
+        lineage, and the summed gradients where ``gradients`` (replica 0 only: the others start
+        from none, so the next all-reduce gives that sum again). Returns its optimizer step."""
+
+        def load(eng: Engine) -> int:
+            _take_rest(eng, model_id, Path(folder), gradients=gradients)
+            return eng.adapter_step(model_id)
+
+        return self._call(model_id, load)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _take_rest(eng: Engine, model_id: str, folder: Path, *, gradients: bool) -> None:
+    """Put what a handover saved in ``folder`` beside the state just loaded into ``model_id``:
+    its lineage (snapshot count, parent) and, if ``gradients``, its pending gradients."""
+    lineage = read_manifest(folder / "state")["meta"].get("lineage", {})
+    if gradients and (folder / "gradients").exists():
+        files, _ = read_checkpoint(folder / "gradients")
+        eng.set_pending_gradients(model_id, files[GRADIENTS_FILE])
+    eng.set_adapter_lineage(model_id, versions=int(lineage.get("versions", 0)), parent=lineage.get("parent"))
 
 
 def _node_ip() -> str:
