@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,34 @@ class SlowSampler:
     async def sample(self, **kw: Any) -> Any:
         await asyncio.sleep(self.delay)
         return await self.inner.sample_async(**kw)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sdk_background_loop_stopped() -> Iterator[None]:
+    """At the session's end, stop the ``tinker`` SDK's background event loop (one daemon thread per
+    process, shared by every ``ServiceClient``). Tests leave clients open after their server has
+    gone; their heartbeat and token-refresh tasks keep logging to stderr from that thread, and a
+    daemon thread that writes while the interpreter finalizes aborts the process (SIGABRT, exit
+    134) after every test has passed. Cancelling its tasks and joining it first ends that."""
+    yield
+    from tinker.lib import internal_client_holder as holders
+
+    logging.getLogger("tinker").setLevel(logging.CRITICAL)
+    single = holders._internal_client_holder_thread_singleton
+    loop, thread = single.loop_if_started(), getattr(single, "_thread", None)
+    if loop is None or thread is None or not loop.is_running():
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=30)
 
 
 SDK_ENV = ("TINKER_API_KEY", "TINKER_BASE_URL", "TINKER_PROJECT_ID", "TINKER_CREDENTIAL_CMD")
