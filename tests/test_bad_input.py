@@ -10,7 +10,7 @@ import torch
 from opentinker.engine import AdamParams, Engine, EngineError, Example, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
 from tests.conftest import make_examples
-from tests.tolerances import assert_scalar_close
+from tests.tolerances import assert_scalar_close, assert_state_close
 
 
 @pytest.fixture
@@ -139,6 +139,32 @@ def test_loss_overflow_is_refused_without_update(trained) -> None:
     with pytest.raises(EngineError, match="NaN or inf"):
         engine.forward_backward(ForwardRequest(aid, [ex], "importance_sampling"))
     _unchanged(engine, aid, before)
+
+
+def test_a_non_finite_gradient_of_a_finite_loss_fails_alone_in_a_fused_batch(trained) -> None:
+    engine, aid, before = trained
+    other = engine.create_adapter(LoRAConfig(rank=4, seed=3))
+    good = ForwardRequest(other, make_examples(2, engine.vocab_size, seed=4))
+
+    class SqrtAtZero:  # the engine's side of a custom loss: its inputs, its datum check, its call
+        input_names: tuple[str, ...] = ()
+
+        def check_datum(self, where: str, shape: tuple[int, ...], inputs: dict) -> None:
+            pass
+
+        def __call__(self, lp: torch.Tensor, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+            return torch.sqrt(lp - lp.detach()).sum(), {}  # the loss is 0, its gradient 1 / 0
+
+    examples = make_examples(1, engine.vocab_size, seed=5)
+    bad = ForwardRequest(aid, examples, "custom", custom_loss=SqrtAtZero())  # type: ignore[arg-type]
+    res_bad, res_good = engine.forward_backward_many([bad, good])
+    assert isinstance(res_bad, EngineError) and "gradient is NaN or inf" in str(res_bad)
+    _unchanged(engine, aid, before)
+    alone = engine.create_adapter(LoRAConfig(rank=4, seed=3))
+    engine.forward_backward(ForwardRequest(alone, good.examples))
+    ours, ref = engine.pending_gradients(other), engine.pending_gradients(alone)
+    assert ours is not None and ref is not None
+    assert_state_close(ours, ref)  # its gradients as if it had run alone
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from opentinker.engine.types import EngineError
+from opentinker.lora import LoRAConfig, LoRAWeights
 
 FORMAT = "opentinker-adapter-v1"
+ADAPTER_FILE = "adapter.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
 MANIFEST = "manifest.json"
 # a writer's hidden folders: .<name>.tmp-<pid>-<random> (new) and .<name>.old-<pid> (replaced);
 # earlier versions wrote .<name>.tmp-<random>, with no pid: those writers are gone
@@ -128,6 +132,42 @@ def read_checkpoint(
             raise CheckpointError(f"checkpoint file {f} does not match its checksum (torn or modified)")
         out[name] = load_file(str(f))
     return out, manifest["meta"]
+
+
+def read_adapter(
+    path: str | Path,
+    *,
+    base_model: str,
+    shapes: dict[str, tuple[int, int, int, str]],
+    device: torch.device,
+    check_config: Callable[[LoRAConfig], None],
+) -> tuple[LoRAWeights, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """A verified checkpoint's LoRA weights (on ``device``, trainable), its meta and its files,
+    checked against an engine: trained on ``base_model``, a config ``check_config`` accepts, and
+    exactly the groups of ``shapes`` (group -> layers, in, out, kind) its config trains, each of its
+    shape. Changes nothing; any mismatch is a :class:`CheckpointError` naming it."""
+    files, meta = read_checkpoint(path)
+    if meta.get("base_model") != base_model:
+        raise CheckpointError(
+            f"checkpoint {path} was trained on {meta.get('base_model')!r}, not on this engine's {base_model!r}"
+        )
+    config = LoRAConfig(**meta["lora"])
+    check_config(config)
+    loaded = LoRAWeights(config)
+    for key, t in files[ADAPTER_FILE].items():
+        group, _, kind = key.rpartition(".")
+        if group not in shapes or kind not in ("lora_A", "lora_B"):
+            raise CheckpointError(f"checkpoint {path} has weights {key!r}, which this model lacks")
+        n_layers, d_in, d_out, _ = shapes[group]
+        want = (n_layers, config.rank, d_in) if kind == "lora_A" else (n_layers, d_out, config.rank)
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(t.shape)}, expected {want}")
+        target = loaded.a if kind == "lora_A" else loaded.b
+        target[group] = t.to(device).clone().requires_grad_(True)
+    wanted = {g for g, (_, _, _, kind) in shapes.items() if config.trains(kind)}
+    if set(loaded.a) != wanted or set(loaded.b) != wanted:
+        raise CheckpointError(f"checkpoint {path} does not hold every LoRA group its config trains")
+    return loaded, meta, files
 
 
 def clean_partial_writes(parent: str | Path) -> list[str]:

@@ -32,11 +32,17 @@ from typing import Any
 
 import torch
 
-from opentinker.engine.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from opentinker.engine.checkpoint import (
+    ADAPTER_FILE,
+    OPTIMIZER_FILE,
+    CheckpointError,
+    read_adapter,
+    write_checkpoint,
+)
 from opentinker.engine.custom_loss import reduce_metrics
 from opentinker.engine.export import export_merged, export_peft
 from opentinker.engine.losses import LOSSES, resolve_config
-from opentinker.engine.optim import AdapterOptimizer, step_many
+from opentinker.engine.optim import AdapterOptimizer, finite_each, step_many
 from opentinker.engine.prefix import plan_shared_prefixes, shared_prefix_logprobs
 from opentinker.engine.types import (
     AdamParams,
@@ -50,9 +56,6 @@ from opentinker.engine.types import (
 from opentinker.engine.validate import validate_request
 from opentinker.lora import LoRABatch, LoRAConfig, LoRAWeights, MultiLoRA, init_lora_weights
 from opentinker.models import BaseModel, load_base_model
-
-ADAPTER_FILE = "adapter.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 @dataclass
@@ -373,10 +376,14 @@ class Engine:
         total = torch.stack([per_req_loss[i] for i in train]).sum()
         grads = torch.autograd.grad(total, params, allow_unused=True)
         by_adapter: dict[str, dict[str, torch.Tensor]] = {aid: {} for aid in adapters if aid is not None}
-        for (aid, name), p, g in zip(owners, params, grads, strict=True):
-            by_adapter[aid][name] = g if g is not None else torch.zeros_like(p)
+        bad: set[str] = set()
+        full = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads, strict=True)]
+        for (aid, name), g, ok in zip(owners, full, finite_each(full), strict=True):
+            by_adapter[aid][name] = g
+            if not ok:
+                bad.add(aid)
         for aid, new in by_adapter.items():
-            if not all(bool(torch.isfinite(g).all()) for g in new.values()):
+            if aid in bad:
                 for i in train:
                     if reqs[i].policy == aid:
                         results[i] = EngineError(
@@ -506,29 +513,10 @@ class Engine:
         self, path: str | Path
     ) -> tuple[LoRAWeights, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
         """Read and check a checkpoint's weights against this engine; changes no state."""
-        files, meta = read_checkpoint(path)
-        if meta.get("base_model") != self.base.name:
-            raise CheckpointError(
-                f"checkpoint {path} was trained on {meta.get('base_model')!r}, not on this engine's {self.base.name!r}"
-            )
-        config = LoRAConfig(**meta["lora"])
-        self._check_config(config)
-        shapes = self.lora.group_shapes()
-        loaded = LoRAWeights(config)
-        for key, t in files[ADAPTER_FILE].items():
-            group, _, kind = key.rpartition(".")
-            if group not in shapes or kind not in ("lora_A", "lora_B"):
-                raise CheckpointError(f"checkpoint {path} has weights {key!r}, which this model lacks")
-            n_layers, d_in, d_out, _ = shapes[group]
-            want = (n_layers, config.rank, d_in) if kind == "lora_A" else (n_layers, d_out, config.rank)
-            if tuple(t.shape) != want:
-                raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(t.shape)}, expected {want}")
-            target = loaded.a if kind == "lora_A" else loaded.b
-            target[group] = t.to(self.device).clone().requires_grad_(True)
-        wanted = {g for g, (_, _, _, kind) in shapes.items() if config.trains(kind)}
-        if set(loaded.a) != wanted or set(loaded.b) != wanted:
-            raise CheckpointError(f"checkpoint {path} does not hold every LoRA group its config trains")
-        return loaded, meta, files
+        return read_adapter(
+            path, base_model=self.base.name, shapes=self.lora.group_shapes(), device=self.device,
+            check_config=self._check_config,
+        )  # fmt: skip
 
     def load_state(
         self,

@@ -233,14 +233,9 @@ def step_many(
             values = torch._foreach_addcdiv(values, new_avgs, denom, step_size)
     except RuntimeError:  # a scalar torch refuses: each adapter alone, as ``step`` refuses it
         return [_step_or_error(*it) for it in items]
-    # each tensor's finiteness from one L1 norm each, in one call (a NaN or inf makes it so; only a
-    # norm past fp32's range, of finite values, needs the element-wise look)
     n = len(values)
-    norms1 = torch.stack(torch._foreach_norm([*values, *new_avgs, *new_sqs], 1)).isfinite().tolist()
-    finite = [
-        [ok or bool(torch.isfinite(t).all()) for ok, t in zip(norms1[j * n : (j + 1) * n], ts, strict=True)]
-        for j, ts in enumerate((values, new_avgs, new_sqs))
-    ]
+    each = finite_each([*values, *new_avgs, *new_sqs])
+    finite = [each[j * n : (j + 1) * n] for j in range(3)]
     out: list[dict[str, float] | EngineError] = []
     by_adapter: list[list[int]] = [[] for _ in items]
     for i, (k, _) in enumerate(owner):
@@ -274,6 +269,15 @@ def _step_or_error(
         return opt.step(grads, hp)
     except EngineError as e:
         return e
+
+
+def finite_each(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is all finite, from one L1 norm each, in one call (a NaN or inf makes the
+    norm so; only a norm past fp32's range, of finite values, needs the element-wise look)."""
+    if not tensors:
+        return []
+    norms1 = torch.stack(torch._foreach_norm(tensors, 1)).isfinite().tolist()
+    return [ok or bool(torch.isfinite(t).all()) for ok, t in zip(norms1, tensors, strict=True)]
 
 
 def _finite(t: torch.Tensor) -> bool:
