@@ -10,9 +10,10 @@ snapshot of it; one ``TTTUpdates`` serves every repeat, as the RL loop's serves 
 the forks of the warm-up are reused. Same secrets, same seeds.  Also printed: the training ticks
 of each TTT repeat and how many episodes' updates each fused, and the seconds spent in them. The arms alternate (no-TTT, TTT, ...) ``--repeats`` times after one warm-up of each;
 the ratio is of the medians of wall time per episode, and of wall time per sampled turn
-(target ≤ 1.5; aTTT reports 1.9). ``--window W`` and ``--reuse-kv`` switch on TTT's cost options
-(``TTTConfig.window``: train on the last W targets; ``TTTConfig.reuse_kv``: sample through inflight
-sessions that keep earlier keys and values; both documented in ``rl/ttt.py``). On a loaded
+(target ≤ 1.5; aTTT reports 1.9). ``--window W``, ``--window-alone`` and ``--reuse-kv`` switch on
+TTT's cost options (``TTTConfig.window``: train on the last W targets; ``window_prompt=False``: on
+the window without the task's prompt before it; ``TTTConfig.reuse_kv``: sample through inflight
+sessions that keep earlier keys and values; all documented in ``rl/ttt.py``). On a loaded
 shared machine the number is noisy: the script prints the load average at start and end.
 """
 
@@ -48,6 +49,9 @@ async def main() -> None:
     ap.add_argument(
         "--reuse-kv", action="store_true", help="TTT samples through inflight sessions (KV reused)"
     )
+    ap.add_argument(
+        "--window-alone", action="store_true", help="with --window: train on the window without the prompt"
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -61,7 +65,7 @@ async def main() -> None:
     path = await fork_point(tc, "p12-fork")
     group = LongGuessGroup(renderer, held_out_secrets(a.episodes, a.high), high=a.high, max_turns=a.max_turns)
     params = types.SamplingParams(max_tokens=a.max_tokens, temperature=1.0)
-    cfg = TTTConfig(steps=a.steps, window=a.window, reuse_kv=a.reuse_kv)
+    cfg = TTTConfig(steps=a.steps, window=a.window, reuse_kv=a.reuse_kv, window_prompt=not a.window_alone)
     updates = TTTUpdates(service, cfg)
     sched = service.runtime.backend(a.base_model).scheduler  # instrumentation, not the client API
     per_episode: dict[str, list[float]] = {"no_ttt": [], "ttt": []}

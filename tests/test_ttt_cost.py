@@ -36,6 +36,7 @@ def runtime(tmp_path: Path) -> Iterator[Runtime]:
         ({"window": 2.5}, "window (W)"),
         ({"window": True}, "window (W)"),
         ({"reuse_kv": 1}, "reuse_kv"),
+        ({"window_prompt": "no"}, "window_prompt"),
     ],
 )
 def test_bad_cost_options_are_refused_naming_the_field(kw: dict[str, Any], names: str) -> None:
@@ -69,6 +70,28 @@ def test_the_window_selects_exactly_the_documented_tokens() -> None:
     assert s == 7 and d.loss_fn_inputs["weights"].tolist() == pytest.approx([0.0, 0.0, 0.5])
     with pytest.raises(ValueError, match="one weight per target"):
         window_datum(x, raw[:-1], prompt_len=2, window=4)
+
+
+def test_the_window_alone_drops_the_prompt_and_keeps_the_targets_and_weights() -> None:
+    x = [5, 6, 1, 2, 3, 1, 2, 3, 4, 7, 8, 9]  # L = 12, prompt P = 2
+    raw, _ = ngram_weights(x, prompt_len=2, seen=set(), n=2, repeat_weight=0.5)
+    # W = 4: s = 8; the datum is x_7 … x_11 alone: x_7 is context, x_8 … x_11 the targets
+    d, s = window_datum(x, raw, prompt_len=2, window=4, prompt=False)
+    assert s == 8
+    assert d.model_input.to_ints() == [3, 4, 7, 8]
+    assert d.loss_fn_inputs["target_tokens"].tolist() == [4, 7, 8, 9]
+    assert d.loss_fn_inputs["weights"].tolist() == pytest.approx([raw[j - 1] / 4 for j in range(8, 12)])
+    # the same trained targets and weights as with the prompt in front, from fewer tokens
+    full, _ = window_datum(x, raw, prompt_len=2, window=4)
+    fw = full.loss_fn_inputs["weights"].tolist()
+    ft = full.loss_fn_inputs["target_tokens"].tolist()
+    assert [(t, w) for t, w in zip(ft, fw, strict=True) if w] == list(
+        zip(d.loss_fn_inputs["target_tokens"].tolist(), d.loss_fn_inputs["weights"].tolist(), strict=True)
+    )
+    # a window longer than the text after the prompt starts at x_{P-1}: the prompt's last token
+    d, s = window_datum(x, raw, prompt_len=2, window=50, prompt=False)
+    assert s == 2 and d.model_input.to_ints() == x[1:-1]
+    assert d.loss_fn_inputs["weights"].tolist() == pytest.approx([raw[j - 1] / 10 for j in range(2, 12)])
 
 
 def test_an_inflight_session_reuses_its_keys_and_values_across_saves(runtime: Runtime) -> None:

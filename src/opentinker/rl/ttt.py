@@ -54,6 +54,9 @@ whole text), divided by ``L - s``. The datum keeps the opening ``x_0 … x_{P-1}
 prompt followed by the window (``x_{s-1}``, the window's first context token, is not a target;
 nothing is left out when ``s <= P + 1``). ``H`` gains only the window's n-grams. The update's
 forward/backward then costs ``P + W`` tokens instead of ``L``, whatever the episode's length.
+With ``window_prompt=False`` the opening is left out too: the datum is ``x_{s-1} … x_{L-1}``
+alone (the same targets and weights), so the update costs ``W + 1`` tokens; the model then
+learns the window's text without the task's prompt before it.
 
 **Reusing the sampler's keys and values** (``reuse_kv``, an option; off by default). After an
 update, a new snapshot has no cached prefix, so the next turn re-prefills the episode's whole
@@ -98,7 +101,8 @@ class TTTConfig:
     on the last ``window`` (W >= 1) targets of the text only (None: all of it; the rule is in the
     module docstring); ``reuse_kv``: sample each episode through one ``kind="inflight"`` session, whose
     cached keys and values of earlier turns are reused after an update (the approximation is in the
-    module docstring)."""
+    module docstring); ``window_prompt``: with a window, keep the task's opening prompt in front of
+    it (True) or train on the window alone (False, about half the cost again)."""
 
     steps: int = 1
     learning_rate: float = 1e-3
@@ -109,6 +113,7 @@ class TTTConfig:
     max_wait_s: float = 5.0
     window: int | None = None
     reuse_kv: bool = False
+    window_prompt: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -124,8 +129,9 @@ class TTTConfig:
         mw = self.max_wait_s
         if isinstance(mw, bool) or not isinstance(mw, int | float) or not (math.isfinite(mw) and mw >= 0):
             raise ValueError(f"TTT max_wait_s must be a finite number >= 0, got {mw!r}")
-        if not isinstance(self.reuse_kv, bool):
-            raise ValueError(f"TTT reuse_kv must be True or False, got {self.reuse_kv!r}")
+        for name in ("reuse_kv", "window_prompt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TTT {name} must be True or False, got {getattr(self, name)!r}")
         win = self.window
         if win is not None and (isinstance(win, bool) or not isinstance(win, int) or win < 1):
             raise ValueError(f"TTT window (W) must be an integer >= 1 or None, got {win!r}")
@@ -162,17 +168,23 @@ def ttt_datum(tokens: Sequence[int], weights: Sequence[float], prompt_len: int) 
 
 
 def window_datum(
-    tokens: Sequence[int], weights: Sequence[float], prompt_len: int, window: int
+    tokens: Sequence[int], weights: Sequence[float], prompt_len: int, window: int, *, prompt: bool = True
 ) -> tuple[types.Datum, int]:
     """The update's datum under ``TTTConfig.window`` = W (the module docstring's rule): the
-    opening ``P`` tokens, then ``x_{s-1} … x_{L-1}`` with ``s = max(P, L - W)``, the targets
-    ``j >= s`` keeping their raw ``weights`` and divided by ``L - s``. Returns it and ``s``."""
+    opening ``P`` tokens (unless ``prompt`` is False), then ``x_{s-1} … x_{L-1}`` with
+    ``s = max(P, L - W)``, the targets ``j >= s`` keeping their raw ``weights`` and divided by
+    ``L - s``. Returns it and ``s``."""
     toks = [int(t) for t in tokens]
     if len(weights) != len(toks) - 1:
         raise ValueError(f"need one weight per target token ({len(toks) - 1}), got {len(weights)}")
     p = max(1, prompt_len)
     s = max(p, len(toks) - window)
-    keep = list(range(len(toks))) if s <= p + 1 else [*range(p), *range(s - 1, len(toks))]
+    if not prompt:
+        keep = list(range(s - 1, len(toks)))
+    elif s <= p + 1:
+        keep = list(range(len(toks)))
+    else:
+        keep = [*range(p), *range(s - 1, len(toks))]
     w = [0.0] + [float(weights[j - 1]) / max(1, len(toks) - s) if j >= s else 0.0 for j in keep[1:]]
     return datum_from_tokens([toks[j] for j in keep], weights=w), s
 
@@ -323,7 +335,7 @@ class TTTEpisode:
         if cfg.window is None:
             datum = ttt_datum(tokens, weights, start)
         else:  # only the window's n-grams were trained on
-            datum, s = window_datum(tokens, weights, start, cfg.window)
+            datum, s = window_datum(tokens, weights, start, cfg.window, prompt=cfg.window_prompt)
             n = cfg.ngram
             grams = {tuple(tokens[j - n + 1 : j + 1]) for j in range(max(s, n - 1), len(tokens))}
         adam = types.AdamParams(learning_rate=cfg.learning_rate)
