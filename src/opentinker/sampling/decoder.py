@@ -49,6 +49,7 @@ from opentinker.sampling.forward import (
     make_plan,
     replan,
 )
+from opentinker.sampling.kv_cache import fill_holes
 from opentinker.sampling.llama_decode import LlamaLean
 from opentinker.sampling.prefix_cache import PrefixCache, PrefixHit
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
@@ -314,7 +315,8 @@ class StepDecoder:
     ) -> tuple[list[Finished], list[int]]:
         """Choose each row's next token from ``last`` ([rows, V]); finished rows are stored in
         their requests (and their keys and values in the prefix cache). Returns the requests
-        finished and the indices of the rows that go on."""
+        finished and the indices of the rows that go on, in the order that moves the fewest rows
+        of the cache (:func:`~opentinker.sampling.kv_cache.fill_holes`)."""
         ctx = self.engine.max_context
         topk = topk_logprobs(last, rows) if any(row.topk for row in rows) else None
         for j, (row, (tok, lp)) in enumerate(zip(rows, choose_tokens(last, rows), strict=True)):
@@ -340,7 +342,7 @@ class StepDecoder:
                 job.result.sequences = [s for s in job.seqs if s is not None]
                 done.append((job.rid, job.result))
                 del self._jobs[job.rid]
-        return done, keep
+        return done, fill_holes(keep, len(rows))
 
     # ------------------------------------------------------------------ helpers
     def _prompt_starts(

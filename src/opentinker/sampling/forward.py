@@ -4,7 +4,7 @@ drop finished rows, and merge a newly prefilled group into the running batch.
 Two implementations of one :class:`Forward` contract:
 
 * :class:`LeanForward`: :class:`~opentinker.sampling.llama_decode.LlamaLean` over a static
-  :class:`~opentinker.sampling.llama_decode.LeanCache` (Llama-family models);
+  :class:`~opentinker.sampling.kv_cache.LeanCache` (Llama-family models);
 * :class:`HFForward`: the model's own HF forward over a ``DynamicCache``, LoRA through the
   engine's routing (every other family).
 
@@ -13,8 +13,9 @@ in the cache's columns (left padding is masked out), and a row's RoPE positions 
 (``position_ids``), never its column: so two batches merge by left-padding the shorter one to the
 other's width and stacking their rows (:meth:`Forward.merge`). The next decode step then writes
 one new column for every row, old and new alike. Columns that have become padding in every row
-(their rows left) are dropped when rows leave (:func:`trim_lean`), so a long-finished long prompt
-does not keep widening the batch.
+(their rows left) are dropped when rows leave (``LeanCache.trim``), so a long-finished long prompt
+does not keep widening the batch. The lean cache moves only the rows that leave or join
+(:mod:`opentinker.sampling.kv_cache`).
 
 Policies come in as their weights (resolved once, when a request is admitted, and held by its
 rows), never looked up again by id: a snapshot retired mid-decode keeps serving the rows that
@@ -33,11 +34,11 @@ from transformers import DynamicCache
 from opentinker.engine import Engine
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
-from opentinker.sampling.llama_decode import LeanCache, LeanLoRA, LlamaLean
+from opentinker.sampling.kv_cache import LeanCache
+from opentinker.sampling.llama_decode import LeanLoRA, LlamaLean
 
 # A batch's policies, resolved when their requests were admitted (None: the bare base model).
 Weights = Mapping[PolicyRef, LoRAWeights | None]
-TRIM_MIN_COLUMNS = 16  # leading all-padding columns worth dropping
 
 
 @dataclass(frozen=True)
@@ -240,37 +241,6 @@ class HFForward:
         return out.logits[:, -1].float()
 
 
-def merge_lean(lean: LlamaLean, a: LeanCache, b: LeanCache, room: int) -> LeanCache:
-    """One cache holding ``a``'s rows then ``b``'s, each right-aligned in ``max`` of their written
-    columns (the shorter left-padded, masked, zeroed), with room for ``room`` more columns."""
-    width = max(a.length, b.length)
-    ra, rb = a.kv.shape[2], b.kv.shape[2]
-    out = lean.new_cache(ra + rb, width + min(room, 256), width + room)
-    for r0, src in ((0, a), (ra, b)):
-        n, pad = src.kv.shape[2], width - src.length
-        out.kv[:, :, r0 : r0 + n, :, pad:width] = src.kv[..., : src.length, :]
-        out.valid[r0 : r0 + n, pad:width] = src.valid[:, : src.length]
-        if pad:  # padding is masked out, but 0 · garbage (NaN) would not be
-            out.kv[:, :, r0 : r0 + n, :, :pad] = 0
-    out.length = width
-    out.padded = not bool(out.valid[:, :width].all())
-    return out
-
-
-def trim_lean(cache: LeanCache) -> None:
-    """Drop the leading columns that are padding in every row (views, no copy)."""
-    used = cache.valid[:, : cache.length].any(0)
-    lead = int(used.to(torch.int8).argmax()) if bool(used.any()) else 0
-    if lead < TRIM_MIN_COLUMNS:
-        return
-    cache.kv = cache.kv[:, :, :, :, lead:]
-    cache.valid = cache.valid[:, lead:]
-    cache.length -= lead
-    cache.max_columns -= lead
-    cache.padded = not bool(cache.valid[:, : cache.length].all())
-    cache._views()
-
-
 class LeanForward:
     """:class:`LlamaLean` over a static :class:`LeanCache` (``prompt_cols`` prompt columns, up to
     ``decode_cols`` decode columns, ``first_cols`` of them allocated at first, then doubled as
@@ -345,12 +315,12 @@ class LeanForward:
     def select(self, rows: torch.Tensor) -> None:
         assert self.cache is not None
         self.cache.select(rows)
-        trim_lean(self.cache)
+        self.cache.trim()
 
     @torch.inference_mode()
     def merge(self, other: Any, room: int) -> None:
         assert isinstance(other, LeanForward) and self.cache is not None and other.cache is not None
-        self.cache = merge_lean(self.lean, self.cache, other.cache, room)
+        self.cache = self.cache.join(other.cache, room)
 
     @torch.inference_mode()
     def row_kv(self, row: int) -> torch.Tensor:

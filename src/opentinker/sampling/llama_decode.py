@@ -11,8 +11,8 @@ tensor ops per layer:
   weights become views of its rows: the HF forward (training, the fallback) and this one read one
   copy (the originals, often pages of the mmapped checkpoint, are no longer used). Built once per model (cached on it, shared by every engine and backend
   over it, rebuilt if its weights move or are written).
-* **Static KV cache.** One tensor ``[layers, 2, rows, kv_heads, columns, head_dim]`` written in
-  place; rows that finish (or fan out) leave with one ``index_select`` of the written columns;
+* **Static KV cache** (:mod:`opentinker.sampling.kv_cache`). One tensor ``[layers, 2, rows,
+  kv_heads, columns, head_dim]`` written in place; rows leave and join moving only their own rows;
   columns grow by doubling when needed (never a copy per step). Left padding is a column mask.
   A decode step attends on the kv heads directly (a kv head's query heads are its "query
   positions", no repeat of K/V) with three batched ops (scores, softmax, values); the prefill
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from opentinker.lora import LoRABatch
 from opentinker.lora.layers import TargetGroup
+from opentinker.sampling.kv_cache import LeanCache
 
 # fused projection -> the LoRA groups it is made of (in output order)
 FUSED: dict[str, tuple[str, ...]] = {
@@ -337,109 +338,6 @@ def _plus_lora(
     for j, (xk, yk) in enumerate(zip(torch.split(x, sizes), torch.split(y, sizes), strict=True)):
         yk.addmm_(xk @ a[j], b[j])
     return y
-
-
-class LeanCache:
-    """Static KV cache ``[layers, 2, rows, kv_heads, columns, head_dim]`` and which columns of each
-    row hold real tokens (left padding does not). Columns past ``length`` are never read, so they
-    are left uninitialised (no page is touched before it is written)."""
-
-    def __init__(self, lean: LlamaLean, rows: int, columns: int, max_columns: int) -> None:
-        self.max_columns = max(columns, max_columns)
-        shape = (len(lean.layers), 2, rows, lean.n_kv, columns, lean.head_dim)
-        self.kv = torch.empty(shape, dtype=lean.dtype, device=lean.device)
-        self.valid = torch.zeros(rows, columns, dtype=torch.bool, device=lean.device)
-        self.length = 0  # columns written (the same for every row)
-        self.padded = False  # some written column of some row is padding
-        self._zero = torch.zeros(1, 1, 1, dtype=lean.dtype, device=lean.device)
-        self._views()
-
-    def _views(self) -> None:
-        """Each layer's K and V, [rows, kv_heads, columns, head_dim] (views of ``kv``)."""
-        self.keys = [self.kv[i, 0] for i in range(self.kv.shape[0])]
-        self.values = [self.kv[i, 1] for i in range(self.kv.shape[0])]
-
-    def append(self, n: int, valid: torch.Tensor | None) -> None:
-        """Reserve ``n`` more columns (``valid``: [rows, n], None = all real)."""
-        end = self.length + n
-        if end > self.kv.shape[4]:
-            self._grow(end)
-        if valid is None:
-            self.valid[:, self.length : end] = True
-        else:
-            self.valid[:, self.length : end] = valid
-            self.padded = self.padded or not bool(valid.all())
-        self.length = end
-
-    def load_prefixes(self, prefixes: list[torch.Tensor | None]) -> None:
-        """Start an empty cache with each row's cached keys and values (``[layers, 2, kv_heads, n_i,
-        head_dim]``, None = nothing cached), right-aligned in the first ``max n_i`` columns (the
-        rest of a shorter row is padding, zeroed)."""
-        assert self.length == 0 and len(prefixes) == self.kv.shape[2]
-        end = max(kv.shape[3] for kv in prefixes if kv is not None)
-        if end > self.kv.shape[4]:
-            self._grow(end)
-        for i, kv in enumerate(prefixes):
-            n = 0 if kv is None else kv.shape[3]
-            if kv is not None:
-                self.kv[:, :, i, :, end - n : end] = kv
-                self.valid[i, end - n : end] = True
-            if n < end:  # padding is masked out, but 0 · garbage (NaN) would not be
-                self.kv[:, :, i, :, : end - n] = 0
-        self.length = end
-        self.padded = any(kv is None or kv.shape[3] < end for kv in prefixes)
-
-    def row_kv(self, row: int) -> torch.Tensor:
-        """A copy of one row's keys and values over its real (not padding) columns, in order:
-        ``[layers, 2, kv_heads, n, head_dim]``."""
-        if not self.padded:
-            return self.kv[:, :, row, :, : self.length].clone()
-        cols = self.valid[row, : self.length].nonzero().squeeze(1)
-        return self.kv[:, :, row].index_select(3, cols)
-
-    def _grow(self, need: int) -> None:
-        cols = min(max(need, 2 * self.kv.shape[4]), max(self.max_columns, need))
-        kv = self.kv.new_empty(*self.kv.shape[:4], cols, self.kv.shape[5])
-        kv[..., : self.length, :] = self.kv[..., : self.length, :]
-        valid = self.valid.new_zeros(self.valid.shape[0], cols)
-        valid[:, : self.length] = self.valid[:, : self.length]
-        self.kv, self.valid = kv, valid
-        self._views()
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep (or repeat) ``rows`` of the batch, in that order (copies the written columns)."""
-        n = self.kv.shape[2]
-        if rows.numel() == n and bool((rows == torch.arange(n, device=rows.device)).all()):
-            return
-        kv = self.kv.new_empty(*self.kv.shape[:2], rows.numel(), *self.kv.shape[3:])
-        kv[..., : self.length, :] = self.kv[..., : self.length, :].index_select(2, rows)
-        self.kv = kv
-        self.valid = self.valid.index_select(0, rows)
-        self.padded = self.padded and not bool(self.valid[:, : self.length].all())
-        self._views()
-
-    def decode_bias(self, n_kv: int) -> torch.Tensor:
-        """Additive attention bias of one query per row over the written columns, per (row, kv
-        head): [rows·kv_heads, 1, length] with -inf on padding (a [1, 1, 1] zero without any)."""
-        if not self.padded:
-            return self._zero
-        rows, end = self.valid.shape[0], self.length
-        bias = torch.zeros(rows, end, dtype=self.kv.dtype, device=self.kv.device)
-        bias.masked_fill_(~self.valid[:, :end], float("-inf"))
-        return bias[:, None, None, :].expand(rows, n_kv, 1, end).reshape(rows * n_kv, 1, end)
-
-    def attention_mask(self, c0: int, t: int) -> tuple[torch.Tensor | None, bool]:
-        """(boolean mask [rows, 1, t, c0 + t] or None, is_causal) for ``t`` > 1 queries after column ``c0``
-        (call after :meth:`append`). A padding query attends at least to itself, so no row of the
-        mask is empty; real queries never see padding."""
-        end = c0 + t
-        if not self.padded and c0 == 0:
-            return None, True
-        dev = self.valid.device
-        qpos = torch.arange(c0, end, device=dev)[:, None]
-        kpos = torch.arange(end, device=dev)[None]
-        mask = (self.valid[:, None, None, :end] & (kpos <= qpos)) | (kpos == qpos)
-        return mask, False
 
 
 class LeanLoRA:
