@@ -30,6 +30,7 @@ from pathlib import Path
 from tinker import types
 
 import opentinker
+from opentinker.client.runtime import Runtime
 from opentinker.renderers import get_renderer
 from opentinker.rl.rollout import rollout_group
 from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_rollout_group
@@ -52,11 +53,15 @@ async def main() -> None:
     ap.add_argument(
         "--window-alone", action="store_true", help="with --window: train on the window without the prompt"
     )
+    ap.add_argument(
+        "--rollout-workers", type=int, default=0, help="sample in that many worker processes (0: a thread)"
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    service = opentinker.ServiceClient()
+    runtime = Runtime(rollout_workers=a.rollout_workers) if a.rollout_workers else None
+    service = opentinker.ServiceClient(runtime=runtime)
     tc = service.create_lora_training_client(
         base_model=a.base_model, rank=a.rank, seed=0, train_mlp=False, train_unembed=False
     )

@@ -41,6 +41,9 @@ async def main() -> None:
     ap.add_argument(
         "--reuse-kv", action="store_true", help="TTT samples through inflight sessions (KV reused)"
     )
+    ap.add_argument(
+        "--window-alone", action="store_true", help="with --window: train on the window without the prompt"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrent", type=int, default=0, help="episodes live at once (0: all)")
     ap.add_argument("--out", default="")
@@ -68,6 +71,7 @@ async def main() -> None:
         repeat_weight=a.repeat_weight,
         window=a.window,
         reuse_kv=a.reuse_kv,
+        window_prompt=not a.window_alone,
     )
     updates = TTTUpdates(service, cfg)  # the chunks reuse each other's forks
     out: dict[str, dict[str, float]] = {}
