@@ -29,6 +29,7 @@ a decode step on a CPU.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -57,19 +58,19 @@ class LeanCache:
     def __init__(self, lean: Any, rows: int, columns: int, max_columns: int, *, spare_rows: int = 0) -> None:
         self.max_columns = max(columns, max_columns)
         self._shape = (len(lean.layers), 2, lean.n_kv, lean.head_dim)
-        self._buf = torch.empty(
-            self._buf_shape(rows + spare_rows, columns), dtype=lean.dtype, device=lean.device
-        )
-        self._vbuf = torch.zeros(rows + spare_rows, columns, dtype=torch.bool, device=lean.device)
-        self._rows, self._col0 = rows, 0
+        self._zero = torch.zeros(1, 1, 1, dtype=lean.dtype, device=lean.device)
         self.length = 0  # columns written (the same for every row)
         self.padded = False  # some written column of some row is padding
-        self._zero = torch.zeros(1, 1, 1, dtype=lean.dtype, device=lean.device)
-        self._bind()
+        self._allocate(rows, rows + spare_rows, columns)
 
-    def _buf_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+    def _allocate(self, rows: int, capacity: int, columns: int) -> None:
+        """Fresh buffers of ``capacity`` rows and ``columns`` columns (keys and values left
+        uninitialised), ``rows`` of them in use from column 0."""
         layers, two, n_kv, head_dim = self._shape
-        return (layers, two, rows, n_kv, columns, head_dim)
+        self._buf = self._zero.new_empty(layers, two, capacity, n_kv, columns, head_dim)
+        self._vbuf = torch.zeros(capacity, columns, dtype=torch.bool, device=self._zero.device)
+        self._rows, self._col0 = rows, 0
+        self._bind()
 
     def _bind(self) -> None:
         """``kv`` and ``valid``: the rows in use from the first live column (views of the buffers);
@@ -134,19 +135,13 @@ class LeanCache:
     def _realloc(self, capacity: int, cols: int, rows: torch.Tensor | None) -> None:
         """New buffers of ``capacity`` rows and ``cols`` columns holding the written columns of the
         rows in use (or of ``rows``, in that order, which become the rows in use)."""
-        n = self._rows if rows is None else int(rows.numel())
-        buf = self._buf.new_empty(self._buf_shape(capacity, cols))
-        vbuf = self._vbuf.new_zeros(capacity, cols)
         src_kv, src_valid = self.kv[..., : self.length, :], self.valid[:, : self.length]
-        if rows is None:
-            buf[:, :, :n, :, : self.length] = src_kv
-            vbuf[:n, : self.length] = src_valid
-        else:
-            buf[:, :, :n, :, : self.length] = src_kv.index_select(2, rows)
-            vbuf[:n, : self.length] = src_valid.index_select(0, rows)
-        self._buf, self._vbuf, self._rows, self._col0 = buf, vbuf, n, 0
+        if rows is not None:
+            src_kv, src_valid = src_kv.index_select(2, rows), src_valid.index_select(0, rows)
+        self._allocate(src_valid.shape[0], capacity, cols)
+        self.kv[..., : self.length, :] = src_kv
+        self.valid[:, : self.length] = src_valid
         self.max_columns = max(self.max_columns, cols)
-        self._bind()
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep (or repeat) ``rows`` of the batch, in that order. In the order :func:`fill_holes`
@@ -186,13 +181,9 @@ class LeanCache:
             sources: tuple[tuple[int, LeanCache], ...] = ((ra, other),)
         else:
             total = ra + rb
-            out = LeanCache.__new__(LeanCache)
-            out.max_columns, out._shape, out._zero = width + room, self._shape, self._zero
-            cols = width + min(room, 256)
-            out._buf = self._buf.new_empty(self._buf_shape(total + max(MIN_SPARE_ROWS, total // 2), cols))
-            out._vbuf = self._vbuf.new_zeros(out._buf.shape[2], cols)
-            out._rows, out._col0 = total, 0
-            out._bind()
+            out = copy.copy(self)  # the same shape, dtype and device; buffers of its own
+            out.max_columns = width + room
+            out._allocate(total, total + max(MIN_SPARE_ROWS, total // 2), width + min(room, 256))
             sources = ((0, self), (ra, other))
         for r0, src in sources:
             n, pad = src._rows, width - src.length
