@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from opentinker.engine import AdamParams, Engine, ForwardRequest
+from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.lora import LoRAConfig
 from tests.conftest import make_examples
 from tests.tolerances import ELEMENTWISE_REL, assert_rel_close, assert_scalar_close, assert_state_close
@@ -280,3 +280,85 @@ def test_a_ticks_optimizer_steps_at_once_are_bitwise_each_adapters_own(engine: E
         _state(engine, c)["w.self_attn.q_proj.lora_B"], before[c]["w.self_attn.q_proj.lora_B"]
     )
     assert engine.adapter_step(d) == 4
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_every_trainable_adapter_is_one_buffer_and_owns_it(engine: Engine, tmp_path) -> None:
+    """However an adapter is made (created, forked from an adapter or a snapshot, loaded from a
+    checkpoint), its tensors are views of one buffer its optimizer steps in one pass (the
+    optimizer's moments and gradients are flat in the same order); no two adapters or snapshots
+    share a buffer, and the flattening changes no value: a flattened adapter trains bitwise as
+    its per-tensor twin does (the step is elementwise)."""
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    _bump(engine, a, 1)
+    snap = engine.snapshot(a).snapshot_id
+    engine.save_state(a, tmp_path / "ck")
+    made = {
+        "created": a,
+        "fork of an adapter": engine.fork_adapter(a),
+        "fork of a snapshot": engine.fork_adapter(snap),
+        "loaded": engine.load_state(tmp_path / "ck"),
+    }
+    buffers = set()
+    for how, aid in made.items():
+        w = engine.adapter_weights(aid)
+        assert w.flat is not None, how
+        assert {_storage(t) for t in w.tensors()} == {_storage(w.flat)}, how
+        assert sum(t.numel() for t in w.tensors()) == w.flat.numel(), how
+        assert all(t.is_leaf and t.requires_grad for t in w.tensors()), how
+        _assert_bitwise_equal(w.state_dict(), engine.adapter_weights(a).state_dict())
+        buffers.add(_storage(w.flat))
+    snap_w = engine.adapter_weights(snap)
+    assert snap_w.flat is not None and not any(t.requires_grad for t in snap_w.tensors())
+    buffers.add(_storage(snap_w.flat))
+    assert len(buffers) == len(made) + 1
+    # the loaded adapter came with its optimizer: it steps as the one it was saved from
+    data = make_examples(2, engine.vocab_size, seed=5)
+    for aid in (a, made["loaded"]):
+        engine.forward_backward(ForwardRequest(aid, data))
+        engine.optim_step(aid, ADAM)
+    _assert_bitwise_equal(_state(engine, a), _state(engine, made["loaded"]))
+    # against a per-tensor AdamW of the same arithmetic on unflattened copies
+    ref = {k: v.detach().clone() for k, v in engine.adapter_weights(a).state_dict().items()}
+    engine.forward_backward(ForwardRequest(a, data))
+    grads = _clone_grads(engine, a)
+    st = {k: v.clone() for k, v in engine.optimizer_state(a).items()}
+    engine.optim_step(a, ADAM)
+    n = float(st[f"{next(iter(ref))}.step"]) + 1
+    for k, p in ref.items():
+        avg = st[f"{k}.exp_avg"].lerp(grads[k], 1 - ADAM.beta1)
+        sq = st[f"{k}.exp_avg_sq"].mul(ADAM.beta2).addcmul_(grads[k], grads[k], value=1 - ADAM.beta2)
+        denom = (sq.sqrt() / (1 - ADAM.beta2**n) ** 0.5).add_(ADAM.eps)
+        want = torch.addcdiv(p, avg, denom, value=-(ADAM.learning_rate / (1 - ADAM.beta1**n)))
+        assert torch.equal(engine.adapter_weights(a).state_dict()[k], want), k
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda st: st.pop(next(k for k in st if k.endswith(".exp_avg_sq"))), "lacks the moments or step"),
+        (
+            lambda st: st.__setitem__(next(k for k in st if k.endswith(".exp_avg")), torch.zeros(3)),
+            "has shape",
+        ),
+        (
+            lambda st: st.__setitem__(next(k for k in st if k.endswith(".step")), torch.tensor([9.0])),
+            "different step",
+        ),
+    ],
+)
+def test_an_optimizer_state_that_does_not_fit_is_refused_and_changes_nothing(
+    engine: Engine, damage, message: str
+) -> None:
+    a = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    _bump(engine, a, 1)
+    _bump(engine, a, 2)
+    state = {k: v.clone() for k, v in engine.optimizer_state(a).items()}
+    damage(state)
+    before = _state(engine, a)
+    with pytest.raises(EngineError, match=message):
+        engine._adapters[a].optimizer.load_state_tensors(state)
+    _assert_bitwise_equal(_state(engine, a), before)

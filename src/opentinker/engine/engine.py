@@ -63,7 +63,7 @@ class _Adapter:
     adapter_id: str
     weights: LoRAWeights
     optimizer: AdapterOptimizer
-    grads: dict[str, torch.Tensor] | None = None
+    grads: torch.Tensor | None = None  # accumulated since the last step, flat (optimizer's order)
     step: int = 0  # optimizer steps taken
     versions: int = 0  # snapshots taken
     parent: str | None = None  # checkpoint this adapter was loaded from
@@ -116,7 +116,7 @@ class Engine:
         elif adapter_id in self._adapters or "@" in adapter_id:
             raise EngineError(f"adapter id {adapter_id!r} is taken or contains '@'")
         weights = init_lora_weights(config, self.lora.group_shapes(), device=self.device)
-        self._adapters[adapter_id] = _Adapter(adapter_id, weights, AdapterOptimizer(_named(weights)))
+        self._adapters[adapter_id] = _Adapter(adapter_id, weights, AdapterOptimizer(weights))
         return adapter_id
 
     def _check_config(self, config: LoRAConfig) -> None:
@@ -156,7 +156,7 @@ class Engine:
             aid = self.create_adapter(src.config, adapter_id)
         weights = src.clone(requires_grad=True)
         a = self._adapters[aid]
-        a.weights, a.optimizer, a.grads = weights, AdapterOptimizer(_named(weights)), None
+        a.weights, a.optimizer, a.grads = weights, AdapterOptimizer(weights), None
         a.parent, a.step = parent or source, step
         return aid
 
@@ -375,15 +375,13 @@ class Engine:
                 owners.append((aid, name))
         total = torch.stack([per_req_loss[i] for i in train]).sum()
         grads = torch.autograd.grad(total, params, allow_unused=True)
-        by_adapter: dict[str, dict[str, torch.Tensor]] = {aid: {} for aid in adapters if aid is not None}
-        bad: set[str] = set()
         full = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads, strict=True)]
-        for (aid, name), g, ok in zip(owners, full, finite_each(full), strict=True):
+        by_adapter: dict[str, dict[str, torch.Tensor]] = {aid: {} for aid in adapters if aid is not None}
+        for (aid, name), g in zip(owners, full, strict=True):
             by_adapter[aid][name] = g
+        flat = {aid: self._adapters[aid].optimizer.flat_grads(new) for aid, new in by_adapter.items()}
+        for (aid, new), ok in zip(flat.items(), finite_each(list(flat.values())), strict=True):
             if not ok:
-                bad.add(aid)
-        for aid, new in by_adapter.items():
-            if aid in bad:
                 for i in train:
                     if reqs[i].policy == aid:
                         results[i] = EngineError(
@@ -391,12 +389,10 @@ class Engine:
                         )
                 continue
             a = self._adapters[aid]
-            acc = a.grads
-            if acc is None:
+            if a.grads is None:
                 a.grads = new
             else:
-                for name, g in new.items():
-                    acc[name] += g
+                a.grads += new
 
     def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         """AdamW on one adapter with its accumulated gradients (zeros if none), then clear them."""
@@ -420,11 +416,7 @@ class Engine:
             except EngineError as e:
                 out[i] = e
                 continue
-            grads = (
-                a.grads
-                if a.grads is not None
-                else {n: torch.zeros_like(p) for n, p in _named(a.weights).items()}
-            )
+            grads = a.grads if a.grads is not None else torch.zeros_like(a.optimizer.flat)
             batch.append((a.optimizer, grads, params))
             where.append(i)
         for i, res in zip(where, step_many(batch), strict=True):
@@ -436,8 +428,10 @@ class Engine:
         return [r if r is not None else EngineError("optimizer step was not run") for r in out]
 
     def pending_gradients(self, adapter_id: str) -> dict[str, torch.Tensor] | None:
-        """Gradients accumulated since the adapter's last ``optim_step`` (None if none). Read-only."""
-        return self._adapter(adapter_id).grads
+        """Gradients accumulated since the adapter's last ``optim_step`` (None if none), by weight
+        name. Read-only."""
+        a = self._adapter(adapter_id)
+        return None if a.grads is None else a.optimizer.views(a.grads)
 
     def set_pending_gradients(self, adapter_id: str, grads: dict[str, torch.Tensor]) -> None:
         """Replace the adapter's accumulated gradients by ``grads`` (copied): how data-parallel
@@ -454,7 +448,9 @@ class Engine:
                 raise EngineError(f"gradient {name!r} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
             if not bool(torch.isfinite(g).all()):
                 raise EngineError(f"gradient {name!r} is NaN or inf; nothing was updated")
-        a.grads = {n: grads[n].detach().to(p.device, p.dtype).clone() for n, p in named.items()}
+        a.grads = a.optimizer.flat_grads(
+            {n: grads[n].detach().to(p.device, p.dtype) for n, p in named.items()}
+        )
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self, adapter_id: str) -> SnapshotInfo:
@@ -533,7 +529,7 @@ class Engine:
         loaded, meta, files = self._read_weights(path)
         config = loaded.config
         opt_tensors = files.get(OPTIMIZER_FILE) if optimizer else None
-        new_opt = AdapterOptimizer(_named(loaded))
+        new_opt = AdapterOptimizer(loaded)
         if opt_tensors:
             new_opt.load_state_tensors(opt_tensors)
         if into is not None:

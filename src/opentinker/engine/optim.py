@@ -21,15 +21,15 @@ here would be a different optimizer under Tinker's name.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from opentinker.engine.types import AdamParams, EngineError
+from opentinker.lora import LoRAWeights
 
-# one parameter's state, as torch keeps it: step (float32 scalar), exp_avg, exp_avg_sq
+# an adapter's state: step (float32 scalar), exp_avg and exp_avg_sq (flat, like its weights)
 State = dict[str, torch.Tensor]
 
 
@@ -85,55 +85,43 @@ def check_step_params(params_type: str | None, model_optimizer: str = "adamw") -
 
 
 class AdapterOptimizer:
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
-        self.params = params
-        self.state: dict[str, State] = {}  # empty until the first step
+    """One adapter's AdamW. Its weights are flattened (``LoRAWeights.flatten_``: every tensor a
+    view of one buffer) and its moments and gradients are kept flat in the same order, so a step
+    is a handful of operations on one buffer each, however many tensors the adapter has; its
+    arithmetic is elementwise, so each element gets exactly what a per-tensor AdamW gives it."""
 
-    def step(self, grads: dict[str, torch.Tensor], hp: AdamParams) -> dict[str, float]:
-        """One AdamW step with ``grads`` (name -> tensor like the param); returns metrics."""
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
-        clip = 1.0
-        if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
-            clip = hp.grad_clip_norm / (norm + 1e-6)
-        new: dict[str, tuple[torch.Tensor, State]] = {}
-        with torch.no_grad():
-            try:
-                for name, p in self.params.items():
-                    g = grads[name] * clip if clip != 1.0 else grads[name]
-                    new[name] = self._updated(p, g, self.state.get(name), hp)
-            except RuntimeError as e:  # torch refuses a scalar past fp32's range
-                self._refuse(f"overflows fp32 ({e})", hp)
-            for name, (values, st) in new.items():
-                if not _finite(values):
-                    self._refuse(f"would make the adapter's weights {name} NaN or inf", hp)
-                if not (_finite(st["exp_avg"]) and _finite(st["exp_avg_sq"])):
-                    self._refuse(f"would make the adapter's optimizer moments of {name} NaN or inf", hp)
-            for name, (values, st) in new.items():  # all checked: commit
-                self.params[name].copy_(values)  # in place: the adapter's layers hold this tensor
-                self.state[name] = st
-        return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}
+    def __init__(self, weights: LoRAWeights) -> None:
+        self.flat = weights.flatten_()
+        self.params = weights.state_dict()  # name -> view of ``flat``, in its order
+        # empty until the first step; else "step" (float32 scalar), "exp_avg", "exp_avg_sq" (flat)
+        self.state: State = {}
 
-    @staticmethod
-    def _updated(
-        p: torch.Tensor, g: torch.Tensor, st: State | None, hp: AdamParams
-    ) -> tuple[torch.Tensor, State]:
-        """``p``'s new values and state after one step (torch's single-tensor AdamW, out of place)."""
-        step = (st["step"] if st else torch.zeros((), dtype=torch.float32)) + 1
-        exp_avg = st["exp_avg"] if st else torch.zeros_like(p)
-        exp_avg_sq = st["exp_avg_sq"] if st else torch.zeros_like(p)
-        lr = hp.learning_rate
-        values = p.mul(1 - lr * hp.weight_decay) if hp.weight_decay != 0 else p
-        exp_avg = exp_avg.lerp(g, 1 - hp.beta1)
-        exp_avg_sq = exp_avg_sq.mul(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
-        n = float(step.item())
-        step_size = lr / (1 - hp.beta1**n)
-        denom = (exp_avg_sq.sqrt() / (1 - hp.beta2**n) ** 0.5).add_(hp.eps)
-        values = torch.addcdiv(values, exp_avg, denom, value=-step_size)
-        return values, {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    def flat_grads(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``grads`` (name -> tensor like the param) as one buffer in this optimizer's order."""
+        return torch.cat([grads[name].reshape(-1) for name in self.params])
 
-    @staticmethod
-    def _refuse(problem: str, hp: AdamParams) -> None:
-        raise EngineError(
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A flat buffer in this optimizer's order as name -> tensor like the param (views)."""
+        out, at = {}, 0
+        for name, p in self.params.items():
+            out[name] = flat[at : at + p.numel()].view(p.shape)
+            at += p.numel()
+        return out
+
+    def step(self, grad: torch.Tensor, hp: AdamParams) -> dict[str, float]:
+        """One AdamW step with ``grad`` (flat, see :meth:`flat_grads`); returns metrics."""
+        [res] = step_many([(self, grad, hp)])
+        if isinstance(res, EngineError):
+            raise res
+        return res
+
+    def refusal(self, problem: str, hp: AdamParams, flat: torch.Tensor | None = None) -> EngineError:
+        """Why a step was refused; with ``flat``, ``{name}`` in ``problem`` becomes the name of
+        its first tensor that is not all finite."""
+        if flat is not None:
+            name = next((n for n, v in self.views(flat).items() if not bool(torch.isfinite(v).all())), "")
+            problem = problem.format(name=name)
+        return EngineError(
             f"this optimizer step {problem} (learning_rate={hp.learning_rate!r}, eps={hp.eps!r}, "
             f"weight_decay={hp.weight_decay!r}); it was not applied: the weights and optimizer "
             "state are unchanged"
@@ -141,43 +129,73 @@ class AdapterOptimizer:
 
     @property
     def steps(self) -> int:
-        first = next(iter(self.state.values()), None)
-        return int(first["step"]) if first else 0
+        return int(self.state["step"]) if self.state else 0
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The moments and step count as flat named tensors (for safetensors)."""
+        """The moments and step count as named tensors, one set per weight (for safetensors)."""
+        if not self.state:
+            return {}
         out: dict[str, torch.Tensor] = {}
+        avg, sq = self.views(self.state["exp_avg"]), self.views(self.state["exp_avg_sq"])
+        step = self.state["step"].to(torch.float32).reshape(1)
         for name in self.params:
-            st = self.state.get(name)
-            if not st:
-                continue
-            out[f"{name}.exp_avg"] = st["exp_avg"]
-            out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"]
-            out[f"{name}.step"] = st["step"].to(torch.float32).reshape(1)
+            out[f"{name}.exp_avg"] = avg[name]
+            out[f"{name}.exp_avg_sq"] = sq[name]
+            out[f"{name}.step"] = step.clone()  # one tensor each: safetensors refuses a shared one
         return out
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.state.clear()
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Put back :meth:`state_tensors`' output; every weight's moments, of its shape, and one
+        step count, or nothing at all (a fresh optimizer). A mismatch changes nothing."""
+        have = [name for name in self.params if f"{name}.exp_avg" in tensors]
+        if not have:
+            self.state = {}
+            return
+        missing = [
+            n for n in self.params for k in ("exp_avg", "exp_avg_sq", "step") if f"{n}.{k}" not in tensors
+        ]
+        if missing:
+            raise EngineError(f"the optimizer state lacks the moments or step of {sorted(set(missing))}")
         for name, p in self.params.items():
-            if f"{name}.exp_avg" not in tensors:
-                continue
-            self.state[name] = {
-                "step": tensors[f"{name}.step"].reshape(()).clone().to(torch.float32),
-                "exp_avg": tensors[f"{name}.exp_avg"].clone().to(p.device, p.dtype),
-                "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].clone().to(p.device, p.dtype),
-            }
+            for kind in ("exp_avg", "exp_avg_sq"):
+                t = tensors[f"{name}.{kind}"]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise EngineError(
+                        f"the optimizer state {name}.{kind} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
+                    )
+        steps = {float(tensors[f"{n}.step"].reshape(-1)[0]) for n in self.params}
+        if len(steps) != 1:
+            raise EngineError(
+                f"the optimizer state has different step counts {sorted(steps)} for one adapter"
+            )
+
+        def flat(kind: str) -> torch.Tensor:
+            return torch.cat([tensors[f"{n}.{kind}"].reshape(-1) for n in self.params]).to(
+                self.flat.device, self.flat.dtype
+            )
+
+        self.state = {
+            "step": torch.tensor(steps.pop(), dtype=torch.float32),
+            "exp_avg": flat("exp_avg"),
+            "exp_avg_sq": flat("exp_avg_sq"),
+        }
 
 
 def step_many(
-    items: list[tuple[AdapterOptimizer, dict[str, torch.Tensor], AdamParams]],
+    items: list[tuple[AdapterOptimizer, torch.Tensor, AdamParams]],
 ) -> list[dict[str, float] | EngineError]:
     """Several adapters' AdamW steps at once (a tick's optimizer steps): each result is what
-    ``opt.step(grads, hp)`` would give, the same elementwise operations in the same order on the
-    same tensors, so the weights and moments are bitwise the same; each adapter's step is still
+    ``opt.step(grad, hp)`` alone gives, the same elementwise operations in the same order on the
+    same values, so the weights and moments are bitwise the same; each adapter's step is still
     all or nothing on its own (a refused one is an :class:`EngineError` in its place, the others
-    go on). Every operation runs once over all the adapters' tensors (``torch._foreach_*``), so a
-    tick with many small adapters does not pay Python's dispatch per tensor. Scalars torch refuses
-    (a value past fp32's range) make the whole batch run one adapter at a time, as ``step`` does."""
+    go on). Every operation runs once over all the adapters' flat buffers (``torch._foreach_*``),
+    so a tick with many adapters pays Python's dispatch per operation, not per tensor.
+
+    The step is ``torch.optim.AdamW``'s (single-tensor) arithmetic, computed out of place and
+    written only if every new weight and moment is finite: finite inputs can still overflow (a
+    huge learning rate, a squared gradient past fp32's range), and such a step is refused with the
+    weights, moments and step count exactly as they were. Scalars torch refuses (a value past
+    fp32's range) make the whole batch run one adapter at a time, so only that one is refused."""
     refused: dict[int, EngineError] = {}
     for k, (_, _, hp) in enumerate(items):
         try:
@@ -188,87 +206,71 @@ def step_many(
         valid = [k for k in range(len(items)) if k not in refused]
         done = iter(step_many([items[k] for k in valid]))
         return [refused[k] if k in refused else next(done) for k in range(len(items))]
-    if len(items) <= 1:
-        return [_step_or_error(*it) for it in items]
-    # per adapter: its grad norm and clip factor (the same double-precision sum as ``step``)
-    norms, clips = [], []
-    for opt, grads, hp in items:
-        sq = torch.stack([grads[name].double().pow(2).sum() for name in opt.params])
-        norm = math.sqrt(sum(sq.tolist()))
+    if not items:
+        return []
+    # per adapter: its grad norm (in double) and clip factor
+    norms = torch.stack([g.double().pow(2).sum() for _, g, _ in items]).sqrt().tolist()
+    params, grads, avgs, sqs, steps = [], [], [], [], []
+    decay, b1, b2, b2c, eps, step_size, bias2 = [], [], [], [], [], [], []
+    for (opt, g, hp), norm in zip(items, norms, strict=True):
+        st = opt.state
+        step = (st["step"] if st else torch.zeros((), dtype=torch.float32)) + 1
+        n = float(step)
         clip = (
             hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm else 1.0
         )
-        norms.append(norm)
-        clips.append(clip)
-    params, grads_l, avgs, sqs, steps, owner = [], [], [], [], [], []
-    decay, b1, b2, eps, step_size, bias2 = [], [], [], [], [], []
-    for k, (opt, grads, hp) in enumerate(items):
-        for name, p in opt.params.items():
-            st = opt.state.get(name)
-            step = (st["step"] if st else torch.zeros((), dtype=torch.float32)) + 1
-            n = float(step.item())
-            params.append(p)
-            g = grads[name]
-            grads_l.append(g * clips[k] if clips[k] != 1.0 else g)
-            avgs.append(st["exp_avg"] if st else torch.zeros_like(p))
-            sqs.append(st["exp_avg_sq"] if st else torch.zeros_like(p))
-            steps.append(step)
-            owner.append((k, name))
-            lr = hp.learning_rate
-            decay.append(1 - lr * hp.weight_decay if hp.weight_decay != 0 else None)
-            b1.append(1 - hp.beta1)
-            b2.append((hp.beta2, 1 - hp.beta2))
-            eps.append(hp.eps)
-            step_size.append(-(lr / (1 - hp.beta1**n)))
-            bias2.append((1 - hp.beta2**n) ** 0.5)
+        params.append(opt.flat)
+        grads.append(g * clip if clip != 1.0 else g)
+        avgs.append(st["exp_avg"] if st else torch.zeros_like(opt.flat))
+        sqs.append(st["exp_avg_sq"] if st else torch.zeros_like(opt.flat))
+        steps.append(step)
+        lr = hp.learning_rate
+        decay.append(1 - lr * hp.weight_decay if hp.weight_decay != 0 else None)
+        b1.append(1 - hp.beta1)
+        b2.append(hp.beta2)
+        b2c.append(1 - hp.beta2)
+        eps.append(hp.eps)
+        step_size.append(-(lr / (1 - hp.beta1**n)))
+        bias2.append((1 - hp.beta2**n) ** 0.5)
     try:
         with torch.no_grad():
             values = [p.mul(d) if d is not None else p for p, d in zip(params, decay, strict=True)]
-            new_avgs = torch._foreach_lerp(avgs, grads_l, b1)
-            new_sqs = torch._foreach_mul(sqs, [b[0] for b in b2])
-            torch._foreach_addcmul_(new_sqs, grads_l, grads_l, [b[1] for b in b2])
+            new_avgs = torch._foreach_lerp(avgs, grads, b1)
+            new_sqs = torch._foreach_mul(sqs, b2)
+            torch._foreach_addcmul_(new_sqs, grads, grads, b2c)
             denom = torch._foreach_sqrt(new_sqs)
             denom = torch._foreach_div(denom, bias2)
             torch._foreach_add_(denom, eps)
             values = torch._foreach_addcdiv(values, new_avgs, denom, step_size)
-    except RuntimeError:  # a scalar torch refuses: each adapter alone, as ``step`` refuses it
-        return [_step_or_error(*it) for it in items]
-    n = len(values)
-    each = finite_each([*values, *new_avgs, *new_sqs])
-    finite = [each[j * n : (j + 1) * n] for j in range(3)]
+    except RuntimeError as e:  # a scalar torch refuses: each adapter alone, so only it is refused
+        if len(items) == 1:
+            opt, _, hp = items[0]
+            return [opt.refusal(f"overflows fp32 ({e})", hp)]
+        return [step_many([it])[0] for it in items]
+    k = len(items)
+    finite = finite_each([*values, *new_avgs, *new_sqs])
     out: list[dict[str, float] | EngineError] = []
-    by_adapter: list[list[int]] = [[] for _ in items]
-    for i, (k, _) in enumerate(owner):
-        by_adapter[k].append(i)
-    for k, (opt, _, hp) in enumerate(items):
-        idx = by_adapter[k]
-        try:
-            with torch.no_grad():
-                for i in idx:
-                    name = owner[i][1]
-                    if not finite[0][i]:
-                        opt._refuse(f"would make the adapter's weights {name} NaN or inf", hp)
-                    if not (finite[1][i] and finite[2][i]):
-                        opt._refuse(f"would make the adapter's optimizer moments of {name} NaN or inf", hp)
-                for i in idx:  # all checked: commit
-                    name = owner[i][1]
-                    opt.params[name].copy_(values[i])
-                    opt.state[name] = {"step": steps[i], "exp_avg": new_avgs[i], "exp_avg_sq": new_sqs[i]}
-        except EngineError as e:
-            out.append(e)
+    for i, (opt, _, hp) in enumerate(items):
+        if not finite[i]:
+            out.append(opt.refusal("would make the adapter's weights {name} NaN or inf", hp, values[i]))
             continue
-        out.append({"grad_norm:mean": norms[k], "learning_rate:mean": hp.learning_rate})
+        if not finite[k + i]:
+            out.append(
+                opt.refusal(
+                    "would make the adapter's optimizer moments of {name} NaN or inf", hp, new_avgs[i]
+                )
+            )
+            continue
+        if not finite[2 * k + i]:
+            out.append(
+                opt.refusal("would make the adapter's optimizer moments of {name} NaN or inf", hp, new_sqs[i])
+            )
+            continue
+        with torch.no_grad():  # all checked: commit (in place: the adapter's layers view this buffer)
+            opt.flat.copy_(values[i])
+        opt.state = {"step": steps[i], "exp_avg": new_avgs[i], "exp_avg_sq": new_sqs[i]}
+        out.append({"grad_norm:mean": norms[i], "learning_rate:mean": hp.learning_rate})
     return out
-
-
-def _step_or_error(
-    opt: AdapterOptimizer, grads: dict[str, torch.Tensor], hp: AdamParams
-) -> dict[str, float] | EngineError:
-    try:
-        hp.validate()
-        return opt.step(grads, hp)
-    except EngineError as e:
-        return e
 
 
 def finite_each(tensors: list[torch.Tensor]) -> list[bool]:
@@ -278,9 +280,3 @@ def finite_each(tensors: list[torch.Tensor]) -> list[bool]:
         return []
     norms1 = torch.stack(torch._foreach_norm(tensors, 1)).isfinite().tolist()
     return [ok or bool(torch.isfinite(t).all()) for ok, t in zip(norms1, tensors, strict=True)]
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite. A finite sum proves it (a NaN or inf anywhere makes the
-    sum NaN or inf) in one cheap pass; only a non-finite sum needs the element-wise look."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())

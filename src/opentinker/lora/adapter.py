@@ -52,6 +52,9 @@ class LoRAWeights:
     # unique in this process (never reused, unlike id()): with the tensors' version counters it
     # names the exact weights something was computed from (the sampler's prefix cache)
     uid: int = field(default_factory=lambda: next(_UIDS), compare=False, repr=False)
+    # when set (:meth:`flatten_`), every tensor above is a view of this one contiguous buffer, in
+    # ``state_dict`` order: an optimizer step or a copy is then one pass over it, not one per tensor
+    flat: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -70,10 +73,41 @@ class LoRAWeights:
         return out
 
     def clone(self, *, requires_grad: bool = False) -> LoRAWeights:
-        """A detached copy (a snapshot when ``requires_grad`` is False)."""
+        """A detached copy (a snapshot when ``requires_grad`` is False); a flattened adapter's
+        copy is flattened too (one copy of its buffer)."""
+        if self.flat is not None:
+            out = LoRAWeights(self.config)
+            out._view(self.flat.detach().clone(), self._layout(), requires_grad)
+            return out
         a = {g: t.detach().clone().requires_grad_(requires_grad) for g, t in self.a.items()}
         b = {g: t.detach().clone().requires_grad_(requires_grad) for g, t in self.b.items()}
         return LoRAWeights(self.config, a, b)
+
+    def flatten_(self) -> torch.Tensor:
+        """Re-home every tensor as a view of one new contiguous buffer (:attr:`flat`: the same
+        values, dtype, device and ``requires_grad``); returns it. Done once, when an adapter
+        becomes trainable, before anything else holds its tensors."""
+        if self.flat is None:
+            ts = self.tensors()
+            flat = torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.zeros(0)
+            self._view(flat, self._layout(), bool(ts) and ts[0].requires_grad)
+        assert self.flat is not None
+        return self.flat
+
+    def _layout(self) -> list[tuple[str, str, torch.Size]]:
+        return [("a", g, t.shape) for g, t in self.a.items()] + [("b", g, t.shape) for g, t in self.b.items()]
+
+    def _view(
+        self, flat: torch.Tensor, layout: list[tuple[str, str, torch.Size]], requires_grad: bool
+    ) -> None:
+        at = 0
+        for side, g, shape in layout:
+            n = shape.numel()
+            (self.a if side == "a" else self.b)[g] = (
+                flat[at : at + n].view(shape).requires_grad_(requires_grad)
+            )
+            at += n
+        self.flat = flat
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
