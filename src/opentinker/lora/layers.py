@@ -72,6 +72,9 @@ class LoRABatch:
         self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
         self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
         self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
+        # group -> each layer's [K, r_max, in] and [K, out, r_max]: views of the stacks, taken in
+        # one unbind so that backward assembles each stack's gradient once, not once per layer
+        self.layers: dict[str, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         for name, group in groups.items():
             present = [e for e in entries if e is not None and name in e.a]
             if not present:
@@ -91,6 +94,7 @@ class LoRABatch:
                 scales.append(e.scale)
             self.a[name] = torch.stack(a_list)
             self.b[name] = torch.stack(b_list)
+            self.layers[name] = (self.a[name].unbind(1), self.b[name].unbind(1))
             self.scale[name] = torch.tensor(scales, dtype=ref.dtype, device=ref.device)
         self._set_rows(row_index)
 
@@ -157,7 +161,8 @@ class LoRABatch:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        a, b, scale = self.a[group][:, layer], self.b[group][:, layer], self.scale[group]
+        a_layers, b_layers = self.layers[group]
+        a, b, scale = a_layers[layer], b_layers[layer], self.scale[group]
         if self.single is not None:
             e = self.single
             out = (a[e].T.to(dtype), (b[e].T * scale[e]).to(dtype))
