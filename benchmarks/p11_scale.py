@@ -15,6 +15,9 @@ per second. Line ``P11rollout <2 rollout workers ÷ 1>``, and how long a loop wa
 samples and for its training per round. ``--overlap`` pipelines each loop one step off-policy,
 as asynchronous RL runs (the samples of step s + 1, from the weights saved before step s trains,
 are asked for before step s trains), so the training hides under the next rollouts.
+Also printed per round: the CPU seconds the rollout actors and this process (the trainer and the
+loops) spent, of the core-seconds the machine had (Linux ``/proc``), which says whether two
+workers were short of a core or of work.
 
 ``costs`` (one engine in this process, one thread): a fused forward/backward + optimizer step
 against the rows in it (the trainer's cost model, ``step(rows) = a + b·rows``), the LoRA snapshot
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -193,6 +197,41 @@ def rollout_round(
     return _timed([threading.Thread(target=loop, args=(i, tc, d)) for i, (tc, d) in pairs], barrier)
 
 
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and of every Ray rollout actor on this
+    machine, by pid (Linux ``/proc``; empty elsewhere)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return {}
+    me, tick, out = str(os.getpid()), os.sysconf("SC_CLK_TCK"), {}
+    for pid in (p.name for p in proc.iterdir() if p.name.isdigit()):
+        try:
+            cmd = (proc / pid / "cmdline").read_bytes()
+            fields = (proc / pid / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if pid == me or cmd.startswith(b"ray::RolloutActor"):
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def _accounted_round(
+    clients: list[Any], data: list[list[types.Datum]], args: argparse.Namespace, phases: dict[str, float],
+    cpu: dict[str, float],
+) -> float:  # fmt: skip
+    """:func:`rollout_round`, adding to ``cpu`` the CPU seconds this process ("driver") and the
+    rollout actors ("workers") spent in it, and the core-seconds the machine had ("available")."""
+    before = _cpu_seconds()
+    wall = rollout_round(clients, data, args, phases)
+    after = _cpu_seconds()
+    me = str(os.getpid())
+    spent = {pid: t - before.get(pid, 0.0) for pid, t in after.items()}
+    cpu["driver"] = cpu.get("driver", 0.0) + spent.pop(me, 0.0)
+    cpu["workers"] = cpu.get("workers", 0.0) + sum(spent.values())
+    cpu["available"] = cpu.get("available", 0.0) + wall * (os.cpu_count() or 1)
+    return wall
+
+
 def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
     import ray
 
@@ -217,11 +256,12 @@ def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
             setups[name] = (clients, data)
         times: dict[str, list[float]] = {n: [] for n in runtimes}
         phases: dict[str, dict[str, float]] = {n: {} for n in runtimes}
+        cpu: dict[str, dict[str, float]] = {n: {} for n in runtimes}
         names = list(runtimes)
         for rep in range(args.repeats):
             for name in names if rep % 2 == 0 else reversed(names):
                 clients, data = setups[name]
-                times[name].append(rollout_round(clients, data, args, phases[name]))
+                times[name].append(_accounted_round(clients, data, args, phases[name], cpu[name]))
     finally:
         for rt in runtimes.values():
             rt.shutdown()
@@ -238,9 +278,16 @@ def bench_rollout(args: argparse.Namespace, model: str) -> dict[str, Any]:
             f"{n:<20} {statistics.median(ts):>9.2f} {rates[n]:>10.2f}   a loop waits per round: "
             f"{waits.get('sample', 0.0):.2f} s for samples, {waits.get('train', 0.0):.2f} s for training"
         )
+        c = {k: v / args.repeats for k, v in cpu[n].items()}
+        if c.get("available"):
+            print(
+                f"{'':<20} CPU per round: rollout workers {c['workers']:.1f} s, this process (trainer, "
+                f"loops) {c['driver']:.1f} s, of {c['available']:.1f} core-s "
+                f"({(c['workers'] + c['driver']) / c['available']:.0%} busy)"
+            )
     ratio = rates["2 rollout workers"] / rates["1 rollout worker"]
     print(f"P11rollout {ratio:.2f}{'  (pipelined one step off-policy)' if args.overlap else ''}")
-    return {"times_s": times, "episodes_per_s": rates, "P11rollout": ratio, "waits_s": phases}
+    return {"times_s": times, "episodes_per_s": rates, "P11rollout": ratio, "waits_s": phases, "cpu_s": cpu}
 
 
 def bench_costs(args: argparse.Namespace, model: str) -> dict[str, Any]:
