@@ -116,7 +116,9 @@ async def main() -> None:
     print(f"load average at end: {os.getloadavg()}")
     print(f"per episode: no-TTT {med['no_ttt']:.3f} s, TTT {med['ttt']:.3f} s")
     print(f"P12 = TTT / no-TTT per episode = {ratio:.2f} (per turn {ratio_turn:.2f}; target <= 1.5)")
-    print(f"P12cpu = the same in this process's CPU seconds = {ratio_cpu:.2f} (the host's other jobs not counted)")
+    print(
+        f"P12cpu = the same in this process's CPU seconds = {ratio_cpu:.2f} (the host's other jobs not counted)"
+    )
     if a.json is not None:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "per_episode_s": med,
                                       "P12": ratio, "P12_per_turn": ratio_turn, "cpu_per_episode_s": med_cpu,
