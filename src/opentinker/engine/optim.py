@@ -108,13 +108,6 @@ class AdapterOptimizer:
             at += p.numel()
         return out
 
-    def step(self, grad: torch.Tensor, hp: AdamParams) -> dict[str, float]:
-        """One AdamW step with ``grad`` (flat, see :meth:`flat_grads`); returns metrics."""
-        [res] = step_many([(self, grad, hp)])
-        if isinstance(res, EngineError):
-            raise res
-        return res
-
     def refusal(self, problem: str, hp: AdamParams, flat: torch.Tensor | None = None) -> EngineError:
         """Why a step was refused; with ``flat``, ``{name}`` in ``problem`` becomes the name of
         its first tensor that is not all finite."""
@@ -184,9 +177,9 @@ class AdapterOptimizer:
 def step_many(
     items: list[tuple[AdapterOptimizer, torch.Tensor, AdamParams]],
 ) -> list[dict[str, float] | EngineError]:
-    """Several adapters' AdamW steps at once (a tick's optimizer steps): each result is what
-    ``opt.step(grad, hp)`` alone gives, the same elementwise operations in the same order on the
-    same values, so the weights and moments are bitwise the same; each adapter's step is still
+    """Several adapters' AdamW steps at once (a tick's optimizer steps): each result is what its
+    adapter's step alone (a batch of one) gives, the same elementwise operations in the same
+    order on the same values, so the weights and moments are bitwise the same; each adapter's step is still
     all or nothing on its own (a refused one is an :class:`EngineError` in its place, the others
     go on). Every operation runs once over all the adapters' flat buffers (``torch._foreach_*``),
     so a tick with many adapters pays Python's dispatch per operation, not per tensor.
