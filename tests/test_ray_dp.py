@@ -145,14 +145,14 @@ def test_refused_shard_leaves_every_replica_as_it_was(pool: TrainerPool):
 
 
 def test_a_worker_holding_a_data_parallel_replica_is_not_removed_below_its_degree(pool: TrainerPool):
-    """A scale-down that would leave a data-parallel model fewer founding workers than its degree
+    """A scale-down that would leave a data-parallel model fewer live workers than its degree
     is refused, naming the model and why, and no worker is left draining (the handover where
     the degree can be kept: tests/test_ray_dp_scale.py)."""
     dp = DataParallelModel(pool, "dp-scale", CONFIG, degree=2)
     try:
         with pytest.raises(
             ClusterConfigError,
-            match=r"0 hold no data-parallel replica .*'dp-scale': degree 2 needs 2 founding workers, 1 would be left",
+            match=r"0 hold no data-parallel replica .*'dp-scale': degree 2 needs 2 trainer workers, 1 would be left",
         ):
             pool.choose_leaving(1)
         with pytest.raises(ClusterConfigError, match="cannot be scaled below one"):

@@ -1,13 +1,16 @@
 """Data-parallel models and worker loss, checkpoints and combined scales, on one local Ray
-instance (3 CPUs: two trainer workers of 1 CPU, and room for one more worker of either kind).
+instance (3 CPUs: two or three trainer workers of 1 CPU, and room for one more worker of either
+kind beside two).
 
 - A checkpoint of a k = 2 model records its degree; a model made from it on a whole pool is
   data-parallel over 2 again, and trains on as the original does.
 - ``ray.kill`` of one replica's worker: the model's ops answer ``WorkerLostError`` naming the
   worker and the model at once (an optimizer step in flight does not wait for the all-reduce's
-  timeout); ``create_training_client_from_state_with_optimizer`` works, on one worker (the pool
-  can no longer form a process group), and the model's record says why; ``auto_restore`` puts the
-  same model id back, reporting the degree and the steps lost.
+  timeout); ``create_training_client_from_state_with_optimizer`` works, on one worker (one is
+  left), and the model's record says why; once a worker is added, the same checkpoint makes a
+  k = 2 model over the surviving worker and the new one, training as the plain resume does;
+  ``auto_restore`` puts the same model id back, reporting the degree and the steps lost: on one
+  worker when one is left, at degree 2 over the two left of three trainer workers.
 - A scale of rollout and trainer workers whose kinds each fit the free CPUs but not together is
   refused at once, naming both, and changes nothing.
 """
@@ -95,7 +98,7 @@ def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path
             tc.save_state("late").result(timeout=WAIT)
         assert time.monotonic() - t0 < PROMPT
 
-        # restored from its checkpoint: on one worker now (no process group can be formed), saying so
+        # restored from its checkpoint: on one worker now (one is left), saying so
         restored = service.create_training_client_from_state_with_optimizer(path)
         rec = rt.models[restored.model_id]
         assert rec.data_parallel == 1 and restored.model_id not in router.dp
@@ -104,10 +107,21 @@ def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path
         got = _train(restored, DATA, 2)
         service.delete_model(tc.model_id)
         assert tc.model_id not in router.dp  # a lost model can be deleted: the live replica is freed
+
+        # a worker started after the loss: the pool holds degree 2 again, over the worker that
+        # was there and the new one (each data-parallel model forms a process group of its own)
+        rt.scale_trainer_workers(2)
+        again2 = service.create_training_client_from_state_with_optimizer(path)
+        rec = rt.models[again2.model_id]
+        assert rec.data_parallel == 2 and rec.note is None
+        new = {w.worker_id for w in router.pool.live_workers()} - {lost.worker_id}
+        assert {w.worker_id for w in router.dp[again2.model_id].replicas} == new and len(new) == 2
+        got2 = _train(again2, DATA, 2)
     finally:
         rt.shutdown()
-    for g, w in zip(got, _plain_resume(tmp_path, path, 2), strict=True):
+    for g, g2, w in zip(got, got2, _plain_resume(tmp_path, path, 2), strict=True):
         assert_scalar_close(g, w, rel=1e-5)
+        assert_scalar_close(g2, w, rel=1e-5)
 
 
 def test_auto_restore_brings_a_data_parallel_model_back_on_one_worker(tmp_path: Path) -> None:
@@ -132,6 +146,29 @@ def test_auto_restore_brings_a_data_parallel_model_back_on_one_worker(tmp_path: 
     finally:
         rt.shutdown()
     assert_scalar_close(got[0], _plain_resume(tmp_path, path, 1)[0], rel=1e-5)
+
+
+def test_auto_restore_keeps_the_degree_where_the_workers_that_are_left_hold_it(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, trainer_workers=3, trainer_options={"data_parallel": 2}, auto_restore=True)
+    try:
+        tc = _client(opentinker.ServiceClient(runtime=rt), 7)
+        router = _router(rt)
+        _train(tc, DATA, 1)
+        path = tc.save_state("s1").result(timeout=WAIT).path
+        lost = router.dp[tc.model_id].replicas[0]
+        router.pool.kill_worker(lost.rank)
+        with pytest.raises(WorkerLostError, match=tc.model_id):
+            tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT)
+        report = wait_restored(rt, tc.model_id)
+        assert report["restored"] and report["checkpoint"] == path and report["lost_steps"] == 0
+        assert report["data_parallel"] == 2 and report.get("note") is None
+        replicas = {w.worker_id for w in router.dp[tc.model_id].replicas}
+        assert lost.worker_id not in replicas and len(replicas) == 2  # the surviving founder and the third
+        got = _train(tc, DATA, 2)
+    finally:
+        rt.shutdown()
+    for g, w in zip(got, _plain_resume(tmp_path, path, 2), strict=True):
+        assert_scalar_close(g, w, rel=1e-5)
 
 
 def test_a_combined_scale_that_fits_only_kind_by_kind_is_refused(tmp_path: Path) -> None:

@@ -12,10 +12,11 @@ and from then on is ``twin`` (which never moved, run on the same data afterwards
 losses, both replicas' weights, optimizer state, step, snapshot count. The summed pending
 gradients went into the new replica 0 alone, and the next all-reduce gave the same sum.
 
-A removal that would leave a data-parallel model fewer founding workers than its degree is refused
+A removal that would leave a data-parallel model fewer live workers than its degree is refused
 at once, naming the model and why, and changes nothing. The choice itself (on a pool's bookkeeping,
 no actors): workers without replicas first, least loaded, ties to the newest; a replica holder
-only where its models keep their degree; none once a founding worker is gone.
+only where its models keep their degree, on any live workers (a lost one does not count, a worker
+added later does).
 """
 
 from __future__ import annotations
@@ -135,13 +136,13 @@ def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit
         assert _replicas(router, twin.model_id) == ["trainer-0", "trainer-1"]
         assert _replicas(router, main.model_id) == ["trainer-2", "trainer-0"]
 
-        # bad input: 3 -> 1 would leave one founding worker for two degree-2 models
+        # bad input: 3 -> 1 would leave one worker for two degree-2 models
         before = {m: _replicas(router, m) for m in router.dp}
         t0 = time.monotonic()
         with pytest.raises(ValueError) as info:
             rt.scale_trainer_workers(1)
         for m in (twin.model_id, main.model_id):
-            assert f"data-parallel model {m!r}: degree 2 needs 2 founding workers, 1 would be left" in str(
+            assert f"data-parallel model {m!r}: degree 2 needs 2 trainer workers, 1 would be left" in str(
                 info.value
             )
         assert time.monotonic() - t0 < 5  # at once
@@ -187,13 +188,12 @@ def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit
     )
 
 
-def _bare_pool(founders: int, added: int, dp: dict[str, list[int]], plain: dict[int, int]) -> TrainerPool:
-    """A pool's bookkeeping without its actors (what ``choose_leaving`` decides on)."""
+def _bare_pool(started: int, added: int, dp: dict[str, list[int]], plain: dict[int, int]) -> TrainerPool:
+    """A pool's bookkeeping without its actors (what ``choose_leaving`` decides on): ``started``
+    workers, then ``added`` ones."""
     pool = TrainerPool.__new__(TrainerPool)
-    pool._lock, pool._founders, pool._placement, pool._dp = threading.RLock(), founders, {}, {}
-    pool.workers = [
-        WorkerSlot(r, f"trainer-{r}", None, founder=r < founders) for r in range(founders + added)
-    ]
+    pool._lock, pool._placement, pool._dp = threading.RLock(), {}, {}
+    pool.workers = [WorkerSlot(r, f"trainer-{r}", None) for r in range(started + added)]
     for model_id, ranks in dp.items():
         pool.reserve(model_id, [pool.workers[r] for r in ranks])
     for r, n in plain.items():
@@ -212,8 +212,8 @@ def test_the_choice_prefers_workers_without_replicas_and_keeps_every_degree() ->
     # free workers first, least loaded, ties to the newest; a replica holder only when needed
     pool = _bare_pool(3, 1, {"a": [0, 1]}, {2: 2})
     assert _leave(pool, 1) == ["trainer-3"] and _leave(pool, 2) == ["trainer-3", "trainer-2"]
-    with pytest.raises(ClusterConfigError, match=r"'a': degree 2 needs 2 founding workers, 1 would be left"):
-        pool.choose_leaving(3)  # both free ones and a holder of 'a': 1 founder would stay
+    with pytest.raises(ClusterConfigError, match=r"'a': degree 2 needs 2 trainer workers, 1 would be left"):
+        pool.choose_leaving(3)  # both free ones and a holder of 'a': 1 worker would stay
     # every worker holds a replica: the least loaded (ties: the newest) whose models fit
     pool = _bare_pool(3, 0, {"a": [0, 1], "b": [2, 0]}, {})
     assert _leave(pool, 1) == ["trainer-2"]
@@ -222,17 +222,21 @@ def test_the_choice_prefers_workers_without_replicas_and_keeps_every_degree() ->
     # refused, naming each model and why, nothing left draining
     with pytest.raises(ClusterConfigError) as info:
         pool.choose_leaving(2)
-    assert "'a': degree 2 needs 2 founding workers, 1 would be left" in str(info.value)
-    assert "'b': degree 2 needs 2 founding workers, 1 would be left" in str(info.value)
+    assert "'a': degree 2 needs 2 trainer workers, 1 would be left" in str(info.value)
+    assert "'b': degree 2 needs 2 trainer workers, 1 would be left" in str(info.value)
     assert not any(w.draining for w in pool.workers)
-    # a free worker leaving counts: degree 3 over the 3 founders, one added worker, remove 2
+    # a free worker leaving counts: degree 3 over the first 3, one added worker, remove 2
     pool = _bare_pool(3, 1, {"c": [0, 1, 2]}, {})
-    with pytest.raises(ClusterConfigError, match=r"'c': degree 3 needs 3 founding workers, 2 would be left"):
+    with pytest.raises(ClusterConfigError, match=r"'c': degree 3 needs 3 trainer workers, 2 would be left"):
         pool.choose_leaving(2)
-    # a founder gone: no process group can be formed, so no replica holder leaves
+    # a lost worker does not count; a worker added later does, as any other
     pool = _bare_pool(3, 1, {"a": [0, 1]}, {})
     pool.workers[2].alive = False
     assert _leave(pool, 1) == ["trainer-3"]
-    with pytest.raises(ClusterConfigError, match="'a': a founding trainer worker was removed or lost"):
+    with pytest.raises(ClusterConfigError, match="'a': degree 2 needs 2 trainer workers, 1 would be left"):
         pool.choose_leaving(2)
     assert not any(w.draining for w in pool.workers)
+    pool = _bare_pool(2, 2, {"a": [0, 1], "b": [2, 3]}, {})  # 'b' on the two added workers
+    assert _leave(pool, 2) == ["trainer-3", "trainer-2"]  # both models fit on the 2 that stay
+    with pytest.raises(ClusterConfigError, match="'b': degree 2 needs 2 trainer workers, 1 would be left"):
+        pool.choose_leaving(3)

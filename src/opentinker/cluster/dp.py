@@ -3,7 +3,8 @@ one device.
 
 ``DataParallelModel(pool, model_id, config, degree=k)`` creates the same adapter (same LoRA
 config and seed, so the same initial weights) on k workers of a :class:`~opentinker.cluster.trainer.TrainerPool`
-and a process group over them. Its ``forward_backward`` splits the datums into k contiguous
+(the least loaded live ones; workers added to the pool later count alike) and a process group of
+those k alone (its store hosted by replica 0's worker). Its ``forward_backward`` splits the datums into k contiguous
 shards, one per replica, run at once; each replica accumulates its shard's LoRA gradients. Its
 ``optim_step`` all-reduces (sums) those gradients inside the actors (gloo on CPU, NCCL on GPU),
 then every replica takes the same AdamW step. Losses are token sums and each datum is
@@ -29,14 +30,13 @@ Worker loss: once a replica's worker is lost, every op of the model raises
 all-reduce, which cannot complete, to time out). :meth:`DataParallelModel.discard` then frees
 what the live replicas hold, so the model can be made again from its newest checkpoint.
 :func:`shortfall` says why a pool cannot hold a new data-parallel model of some degree now
-(a founding worker gone, fewer live ones than the degree).
+(fewer live workers than the degree).
 
 Handover (a trainer worker holding a replica is removed, :mod:`opentinker.cluster.trainer_scale`):
 :meth:`DataParallelModel.hand_out` saves replica 0's whole state (weights, optimizer state and
 step, snapshot count and lineage) and, as the pending gradients, the sum of every replica's
 (one all-reduce, the one the next optimizer step would do); the model is deleted from its
-replicas and made again under the same id at the same degree on founding workers not leaving
-(a process group is formed among founding workers only, while all of them are there), every
+replicas and made again under the same id at the same degree on workers not leaving, every
 replica loading the state and :meth:`DataParallelModel.take_over` giving replica 0 the summed
 gradients and the others none. The next all-reduce then gives the same sum, so the training goes
 on bit for bit as it would have without the move.
@@ -83,13 +83,11 @@ def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult
 
 def shortfall(pool: TrainerPool, degree: int) -> str | None:
     """Why ``pool`` cannot hold a new data-parallel model of ``degree`` now, or None if it can."""
-    try:
-        group = pool.group_workers()
-    except EngineError as e:
-        return str(e)
-    live = sum(1 for w in group if not w.draining)
+    live = len(pool.dp_workers())
     if degree > live:
-        return f"data-parallel degree {degree} is above the number of live trainer workers ({live})"
+        lost = [w.worker_id for w in pool.workers if not w.alive]
+        gone = f"; lost: {', '.join(lost)}" if lost else ""
+        return f"data-parallel degree {degree} is above the number of live trainer workers ({live}{gone})"
     return None
 
 
@@ -97,8 +95,8 @@ class DataParallelModel:
     """One adapter replicated over ``degree`` trainer workers (module docstring): fresh from
     ``config`` (which needs a seed), or loaded from the checkpoint folder ``checkpoint`` (with its
     optimizer state if ``optimizer``; ``config`` is then unused). ``on``: the replicas' workers,
-    in order, instead of the least loaded live founding ones (a handover puts a model back where
-    it was with it)."""
+    in order, instead of the least loaded live ones (a handover puts a model back where it was
+    with it)."""
 
     def __init__(
         self,
@@ -120,23 +118,26 @@ class DataParallelModel:
             raise EngineError(
                 "a data-parallel model needs a LoRA seed: every replica starts from the same weights"
             )
-        group = pool.group_workers()  # the founding workers: the process group's members
-        live = [w for w in group if not w.draining]
+        live = pool.dp_workers()
         ray = ray_module()
         self.pool, self.model_id, self.config = pool, model_id, config
         self.replicas: list[WorkerSlot] = sorted(live, key=lambda w: (len(w.models), w.rank))[:degree]
-        if on is not None:  # where it was (a handover undone): founding workers, draining or not
-            if len(on) != degree or not all(w in group for w in on):
+        if on is not None:  # where it was (a handover undone): live workers, draining or not
+            if len(on) != degree or not all(w.alive for w in on):
                 raise EngineError(f"{len(on)} replica workers given for data-parallel degree {degree}")
             self.replicas = list(on)
         self._limits = pool.limits
         self._lock = threading.Lock()
         self._seqs: dict[int, int] = {}  # replica rank -> the next sequence number (:meth:`_next`)
-        ranks = sorted(w.rank for w in self.replicas)
         pool.reserve(model_id, self.replicas)
         try:
-            with pool.group_lock:  # every worker forms every group, one group at a time
-                ray.get([w.actor.join_data_parallel.remote(model_id, ranks) for w in group])
+            address, port = ray.get(self.replicas[0].actor.rendezvous.remote())
+            ray.get(
+                [
+                    w.actor.join_data_parallel.remote(model_id, address, port, i, degree)
+                    for i, w in enumerate(self.replicas)
+                ]
+            )
             if checkpoint is None:
                 self._all(lambda w: w.actor.create_adapter.remote(model_id, config))
             else:

@@ -1,26 +1,23 @@
 """A pool of trainer workers on Ray, and the routing of every model to the worker that holds it.
 
 ``TrainerPool(base_model, workers=N)`` starts N :class:`~opentinker.cluster.trainer_worker.TrainerWorker`
-actors (each ``worker_cpus`` CPUs and ``worker_gpus`` GPUs), waits until every one has loaded its
-base-model replica, and joins them in one ``torch.distributed`` process group (for data-parallel
-models, :mod:`opentinker.cluster.dp`). A request Ray cannot meet (more CPUs or GPUs than the
-cluster has) is refused before any actor starts.
+actors (each ``worker_cpus`` CPUs and ``worker_gpus`` GPUs) and waits until every one has loaded
+its base-model replica. A request Ray cannot meet (more CPUs or GPUs than the cluster has) is
+refused before any actor starts. A data-parallel model (:mod:`opentinker.cluster.dp`) forms a
+``torch.distributed`` process group of its own replicas, on any live workers.
 
 Placement: a new model goes to the live worker holding the fewest models (ties: the fewest
 requests in flight, then the lowest rank). A model never moves while it has requests in flight: it
 stays where it was created until it is deleted or its worker is lost.
 
 Elastic: :meth:`TrainerPool.add_workers` starts more workers (same resources, checked free first;
-they join the placement at once, but not the process group formed at start-up, so data-parallel
-models use the founding workers only). :meth:`TrainerPool.choose_leaving` picks the workers to
-remove, the least loaded (ties: the newest), preferring those holding no data-parallel replica;
-one holding a replica is taken only where each data-parallel model on it can be made again at
-its degree on the founding workers that stay. It stops placing models on them; the router
-hands each of their models over (:mod:`opentinker.cluster.trainer_scale`), moving a plain one
-with :meth:`begin_move` / :meth:`finish_move` and making a data-parallel one again on other
-founding workers, and :meth:`retire` stops an emptied worker. Once a founding worker is
-retired the pool can form no new process group: no data-parallel model can be made (nor
-handed over) on it any more (:meth:`group_workers`).
+they join the placement at once, data-parallel models included). :meth:`TrainerPool.choose_leaving`
+picks the workers to remove, the least loaded (ties: the newest), preferring those holding no
+data-parallel replica; one holding a replica is taken only where each data-parallel model on it
+can be made again at its degree on the live workers that stay. It stops placing models on them;
+the router hands each of their models over (:mod:`opentinker.cluster.trainer_scale`), moving a
+plain one with :meth:`begin_move` / :meth:`finish_move` and making a data-parallel one again on
+workers that stay, and :meth:`retire` stops an emptied worker.
 
 Worker loss: a request to a dead worker, or one in flight when it dies, raises
 :class:`WorkerLostError` naming the worker and the model, at once (Ray reports the actor's death
@@ -61,7 +58,6 @@ class WorkerSlot:
     in_flight: int = 0
     lost_reason: str = ""
     draining: bool = False  # being removed: no model is placed on it any more
-    founder: bool = True  # started with the pool: a member of its process group
 
 
 def ray_module() -> Any:
@@ -130,15 +126,11 @@ class TrainerPool:
         }
         self.workers = [self._start(r) for r in range(workers)]
         self._next_rank = workers  # ranks are never reused: a worker id names one actor
-        self._founders = workers
         self._lock = threading.RLock()
         self._placement: dict[str, WorkerSlot] = {}
         self._dp: dict[str, int] = {}  # data-parallel model -> its degree (reserved on its replicas' slots)
-        self.group_lock = threading.Lock()  # process groups are formed by all workers, in one order
         try:
             infos = ray.get([w.actor.info.remote() for w in self.workers])
-            address, port = ray.get(self.workers[0].actor.rendezvous.remote())
-            ray.get([w.actor.join_pool.remote(address, port, w.rank, workers) for w in self.workers])
         except Exception:
             self.shutdown()
             raise
@@ -166,8 +158,6 @@ class TrainerPool:
             ranks = list(range(self._next_rank, self._next_rank + n))
             self._next_rank += n
         slots = [self._start(r) for r in ranks]
-        for slot in slots:
-            slot.founder = False
         try:
             ray.get([s.actor.info.remote() for s in slots], timeout=timeout)
         except Exception as e:
@@ -190,8 +180,7 @@ class TrainerPool:
         Workers holding no data-parallel replica come first, the least loaded (ties: the newest).
         Where fewer than ``n`` of them are live, every one of them leaves and the rest are taken,
         in the same order, among the workers holding replicas whose data-parallel models can each
-        be made again at their degree on the live founding workers that stay (a process group is
-        formed among founding workers only, all of them still there). Refused, nothing changed,
+        be made again at their degree on the live workers that stay. Refused, nothing changed,
         naming the models and why, if no such choice exists, or if fewer than one live worker
         would be left."""
         with self._lock:
@@ -214,25 +203,16 @@ class TrainerPool:
     ) -> list[WorkerSlot]:
         """``k`` workers holding data-parallel replicas that may leave besides ``leaving`` (the
         workers holding none, all of them), in ``order``: each of their data-parallel models
-        needs its degree in founding workers that stay. The replica holders are founding workers,
-        so how many founders stay does not depend on which are chosen; only the models do."""
+        needs its degree in live workers that stay. How many stay does not depend on which are
+        chosen; only the models do."""
         held = [w for w in order if w.models & self._dp.keys()]
-        founders = [w for w in self.workers if w.founder]
-        intact = len(founders) == self._founders and all(w.alive for w in founders)
-        stay = sum(1 for w in founders if w.alive and not w.draining and w not in leaving) - k
+        stay = sum(1 for w in self.workers if w.alive and not w.draining and w not in leaving) - k
         why: dict[str, str] = {}
         able: list[WorkerSlot] = []
         for w in held:
-            blocked = []
-            for m in sorted(w.models & self._dp.keys()):
-                degree = self._dp[m]
-                if not intact:
-                    why[m] = "a founding trainer worker was removed or lost: no process group can be formed"
-                elif degree > stay:
-                    why[m] = f"degree {degree} needs {degree} founding workers, {stay} would be left"
-                else:
-                    continue
-                blocked.append(m)
+            blocked = [m for m in sorted(w.models & self._dp.keys()) if self._dp[m] > stay]
+            for m in blocked:
+                why[m] = f"degree {self._dp[m]} needs {self._dp[m]} trainer workers, {stay} would be left"
             if not blocked:
                 able.append(w)
         if len(able) < k:
@@ -284,17 +264,10 @@ class TrainerPool:
             self.workers = [w for w in self.workers if w is not slot]
         ray_module().kill(slot.actor, no_restart=True)
 
-    def group_workers(self) -> list[WorkerSlot]:
-        """The live members of the pool's process group (what data-parallel models run on);
-        refused once a founding worker is gone (a group is formed by all its members)."""
+    def dp_workers(self) -> list[WorkerSlot]:
+        """The workers a new data-parallel model may be placed on: the live ones not draining."""
         with self._lock:
-            founders = [w for w in self.workers if w.founder]
-            if len(founders) < self._founders or not all(w.alive for w in founders):
-                raise EngineError(
-                    "data-parallel models need every trainer worker the pool started with, "
-                    "and one was removed or lost"
-                )
-            return founders
+            return [w for w in self.workers if w.alive and not w.draining]
 
     # ------------------------------------------------------------------ placement
     def reserve(self, model_id: str, slots: list[WorkerSlot]) -> None:

@@ -32,7 +32,7 @@ every replica. A data-parallel model whose replica's worker is lost answers the 
 ``WorkerLostError`` for every op; ``restore`` puts it back at its degree where the pool can
 still hold it (:func:`~opentinker.cluster.dp.shortfall`), else on one worker, saying why.
 ``hand_over`` of a data-parallel model (a worker holding a replica is removed) makes it again at
-its degree on other founding workers, in its lane, with its whole state and pending gradients.
+its degree on workers that stay, in its lane, with its whole state and pending gradients.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class RoutedScheduler(Scheduler):
         meanwhile and then run on the new worker. The future gives the new worker's id and the
         model's optimizer step at the move (None: the model was deleted meanwhile).
 
-        A data-parallel model is made again at its degree on founding workers not leaving
+        A data-parallel model is made again at its degree on workers not leaving
         (:meth:`_dp_hand_over`); the future then gives its new workers' ids, comma-separated."""
 
         def run(fut: Future) -> None:
@@ -303,7 +303,7 @@ class RoutedScheduler(Scheduler):
         """Data-parallel model ``model_id`` (in its lane: no op of it runs meanwhile) off its
         workers: its whole state and the sum of its replicas' pending gradients go through
         ``folder`` (:meth:`DataParallelModel.hand_out`), its replicas are freed, and it is made
-        again under the same id at the same degree on the least loaded founding workers not
+        again under the same id at the same degree on the least loaded live workers not
         draining, each replica loading the state and replica 0 the gradients; then routing
         switches. If it cannot be made there it is made again where it was, from the same
         folder, and the call raises saying why (its workers are then kept)."""

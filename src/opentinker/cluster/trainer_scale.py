@@ -18,13 +18,11 @@ to ``workers`` live trainer workers while it serves:
 A data-parallel model with a replica on a leaving worker is handed over whole, once: replica
 0's state and, as its pending gradients, the sum of every replica's (the all-reduce its next
 optimizer step would have done) are saved, its replicas freed, and it is made again under the
-same id at the same degree on founding workers that stay (a process group is formed among
-founding workers only), replica 0 taking the summed gradients and the others none; so its next
+same id at the same degree on workers that stay (a new process group of the new replicas),
+replica 0 taking the summed gradients and the others none; so its next
 step, and the training after, are the ones it would have had. A worker holding a replica is
 chosen only where every data-parallel model on it can be made again so; a removal that cannot
-be done so is refused before anything changes, naming the model and why. Once a founding
-worker is stopped no new process group can be formed: the pool then makes no new data-parallel
-model, and hands none over again.
+be done so is refused before anything changes, naming the model and why.
 
 A model whose handover fails stays on its worker(s), which are then kept (no longer draining):
 the call raises ``RuntimeError`` naming the models and why, after the other moves are done (the

@@ -98,9 +98,7 @@ class TrainerWorker:
     def delete_adapter(self, model_id: str) -> None:
         self._call(model_id, lambda eng: eng.delete_adapter(model_id))
         self._kept.pop(model_id, None)
-        group = self._groups.pop(model_id, None)
-        if group is not None:
-            dist.destroy_process_group(group)
+        self._groups.pop(model_id, None)  # its process group and store go with the last reference
         with self._order:  # the model id, made here again (a handover), numbers its ordered ops from 0
             self._next_seq.pop(model_id, None)
             self._order.notify_all()
@@ -246,30 +244,19 @@ class TrainerWorker:
 
     # ------------------------------------------------------------------ data parallel
     def rendezvous(self) -> tuple[str, int]:
-        """An address and a free port on this worker's node, for the pool's process group."""
+        """An address and a free port on this worker's node, for a process group's store."""
         with socket.socket() as s:
             s.bind(("", 0))
             port = int(s.getsockname()[1])
         return _node_ip(), port
 
-    def join_pool(self, address: str, port: int, rank: int, world: int) -> None:
-        """Join the pool's default process group (every worker of the pool, once, at start-up)."""
-        backend = "nccl" if torch.device(self.device).type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{address}:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
-
-    def join_data_parallel(self, model_id: str, ranks: list[int]) -> None:
-        """This worker's part in forming ``model_id``'s process group over the pool ranks
-        ``ranks``: every worker of the pool takes part, in the same order (the pool serialises
-        it); only the members keep the group."""
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            self._groups[model_id] = group
+    def join_data_parallel(self, model_id: str, address: str, port: int, rank: int, world: int) -> None:
+        """Form ``model_id``'s process group with its other replicas: this worker is member
+        ``rank`` of ``world``, and member 0 hosts the group's store at ``address:port`` (what its
+        :meth:`rendezvous` gave). Only the replicas take part, all at once, so a group can be
+        formed over any live workers at any time, workers started later included."""
+        store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT)
+        self._groups[model_id] = (_process_group(store, rank, world, self.device), store)
 
     def dp_forward_backward(self, model_id: str, req: ForwardRequest) -> ForwardResult:
         """One shard of a data-parallel model's batch; the gradients it had before are kept aside
@@ -343,7 +330,7 @@ class TrainerWorker:
 
         names, grads = self._call(model_id, take)
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        group[0].allreduce([flat]).wait()  # a sum
         summed, offset = {}, 0
         for name, g in zip(names, grads, strict=True):
             summed[name] = flat[offset : offset + g.numel()].view_as(g)
@@ -388,8 +375,16 @@ class TrainerWorker:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._groups.clear()
+
+
+def _process_group(store: Any, rank: int, world: int, device: str) -> Any:
+    """A process group of ``world`` members over ``store``, this one ``rank``: NCCL where the
+    worker's device is a GPU, gloo on CPU. Made directly, not through a default group, so each
+    data-parallel model has a group of its replicas alone."""
+    if torch.device(device).type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(store, rank, world, COLLECTIVE_TIMEOUT)
 
 
 def _take_rest(eng: Engine, model_id: str, folder: Path, *, gradients: bool) -> None:
