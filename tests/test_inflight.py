@@ -317,3 +317,34 @@ def test_snapshots_held_for_inflight_samplers_are_released_when_the_model_goes(
         assert sampler_id not in reg.samplers
     if how != "session_end":
         assert _sampled(http, sample(samplers[2])) == 1
+
+
+def test_only_the_newest_gone_reasons_are_kept(
+    app_runtime: tuple[TestClient, Runtime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why an inflight sampler's weights went is kept for the newest ``GONE_KEPT`` samplers only
+    (a long-running server does not grow without end); an older one gets the 404 of any sampler
+    of in-memory weights that are gone (as after a restart), never the base model's samples."""
+    from opentinker.server import registry
+
+    monkeypatch.setattr(registry, "GONE_KEPT", 1)
+    http, _ = app_runtime
+    reg = http.app.state.server.registry  # type: ignore[attr-defined]
+    sid = http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": TEST_MODEL, "lora_config": {"rank": 2}}
+    model_id = _answer(http, http.post("/create_model", json=body))["model_id"]
+    samplers = [
+        _answer(http, http.post("/save_weights_for_sampler", json={
+            "model_id": model_id, "sampling_session_seq_id": seq, "kind": "inflight"}))["sampling_session_id"]
+        for seq in range(2)
+    ]  # fmt: skip
+    _answer(http, http.post("/unload_model", json={"model_id": model_id}))
+    assert len(reg.gone) == 1
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]}
+    said = []
+    for sampler_id in samplers:
+        body = {"prompt": prompt, "sampling_params": {"max_tokens": 2}, "sampling_session_id": sampler_id}
+        r = http.post("/asample", json=body)
+        assert r.status_code == 404, r.text
+        said.append(r.json()["detail"])
+    assert "was unloaded" in said[1] and "in-memory snapshot that is gone" in said[0], said

@@ -19,6 +19,7 @@ create-from-state), sampler ids ``<session_id>:sample:<sampling_session_seq_id>`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -39,6 +40,7 @@ from opentinker.server.ordering import Sequencer
 from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
 
 log = logging.getLogger(__name__)
+GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights went (the newest)
 
 
 @dataclass
@@ -94,7 +96,8 @@ class Registry:
         self.evicted: dict[str, str] = {}  # model id -> the checkpoint its state was saved to
         self._evict_failed: dict[str, float] = {}  # model id -> when its last eviction save failed
         self.unloaded: set[str] = set()  # models freed by /unload_model (their checkpoints stay)
-        # inflight samplers whose model left memory: why their weights are gone (their 404)
+        # inflight samplers whose model left memory: why their weights are gone (their 404), the
+        # newest GONE_KEPT
         self.gone: dict[str, str] = {}
 
     # ------------------------------------------------------------------ base models
@@ -189,6 +192,8 @@ class Registry:
                     f"are gone: {why}; save weights for a sampler again"
                 )
                 self.samplers.pop(sampler_id, None)
+            for old in list(itertools.islice(self.gone, max(0, len(self.gone) - GONE_KEPT))):
+                del self.gone[old]  # the oldest reasons: such a sampler then gets a plain 404
             for sess in self.sessions.values():
                 sess.samplers.difference_update(target.sampler_ids)
         for snapshot_id in (target.current, target.previous):
@@ -432,17 +437,27 @@ class Registry:
 
     # ------------------------------------------------------------------ samplers
     def add_sampler(
-        self, sess: Session, sampler_id: str, client: SamplingClient, *, owner: str | None = None
+        self,
+        sess: Session,
+        sampler_id: str,
+        client: SamplingClient,
+        *,
+        owner: str | None = None,
+        ephemeral: bool = False,
     ) -> Sampler:
+        """Serve ``client`` as ``sampler_id`` and record it; ``ephemeral``: it serves in-memory
+        weights (an owned snapshot, or an inflight target), which another process cannot serve
+        again (its row says so: never served again as a base-model sampler)."""
         sampler = Sampler(sampler_id, sess.tenant, client, client.model_path, owner)
         if client.model_path is not None:
             row = self.store.checkpoint(client.model_path)
             sampler.foreign = row is not None and row.tenant != sess.tenant
         self.store.add_sampler(
             SamplerRow(
-                sampler_id, sess.tenant, sess.id, client.base_model, client.model_path, owner is not None
+                sampler_id, sess.tenant, sess.id, client.base_model, client.model_path,
+                ephemeral or owner is not None,
             )
-        )
+        )  # fmt: skip
         with self._lock:
             self.samplers[sampler_id] = sampler
             sess.samplers.add(sampler_id)
@@ -480,7 +495,8 @@ class Registry:
         self.runtime.follow_inflight(base_model, snap.adapter_id, snap.snapshot_id)
         if stale is not None:
             self.runtime.release_snapshot(base_model, stale, queue=snap.adapter_id)
-        return self.add_sampler(sess, sampler_id, client)  # the target owns (releases) its snapshots
+        # the target owns (releases) its snapshots
+        return self.add_sampler(sess, sampler_id, client, ephemeral=True)
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
         with self._lock:
