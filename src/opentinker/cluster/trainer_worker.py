@@ -64,7 +64,7 @@ class TrainerWorker:
         self.engine = Engine(load_base_model(base_model, device=device), max_rank=max_rank, device=device)
         # sampling is the rollout workers' job; the scheduler's own sampler is never asked here
         self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
-        self._groups: dict[str, Any] = {}  # data-parallel model -> its process group
+        self._groups: dict[str, Any] = {}  # data-parallel model -> (its process group, its store)
         self._kept: dict[str, dict[str, torch.Tensor] | None] = {}  # gradients before the last shard
         self._order = threading.Condition()
         self._next_seq: dict[str, int] = {}  # model -> the sequence number it submits next
