@@ -531,6 +531,8 @@ def test_kill9_then_restart_keeps_checkpoints(server: LocalServer, tokens: list[
     named = sc.create_sampling_client(model_path=sampler_path).result()
     before = named.sample(prompt, 1, greedy).result().sequences[0].tokens
     snapshot = tc.save_weights_and_get_sampling_client().result()
+    inflight = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    assert inflight.sample(prompt, 1, greedy).result().sequences[0].tokens == before
     with _http(server) as http:
         in_flight = http.post("/forward_backward", content=_fb_body(tc.model_id, 999, data), headers=PROTO)
         in_flight_id = in_flight.json()["request_id"]  # held forever: seq 4..998 never come
@@ -550,6 +552,8 @@ def test_kill9_then_restart_keeps_checkpoints(server: LocalServer, tokens: list[
     assert named.sample(prompt, 1, greedy).result().sequences[0].tokens == before
     with pytest.raises(tinker.NotFoundError, match="in-memory snapshot"):
         snapshot.sample(prompt, 1, greedy).result()
+    with pytest.raises(tinker.NotFoundError, match="in-memory snapshot"):  # never the base model's
+        inflight.sample(prompt, 1, greedy).result()
     with _http(server) as http:
         err = _result(http, in_flight_id).json()
         assert err["category"] == "user" and "server restarted" in err["error"]
