@@ -243,10 +243,7 @@ class ScaleOut:
                 "this service trains in its own process: no trainer workers to scale "
                 "(serve it with --trainer-workers N)"
             )
-        extra = sum(
-            max(0, workers - sum(1 for w in r.pool.live_workers() if not w.draining))
-            for r in routers.values()
-        )
+        extra = sum(max(0, workers - len(r.pool.open_workers())) for r in routers.values())
         if extra:
             check_fits(extra, *self._trainer_size(), what="trainer worker")
         return extra

@@ -83,7 +83,7 @@ def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult
 
 def shortfall(pool: TrainerPool, degree: int) -> str | None:
     """Why ``pool`` cannot hold a new data-parallel model of ``degree`` now, or None if it can."""
-    live = len(pool.dp_workers())
+    live = len(pool.open_workers())
     if degree > live:
         lost = [w.worker_id for w in pool.workers if not w.alive]
         gone = f"; lost: {', '.join(lost)}" if lost else ""
@@ -118,7 +118,7 @@ class DataParallelModel:
             raise EngineError(
                 "a data-parallel model needs a LoRA seed: every replica starts from the same weights"
             )
-        live = pool.dp_workers()
+        live = pool.open_workers()
         ray = ray_module()
         self.pool, self.model_id, self.config = pool, model_id, config
         self.replicas: list[WorkerSlot] = sorted(live, key=lambda w: (len(w.models), w.rank))[:degree]

@@ -184,7 +184,7 @@ class TrainerPool:
         naming the models and why, if no such choice exists, or if fewer than one live worker
         would be left."""
         with self._lock:
-            live = [w for w in self.workers if w.alive and not w.draining]
+            live = self.open_workers()
             if len(live) - n < 1:
                 raise ClusterConfigError(
                     f"trainer workers cannot be scaled below one (asked to remove {n} of {len(live)})"
@@ -206,7 +206,7 @@ class TrainerPool:
         needs its degree in live workers that stay. How many stay does not depend on which are
         chosen; only the models do."""
         held = [w for w in order if w.models & self._dp.keys()]
-        stay = sum(1 for w in self.workers if w.alive and not w.draining and w not in leaving) - k
+        stay = sum(1 for w in self.open_workers() if w not in leaving) - k
         why: dict[str, str] = {}
         able: list[WorkerSlot] = []
         for w in held:
@@ -264,8 +264,9 @@ class TrainerPool:
             self.workers = [w for w in self.workers if w is not slot]
         ray_module().kill(slot.actor, no_restart=True)
 
-    def dp_workers(self) -> list[WorkerSlot]:
-        """The workers a new data-parallel model may be placed on: the live ones not draining."""
+    def open_workers(self) -> list[WorkerSlot]:
+        """The workers a new model (data-parallel replicas included) may be placed on: the live
+        ones not draining."""
         with self._lock:
             return [w for w in self.workers if w.alive and not w.draining]
 
@@ -304,9 +305,7 @@ class TrainerPool:
 
     def least_loaded(self, exclude: set[int] | None = None) -> WorkerSlot:
         with self._lock:
-            live = [
-                w for w in self.workers if w.alive and not w.draining and w.rank not in (exclude or set())
-            ]
+            live = [w for w in self.open_workers() if w.rank not in (exclude or set())]
             if not live:
                 raise WorkerLostError("no live trainer worker is left")
             return min(live, key=lambda w: (len(w.models), w.in_flight, w.rank))

@@ -53,7 +53,7 @@ def scale_trainers(router: RoutedScheduler, workers: int, folder: str | Path) ->
     """Bring ``router``'s pool to ``workers`` live trainer workers (module docstring); returns
     the workers added, removed and where each moved model went (and its step then)."""
     pool = router.pool
-    live = [w for w in pool.live_workers() if not w.draining]
+    live = pool.open_workers()
     out: dict[str, Any] = {"added": [], "removed": [], "moved": {}}
     if workers > len(live):
         out["added"] = [s.worker_id for s in pool.add_workers(workers - len(live))]
