@@ -76,7 +76,7 @@ def test_mixed_rows_match_per_row_reference(family: str, device: torch.device) -
     ml = MultiLoRA.attach(model)
     kinds = {g.kind for g in ml.groups.values()}
     assert kinds == {"attn", "mlp", "unembed"}
-    shapes = ml.group_shapes()
+    shapes = ml.groups
     w1 = _randomise(init_lora_weights(LoRAConfig(rank=4, seed=1), shapes, device=device), 1)
     w2 = _randomise(
         init_lora_weights(LoRAConfig(rank=8, alpha=16, seed=2, train_mlp=False), shapes, device=device), 2
@@ -101,7 +101,7 @@ def test_fresh_adapter_is_identity_and_attach_is_idempotent(device: torch.device
     model = _models()["llama"].eval().to(device)
     ml = MultiLoRA.attach(model)
     assert MultiLoRA.attach(model) is ml
-    w = init_lora_weights(LoRAConfig(rank=4, seed=0), ml.group_shapes(), device=device)
+    w = init_lora_weights(LoRAConfig(rank=4, seed=0), ml.groups, device=device)
     x = torch.randint(0, 97, (2, 6)).to(device)
     with torch.no_grad():
         base = model(x).logits
@@ -113,9 +113,9 @@ def test_fresh_adapter_is_identity_and_attach_is_idempotent(device: torch.device
 def test_seed_reproduces_adapter_and_ranks_are_exact() -> None:
     model = _models()["llama"]
     ml = MultiLoRA.attach(model)
-    a = init_lora_weights(LoRAConfig(rank=3, seed=7), ml.group_shapes())
-    b = init_lora_weights(LoRAConfig(rank=3, seed=7), ml.group_shapes())
-    c = init_lora_weights(LoRAConfig(rank=3, seed=8), ml.group_shapes())
+    a = init_lora_weights(LoRAConfig(rank=3, seed=7), ml.groups)
+    b = init_lora_weights(LoRAConfig(rank=3, seed=7), ml.groups)
+    c = init_lora_weights(LoRAConfig(rank=3, seed=8), ml.groups)
     for g in a.a:
         assert torch.equal(a.a[g], b.a[g])
         assert not torch.equal(a.a[g], c.a[g])
@@ -140,7 +140,7 @@ def test_every_row_layout_matches_the_per_row_reference_with_gradients(
     """Forward and the gradients into each entry's A and B equal a per-row loop through hooks."""
     model = _models()["llama"].eval().to(device)
     ml = MultiLoRA.attach(model)
-    shapes = ml.group_shapes()
+    shapes = ml.groups
     configs = [LoRAConfig(rank=4, seed=1), LoRAConfig(rank=8, alpha=16, seed=2, train_mlp=False), None]
     configs.append(LoRAConfig(rank=2, seed=3, train_unembed=False))
     entries: list[LoRAWeights | None] = [

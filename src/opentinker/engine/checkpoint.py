@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from opentinker.engine.types import EngineError
-from opentinker.lora import LoRAConfig, LoRAWeights
+from opentinker.lora import LoRAConfig, LoRAWeights, TargetGroup
 
 FORMAT = "opentinker-adapter-v1"
 ADAPTER_FILE = "adapter.safetensors"
@@ -138,14 +138,13 @@ def read_adapter(
     path: str | Path,
     *,
     base_model: str,
-    shapes: dict[str, tuple[int, int, int, str]],
+    groups: dict[str, TargetGroup],
     device: torch.device,
     check_config: Callable[[LoRAConfig], None],
 ) -> tuple[LoRAWeights, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """A verified checkpoint's LoRA weights (on ``device``, trainable), its meta and its files,
     checked against an engine: trained on ``base_model``, a config ``check_config`` accepts, and
-    exactly the groups of ``shapes`` (group -> layers, in, out, kind) its config trains, each of its
-    shape. Changes nothing; any mismatch is a :class:`CheckpointError` naming it."""
+    exactly the target ``groups`` its config trains, each of its shape. Changes nothing; any mismatch is a :class:`CheckpointError` naming it."""
     files, meta = read_checkpoint(path)
     if meta.get("base_model") != base_model:
         raise CheckpointError(
@@ -156,15 +155,15 @@ def read_adapter(
     loaded = LoRAWeights(config)
     for key, t in files[ADAPTER_FILE].items():
         group, _, kind = key.rpartition(".")
-        if group not in shapes or kind not in ("lora_A", "lora_B"):
+        if group not in groups or kind not in ("lora_A", "lora_B"):
             raise CheckpointError(f"checkpoint {path} has weights {key!r}, which this model lacks")
-        n_layers, d_in, d_out, _ = shapes[group]
-        want = (n_layers, config.rank, d_in) if kind == "lora_A" else (n_layers, d_out, config.rank)
+        g = groups[group]
+        want = g.a_shape(config.rank) if kind == "lora_A" else g.b_shape(config.rank)
         if tuple(t.shape) != want:
             raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(t.shape)}, expected {want}")
         target = loaded.a if kind == "lora_A" else loaded.b
         target[group] = t.to(device).clone().requires_grad_(True)
-    wanted = {g for g, (_, _, _, kind) in shapes.items() if config.trains(kind)}
+    wanted = {name for name, g in groups.items() if config.trains(g.kind)}
     if set(loaded.a) != wanted or set(loaded.b) != wanted:
         raise CheckpointError(f"checkpoint {path} does not hold every LoRA group its config trains")
     return loaded, meta, files

@@ -115,7 +115,7 @@ class Engine:
                 adapter_id = f"adapter-{next(self._ids)}"
         elif adapter_id in self._adapters or "@" in adapter_id:
             raise EngineError(f"adapter id {adapter_id!r} is taken or contains '@'")
-        weights = init_lora_weights(config, self.lora.group_shapes(), device=self.device)
+        weights = init_lora_weights(config, self.lora.groups, device=self.device)
         self._adapters[adapter_id] = _Adapter(adapter_id, weights, AdapterOptimizer(weights))
         return adapter_id
 
@@ -126,6 +126,12 @@ class Engine:
             raise EngineError(f"LoRA alpha must be positive and finite, got {config.alpha!r}")
         if not (config.train_attn or config.train_mlp or config.train_unembed):
             raise EngineError("an adapter must train at least one of attention, MLP or unembedding")
+        if config.train_mlp and self.lora.unknown_experts:
+            raise EngineError(
+                f"this model's experts have a layout the LoRA layers do not know: "
+                f"{'; '.join(self.lora.unknown_experts[:2])}. Create the adapter with train_mlp=False "
+                "(attention and unembedding are still trained)"
+            )
         kinds = {g.kind for g in self.lora.groups.values()}
         if not any(config.trains(k) for k in kinds):
             raise EngineError(
@@ -510,7 +516,7 @@ class Engine:
     ) -> tuple[LoRAWeights, dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
         """Read and check a checkpoint's weights against this engine; changes no state."""
         return read_adapter(
-            path, base_model=self.base.name, shapes=self.lora.group_shapes(), device=self.device,
+            path, base_model=self.base.name, groups=self.lora.groups, device=self.device,
             check_config=self._check_config,
         )  # fmt: skip
 
@@ -560,10 +566,12 @@ class Engine:
         """Register ``weights`` (copied) as an immutable, sampleable snapshot ``snapshot_id``."""
         if snapshot_id in self._snapshots or snapshot_id in self._adapters:
             raise EngineError(f"policy id {snapshot_id!r} is already in use")
-        shapes = self.lora.group_shapes()
-        for group, t in weights.a.items():
-            if group not in shapes or t.shape[0] != shapes[group][0] or t.shape[2] != shapes[group][1]:
-                raise EngineError(f"snapshot weights for {group!r} do not fit this base model")
+        groups, r = self.lora.groups, weights.rank
+        for name in {*weights.a, *weights.b}:
+            g = groups.get(name)
+            a, b = weights.a.get(name), weights.b.get(name)
+            if g is None or a is None or b is None or a.shape != g.a_shape(r) or b.shape != g.b_shape(r):
+                raise EngineError(f"snapshot weights for {name!r} do not fit this base model")
         frozen = weights.clone(requires_grad=False)
         info = SnapshotInfo(snapshot_id, adapter_id, 0, step, frozen.nbytes())
         self._snapshots[snapshot_id] = (frozen, info)

@@ -8,6 +8,10 @@
 - ``target_modules`` the short module names (``q_proj``, ``down_proj``, ``lm_head``), as PEFT's
   own configs and vLLM's supported-module checks expect, unless a short name would also match a
   module this adapter does not train (then the full module paths, which PEFT matches exactly);
+- routed experts (fused 3-D parameters, :mod:`opentinker.lora.experts`) through PEFT's
+  ``target_parameters``: one ``ParamWrapper`` per targeted parameter, nested on the experts module
+  in parameter order (the first innermost, under ``.base_layer``), with ``lora_A`` [r·E, in]
+  (expert-major) and ``lora_B`` [out, r·E] (expert-minor), which is how PEFT 0.21 lays them out;
 - ``r`` and ``lora_alpha`` giving the engine's own ``alpha / r`` scale; no rsLoRA, no DoRA, no bias;
 - ``base_model_name_or_path`` the base model's canonical name (an HF id such as
   ``HuggingFaceTB/SmolLM2-135M-Instruct``), never a folder of the machine that wrote it.
@@ -29,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from opentinker.lora import LoRAWeights, TargetGroup
+from opentinker.lora.experts import EXPERT_PARAMS
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -36,10 +41,11 @@ PEFT_CONFIG = "adapter_config.json"
 
 def peft_target_modules(weights: LoRAWeights, groups: dict[str, TargetGroup]) -> list[str]:
     """Short module names when each one names only trained modules, else the full paths."""
-    trained = sorted(weights.a)
-    short = {name: name.rsplit(".", 1)[-1] for name in groups}
+    plain = {n: g for n, g in groups.items() if not g.experts}
+    trained = sorted(n for n in weights.a if n in plain)
+    short = {name: name.rsplit(".", 1)[-1].partition("@")[0] for name in plain}
     mine = {short[n] for n in trained}
-    others = {short[n] for n in groups if n not in weights.a}
+    others = {short[n] for n in plain if n not in weights.a}
     if len(mine) == len(trained) and not mine & others:
         return sorted(mine)
     return [path for n in trained for path in groups[n].paths]
@@ -50,15 +56,19 @@ def export_peft(
 ) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     fan_in_fan_out = False
     for name in sorted(weights.a):
         group = groups[name]
         a, b = weights.a[name].detach(), weights.b[name].detach()
+        if group.experts:
+            tensors.update(_expert_tensors(name, a, b, groups, weights))
+            continue
         for layer, path in enumerate(group.paths):
             tensors[f"base_model.model.{path}.lora_A.weight"] = a[layer].contiguous().cpu()
             tensors[f"base_model.model.{path}.lora_B.weight"] = b[layer].contiguous().cpu()
         fan_in_fan_out |= group.fan_in_fan_out
+    target_parameters = sorted(n for n in weights.a if groups[n].experts)
     save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
@@ -68,7 +78,8 @@ def export_peft(
         "lora_alpha": weights.config.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": peft_target_modules(weights, groups),
+        "target_modules": peft_target_modules(weights, groups) or None,
+        "target_parameters": target_parameters or None,
         "fan_in_fan_out": fan_in_fan_out,
         "use_rslora": False,
         "use_dora": False,
@@ -79,6 +90,33 @@ def export_peft(
     return out
 
 
+def _expert_tensors(
+    name: str, a: torch.Tensor, b: torch.Tensor, groups: dict[str, TargetGroup], weights: LoRAWeights
+) -> dict[str, torch.Tensor]:
+    """PEFT's ``ParamWrapper`` tensors of one experts group (A [L, E, r, in], B [L, E, out, r])."""
+    group = groups[name]
+    # the experts module's targeted parameters, in its parameter order: the first is innermost
+    here = _modules(group)
+    siblings = [g.param for n, g in groups.items() if g.experts and n in weights.a and _modules(g) == here]
+    siblings = [p for p in EXPERT_PARAMS if p in siblings or p == group.param]
+    prefix = ".base_layer" * (len(siblings) - 1 - siblings.index(group.param))
+    out = {}
+    for layer, path in enumerate(group.paths):
+        module = path.rpartition(".")[0]
+        e, n_out, r = b[layer].shape
+        out[f"base_model.model.{module}{prefix}.lora_A.weight"] = (
+            a[layer].reshape(e * r, -1).contiguous().cpu()
+        )
+        out[f"base_model.model.{module}{prefix}.lora_B.weight"] = (
+            b[layer].permute(1, 2, 0).reshape(n_out, r * e).contiguous().cpu()
+        )
+    return out
+
+
+def _modules(group: TargetGroup) -> tuple[str, ...]:
+    return tuple(p.rpartition(".")[0] for p in group.paths)
+
+
 def merge_into(model: Any, weights: LoRAWeights, groups: dict[str, TargetGroup]) -> None:
     """Add the adapter's delta to ``model``'s weights in place (an HF model, not LoRA-wrapped)."""
     if "unembed" in {groups[n].kind for n in weights.a}:
@@ -87,6 +125,14 @@ def merge_into(model: Any, weights: LoRAWeights, groups: dict[str, TargetGroup])
         for name in sorted(weights.a):
             group = groups[name]
             a, b = weights.a[name].detach(), weights.b[name].detach()
+            if group.experts:
+                for layer, path in enumerate(group.paths):
+                    module_path, _, param = path.rpartition(".")
+                    module = model.get_submodule(module_path)
+                    w = getattr(module, param)  # [E, out, in] ([E, in, out] if transposed)
+                    delta = weights.scale * (b[layer].to(w) @ a[layer].to(w))  # [E, out, in]
+                    w.add_(delta.transpose(1, 2) if module.is_transposed else delta)
+                continue
             for layer, path in enumerate(group.paths):
                 w = model.get_submodule(path).weight  # [out, in] ([in, out] for Conv1D)
                 delta = weights.scale * (b[layer].to(w) @ a[layer].to(w))  # [out, in]

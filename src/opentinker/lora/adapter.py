@@ -1,9 +1,12 @@
 """One adapter's LoRA weights, stored per *target group* rather than per layer.
 
-A target group is one kind of projection across all layers (``self_attn.q_proj`` of every decoder
-layer, say). An adapter holds, for each group ``g`` it trains,
+A target group is one kind of projection across the layers that have it (``self_attn.q_proj`` of
+every decoder layer, say). An adapter holds, for each group ``g`` it trains,
 
     A[g]: [L_g, r, in_g]     B[g]: [L_g, out_g, r]     scale = alpha / r
+
+and for the fused routed experts of a MoE layer (``mlp.experts.gate_up_proj``), one pair per expert:
+``A[g]: [L_g, E, r, in_g]``, ``B[g]: [L_g, E, out_g, r]`` (see :mod:`opentinker.lora.experts`),
 
 so that stacking K adapters for a batch is one ``torch.stack`` per group, not one per layer.
 Its tensors have exactly its own rank: nothing is stored "above the rank" that could drift.
@@ -37,6 +40,39 @@ class LoRAConfig:
 
     def trains(self, kind: str) -> bool:
         return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[kind]
+
+
+@dataclass(frozen=True)
+class TargetGroup:
+    """One kind of projection across the layers that have it, e.g. ``self_attn.q_proj``.
+
+    Its ``L`` layers need not be every layer (attention in a hybrid model), and layers where the
+    same name has another shape form a group of their own (``name@<first layer>``). ``experts``
+    > 0 marks the fused parameter ``param`` of a routed-experts module (one LoRA pair per expert).
+    """
+
+    name: str
+    kind: str  # "attn" | "mlp" | "unembed"
+    d_in: int
+    d_out: int
+    paths: tuple[str, ...]  # module path of each layer's instance, in layer order (for PEFT export)
+    fan_in_fan_out: bool  # GPT-2's Conv1D stores weight as [in, out]
+    experts: int = 0  # routed experts per layer (0: a plain projection)
+    param: str = ""  # the experts module's fused parameter (``gate_up_proj``, ``down_proj``)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.paths)
+
+    def a_shape(self, rank: int) -> tuple[int, ...]:
+        """One adapter's A: [L, r, in], or [L, E, r, in] for experts."""
+        mid = (self.experts,) if self.experts else ()
+        return (self.n_layers, *mid, rank, self.d_in)
+
+    def b_shape(self, rank: int) -> tuple[int, ...]:
+        """One adapter's B: [L, out, r], or [L, E, out, r] for experts."""
+        mid = (self.experts,) if self.experts else ()
+        return (self.n_layers, *mid, self.d_out, rank)
 
 
 _UIDS = itertools.count()
@@ -115,24 +151,25 @@ class LoRAWeights:
 
 def init_lora_weights(
     config: LoRAConfig,
-    groups: dict[str, tuple[int, int, int, str]],
+    groups: dict[str, TargetGroup],
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoRAWeights:
-    """Fresh trainable weights for every group (``name -> (L, in, out, kind)``) the config trains."""
+    """Fresh trainable weights for every target group the config trains."""
     gen = torch.Generator(device="cpu")
     gen.manual_seed(config.seed if config.seed is not None else torch.seed() % (2**63))
     r = config.rank
     weights = LoRAWeights(config)
     for name in sorted(groups):
-        n_layers, d_in, d_out, kind = groups[name]
-        if not config.trains(kind):
+        group = groups[name]
+        if not config.trains(group.kind):
             continue
-        # kaiming_uniform_(a=sqrt(5)) on a [r, in] matrix has bound 1/sqrt(in); drawn on CPU from
-        # the adapter's own generator so the same seed gives the same adapter on any device.
-        bound = 1.0 / math.sqrt(d_in)
-        a = (torch.rand(n_layers, r, d_in, generator=gen, dtype=torch.float32) * 2 - 1) * bound
+        # kaiming_uniform_(a=sqrt(5)) on a [r, in] matrix has bound 1/sqrt(in) (per expert, too);
+        # drawn on CPU from the adapter's own generator so the same seed gives the same adapter
+        # on any device.
+        bound = 1.0 / math.sqrt(group.d_in)
+        a = (torch.rand(group.a_shape(r), generator=gen, dtype=torch.float32) * 2 - 1) * bound
         weights.a[name] = a.to(device=device, dtype=dtype).requires_grad_(True)
-        weights.b[name] = torch.zeros(n_layers, d_out, r, device=device, dtype=dtype, requires_grad=True)
+        weights.b[name] = torch.zeros(group.b_shape(r), device=device, dtype=dtype, requires_grad=True)
     return weights

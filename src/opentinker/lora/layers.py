@@ -37,29 +37,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentinker.lora.adapter import LoRAWeights
+from opentinker.lora.adapter import LoRAWeights, TargetGroup
+from opentinker.lora.experts import (
+    EXPERT_PARAMS,
+    expert_dims,
+    experts_forward,
+    has_3d_parameters,
+    is_known_experts,
+)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+# routers and gates that pick or weigh experts: never adapted (see opentinker.lora.experts)
+ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
 MAX_SPLIT_RUNS = 8  # beyond this many unequal runs, per-row gathers beat a Python loop of matmuls
-
-
-@dataclass(frozen=True)
-class TargetGroup:
-    """One kind of projection across all layers, e.g. ``self_attn.q_proj`` (``L`` modules)."""
-
-    name: str
-    kind: str  # "attn" | "mlp" | "unembed"
-    d_in: int
-    d_out: int
-    paths: tuple[str, ...]  # module path of each layer's instance, in layer order (for PEFT export)
-    fan_in_fan_out: bool  # GPT-2's Conv1D stores weight as [in, out]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.paths)
-
-    def shape_info(self) -> tuple[int, int, int, str]:
-        return (self.n_layers, self.d_in, self.d_out, self.kind)
 
 
 class LoRABatch:
@@ -69,8 +59,8 @@ class LoRABatch:
         self, entries: list[LoRAWeights | None], row_index: torch.Tensor, groups: dict[str, TargetGroup]
     ) -> None:
         self.entries = entries
-        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
-        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
+        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in] ([K, L, E, r_max, in])
+        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max] ([K, L, E, out, r_max])
         self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
         # group -> each layer's [K, r_max, in] and [K, out, r_max]: views of the stacks, taken in
         # one unbind so that backward assembles each stack's gradient once, not once per layer
@@ -84,8 +74,8 @@ class LoRABatch:
             a_list, b_list, scales = [], [], []
             for e in entries:
                 if e is None or name not in e.a:
-                    a_list.append(ref.new_zeros(group.n_layers, r_max, group.d_in))
-                    b_list.append(ref.new_zeros(group.n_layers, group.d_out, r_max))
+                    a_list.append(ref.new_zeros(group.a_shape(r_max)))
+                    b_list.append(ref.new_zeros(group.b_shape(r_max)))
                     scales.append(0.0)
                     continue
                 pad = r_max - e.rank
@@ -99,7 +89,7 @@ class LoRABatch:
         self._set_rows(row_index)
 
     def _set_rows(self, row_index: torch.Tensor) -> None:
-        self._cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}
         self.row_index = row_index  # [B] int64, values in [0, K)
         runs: list[list[int]] = []  # [entry, length] of each maximal run of consecutive rows
         for e in row_index.tolist():
@@ -134,24 +124,51 @@ class LoRABatch:
         return sub
 
     def delta(self, group: str, layer: int, x: torch.Tensor) -> torch.Tensor | None:
-        """The LoRA term for ``x`` ([B, T, in]) at ``layer`` of ``group``, or None if no entry has it."""
+        """The LoRA term for ``x`` ([B, T, in] or [B·T, in]) at ``layer`` of ``group``, or None if no entry has it."""
         if group not in self.a:
             return None
         a_t, b_t = self._weights(group, layer, x.dtype)
         if self.single is not None:  # one entry for every row: plain matmuls
             return (x @ a_t) @ b_t
-        shape = x.shape
-        x3 = x.reshape(shape[0], -1, shape[-1])  # [B, T, in]
+        shape, rows = x.shape, self.row_index.numel()
+        # [B, T, in]; also when a layer calls its projection on the rows flattened to [B·T, in]
+        # (the shared experts of a MoE block), which keeps the tokens row-major
+        x3 = x.reshape(rows, -1, shape[-1])
         if self.split is not None:  # a few unequal runs: plain matmuls per run
             parts = torch.split(x3, self.split)
             out = torch.cat([(p @ a_t[k]) @ b_t[k] for k, p in enumerate(parts)])
         elif self.run_len is not None:  # equal runs: one batched matmul pair, slots = runs
             n = self.run_len
-            xr = x3.reshape(shape[0] // n, n * x3.shape[1], shape[-1])  # [R, n·T, in]
-            out = torch.bmm(torch.bmm(xr, a_t), b_t).reshape(shape[0], x3.shape[1], -1)
+            xr = x3.reshape(rows // n, n * x3.shape[1], shape[-1])  # [R, n·T, in]
+            out = torch.bmm(torch.bmm(xr, a_t), b_t).reshape(rows, x3.shape[1], -1)
         else:
             out = torch.bmm(torch.bmm(x3, a_t), b_t)
         return out.reshape(*shape[:-1], -1)
+
+    def expert_weights(
+        self, group: str, layer: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An experts group's pairs at ``layer`` for grouped matmuls over (expert, entry) segments,
+        expert-major: A^T [E·K, in, r], B^T [E·K, r, out], and each entry's scale [K]. Cached
+        without autograd, like :meth:`_weights`."""
+        key = (group, -1 - layer)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit[0], hit[1], hit[2]
+        a_layers, b_layers = self.layers[group]
+        a, b = (
+            a_layers[layer].transpose(0, 1),
+            b_layers[layer].transpose(0, 1),
+        )  # [E, K, r, in], [E, K, out, r]
+        pad = -a.shape[2] % 8  # zero ranks up to a multiple of 8: grouped_mm's 16-byte strides
+        if pad:
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+        a_t = a.reshape(-1, *a.shape[2:]).transpose(1, 2).contiguous().to(dtype)
+        b_t = b.reshape(-1, *b.shape[2:]).transpose(1, 2).contiguous().to(dtype)
+        out = (a_t, b_t, self.scale[group].to(dtype))
+        if not torch.is_grad_enabled():
+            self._cache[key] = out
+        return out
 
     def _weights(self, group: str, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A^T, scale·B^T) for this layer: [in, r], [r, out] if one entry serves every row, else one
@@ -160,7 +177,7 @@ class LoRABatch:
         key = (group, layer)
         hit = self._cache.get(key)
         if hit is not None:
-            return hit
+            return hit[0], hit[1]
         a_layers, b_layers = self.layers[group]
         a, b, scale = a_layers[layer], b_layers[layer], self.scale[group]
         if self.single is not None:
@@ -201,6 +218,44 @@ class MultiLoRALinear(nn.Module):
         return y if d is None else y + d
 
 
+class MultiLoRAExperts(nn.Module):
+    """A frozen routed-experts module plus the current batch's LoRA on each of its experts
+    (semantics: :mod:`opentinker.lora.experts`).
+
+    ``groups`` maps each of its fused parameters to the target group holding its LoRA pairs and
+    this module's layer within that group.
+    """
+
+    def __init__(self, base: nn.Module, owner: MultiLoRA, groups: dict[str, tuple[str, int]]) -> None:
+        super().__init__()
+        self.base = base
+        self.groups = groups
+        object.__setattr__(self, "_owner", owner)  # not a submodule: outside the model's tree
+
+    @property
+    def num_experts(self) -> int:  # read by some MoE blocks
+        return int(self.base.num_experts)  # type: ignore[arg-type]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> Any:
+        batch: LoRABatch | None = self._owner.batch  # type: ignore[attr-defined]
+        if batch is None or not any(g in batch.a for g, _ in self.groups.values()):
+            return self.base(hidden_states, top_k_index, top_k_weights)
+
+        def pair(param: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+            group, layer = self.groups.get(param, ("", 0))
+            return batch.expert_weights(group, layer, dtype) if group in batch.a else None
+
+        n_tok, rows = hidden_states.shape[0], batch.row_index.numel()
+        if n_tok % rows:
+            raise RuntimeError(f"MoE layer got {n_tok} tokens for a batch of {rows} rows")
+        entry = batch.row_index.repeat_interleave(n_tok // rows)  # [T] each token's entry (rows row-major)
+        return experts_forward(
+            self.base, hidden_states, top_k_index, top_k_weights, entry, len(batch.entries), pair
+        )
+
+
 def _kind_of(path: str, is_unembed: bool) -> str | None:
     if is_unembed:
         return "unembed"
@@ -234,33 +289,59 @@ class MultiLoRA:
     def __init__(self, model: Any) -> None:
         self.model = model
         self._local = threading.local()
+        # expert modules of a layout this layer does not know (module path, class, 3-D shapes):
+        # an adapter that trains the MLP is refused on such a model, never silently partial
+        self.unknown_experts: list[str] = []
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        found: dict[str, list[tuple[int, str, nn.Module, int, int, bool, str]]] = {}
+        found: dict[str, list[_Site]] = {}
         for path, module in list(model.named_modules()):
-            dims = _dims(module)
-            if dims is None:
-                continue
             kind = _kind_of(path, module is out_emb)
-            if kind is None:
-                continue
-            m = _LAYER_INDEX.search(f".{path}.")
-            if kind == "unembed" or m is None:
-                name, layer = path, 0
-            else:
-                name, layer = path[m.end() - 1 :], int(m.group(1))
-            found.setdefault(name, []).append((layer, path, module, *dims, kind))
+            if kind is not None:
+                for site in self._sites(path, module, kind):
+                    found.setdefault(site.name, []).append(site)
         self.groups: dict[str, TargetGroup] = {}
-        for name, items in sorted(found.items()):
-            items.sort(key=lambda t: t[0])
-            if [t[0] for t in items] != list(range(len(items))):
-                raise ValueError(f"layers of {name!r} are not numbered 0..L-1: cannot stack them")
-            shapes = {(t[3], t[4]) for t in items}
-            if len(shapes) != 1:
-                raise ValueError(f"projections named {name!r} have different shapes {sorted(shapes)}")
-            _, _, _, d_in, d_out, fifo, kind = items[0]
-            self.groups[name] = TargetGroup(name, kind, d_in, d_out, tuple(t[1] for t in items), fifo)
-            for layer, path, module, *_ in items:
-                _replace_module(model, path, MultiLoRALinear(module, self, name, layer))
+        experts: dict[str, dict[str, tuple[str, int]]] = {}  # module path -> param -> (group, layer)
+        for name, sites in sorted(found.items()):
+            sites.sort(key=lambda t: t.layer)
+            parts: dict[tuple[int, int, bool, int], list[_Site]] = {}
+            for site in sites:
+                parts.setdefault((site.d_in, site.d_out, site.fifo, site.experts), []).append(site)
+            for part in parts.values():
+                group = name if len(parts) == 1 else f"{name}@{part[0].layer}"
+                first = part[0]
+                self.groups[group] = TargetGroup(
+                    group, first.kind, first.d_in, first.d_out, tuple(t.path for t in part), first.fifo,
+                    first.experts, first.param,
+                )  # fmt: skip
+                for pos, site in enumerate(part):
+                    if site.experts:
+                        experts.setdefault(site.path.rpartition(".")[0], {})[site.param] = (group, pos)
+                    else:
+                        _replace_module(model, site.path, MultiLoRALinear(site.module, self, group, pos))
+        for path, params in experts.items():
+            _replace_module(model, path, MultiLoRAExperts(model.get_submodule(path), self, params))
+
+    def _sites(self, path: str, module: nn.Module, kind: str) -> list[_Site]:
+        """The LoRA targets ``module`` offers: itself (a projection), or its fused expert parameters
+        (one site each, its ``path`` being ``<module>.<param>``)."""
+        m = _LAYER_INDEX.search(f".{path}.")
+        name, layer = (path, 0) if kind == "unembed" or m is None else (path[m.end() - 1 :], int(m.group(1)))
+        dims = _dims(module)
+        if dims is not None:
+            if path.rpartition(".")[2] in ROUTERS:
+                return []
+            return [_Site(name, layer, path, module, *dims, kind)]
+        if is_known_experts(module):
+            params = [p for p in EXPERT_PARAMS if isinstance(getattr(module, p, None), nn.Parameter)]
+            return [
+                _Site(f"{name}.{p}", layer, f"{path}.{p}", module, *expert_dims(module, p)[1:], False, kind,
+                      expert_dims(module, p)[0], p)
+                for p in params
+            ]  # fmt: skip
+        shapes = has_3d_parameters(module)
+        if shapes and kind == "mlp":
+            self.unknown_experts.append(f"{path} ({type(module).__name__}: {shapes})")
+        return []
 
     @property
     def batch(self) -> LoRABatch | None:
@@ -281,9 +362,6 @@ class MultiLoRA:
         object.__setattr__(model, "_opentinker_lora", wrapper)
         return wrapper
 
-    def group_shapes(self) -> dict[str, tuple[int, int, int, str]]:
-        return {name: g.shape_info() for name, g in self.groups.items()}
-
     @contextmanager
     def use(self, batch: LoRABatch | None) -> Iterator[None]:
         """Route the wrapped layers through ``batch`` for the duration of the block."""
@@ -297,6 +375,22 @@ class MultiLoRA:
         if all(e is None for e in entries):
             return None
         return LoRABatch(entries, row_index, self.groups)
+
+
+@dataclass
+class _Site:
+    """One LoRA target found in the model: a projection, or one fused parameter of an experts module."""
+
+    name: str  # the path after the layer index: the target group's name
+    layer: int
+    path: str
+    module: nn.Module
+    d_in: int
+    d_out: int
+    fifo: bool
+    kind: str
+    experts: int = 0
+    param: str = ""
 
 
 def _replace_module(root: nn.Module, path: str, new: nn.Module) -> None:

@@ -131,6 +131,37 @@ def _left_pad(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
+# layer kinds whose cache is keys and values (what HFForward's cache handling slices and merges)
+_KV_LAYERS = frozenset({"full_attention", "attention", "sliding_attention", "chunked_attention"})
+
+
+def unsupported_cache_reason(model: Any) -> str | None:
+    """Why the native sampler cannot hold ``model``'s decoding state (None: it can).
+
+    Its cache is per-row keys and values of equal width in every layer: rows are selected, merged
+    and stored for the next turn by slicing them. A layer that keeps a recurrent state (Gated
+    DeltaNet, Mamba2) or MLA's keys and values of different widths does not fit that yet; such a
+    model trains, and sampling it is refused with this reason instead of failing mid-decode.
+    """
+    config: Any = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    family = str(getattr(config, "model_type", "this model"))
+    for attr in ("layer_types", "layers_block_type"):
+        kinds = {str(k) for k in (getattr(config, attr, None) or [])} - _KV_LAYERS - {"mlp", "moe"}
+        if kinds:
+            return (
+                f"the native sampler cannot sample {family} yet: its {', '.join(sorted(kinds))} layers keep "
+                "a recurrent state, which its key-value cache does not hold"
+            )
+    v, nope, rope = (getattr(config, a, None) for a in ("v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"))
+    if v is not None and nope is not None and rope is not None and v != nope + rope:
+        return (
+            f"the native sampler cannot sample {family} yet: its MLA attention caches keys {nope + rope} and "
+            f"values {v} wide, and its key-value cache holds equal widths only"
+        )
+    return None
+
+
 class HFForward:
     """The model's own HF forward with a ``DynamicCache``, LoRA through the engine's routing."""
 

@@ -23,7 +23,7 @@ from opentinker.sampling.decoder import (
     common_prompt_prefix,
     run_to_completion,
 )
-from opentinker.sampling.forward import LoRACache
+from opentinker.sampling.forward import LoRACache, unsupported_cache_reason
 from opentinker.sampling.llama_decode import LlamaLean, lean_llama
 from opentinker.sampling.prefix_cache import PrefixCache
 from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams
@@ -59,6 +59,7 @@ class NativeBackend(RolloutBackend):
         # transformers 5.x renamed forward's ``past_key_values`` to ``cache``; accept either.
         params = inspect.signature(engine.base.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._unsupported = unsupported_cache_reason(engine.base.model)
 
     # ---------------------------------------------------------------- policies
     def publish(self, policy_id: str, weights: LoRAWeights) -> None:
@@ -83,6 +84,8 @@ class NativeBackend(RolloutBackend):
     # ---------------------------------------------------------------- sampling
     def validate(self, req: SampleRequest) -> None:
         """Raise :class:`EngineError` naming the problem with ``req``."""
+        if self._unsupported is not None:
+            raise EngineError(self._unsupported)
         check_request(req, vocab_size=self.engine.vocab_size, max_context=self.engine.max_context)
         _check_prompt_extras(
             req, self.engine.vocab_size

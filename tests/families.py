@@ -1,0 +1,58 @@
+"""Random 2-layer models of transformers' own config classes, saved with the tiny model's tokenizer.
+
+``family_model(folder, family)`` builds one (``AutoConfig.for_model(family, **FAMILIES[family])``),
+saves it with ``save_pretrained`` and returns the folder, which ``load_base_model`` takes. Sizes
+are small enough that a whole conformance run takes seconds on two cores, but every structural
+feature is kept: the MoE families route 4 experts top-2 so a short batch reaches each expert, GLM-4
+MoE and DeepSeek V3 have a dense first layer before a MoE layer, gpt-oss has biased experts with its
+clamped SwiGLU and sliding-window attention with sinks, and Qwen3.5-MoE mixes a Gated DeltaNet
+layer with a full-attention layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_ATTN: dict[str, Any] = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(_ATTN, head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                      num_experts_per_tok=2),
+    "mixtral": dict(_ATTN, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(_ATTN, intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(_ATTN, head_dim=8, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                     n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                     topk_group=1),
+    "deepseek_v3": dict(_ATTN, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16,
+                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+    "gpt_oss": dict(_ATTN, head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+    "qwen3_5_moe_text": dict(_ATTN, head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                             num_experts=4, num_experts_per_tok=2,
+                             layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                             linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
+}  # fmt: skip
+
+FAMILIES: dict[str, dict[str, Any]] = {**MOE_FAMILIES}
+
+
+def family_model(folder: Path, family: str, **overrides: Any) -> str:
+    """A random 2-layer ``family`` model with the tiny model's tokenizer, saved to ``folder``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from opentinker.models.registry import tiny_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = AutoConfig.for_model(family, vocab_size=len(tok), **ids, **{**FAMILIES[family], **overrides})
+    torch.manual_seed(0)
+    model: Any = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
