@@ -1,4 +1,4 @@
-"""P1: the cost of mixing many adapters in one forward batch (DESIGN.md §6).
+"""P1: the cost of mixing many adapters in one forward batch (docs/DESIGN.md, "Performance targets").
 
 What it measures: the wall-clock time of one no-grad forward of a batch of ``B`` rows in which every
 row goes through a DIFFERENT LoRA adapter (K = B, all rank ``r``), divided by the time of the same

@@ -1,6 +1,6 @@
 """P2: fused multi-adapter training steps versus one adapter, and versus one adapter at a time.
 
-What it measures (DESIGN.md §6): the wall-clock time of one fused training step over K adapters —
+What it measures (target: docs/DESIGN.md): the wall-clock time of one fused training step over K adapters —
 ONE ``forward_backward_many`` call holding K requests of ``b`` rows each (one forward, one backward
 over all K·b rows) followed by each adapter's ``optim_step`` — divided by the time of the same K·b
 rows trained as one request on ONE adapter (one ``forward_backward_many`` + one ``optim_step``).

@@ -5,7 +5,7 @@ merged into its weights (no LoRA cost at all), generating the same batch with ``
 samples the same batch with every row on a *different* adapter, through the native KV-cache
 backend. Both produce exactly ``--new-tokens`` tokens per row (no early stop) at temperature 1.
 Runs are interleaved (ours, HF, ours, HF, ...) and medians quoted; the last line is ``P3 <ratio>``
-(ours tokens/s ÷ HF tokens/s; DESIGN.md §6 target ≥ 1.5 on the tiny model, ≥ 1.0 on SmolLM2).
+(ours tokens/s ÷ HF tokens/s; docs/DESIGN.md's target ≥ 1.5 on the tiny model, ≥ 1.0 on SmolLM2).
 ``--backend vllm`` adds vLLM's engine (runtime LoRA, one ``LoRARequest`` per adapter's snapshot) on
 the same adapters and prompts, interleaved with the others, and prints native ÷ vLLM tokens/s
 (``P3-vllm``); the adapters then leave the unembedding untrained (vLLM's LoRA does not serve it).

@@ -1,6 +1,6 @@
 """P5: does the number of REGISTERED adapters slow down training of the ACTIVE ones?
 
-What it measures (DESIGN.md §6): the throughput (tokens/s) of fused training steps — one
+What it measures (target: docs/DESIGN.md): the throughput (tokens/s) of fused training steps — one
 ``forward_backward_many`` over 8 active adapters × ``b`` rows each, then each active adapter's
 ``optim_step`` — in an engine that holds 1,000 registered adapters, divided by the same step in an
 engine that holds only the 8 active ones. Ideal 1.0, target ≥ 0.95: a server keeps every tenant's

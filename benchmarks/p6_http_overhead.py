@@ -1,6 +1,6 @@
 """P6: an SFT step through the ``tinker`` SDK over HTTP ÷ the same step in-process.
 
-What it measures (DESIGN.md §6): one supervised training step — ``forward_backward`` of a batch of
+What it measures (target: docs/DESIGN.md): one supervised training step — ``forward_backward`` of a batch of
 ``--batch`` × ``--seq`` tokens (``cross_entropy``) pipelined with an ``optim_step``, waiting for
 both results — done two ways on the same base model, adapter config and data:
 

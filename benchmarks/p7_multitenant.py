@@ -5,7 +5,7 @@ sample a group (``num_samples``) from it, build importance-sampling datums with 
 advantages, ``forward_backward``, ``optim_step``. Run concurrently (one thread per client), the
 scheduler fuses the clients' forward/backward passes into one batch per tick and decodes all their
 samples as one mixed-adapter batch; run one after another, nothing can be shared. Same total work
-both ways. Last line: ``P7mt <aggregate throughput ratio>`` (DESIGN.md §6 target ≥ 3).
+both ways. Last line: ``P7mt <aggregate throughput ratio>`` (docs/DESIGN.md's target ≥ 3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DESIGN.md §5 invariants 1, 2, 4 and 6 on the tiny model, each against a plain reference."""
+"""Invariants 1, 2, 4 and 6 of docs/DESIGN.md on the tiny model, each against a plain reference."""
 
 from __future__ import annotations
 

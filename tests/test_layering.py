@@ -1,6 +1,6 @@
 """Import layering of ``src/opentinker``: lower layers never import upper ones, and no import cycles.
 
-The layers (DESIGN.md §2), bottom-up: ``models`` → ``lora`` → ``engine`` → ``sampling`` →
+The layers (docs/DESIGN.md, "Layers"), bottom-up: ``models`` → ``lora`` → ``engine`` → ``sampling`` →
 ``rollout`` (rollout worker processes and the pool serving from them: the sampler as a service,
 beside the backends it runs) → ``scheduler`` (the core: pure compute and state) → ``cluster`` (the Ray
 transport and Ray's set-up: the only layer that imports ``ray``, and only when Ray is asked for) → ``client`` (the embedded, SDK-shaped clients and

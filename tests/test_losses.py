@@ -1,4 +1,4 @@
-"""Each built-in loss against a value computed by hand (DESIGN.md §3)."""
+"""Each built-in loss against a value computed by hand (docs/DESIGN.md, "Data path")."""
 
 from __future__ import annotations
 

@@ -18,13 +18,13 @@ The bounds, each several times the largest difference measured and still orders 
 below what a real bug does (the tests' adapters change logprobs by 1-30 nats, ~1 relative in norm,
 so a row routed to the wrong adapter, a dropped LoRA term or a wrong position is far outside them):
 
-- ``LOGPROB_ATOL = 1e-4``: one token's logprob, absolute (DESIGN.md §5 invariants 3 and 5's own
+- ``LOGPROB_ATOL = 1e-4``: one token's logprob, absolute (docs/DESIGN.md invariants 3 and 5's own
   bound; the estimate for the largest logits, 4x the largest difference measured).
 - ``REL = 1e-4``: whole tensors (a batch's logprobs or losses, gradients, layer outputs, weights
   after one step), relative in norm, ``||a - b|| <= REL * ||b||``. Per element a relative bound
   fails on values that are themselves ~0 (a gradient coordinate, a LoRA delta at B ≈ 0); in norm
-  the estimate above holds. DESIGN.md §5 invariant 1 states 1e-5: that is the size of what is
-  seen, but not a bound fp32 guarantees (the scalar kernels reach 1.45e-5, below).
+  the estimate above holds. Differences of ~1e-5 are what invariant 1 (docs/DESIGN.md) usually
+  shows, but that is not a bound fp32 guarantees (the scalar kernels reach 1.45e-5, below).
 - ``ELEMENTWISE_REL = 1e-6``: elementwise arithmetic only (an optimizer step against
   ``torch.optim.AdamW`` on the same gradients, a resumed run against an uninterrupted one): no
   reduction is reordered, at most fused (FMA, foreach kernels): a few ulps (``EPS32``) per element.

@@ -4,7 +4,7 @@ Layers, bottom-up (each imports only the ones before it): ``models`` (load a bas
 ``lora`` (multi-adapter layers), ``engine`` (fused training, losses, optimizer, snapshots,
 checkpoints, export), ``sampling`` (rollout backends), ``scheduler`` (ticks, ordering, fairness),
 ``client`` (the SDK-shaped ``ServiceClient`` / ``TrainingClient`` / ``SamplingClient``, embedded).
-See the README's file map.
+See the README's folder map and docs/FILES.md.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -1,6 +1,6 @@
 """The one data path: token sequences with per-token masks -> ``tinker.types.Datum``.
 
-Tinker's convention (DESIGN.md §3): the model input is ``tokens[:-1]`` and position *i* predicts
+Tinker's convention (docs/DESIGN.md, "Data path"): the model input is ``tokens[:-1]`` and position *i* predicts
 ``tokens[i + 1]``; every per-token field has the targets' length. SFT puts its weights on the
 tokens to learn; RL (``opentinker.rl.datums``, from trajectories) puts the advantage and the
 sampler's logprob on the action tokens and 0 on everything the policy did not generate.

@@ -1,4 +1,4 @@
-"""The backend contract for rollout engines (the paper's "mixed-adapter rollout kernel" contract).
+"""The backend contract for rollout engines: one batch mixes snapshots of many adapters.
 
 Everything above it (scheduler, clients, RL loops) talks to a :class:`RolloutBackend`:
 

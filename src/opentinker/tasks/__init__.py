@@ -1,4 +1,4 @@
-"""Validation tasks (DESIGN.md §7): environments and datasets, looked up by name."""
+"""Validation tasks (docs/DESIGN.md, "Validation tasks"): environments and datasets, looked up by name."""
 
 from opentinker.tasks.registry import TASKS, TaskSpec, get_task
 

@@ -1,4 +1,4 @@
-"""Single-turn arithmetic: 2-digit addition with an exact-match reward (the README's fixed task).
+"""Single-turn arithmetic: 2-digit addition with an exact-match reward (the fixed task; docs/LIBRARY.md).
 
 User message ``What is A + B? Answer with just the number.`` (A, B uniform in [10, 99]) through the
 model's chat template; reward 1 if the first integer in the completion equals A + B, else 0.
