@@ -226,6 +226,11 @@ def test_a_conversations_next_turn_goes_to_the_worker_holding_its_prefix(
     [turn2] = served.sample([nxt])
     assert served.pool.stats.prefix_routed == routed + 1
     _same(turn2, served.reference.generate([nxt])[0])
+    # the worker's prefix cache served turn 2's prompt, and the count crossed the process boundary:
+    # all of turn 1's prompt and reply but the reply's last token (never fed to the model)
+    assert turn1.prompt_cache_hit_tokens == 0
+    assert isinstance(turn2, SampleResult)
+    assert turn2.prompt_cache_hit_tokens == len(first.prompt) + len(turn1.sequences[0].tokens) - 1
 
 
 # ---------------------------------------------------------------------- faults

@@ -162,6 +162,20 @@ def test_mismatch_figures_are_finite_and_small(rt: Runtime, trained) -> None:
     assert m.max_abs <= 10 * LOGPROB_ATOL and 0 <= m.kl <= 1e-6
 
 
+def test_prompt_cache_hit_tokens_come_from_vllms_prefix_cache(rt: Runtime) -> None:
+    """vLLM reports the prompt tokens its prefix cache served (whole KV blocks: 128 tokens on CPU),
+    so turn 2 of a conversation longer than a block reuses some of turn 1 and at most what the
+    native sampler would (the prompt and the reply but its last token); turn 1 reuses nothing."""
+    sampler = opentinker.ServiceClient(runtime=rt).create_sampling_client(base_model=TEST_MODEL)
+    prompt = [(i * 37) % 900 + 3 for i in range(300)]  # tokens no other test's prompt starts with
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5, stop=[])
+    turn1 = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result()
+    nxt = prompt + list(turn1.sequences[0].tokens) + [21, 22, 23]
+    turn2 = sampler.sample(types.ModelInput.from_ints(nxt), 2, params).result()
+    assert turn1.prompt_cache_hit_tokens == 0
+    assert 0 < turn2.prompt_cache_hit_tokens <= len(prompt) + 6 - 1
+
+
 def test_pinned_snapshot_stays_pinned_after_a_newer_publish(rt: Runtime, trained) -> None:
     tc, sampler = trained
     prompt = types.ModelInput.from_ints(PROMPT)

@@ -172,5 +172,6 @@ def sample_response(
         prompt_logprobs_np=prompt_np,
         _topk_prompt_logprobs_list=topk_prompt,
         target_prompt_logprobs=target,
+        prompt_cache_hit_tokens=res.prompt_cache_hit_tokens,
         prompt_alt_tokens=alt,
     )

@@ -243,6 +243,8 @@ class StepDecoder:
         for i, r in enumerate(reqs):
             if r.wants_prompt:
                 prompt_logprobs(jobs[i].result, logits[i, width - lens[i] :], r)
+            if hits[i] is not None:  # a prefix shared within this batch is not a cache hit
+                jobs[i].result.prompt_cache_hit_tokens = skip[i]
 
         rows: list[Row] = []
         index: list[int] = []

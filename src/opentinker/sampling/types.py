@@ -84,3 +84,7 @@ class SampleResult:
     target_prompt_logprobs: list[list[float]] | None = None
     # ``prompt_alt_tokens_k`` draws: ([len(prompt) - 1][k] token ids, their logprobs)
     prompt_alt_tokens: tuple[list[list[int]], list[list[float]]] | None = None
+    # prompt tokens whose keys and values were reused from the prefix cache rather than prefilled
+    # (the SDK's ``SampleResponse.prompt_cache_hit_tokens``): counted once per prompt, since every
+    # sample of a request fans out from the same prefill
+    prompt_cache_hit_tokens: int = 0

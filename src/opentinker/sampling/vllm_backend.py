@@ -300,6 +300,7 @@ class VLLMDecoder:
             job = self._jobs[rid]
             seq = sequence_of(out.outputs[0], job.pinned.req.topk_sample_logprobs)
             job.seqs[k] = seq
+            job.note_cached(out)
             scored.append((job, seq))
             job.left -= 1
             if job.left == 0:

@@ -31,6 +31,16 @@ class Job:
     left: int
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    cached_tokens: int | None = None  # the fewest prompt tokens vLLM's prefix cache gave a row
+
+    def note_cached(self, output: Any) -> None:
+        """Count a finished row's prefix-cache hit (vLLM's ``RequestOutput.num_cached_tokens``,
+        None or absent where it does not say: 0). Each row is its own vLLM request, and rows
+        after the first may reuse the first's blocks of the same prompt; the fewest any row got
+        is what the cache held for the prompt, the count the native sampler reports (once per
+        prompt, not per sample)."""
+        hit = int(getattr(output, "num_cached_tokens", None) or 0)
+        self.cached_tokens = hit if self.cached_tokens is None else min(self.cached_tokens, hit)
 
 
 def sampling_params(
@@ -86,5 +96,8 @@ def sequence_of(completion: Any, k: int) -> SampledSequence:
 def result_of(job: Job) -> SampleResult:
     seqs = [s for s in job.seqs if s is not None]
     return SampleResult(
-        seqs, prompt_logprobs=job.prompt_logprobs, topk_prompt_logprobs=job.topk_prompt_logprobs
+        seqs,
+        prompt_logprobs=job.prompt_logprobs,
+        topk_prompt_logprobs=job.topk_prompt_logprobs,
+        prompt_cache_hit_tokens=job.cached_tokens or 0,
     )

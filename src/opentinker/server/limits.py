@@ -4,11 +4,19 @@ The whole body is read here, up to ``max_bytes``: a bigger one is answered ``413
 naming the limit (the rest of it is drained, up to a cap, so the client reads the answer instead
 of a reset connection). A ``Content-Encoding: zstd`` body is decompressed here, with the same
 limit on its decompressed size, so routes only ever see plain bodies.
+
+A body nested more than :data:`MAX_JSON_DEPTH` levels deep is refused here too (400), whatever
+route it is sent to. Python's JSON decoder recurses once per level: 100,000 levels raise
+``RecursionError`` in FastAPI's body parsing and in the refusal bookkeeping (``refusals.py``),
+which would answer 500. Every non-protobuf body is checked, since both of those try any such body
+as JSON whatever its content type; the limit is far below the recursion limit and far above what
+any request of the wire protocol nests (a handful of levels).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from opentinker.server.errors import ApiError
@@ -17,6 +25,44 @@ from opentinker.server.wire import decompress
 ASGIApp = Any
 BODY_KEY = "opentinker.body"  # the scope entry holding the whole (decompressed) body
 _DRAIN_FACTOR = 8  # past this many times the limit, stop reading and let the connection drop
+MAX_JSON_DEPTH = 128  # levels of arrays and objects a JSON body may nest
+_STRUCTURE = re.compile(rb'[\[\]{}"\\]')  # what nesting depends on: brackets, quotes, escapes
+_OPEN, _CLOSE, _QUOTE, _ESCAPE = frozenset(b"[{"), frozenset(b"]}"), ord('"'), ord("\\")
+
+
+def is_protobuf(content_type: str) -> bool:
+    """A body the routes decode as protobuf, never as JSON (token bytes look like brackets)."""
+    return "protobuf" in content_type
+
+
+def nested_too_deeply(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``raw``, read as JSON, opens more than ``limit`` arrays or objects at once.
+
+    Brackets inside strings do not count. Linear in the body: the bytes that matter are found by
+    one regex scan, and only when the body holds more openers than the limit at all (a normal
+    body is decided by two ``count`` calls)."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth, in_string, escaped = 0, False, -1
+    for m in _STRUCTURE.finditer(raw):
+        at = m.start()
+        c = raw[at]
+        if in_string:
+            if at == escaped:
+                continue  # the character after a backslash is taken as it is
+            if c == _ESCAPE:
+                escaped = at + 1
+            elif c == _QUOTE:
+                in_string = False
+        elif c == _QUOTE:
+            in_string = True
+        elif c in _OPEN:
+            depth += 1
+            if depth > limit:
+                return True
+        elif c in _CLOSE:
+            depth -= 1
+    return False
 
 
 class BodyLimit:
@@ -60,6 +106,9 @@ class BodyLimit:
                 return
             kept = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
             scope = {**scope, "headers": [*kept, (b"content-length", str(len(raw)).encode())]}
+        if not is_protobuf(headers.get(b"content-type", b"").decode("latin-1")) and nested_too_deeply(raw):
+            await _answer(send, 400, f"the JSON body is nested too deeply (over {MAX_JSON_DEPTH} levels)")
+            return
         scope = {**scope, BODY_KEY: raw}  # for handlers of refused requests (see refusals.py)
         replayed = False
 

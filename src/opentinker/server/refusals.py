@@ -18,6 +18,7 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
+from opentinker.server.limits import is_protobuf
 from opentinker.server.ordering import Sequencer
 
 SDK_RESENDS = frozenset({402, 408, 409, 429})  # 4xx answers the SDK waits out and sends again
@@ -31,7 +32,7 @@ def refused_seq(body: bytes | None, content_type: str) -> tuple[str, int] | None
     """``(model_id, seq_id)`` named by a request body, if it names both."""
     if not body:
         return None
-    if "protobuf" in content_type:
+    if is_protobuf(content_type):
         msg = pb.ForwardBackwardRequest()
         try:
             msg.ParseFromString(body)
@@ -39,7 +40,7 @@ def refused_seq(body: bytes | None, content_type: str) -> tuple[str, int] | None
             return None
         return (msg.model_id, msg.seq_id) if msg.model_id and msg.seq_id > 0 else None
     try:
-        data = json.loads(body)
+        data = json.loads(body)  # nested shallowly enough to decode: the body limit saw to that
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(data, dict):

@@ -306,6 +306,7 @@ def encode_sample_response(res: types.SampleResponse, *, prompt_logprobs_last_n:
         _topk(msg.topk_prompt_logprobs, topk)
     if res.target_prompt_logprobs is not None:
         _tensor_out(msg.target_prompt_logprobs, res.target_prompt_logprobs)
+    msg.prompt_cache_hit_tokens = res.prompt_cache_hit_tokens
     if res.prompt_alt_tokens is not None:
         _tensor_out(msg.prompt_alt_tokens.tokens, res.prompt_alt_tokens.tokens, np.int32)
         _tensor_out(msg.prompt_alt_tokens.logprobs, res.prompt_alt_tokens.logprobs)
