@@ -273,3 +273,39 @@ def test_an_unknown_expert_layout_is_refused_naming_it(tmp_path: Path) -> None:
         engine.create_adapter(LoRAConfig(rank=4, seed=0))
     assert "(4, 32, 32)" in str(err.value)
     engine.create_adapter(LoRAConfig(rank=4, seed=0, train_mlp=False))  # attention still trains
+
+
+def test_the_sdk_over_http_trains_samples_and_resumes_a_moe_model(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import tinker
+    from tinker import types
+
+    from tests.conftest import local_server
+
+    folder = family_model(tmp_path / "qwen3-moe", "qwen3_moe")
+    tokens = [5, 9, 14, 3, 7, 22, 31, 40, 8, 12, 19, 27, 33, 6]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    with local_server(tmp_path_factory, "moe-server", base_model=folder) as srv:
+        service = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-moe-http")
+        try:
+            tc = service.create_lora_training_client(base_model=folder, rank=4, seed=0).result()
+            losses = []
+            for _ in range(3):
+                losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+                tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            assert losses[-1] < losses[0]
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=0, stop=[])
+            out = sampler.sample(types.ModelInput.from_ints(tokens[:5]), 2, params).result()
+            assert len(out.sequences) == 2 and all(len(s.tokens) == 6 for s in out.sequences)
+            path = tc.save_state("moe-step-3").result().path
+            resumed = service.create_training_client_from_state_with_optimizer(path).result()
+            a = tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+            b = resumed.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
+            assert_scalar_close(a, b)
+        finally:
+            service.close("success").result()
