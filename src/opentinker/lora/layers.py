@@ -59,8 +59,8 @@ class LoRABatch:
         self, entries: list[LoRAWeights | None], row_index: torch.Tensor, groups: dict[str, TargetGroup]
     ) -> None:
         self.entries = entries
-        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in] ([K, L, E, r_max, in])
-        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max] ([K, L, E, out, r_max])
+        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in] (experts: [L, E, K, r_max, in])
+        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max] (experts: [L, E, K, out, r_max])
         self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
         # group -> each layer's [K, r_max, in] and [K, out, r_max]: views of the stacks, taken in
         # one unbind so that backward assembles each stack's gradient once, not once per layer
@@ -70,6 +70,8 @@ class LoRABatch:
             if not present:
                 continue
             r_max = max(e.rank for e in present)
+            if group.experts:  # zero ranks up to a multiple of 8: grouped_mm's 16-byte strides
+                r_max += -r_max % 8
             ref = present[0].a[name]
             a_list, b_list, scales = [], [], []
             for e in entries:
@@ -82,9 +84,12 @@ class LoRABatch:
                 a_list.append(F.pad(e.a[name], (0, 0, 0, pad)) if pad else e.a[name])
                 b_list.append(F.pad(e.b[name], (0, pad)) if pad else e.b[name])
                 scales.append(e.scale)
-            self.a[name] = torch.stack(a_list)
-            self.b[name] = torch.stack(b_list)
-            self.layers[name] = (self.a[name].unbind(1), self.b[name].unbind(1))
+            if group.experts:  # [L, E, K, r, in]: each layer's (expert, entry) pairs already in order
+                self.a[name], self.b[name] = torch.stack(a_list, 2), torch.stack(b_list, 2)
+                self.layers[name] = (self.a[name].unbind(0), self.b[name].unbind(0))
+            else:
+                self.a[name], self.b[name] = torch.stack(a_list), torch.stack(b_list)
+                self.layers[name] = (self.a[name].unbind(1), self.b[name].unbind(1))
             self.scale[name] = torch.tensor(scales, dtype=ref.dtype, device=ref.device)
         self._set_rows(row_index)
 
@@ -156,15 +161,9 @@ class LoRABatch:
         if hit is not None:
             return hit[0], hit[1], hit[2]
         a_layers, b_layers = self.layers[group]
-        a, b = (
-            a_layers[layer].transpose(0, 1),
-            b_layers[layer].transpose(0, 1),
-        )  # [E, K, r, in], [E, K, out, r]
-        pad = -a.shape[2] % 8  # zero ranks up to a multiple of 8: grouped_mm's 16-byte strides
-        if pad:
-            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-        a_t = a.reshape(-1, *a.shape[2:]).transpose(1, 2).contiguous().to(dtype)
-        b_t = b.reshape(-1, *b.shape[2:]).transpose(1, 2).contiguous().to(dtype)
+        a, b = a_layers[layer], b_layers[layer]  # [E, K, r, in], [E, K, out, r]: views, no copy
+        a_t = a.reshape(-1, *a.shape[2:]).transpose(1, 2).to(dtype)
+        b_t = b.reshape(-1, *b.shape[2:]).transpose(1, 2).to(dtype)
         out = (a_t, b_t, self.scale[group].to(dtype))
         if not torch.is_grad_enabled():
             self._cache[key] = out

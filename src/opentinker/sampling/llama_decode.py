@@ -41,8 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opentinker.lora import LoRABatch
-from opentinker.lora import TargetGroup
+from opentinker.lora import LoRABatch, TargetGroup
 from opentinker.sampling.kv_cache import LeanCache
 
 # fused projection -> the LoRA groups it is made of (in output order)
