@@ -119,6 +119,10 @@ def test_rl_task_recipe_command_smoke(tmp_path: Path, data_dir: str, task: str) 
         (["rl", "--task", "addition", "--extra", "oops"], "--extra expects KEY=VALUE"),
         (["sft", "--data", "/no/such/file.jsonl"], "no such file"),
         (["rl", "--task", "addition,addition"], "names a task twice"),
+        (
+            ["rl", "--task", "addition", "--server", "http://127.0.0.1:9", "--dtype", "bfloat16"],
+            "--dtype is the server's choice",
+        ),
     ],
 )
 def test_usage_errors_exit_2(
@@ -139,6 +143,16 @@ def test_sft_bundled_chat(tmp_path: Path, data_dir: str, capsys: pytest.CaptureF
     rows = read_metrics(d)
     assert [r["step"] for r in rows if "loss/nll_per_token" in r] == [0, 1]
     assert "eval/nll_per_token" in rows[-1] and (d / "curves.png").exists()
+    assert "chat_sft: 2 steps" in capsys.readouterr().out
+
+
+def test_sft_on_a_bf16_base(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "sft"
+    rc = _train("sft", "--task", "chat_sft", "--steps", "2", "--batch-size", "4", "--log-dir", str(d),
+                "--data-dir", str(tmp_path / "data"), "--dtype", "bfloat16", *FAST[:2], "--no-progress")  # fmt: skip
+    assert rc == 0
+    rows = read_metrics(d)
+    assert [r["step"] for r in rows if "loss/nll_per_token" in r] == [0, 1]
     assert "chat_sft: 2 steps" in capsys.readouterr().out
 
 

@@ -58,6 +58,36 @@ With TF32 or bf16 on a GPU none of these hold; the device tests turn TF32 off (t
 A model much larger than SmolLM2-135M may need larger bounds (the estimate grows as
 sqrt(layers * width)).
 
+**A bf16 base** (``tests/test_dtype.py``; DESIGN.md §5 invariant 10). The base's weights, its
+activations, its KV cache and its logits are bf16 (unit roundoff ``EPS_BF16 / 2`` = 2^-8 ≈ 3.9e-3,
+65536 times fp32's); LoRA weights, gradients and optimizer state stay fp32, and logprobs are taken
+in fp32 from the bf16 logits. Matmuls accumulate in fp32 inside the kernel, so what differs
+between two paths is where each op's output is rounded to bf16: two paths whose values differ
+by a hair round them to neighbouring bf16 numbers. The largest single term is the logits' own
+rounding: the tiny model's logits reach ~20, where bf16 numbers are 2^-3 = 0.125 apart, so one
+token's logprob can differ by one spacing from that alone. Measured on the tiny model (AVX512-BF16
+CPU, 1 and 2 threads), largest seen, and the bounds:
+
+- ``BF16_LOGPROB_ATOL = 0.25`` (one token, absolute: two spacings at |logit| < 32): sampler vs
+  trainer 0.12 (lean and HF decode), mixed batch vs alone 0.047.
+- ``BF16_LOGPROB_MEAN = 0.05`` (mean |difference| over a batch's tokens): sampler vs trainer 0.019.
+  Most logits are far smaller than the largest, so most tokens differ by much less than a spacing.
+- ``BF16_KL_V1 = 1e-2``: the tinker-cookbook's ``kl_sample_train_v1`` (the *signed* mean of sampler
+  minus trainer logprob). Rounding differences are about as often positive as negative, so over
+  ``n`` tokens of rms difference ``r`` it is ~``r / sqrt(n)``: 0.032 / sqrt(192) = 2.3e-3; seen
+  3.7e-3 (1.6 sigma); bounded at ~4 sigma.
+- ``BF16_REL = 0.1`` (gradients of a mixed batch vs each adapter alone, relative in norm): 0.030
+  seen. A LoRA gradient is a sum over tokens and positions of products of bf16-rounded activations
+  whose terms partly cancel, so the few-u relative error of each term is a few percent of the sum.
+- ``BF16_CROSS_DTYPE_ATOL = 0.3``, ``BF16_CROSS_DTYPE_MEAN = 0.08``: the same fp32 LoRA weights on a
+  bf16 and on an fp32 base (a checkpoint moved between them): 0.14 and 0.031 seen. This is the bf16
+  path's whole rounding error against (near) exact, not two roundings of nearly equal values.
+
+A real bug still stands far outside these: the tests' adapters move logprobs by 1-30 nats, so a row
+on the wrong adapter or a dropped LoRA term changes the mean difference by ~1 and gradients by ~100%.
+SmolLM2-135M (30 layers, larger logits) gives larger figures (``benchmarks/p_bf16.py``: sampler vs
+trainer mean 0.06, max 0.35); these bounds are the tiny model's.
+
 Greedy tokens are compared exactly where the weights are the same: two paths whose logits differ by
 ~1e-5 pick different argmaxes only where the top-2 logits are that close, which no greedy row of
 these tests hits on any of the kernels above (``assert_greedy_equal`` names the position if one
@@ -80,6 +110,12 @@ ELEMENTWISE_REL = 1e-6
 SCALAR_REL = 1e-4
 TRAJECTORY_REL = 1e-3
 TRAJECTORY_LOGIT_ATOL = 1e-2
+BF16_LOGPROB_ATOL = 0.25
+BF16_LOGPROB_MEAN = 0.05
+BF16_KL_V1 = 1e-2
+BF16_REL = 0.1
+BF16_CROSS_DTYPE_ATOL = 0.3
+BF16_CROSS_DTYPE_MEAN = 0.08
 
 Values = torch.Tensor | Sequence[float | None]
 
@@ -108,6 +144,14 @@ def assert_logprobs_close(actual: Values, expected: Values, atol: float = LOGPRO
     err = float((a - e).abs().max())
     _record("logprob", err, atol)
     assert err <= atol, f"max |logprob difference| {err:.3g} > {atol}"
+
+
+def assert_mean_abs_close(diff: Values, atol: float) -> None:
+    """Many tokens' differences of two paths: their mean absolute value is <= ``atol``."""
+    d = _tensor(diff)
+    err = float(d.abs().mean()) if d.numel() else 0.0
+    _record("mean_abs", err, atol)
+    assert err <= atol, f"mean |difference| {err:.3g} > {atol}"
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL) -> None:

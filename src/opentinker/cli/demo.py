@@ -97,6 +97,7 @@ def run_demo(
     groups_per_step: int = GROUPS_PER_STEP,
     group_size: int = GROUP_SIZE,
     log_dir: str = "runs/demo",
+    dtype: str = "auto",
 ) -> int:
     """Train one adapter per target at once, print progress and the held-out result. Returns 0."""
     import opentinker
@@ -113,7 +114,9 @@ def run_demo(
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be a positive number, got {lr}")
     t0 = time.perf_counter()
-    service = opentinker.ServiceClient()
+    from opentinker.client.runtime import Runtime
+
+    service = opentinker.ServiceClient(runtime=None if dtype == "auto" else Runtime(dtype=dtype))
     base = service.create_sampling_client(base_model=base_model)
     renderer = get_renderer("auto", base.get_tokenizer())
     names = [f"words-{t}" for t in targets]

@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--group-size", type=int, default=d.GROUP_SIZE, help="replies per question")
     demo.add_argument("--log-dir", default="runs/demo")
+    demo.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+        help="the frozen base's dtype (auto: bfloat16 on a CUDA GPU, else float32)",
+    )  # fmt: skip
     demo.set_defaults(run=_demo)
 
     args = parser.parse_args(argv)
@@ -108,7 +112,7 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(
         base_model=args.base_model, targets=targets, steps=args.steps, rank=args.rank, lr=args.lr,
         seed=args.seed, max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
-        group_size=args.group_size, log_dir=args.log_dir,
+        group_size=args.group_size, log_dir=args.log_dir, dtype=args.dtype,
     )  # fmt: skip
 
 

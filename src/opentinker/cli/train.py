@@ -38,6 +38,10 @@ from typing import Any
 from opentinker.tasks import TASKS, TaskSpec, get_task
 from opentinker.tracking import set_default_sinks
 
+# --dtype's choices (opentinker.models.dtype checks them again; spelt here so that parsing
+# arguments does not import torch)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 RL_PLOT_KEYS = ("reward/mean", "eval/accuracy", "loss/per_token")
@@ -93,6 +97,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="the server's API key (default $TINKER_API_KEY)")
     p.add_argument("--data-dir", default=None,
                    help="embedded checkpoints' folder (default $OPENTINKER_HOME or ~/.cache/opentinker/data)")  # fmt: skip
+    p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
+                   help="embedded: the frozen base's dtype (default auto: bfloat16 on a CUDA GPU, else float32); "
+                        "a server chooses its own (opentinker serve --dtype)")  # fmt: skip
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars on stderr (default: when stderr is a terminal)")  # fmt: skip
 
@@ -200,14 +207,20 @@ def make_service(args: argparse.Namespace) -> tuple[Any, bool]:
     import opentinker
 
     if args.server:
+        if args.dtype is not None:
+            raise UsageError("--dtype is the server's choice (opentinker serve --dtype), not the client's")
         key = args.api_key or os.environ.get("TINKER_API_KEY")
         if not key:
             raise UsageError("--server needs an API key: pass --api-key or set TINKER_API_KEY")
         return opentinker.ServiceClient(base_url=args.server, api_key=key), True
-    if args.data_dir:
+    if args.data_dir or args.dtype is not None:
         from opentinker.client.runtime import Runtime
 
-        return opentinker.ServiceClient(runtime=Runtime(args.data_dir)), False
+        try:
+            runtime = Runtime(args.data_dir, dtype=args.dtype or "auto")
+        except ValueError as e:  # bf16 on a GPU without it: one line, exit 2
+            raise UsageError(str(e)) from None
+        return opentinker.ServiceClient(runtime=runtime), False
     return opentinker.ServiceClient(), False
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
 from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
@@ -37,6 +37,7 @@ from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
+from opentinker.models.dtype import dtype_name, resolve_dtype
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
 from opentinker.sampling import NativeBackend, RolloutBackend
@@ -44,6 +45,9 @@ from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.scheduler import Scheduler, TickRecord
+
+if TYPE_CHECKING:
+    import torch
 
 ROLLOUT_BACKENDS = ("native", "vllm")
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
@@ -111,6 +115,7 @@ class Runtime(ScaleOutMethods):
         *,
         max_rank: int = 128,
         device: str = "cpu",
+        dtype: str | torch.dtype | None = "auto",
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         sample_in_ticks: bool = False,
         rollout_workers: int = 0,
@@ -124,7 +129,11 @@ class Runtime(ScaleOutMethods):
         trainer_options: dict[str, Any] | None = None,
         auto_restore: bool = False,
     ) -> None:
-        """``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
+        """``dtype``: the frozen base models' dtype, ``float32``, ``bfloat16`` or ``auto`` (the
+        device's default, :mod:`opentinker.models.dtype`); LoRA weights, gradients and optimizer
+        state are fp32 whatever it is, rollout workers load their base copy at the same dtype, and
+        an invalid value (or bf16 on a GPU without it) raises ``ValueError`` here.
+        ``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
         a time (the serialized reference), instead of on its own rollout loop (the default).
         ``rollout_workers``: serve sampling from that many worker processes per base model, each
         with its own copy of the base model (:mod:`opentinker.rollout.pool`); 0 (the default)
@@ -136,6 +145,7 @@ class Runtime(ScaleOutMethods):
         ``auto_restore``: rollout workers as Ray actors, Ray trainer workers, data parallelism
         and the restore of a lost worker's models (:class:`~opentinker.client.scaleout.ScaleOut`);
         a setting the cluster cannot meet raises ``ValueError`` here."""
+        self.dtype = dtype_name(resolve_dtype(dtype, device))  # a name: it travels to workers as is
         if rollout_workers and sample_in_ticks:
             raise ValueError("rollout_workers and sample_in_ticks exclude each other")
         if rollout_backend not in ROLLOUT_BACKENDS:
@@ -189,9 +199,8 @@ class Runtime(ScaleOutMethods):
         with self._lock:
             b = self._backends.get(name)
             if b is None:
-                engine = Engine(
-                    load_base_model(name, device=self.device), max_rank=self.max_rank, device=self.device
-                )
+                base = load_base_model(name, dtype=self.dtype, device=self.device)
+                engine = Engine(base, max_rank=self.max_rank, device=self.device)
                 sampler, decoder = self._sampler(engine)
                 # sampling on its own thread, continuous batching (None: in the scheduler's ticks)
                 loop: Callable[[], RolloutService] | None = (

@@ -137,6 +137,7 @@ class ScaleOut:
         *,
         backend: str,
         device: str,
+        dtype: str,
         max_rank: int,
         prefix_cache_bytes: int,
     ) -> WorkerPool:
@@ -152,6 +153,7 @@ class ScaleOut:
             base_model=name,
             backend=backend,
             device=device,
+            dtype=dtype,
             max_rank=max_rank,
             prefix_cache_bytes=prefix_cache_bytes,
             startup_timeout=self.worker_startup_timeout,
@@ -289,6 +291,7 @@ class ScaleOut:
         rollout: RolloutService | None,
         *,
         device: str,
+        dtype: str,
         max_rank: int,
         models: Callable[[], Mapping[str, Any]],
         store: CheckpointStore,
@@ -302,8 +305,9 @@ class ScaleOut:
 
         cpus, gpus = self._trainer_size()
         pool = TrainerPool(
-            name, self.trainer_workers, worker_cpus=cpus, worker_gpus=gpus, device=device, max_rank=max_rank
-        )
+            name, self.trainer_workers, worker_cpus=cpus, worker_gpus=gpus, device=device, dtype=dtype,
+            max_rank=max_rank,
+        )  # fmt: skip
         router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
         router.on_worker_lost = lambda slot, lost: self.worker_lost(
             router, slot.worker_id, lost, models(), store
@@ -381,6 +385,7 @@ class ScaleOutMethods:
     rollout_workers: int
     rollout_backend: str
     device: str
+    dtype: str  # the base models' dtype, by name (it travels to worker processes and actors)
     max_rank: int
     prefix_cache_bytes: int
     data_dir: Path
@@ -406,6 +411,7 @@ class ScaleOutMethods:
                 self.rollout_workers,
                 backend=self.rollout_backend,
                 device=self.device,
+                dtype=self.dtype,
                 max_rank=self.max_rank,
                 prefix_cache_bytes=self.prefix_cache_bytes,
             )
@@ -417,6 +423,7 @@ class ScaleOutMethods:
             sampler,
             rollout,
             device=self.device,
+            dtype=self.dtype,
             max_rank=self.max_rank,
             models=lambda: self.models,
             store=self.store,

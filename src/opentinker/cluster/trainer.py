@@ -108,6 +108,7 @@ class TrainerPool:
         worker_cpus: float = 1.0,
         worker_gpus: float = 0.0,
         device: str | None = None,
+        dtype: str = "float32",
         max_rank: int = 128,
         max_concurrency: int = 256,
     ) -> None:
@@ -121,6 +122,7 @@ class TrainerPool:
         )
         self._actor_kwargs = {
             "device": self.device,
+            "dtype": dtype,  # every replica computes what the front-end's engine does
             "max_rank": max_rank,
             "threads": max(1, int(worker_cpus)),
         }

@@ -55,13 +55,15 @@ class TrainerWorker:
         *,
         worker_id: str,
         device: str = "cpu",
+        dtype: str = "float32",
         max_rank: int = 128,
         threads: int = 1,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         self.worker_id = worker_id
         self.device = device
-        self.engine = Engine(load_base_model(base_model, device=device), max_rank=max_rank, device=device)
+        base = load_base_model(base_model, dtype=dtype, device=device)
+        self.engine = Engine(base, max_rank=max_rank, device=device)
         # sampling is the rollout workers' job; the scheduler's own sampler is never asked here
         self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
         self._groups: dict[str, Any] = {}  # data-parallel model -> (its process group, its store)

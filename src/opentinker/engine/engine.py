@@ -78,7 +78,7 @@ class Engine:
         max_rank: int = 128,
         max_batch_tokens: int = 1 << 17,
         device: str | torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype | None = torch.float32,  # the base's, when loaded here
         share_prefixes: bool = True,
     ) -> None:
         self.share_prefixes = share_prefixes  # compute prefixes shared by rows once (engine/prefix.py)

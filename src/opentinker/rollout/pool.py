@@ -80,6 +80,7 @@ class WorkerPool(WorkerLifecycle):
         base_model: str,
         backend: str = "native",
         device: str = "cpu",
+        dtype: str = "float32",
         max_rank: int = 128,
         prefix_cache_bytes: int = 512 << 20,
         max_rows: int = 256,
@@ -104,6 +105,7 @@ class WorkerPool(WorkerLifecycle):
             base_model=base_model,
             backend=backend,
             device=device,
+            dtype=dtype,  # the trainer's: its snapshots' logprobs must mean the same there
             max_rank=max_rank,
             prefix_cache_bytes=prefix_cache_bytes,
             max_rows=max_rows,

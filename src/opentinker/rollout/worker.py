@@ -50,6 +50,7 @@ class WorkerCore:
         *,
         backend: str = "native",
         device: str = "cpu",
+        dtype: str = "float32",
         max_rank: int = 128,
         prefix_cache_bytes: int = 512 << 20,
         max_rows: int = 256,
@@ -58,7 +59,8 @@ class WorkerCore:
             raise EngineError(f"unknown rollout backend {backend!r} (known: {', '.join(BACKENDS)})")
         t = time.perf_counter()
         self.worker = worker
-        self.engine = Engine(load_base_model(base_model, device=device), max_rank=max_rank, device=device)
+        base = load_base_model(base_model, dtype=dtype, device=device)
+        self.engine = Engine(base, max_rank=max_rank, device=device)
         self.backend = NativeBackend(self.engine, prefix_cache_bytes=prefix_cache_bytes)
         self.core = RolloutCore(self.backend.decoder(), self.backend, max_rows=max_rows)
         self.load_s = time.perf_counter() - t

@@ -138,8 +138,13 @@ class VLLMBackend(RolloutBackend):
     @classmethod
     def for_engine(cls, engine: Engine, *, measure_mismatch: bool = True, **kwargs: Any) -> VLLMBackend:
         """A vLLM backend over the training engine's base model: requests name the engine's
-        snapshots (published on first use), and the engine's forward scores the mismatch."""
+        snapshots (published on first use), and the engine's forward scores the mismatch. vLLM
+        loads the base in the engine's dtype unless ``dtype`` is given (a bf16 trainer sampled
+        by an fp32 vLLM, or the reverse, would mismatch by far more than either's rounding)."""
+        from opentinker.models.dtype import dtype_name
         from opentinker.sampling.native import _eos_ids
+
+        kwargs.setdefault("dtype", dtype_name(engine.base.dtype))
 
         def resolve(policy: str) -> LoRAWeights:
             if engine.has_adapter(policy):

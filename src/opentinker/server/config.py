@@ -13,6 +13,9 @@ class ServerConfig:
     # any key the SDK accepts (``tml-…``) is accepted; its tenant is derived from the key's hash
     dev: bool = False
     device: str = "cpu"
+    # the frozen base models' dtype: "auto" (bf16 on a CUDA GPU that has it, else fp32: see
+    # models/dtype.py), "float32" or "bfloat16"; LoRA weights and optimizer state are fp32 always
+    dtype: str = "auto"
     max_body_bytes: int = 64 << 20
     max_pending_per_tenant: int = 2048
     # of those, queued on the engines at once; the rest wait in the server (admission.py) and their

@@ -1,6 +1,6 @@
 """``opentinker serve``: run the HTTP service (uvicorn) over one shared embedded runtime.
 
-    opentinker serve --base-model opentinker/tiny --data-dir ./data --port 8000 [--dev]
+    opentinker serve --base-model opentinker/tiny --data-dir ./data --port 8000 [--dev] [--dtype bfloat16]
 
     opentinker serve --base-model opentinker/tiny --ray [ADDRESS] --rollout-workers 2 --worker-cpus 1
 
@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept any key the SDK accepts (tml- + anything, e.g. tml-dummy); each key is its own tenant",
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the frozen base models' dtype (LoRA weights, gradients and optimizer state stay "
+        "float32): auto = bfloat16 on a CUDA GPU that supports it, else float32; bfloat16 on a "
+        "GPU without it is refused, on a CPU without native bf16 it falls back to float32 (logged)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
     p.add_argument("--max-pending", type=int, default=2048, help="unfinished requests per tenant before 429")
     p.add_argument(
@@ -227,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         base_models=tuple(args.base_model),
         dev=args.dev,
         device=args.device,
+        dtype=args.dtype,
         max_body_bytes=args.max_body_bytes,
         max_pending_per_tenant=args.max_pending,
         max_running_per_tenant=args.max_running,
@@ -267,7 +276,11 @@ def serve(argv: list[str] | None = None) -> int:
         # the cluster cannot place, a rollout worker that cannot start: named, before the port opens
         print(f"opentinker serve: error: {e}", file=sys.stderr, flush=True)
         return 2
-    print(f"opentinker: serving {', '.join(args.base_model)} on http://{args.host}:{args.port}", flush=True)
+    dtype = app.state.server.runtime.dtype  # what --dtype resolved to on this device
+    print(
+        f"opentinker: serving {', '.join(args.base_model)} (base weights {dtype}) on http://{args.host}:{args.port}",
+        flush=True,
+    )
     uvicorn.run(
         app,
         host=args.host,

@@ -38,6 +38,7 @@ class Server:
         self.runtime = runtime or Runtime(
             config.data_dir,
             device=config.device,
+            dtype=config.dtype,
             prefix_cache_bytes=config.prefix_cache_bytes,
             rollout_workers=config.rollout_workers,
             rollout_backend=config.rollout_backend,
