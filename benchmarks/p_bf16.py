@@ -11,7 +11,7 @@ adapters (LoRA weights, gradients and optimizer state are fp32 in both). Per rou
   tokens each at temperature 1 (``benchmarks/p3_sampling.py``'s "ours"), no prefix cache.
 
 Printed: each median, and the speed ratios ``P2 bf16/fp32`` and ``P3 bf16/fp32`` (fp32 time ÷
-bf16 time: > 1 means bf16 is faster; DESIGN.md §6 target ≥ 1.6 on SmolLM2). Also the sampler's
+bf16 time: > 1 means bf16 is faster; docs/DESIGN.md "Performance targets": ≥ 1.6 on SmolLM2). Also the sampler's
 agreement with the trainer on the bf16 base (mean and max |Δlogprob| and the tinker-cookbook's
 ``kl_sample_train_v1``, the mean of sampler minus trainer logprob over sampled tokens).
 

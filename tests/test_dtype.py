@@ -1,4 +1,4 @@
-"""A bf16 frozen base (DESIGN.md §2b, §5 invariant 10): the invariants in their bf16 form on the tiny
+"""A bf16 frozen base (docs/DESIGN.md, invariant 11): the invariants in their bf16 form on the tiny
 model, LoRA state kept in fp32, checkpoints moving between a bf16 and an fp32 base, the dtype's
 path to rollout workers, trainer workers and vLLM, and its choice and refusals at start-up.
 

@@ -58,7 +58,7 @@ With TF32 or bf16 on a GPU none of these hold; the device tests turn TF32 off (t
 A model much larger than SmolLM2-135M may need larger bounds (the estimate grows as
 sqrt(layers * width)).
 
-**A bf16 base** (``tests/test_dtype.py``; DESIGN.md §5 invariant 10). The base's weights, its
+**A bf16 base** (``tests/test_dtype.py``; docs/DESIGN.md invariant 11). The base's weights, its
 activations, its KV cache and its logits are bf16 (unit roundoff ``EPS_BF16 / 2`` = 2^-8 ≈ 3.9e-3,
 65536 times fp32's); LoRA weights, gradients and optimizer state stay fp32, and logprobs are taken
 in fp32 from the bf16 logits. Matmuls accumulate in fp32 inside the kernel, so what differs

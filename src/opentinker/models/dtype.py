@@ -14,7 +14,7 @@ and logprob is computed in fp32 from the logits.
   samples it 1.4-1.6x faster, but samples the tiny model at 0.57x, and it widens the
   sampler–trainer gap that RL's importance ratios see from a mean |Δlogprob| of 5e-6 to 0.06 on
   SmolLM2 (max 0.35, ``kl_sample_train_v1`` -3e-3: fifteen times what Tinker reports for a 27B
-  dense model); fp32 keeps DESIGN.md §5 invariant 3's 1e-4. Speed is one flag away
+  dense model); fp32 keeps invariant 3's 1e-4 (docs/DESIGN.md). Speed is one flag away
   (``--dtype bfloat16``); agreement is the default.
 
 An explicit ``bfloat16`` on a device that cannot run it: on a GPU without bf16 support, an error
