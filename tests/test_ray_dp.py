@@ -174,10 +174,13 @@ def test_bad_input_is_refused_at_once_changing_nothing(pool: TrainerPool):
     assert all(not w.models for w in pool.workers)
     t0 = time.perf_counter()
     with pytest.raises(
-        ClusterConfigError, match=r"3 trainer workers x 1 CPU = 3 CPU, but the Ray cluster has 2 CPU"
+        ClusterConfigError,
+        match=r"3 trainer workers × 1 CPU = 3 CPUs asked, but the cluster has 0 CPUs free \(2 in all\)",
     ):
         TrainerPool(TEST_MODEL, workers=3, worker_cpus=1)
-    with pytest.raises(ClusterConfigError, match="x 1 GPU = 1 GPU, but the Ray cluster has 0 GPU"):
+    with pytest.raises(
+        ClusterConfigError, match="a trainer worker asks for 1 GPUs but the largest Ray node has 0"
+    ):
         TrainerPool(TEST_MODEL, workers=1, worker_cpus=0, worker_gpus=1)
     with pytest.raises(ClusterConfigError, match="at least one worker"):
         TrainerPool(TEST_MODEL, workers=0)

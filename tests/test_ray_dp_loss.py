@@ -180,8 +180,8 @@ def test_a_combined_scale_that_fits_only_kind_by_kind_is_refused(tmp_path: Path)
         rt.check_scale(None, 2)
         with pytest.raises(
             ValueError,
-            match=r"1 more rollout workers \(1 CPUs\) and 1 more trainer workers \(1 CPUs\) need 2 CPUs "
-            r"together, but only 1 of the cluster's 3 are free \(each kind alone would fit\)",
+            match=r"1 more rollout worker × 1 CPU \+ 1 more trainer worker × 1 CPU = 2 CPUs asked, but the "
+            r"cluster has 1 CPUs free \(3 in all; each kind alone would fit\)",
         ):
             rt.check_scale(2, 2)
         with pytest.raises(ValueError, match="trainer workers cannot be scaled below one"):

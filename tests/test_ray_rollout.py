@@ -204,7 +204,9 @@ class TestPoolOnRay:
         for k in (0, -1):
             with pytest.raises(ValueError, match="below one"):
                 served.runtime.scale_rollout_workers(k)
-        with pytest.raises(ValueError, match=r"more rollout workers of 0.5 CPUs need .* CPUs, but only"):
+        with pytest.raises(
+            ValueError, match=r"more rollout workers × 0.5 CPUs = .* CPUs asked, but the cluster has"
+        ):
             served.runtime.scale_rollout_workers(40)
         with pytest.raises(ValueError, match="asks for 64 CPUs but the largest Ray node has 2"):
             Runtime(tmp_path, rollout_workers=1, ray="local", worker_cpus=64)

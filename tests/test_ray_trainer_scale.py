@@ -129,7 +129,8 @@ def test_bad_scales_are_refused_at_once_and_change_nothing(
         ({"trainer_workers": -3}, "400: trainer workers cannot be scaled below one, got -3"),
         (
             {"trainer_workers": 3},
-            "400: 1 more trainer workers of 1 CPUs need 1 CPUs, but only 0 of the cluster's 2 are free",
+            "400: 1 more trainer worker × 1 CPU = 1 CPU asked, but the cluster has 0 CPUs free (2 in all); "
+            "scale to fewer workers or free some of the cluster's CPUs",
         ),
         ({}, "400: give rollout_workers and/or trainer_workers"),
         ({"trainer_workers": 1, "rollout_workers": 2}, "400: this service has no rollout workers to scale"),

@@ -125,6 +125,7 @@ class Runtime(ScaleOutMethods):
         worker_cpus: float = 1.0,
         worker_gpus: float = 0.0,
         worker_startup_timeout: float = 300.0,
+        placement_timeout: float = 60.0,
         trainer_workers: int = 0,
         trainer_options: dict[str, Any] | None = None,
         auto_restore: bool = False,
@@ -141,7 +142,7 @@ class Runtime(ScaleOutMethods):
         ``native`` (the default: the engine's own KV-cache decoder) or ``vllm`` (vLLM's engine with
         runtime LoRA, in-process loop only; ``rollout_options`` are passed to
         :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``ray``, ``worker_cpus``,
-        ``worker_gpus``, ``worker_startup_timeout``, ``trainer_workers``, ``trainer_options`` and
+        ``worker_gpus``, ``worker_startup_timeout``, ``placement_timeout``, ``trainer_workers``, ``trainer_options`` and
         ``auto_restore``: rollout workers as Ray actors, Ray trainer workers, data parallelism
         and the restore of a lost worker's models (:class:`~opentinker.client.scaleout.ScaleOut`);
         a setting the cluster cannot meet raises ``ValueError`` here."""
@@ -168,6 +169,7 @@ class Runtime(ScaleOutMethods):
             worker_cpus=worker_cpus,
             worker_gpus=worker_gpus,
             worker_startup_timeout=worker_startup_timeout,
+            placement_timeout=placement_timeout,
             trainer_workers=trainer_workers,
             trainer_options=trainer_options,
             auto_restore=auto_restore,

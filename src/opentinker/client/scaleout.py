@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentinker.engine import Engine
 from opentinker.lora import LoRAConfig
+from opentinker.models.registry import canonical_name
 from opentinker.rollout.pool import WorkerPool
 from opentinker.sampling import RolloutBackend
 from opentinker.sampling.rollout import RolloutService
@@ -44,8 +45,9 @@ class ScaleOut:
     actors of ``worker_cpus`` CPUs and ``worker_gpus`` GPUs each (:mod:`opentinker.cluster.ray_rollout`),
     on a Ray instance started here (``"local"``) or a cluster joined (``"auto"``,
     ``"ray://HOST:PORT"``, ``"HOST:PORT"``); an address that does not answer, or workers the
-    cluster cannot place, raise ``ValueError`` here. A worker not started within
-    ``worker_startup_timeout`` seconds fails its pool's start, naming why. ``trainer_workers``:
+    cluster cannot place (rollout and trainer workers counted together), raise ``ValueError``
+    here. A worker Ray has not placed within ``placement_timeout`` seconds, or not started within
+    ``worker_startup_timeout`` seconds, fails its pool's start, naming why. ``trainer_workers``:
     train on that many Ray trainer workers per base model (:mod:`opentinker.cluster.trainer_router`;
     on the Ray of ``ray``, else a local instance started if none is up), each a base-model
     replica holding a shard of the adapters; ``trainer_options`` (``worker_cpus``,
@@ -64,6 +66,7 @@ class ScaleOut:
         worker_cpus: float,
         worker_gpus: float,
         worker_startup_timeout: float,
+        placement_timeout: float,
         trainer_workers: int,
         trainer_options: dict[str, Any] | None,
         auto_restore: bool,
@@ -79,6 +82,9 @@ class ScaleOut:
         self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
         self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
         self.worker_startup_timeout = worker_startup_timeout
+        if not placement_timeout > 0:
+            raise ValueError(f"placement_timeout must be > 0 seconds, got {placement_timeout!r}")
+        self.placement_timeout = placement_timeout
         self.ray_rollout = ray is not None and bool(rollout_workers)  # rollout workers as actors
         if ray is not None:
             if not rollout_workers and not trainer_workers:
@@ -86,22 +92,50 @@ class ScaleOut:
                     "ray runs rollout or trainer workers as actors: give rollout_workers >= 1 "
                     "or trainer_workers >= 1"
                 )
-            from opentinker.cluster.ray_env import check_fits, connect
+            from opentinker.cluster.ray_env import connect
             from opentinker.cluster.ray_rollout import RayTransport
 
             RayTransport(worker_cpus, worker_gpus)  # refuses resources no worker could have
             self.ray_cluster = connect(ray)
-            if rollout_workers:
-                check_fits(rollout_workers, worker_cpus, worker_gpus)
         self.auto_restore = auto_restore
         self.restored: dict[str, dict[str, Any]] = {}  # model -> how auto-restore brought it back
         self._scale_lock = threading.Lock()  # one trainer scale at a time
         if trainer_workers:
-            from opentinker.cluster.trainer import check_resources, start_local_ray
+            from opentinker.cluster.trainer import start_local_ray
 
+            cpus, gpus = self._trainer_size()
+            if not cpus >= 0 or not gpus >= 0:
+                raise ValueError(f"trainer worker resources must be >= 0, got cpus={cpus}, gpus={gpus}")
             if self.ray_cluster is None:  # no address given: a Ray instance started here
                 start_local_ray()
-            check_resources(trainer_workers, *self._trainer_size())
+        if self.ray_rollout or trainer_workers:
+            self.check_start(rollout_workers)
+
+    def start_asks(self, rollout_workers: int, base_models: int = 1) -> list[Any]:
+        """What starting ``base_models`` base models asks of Ray: each base model's rollout workers
+        (when they are Ray actors) and trainer workers (:class:`~opentinker.cluster.ray_env.Ask`).
+        A data-parallel model asks nothing more: its replicas live on these trainer workers."""
+        from opentinker.cluster.ray_env import Ask
+
+        asks = []
+        if self.ray_rollout:
+            n = rollout_workers * base_models
+            asks.append(Ask(n, self.worker_cpus, self.worker_gpus, "rollout worker", "--worker"))
+        if self.trainer_workers:
+            n = self.trainer_workers * base_models
+            asks.append(Ask(n, *self._trainer_size(), "trainer worker", "--trainer"))
+        return asks
+
+    def check_start(self, rollout_workers: int, base_models: int = 1) -> None:
+        """Refuse (``ValueError`` naming the CPUs and GPUs asked for per kind and what the cluster
+        has) a start of ``base_models`` base models whose workers, every kind together, the Ray
+        cluster cannot place: before any of them is placed, so that a start never waits for
+        resources that are not there (:func:`~opentinker.cluster.ray_env.check_start`)."""
+        if base_models < 1 or not (self.ray_rollout or self.trainer_workers):
+            return
+        from opentinker.cluster.ray_env import check_start
+
+        check_start(self.start_asks(rollout_workers, base_models))
 
     def data_parallel_degree(self, value: Any) -> int:
         """The data-parallel degree ``value`` asks for (an integer, or its text as ``user_metadata``
@@ -174,7 +208,7 @@ class ScaleOut:
             return None
         from opentinker.cluster.ray_rollout import RayTransport
 
-        return RayTransport(self.worker_cpus, self.worker_gpus)
+        return RayTransport(self.worker_cpus, self.worker_gpus, self.placement_timeout)
 
     def workers_info(
         self, pools: Mapping[str, WorkerPool], rollout_workers: int, routers: Mapping[str, Any] | None = None
@@ -214,19 +248,17 @@ class ScaleOut:
         scale, more than the cluster has free), then both together: the new workers of both
         kinds must fit in what the Ray cluster has free now (workers a scale removes are not
         counted as freed: the two scales run one after the other)."""
-        asks: list[tuple[int, float, float, str]] = []
-        if rollout_workers is not None:
-            extra = self.check_rollout_scale(pools, rollout_workers)
-            if self.ray_rollout:  # rollout processes here are not Ray's to place
-                asks.append((extra, self.worker_cpus, self.worker_gpus, "rollout worker"))
-        if trainer_workers is not None:
-            asks.append(
-                (self.check_trainer_scale(routers, trainer_workers), *self._trainer_size(), "trainer worker")
-            )
-        if sum(1 for a in asks if a[0]) > 1:
-            from opentinker.cluster.ray_env import check_fits_together
+        rollout = 0 if rollout_workers is None else self.check_rollout_scale(pools, rollout_workers)
+        trainer = 0 if trainer_workers is None else self.check_trainer_scale(routers, trainer_workers)
+        if self.ray_rollout and rollout and trainer:  # rollout processes here are not Ray's to place
+            from opentinker.cluster.ray_env import Ask, check_fits_together
 
-            check_fits_together(asks)
+            check_fits_together(
+                [
+                    Ask(rollout, self.worker_cpus, self.worker_gpus, "rollout worker"),
+                    Ask(trainer, *self._trainer_size(), "trainer worker"),
+                ]
+            )
 
     def _trainer_size(self) -> tuple[float, float]:
         opts = self.trainer_options
@@ -305,9 +337,16 @@ class ScaleOut:
 
         cpus, gpus = self._trainer_size()
         pool = TrainerPool(
-            name, self.trainer_workers, worker_cpus=cpus, worker_gpus=gpus, device=device, dtype=dtype,
+            name,
+            self.trainer_workers,
+            worker_cpus=cpus,
+            worker_gpus=gpus,
+            device=device,
+            dtype=dtype,
             max_rank=max_rank,
-        )  # fmt: skip
+            placement_timeout=self.placement_timeout,
+            startup_timeout=self.worker_startup_timeout,
+        )
         router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
         router.on_worker_lost = lambda slot, lost: self.worker_lost(
             router, slot.worker_id, lost, models(), store
@@ -403,7 +442,9 @@ class ScaleOutMethods:
     ) -> Scheduler:
         """Base model ``name``'s scheduler, training here or routed to its trainer workers, over
         its rollout service: its rollout workers (processes or Ray actors, snapshots sent as
-        bytes) if it has any, else ``loop()`` (None: sampling in the scheduler's ticks)."""
+        bytes) if it has any, else ``loop()`` (None: sampling in the scheduler's ticks). Its
+        workers of every kind are checked against what the cluster has free before any starts."""
+        self.scaleout.check_start(self.rollout_workers)
         if self.rollout_workers:
             rollout: RolloutService | None = self.scaleout.rollout_pool(
                 engine,
@@ -471,6 +512,13 @@ class ScaleOutMethods:
         out = self.scaleout.scale(self._worker_pools(), workers)
         self.rollout_workers = workers  # base models loaded later start this many
         return out
+
+    def check_start(self, base_models: list[str]) -> None:
+        """``ValueError`` unless the Ray cluster can place the workers of every base model of
+        ``base_models`` not loaded yet, all kinds together (:meth:`ScaleOut.check_start`)."""
+        with self._lock:
+            new = {canonical_name(b) for b in base_models} - set(self._backends)
+        self.scaleout.check_start(self.rollout_workers, len(new))
 
     def check_data_parallel(self, value: int | str | None) -> int:
         """The data-parallel degree ``value`` asks for (None: the default), or ``ValueError``."""

@@ -9,11 +9,15 @@
   The address is tried with a plain TCP connection first, so an address that does not answer is
   refused at once, naming it, instead of after Ray's own minute of retries.
 
-:func:`check_fits` refuses, at once and naming the shortfall, a worker request the cluster can
-never meet (more CPUs or GPUs per worker than any node has) or cannot meet now (more than is
-free), so a ``serve --ray`` with impossible resources fails before any actor waits for placement;
-:func:`check_fits_together` does it for workers of several kinds asked for at once (a scale of
-rollout and trainer workers in one request), each kind fitting alone but not all together.
+What the cluster can place is worked out in one place, :func:`fit_error`: each worker must fit
+on one node, and the workers of every kind asked for at once (rollout and trainer workers) must
+fit together in what is free; a refusal names the CPUs (or GPUs) asked for per kind, their sum,
+and what the cluster has. :func:`check_start` applies it to what a start places, before any actor
+exists, so a ``serve --ray`` whose workers cannot all be placed fails at once instead of waiting
+for resources that never come; :func:`check_fits` / :func:`check_fits_together` apply it to the
+workers a scale adds. What the arithmetic cannot see (resources taken by someone else meanwhile,
+workers fitting the cluster's sum but not its nodes) is caught by :func:`wait_placed`: an actor
+Ray has not placed within the placement timeout fails its start, naming it.
 
 A Ray instance started here runs its workers at the server's own priority
 (:data:`LOCAL_SYSTEM_CONFIG`): Ray's default starts every worker process at nice 15, below any
@@ -28,12 +32,21 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 NAMESPACE = "opentinker"
 TCP_PROBE_S = 5.0  # how long a joined cluster's address has to accept a TCP connection
 _EPS = 1e-9
+# how long a start waits for resources that fit the cluster in all but are not yet free (actors
+# stopped just before give theirs back a moment later); resources it can never have: no wait
+FREED_GRACE_S = 10.0
+# how long a worker's actor may stay unplaced (no node or process given it) before its start is
+# an error: Ray places an actor that fits within a second, and starting its process takes a few
+# seconds even on a loaded machine; the base model's load afterwards has its own, longer bound
+PLACEMENT_TIMEOUT_S = 60.0
 # Ray's system config for an instance started here: worker processes at nice 0 (Ray's default is 15)
 LOCAL_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
 
@@ -116,47 +129,136 @@ def resources() -> dict[str, Any]:
     }
 
 
-def check_fits(workers: int, cpus: float, gpus: float, what: str = "rollout worker") -> None:
-    """Raise :class:`ClusterError` unless ``workers`` actors of ``cpus`` CPUs and ``gpus`` GPUs
-    each can be placed now (each on one node, all within what is free)."""
-    check_fits_together([(workers, cpus, gpus, what)])
+@dataclass(frozen=True)
+class Ask:
+    """``workers`` actors of one kind (``what``: "rollout worker"), ``cpus`` CPUs and ``gpus`` GPUs
+    each; ``option`` is the serve option sizing them ("--worker": ``--worker-cpus``/``-gpus``),
+    named in the advice of a refusal."""
+
+    workers: int
+    cpus: float
+    gpus: float
+    what: str
+    option: str = ""
 
 
-def check_fits_together(asks: list[tuple[int, float, float, str]]) -> None:
-    """Raise :class:`ClusterError` unless every ask (``workers`` more actors of ``cpus`` CPUs and
-    ``gpus`` GPUs each, and what they are) can be placed now, all of them at once: each actor on
-    one node, their sum within what is free. The message names the kinds and their shares."""
-    have = resources()
-    asks = [a for a in asks if a[0] > 0]
+def _plural(n: float, word: str) -> str:
+    return f"{n:g} {word}" if n == 1 else f"{n:g} {word}s"
+
+
+def fit_error(asks: Sequence[Ask], have: Mapping[str, Mapping[str, float]], *, more: bool) -> str | None:
+    """Why ``asks`` cannot all be placed at once on a cluster with ``have`` (:func:`resources`:
+    its ``total``, ``free`` and ``largest_node``), or None: each actor must fit on one node, and
+    their sum per kind in what is free. ``more``: the asks add to workers already running (a
+    scale), else they are what a start places. The one place this arithmetic is done."""
+    asks = [a for a in asks if a.workers > 0]
     for kind in ("CPU", "GPU"):
-        need: list[tuple[int, float, str]] = []
-        for workers, cpus, gpus, what in asks:
-            each = cpus if kind == "CPU" else gpus
-            if each <= 0:
-                continue
-            largest = have["largest_node"][kind]
+        need = [(a, a.cpus if kind == "CPU" else a.gpus) for a in asks]
+        need = [(a, each) for a, each in need if each > 0]
+        total, free = have["total"].get(kind, 0.0), have["free"].get(kind, 0.0)
+        largest = have["largest_node"].get(kind, 0.0)
+        for a, each in need:
             if each > largest + _EPS:
-                raise ClusterError(
-                    f"a {what} asks for {each:g} {kind}s but the largest Ray node has {largest:g} "
-                    f"(the cluster has {have['total'].get(kind, 0.0):g} {kind}s in all)"
+                return (
+                    f"a {a.what} asks for {each:g} {kind}s but the largest Ray node has {largest:g} "
+                    f"(the cluster has {total:g} {kind}s in all)"
                 )
-            need.append((workers, each, what))
-        free, total = have["free"].get(kind, 0.0), have["total"].get(kind, 0.0)
-        wanted = sum(n * each for n, each, _ in need)
+        wanted = sum(a.workers * each for a, each in need)
         if wanted <= free + _EPS:
             continue
-        if len(need) == 1:
-            [(n, each, what)] = need
-            raise ClusterError(
-                f"{n} more {what}s of {each:g} {kind}s need {wanted:g} {kind}s, "
-                f"but only {free:g} of the cluster's {total:g} are free"
-            )
-        shares = " and ".join(f"{n} more {what}s ({n * each:g} {kind}s)" for n, each, what in need)
-        alone = all(n * each <= free + _EPS for n, each, _ in need)
-        raise ClusterError(
-            f"{shares} need {wanted:g} {kind}s together, but only {free:g} of the cluster's "
-            f"{total:g} are free" + (" (each kind alone would fit)" if alone else "")
+        terms = " + ".join(
+            f"{a.workers}{' more' if more else ''} "
+            f"{a.what}{'' if a.workers == 1 else 's'} × {_plural(each, kind)}"
+            for a, each in need
         )
+        alone = len(need) > 1 and all(a.workers * each <= free + _EPS for a, each in need)
+        options = " / ".join(dict.fromkeys(f"{a.option}-{kind.lower()}s" for a, _ in need if a.option))
+        advice = (
+            f"scale to fewer workers or free some of the cluster's {kind}s"
+            if more
+            else f"lower {options or 'the resources per worker'} or the worker counts"
+        )
+        return (
+            f"{terms} = {_plural(wanted, kind)} asked, but the cluster has {free:g} {kind}s free "
+            f"({total:g} in all{'; each kind alone would fit' if alone else ''}); {advice}"
+        )
+    return None
+
+
+def check_fits(workers: int, cpus: float, gpus: float, what: str = "rollout worker") -> None:
+    """Raise :class:`ClusterError` unless ``workers`` more actors of ``cpus`` CPUs and ``gpus``
+    GPUs each can be placed now (each on one node, all within what is free)."""
+    check_fits_together([Ask(workers, cpus, gpus, what)])
+
+
+def check_fits_together(asks: Sequence[Ask]) -> None:
+    """Raise :class:`ClusterError` unless every ask, added to the workers running, can be placed
+    now, all of them at once (:func:`fit_error`); the message names the kinds and their shares."""
+    why = fit_error(asks, resources(), more=True)
+    if why is not None:
+        raise ClusterError(why)
+
+
+def check_start(asks: Sequence[Ask], grace_s: float = FREED_GRACE_S) -> None:
+    """Raise :class:`ClusterError` unless the workers a start places (every kind of them at once)
+    fit the cluster: at once where they exceed what it has in all. Where they fit in all but not
+    in what is free, what is free is asked again for up to ``grace_s`` seconds first: actors
+    stopped just before (a runtime shut down and another started) give their resources back to
+    Ray a moment later, and a start must not be refused for that."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        have = resources()
+        why = fit_error(asks, have, more=False)
+        if why is None:
+            return
+        in_all = {**have, "free": have["total"]}
+        if time.monotonic() >= deadline or fit_error(asks, in_all, more=False) is not None:
+            raise ClusterError(why)
+        time.sleep(0.2)
+
+
+def wait_placed(actors: Mapping[str, Any], each: Ask, timeout: float = PLACEMENT_TIMEOUT_S) -> None:
+    """Wait until Ray has placed every actor (named by what it is: "trainer worker trainer-1"),
+    each asking for ``each``'s resources, at most ``timeout`` seconds; raise :class:`ClusterError`
+    naming the ones still pending and what is free. The caller stops them. Where Ray's actor
+    table cannot be read (a Ray Client connection), this returns at once: the start-up timeout
+    of the caller still bounds the wait."""
+    deadline = time.monotonic() + timeout
+    pending = dict(actors)
+    while True:
+        pending = {name: a for name, a in pending.items() if _placed(a) is False}
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    have = resources()
+    free, total = have["free"], have["total"]
+    option = f"lower {each.option}-cpus / {each.option}-gpus or the worker counts, " if each.option else ""
+    raise ClusterError(
+        f"{', '.join(pending)} {'was' if len(pending) == 1 else 'were'} not placed within "
+        f"{timeout:g} s: each asks for {_plural(each.cpus, 'CPU')} and {_plural(each.gpus, 'GPU')}, "
+        f"the cluster has {free.get('CPU', 0.0):g} CPUs and {free.get('GPU', 0.0):g} GPUs free "
+        f"({total.get('CPU', 0.0):g} and {total.get('GPU', 0.0):g} in all); {option}"
+        "or raise --placement-timeout"
+    )
+
+
+def _placed(actor: Any) -> bool | None:
+    """Whether Ray has given ``actor`` a node and a process (or it is already up, or dead); None
+    where its actor table cannot be read. Ray's public state API needs the dashboard, which a
+    local instance here runs without, so this reads the GCS's actor table directly."""
+    import importlib
+
+    try:
+        info = importlib.import_module("ray._private.state").actors(actor._actor_id.hex())
+    except Exception:
+        return None
+    if not isinstance(info, dict):
+        return None
+    return (
+        info.get("State") not in ("DEPENDENCIES_UNREADY", "PENDING_CREATION") or int(info.get("Pid") or 0) > 0
+    )
 
 
 def shutdown(cluster: Cluster | None) -> None:

@@ -22,8 +22,9 @@ drops it when it retires the version, which frees the object.
 Actors are named ``opentinker-rollout-<pool>-<worker>-<n>`` in the ``opentinker`` namespace
 (``ray.get_actor(name, namespace="opentinker")`` finds one) and ask for ``cpus`` CPUs and
 ``gpus`` GPUs each; a request the cluster cannot meet is refused before any actor is created
-(:func:`~opentinker.cluster.ray_env.check_fits`), and an actor not placed and started within the
-start-up timeout is killed, its worker's start failing with the reason.
+(:func:`~opentinker.cluster.ray_env.check_fits`); an actor Ray has not placed within the
+placement timeout (:func:`~opentinker.cluster.ray_env.wait_placed`), or not started within the
+start-up timeout, is killed, its worker's start failing with the reason.
 """
 
 from __future__ import annotations
@@ -42,7 +43,15 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from opentinker.cluster.ray_env import NAMESPACE, check_fits, resources
+from opentinker.cluster.ray_env import (
+    NAMESPACE,
+    PLACEMENT_TIMEOUT_S,
+    Ask,
+    ClusterError,
+    check_fits,
+    resources,
+    wait_placed,
+)
 from opentinker.lora import LoRAWeights
 from opentinker.rollout.process import WorkerDied, WorkerStartError
 from opentinker.rollout.wire import Done, Inbound, Outbound, Publish, Ready, Stop, to_bytes
@@ -166,10 +175,13 @@ class RayTransport:
 
     name = "ray"
 
-    def __init__(self, cpus: float = 1.0, gpus: float = 0.0) -> None:
+    def __init__(
+        self, cpus: float = 1.0, gpus: float = 0.0, placement_timeout: float = PLACEMENT_TIMEOUT_S
+    ) -> None:
         if not cpus >= 0 or not gpus >= 0 or cpus + gpus <= 0:
             raise ValueError(f"a rollout worker needs CPUs or GPUs, got cpus={cpus!r}, gpus={gpus!r}")
         self.cpus, self.gpus = float(cpus), float(gpus)
+        self.placement_timeout = placement_timeout
         self.tag = uuid.uuid4().hex[:8]  # names this pool's actors
         self.generation = itertools.count()
         self.puts = 0  # snapshots put in the object store
@@ -232,6 +244,12 @@ class RayWorker:
             )
             .remote(self.index, self.options)
         )
+        try:
+            each = Ask(1, t.cpus, t.gpus, "rollout worker", "--worker")
+            wait_placed({f"rollout worker {self.index}": self.actor}, each, t.placement_timeout)
+        except ClusterError as e:
+            self.kill()
+            raise WorkerStartError(str(e)) from None
         try:
             ready: Ready = ray.get(self.actor.ready.remote(), timeout=self.startup_timeout)
         except GetTimeoutError:

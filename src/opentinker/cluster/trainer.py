@@ -2,8 +2,9 @@
 
 ``TrainerPool(base_model, workers=N)`` starts N :class:`~opentinker.cluster.trainer_worker.TrainerWorker`
 actors (each ``worker_cpus`` CPUs and ``worker_gpus`` GPUs) and waits until every one has loaded
-its base-model replica. A request Ray cannot meet (more CPUs or GPUs than the cluster has) is
-refused before any actor starts. A data-parallel model (:mod:`opentinker.cluster.dp`) forms a
+its base-model replica. A request Ray cannot meet (more CPUs or GPUs than the cluster has free)
+is refused before any actor starts, and a worker Ray has not placed within ``placement_timeout``
+seconds fails the start, naming it, its actors stopped. A data-parallel model (:mod:`opentinker.cluster.dp`) forms a
 ``torch.distributed`` process group of its own replicas, on any live workers.
 
 Placement: a new model goes to the live worker holding the fewest models (ties: the fewest
@@ -32,10 +33,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.cluster.ray_env import LOCAL_SYSTEM_CONFIG
+from opentinker.cluster.ray_env import LOCAL_SYSTEM_CONFIG, PLACEMENT_TIMEOUT_S
 from opentinker.cluster.trainer_worker import TrainerWorker
 from opentinker.engine import EngineError
 from opentinker.models.registry import canonical_name
+
+STARTUP_TIMEOUT_S = 300.0  # placed workers loading their base-model replicas (as rollout workers)
 
 
 class WorkerLostError(EngineError):
@@ -82,19 +85,17 @@ def start_local_ray() -> None:
 
 def check_resources(workers: int, worker_cpus: float, worker_gpus: float) -> None:
     """Refuse, naming the shortfall, a pool the cluster cannot place (nothing is started)."""
-    ray = ray_module()
+    from opentinker.cluster.ray_env import Ask, ClusterError, check_start
+
+    ray_module()
     if not isinstance(workers, int) or workers < 1:
         raise ClusterConfigError(f"a trainer pool needs at least one worker, got {workers!r}")
     if worker_cpus < 0 or worker_gpus < 0:
         raise ClusterConfigError(f"worker resources must be >= 0, got cpus={worker_cpus}, gpus={worker_gpus}")
-    have = ray.cluster_resources()
-    for name, each in (("CPU", worker_cpus), ("GPU", worker_gpus)):
-        need, total = workers * each, float(have.get(name, 0.0))
-        if need > total + 1e-9:
-            raise ClusterConfigError(
-                f"{workers} trainer workers x {each:g} {name} = {need:g} {name}, "
-                f"but the Ray cluster has {total:g} {name}"
-            )
+    try:
+        check_start([Ask(workers, worker_cpus, worker_gpus, "trainer worker", "--trainer")])
+    except ClusterError as e:
+        raise ClusterConfigError(str(e)) from None
 
 
 class TrainerPool:
@@ -111,6 +112,8 @@ class TrainerPool:
         dtype: str = "float32",
         max_rank: int = 128,
         max_concurrency: int = 256,
+        placement_timeout: float = PLACEMENT_TIMEOUT_S,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
     ) -> None:
         ray = ray_module()
         check_resources(workers, worker_cpus, worker_gpus)
@@ -126,18 +129,36 @@ class TrainerPool:
             "max_rank": max_rank,
             "threads": max(1, int(worker_cpus)),
         }
+        self.placement_timeout = placement_timeout
         self.workers = [self._start(r) for r in range(workers)]
         self._next_rank = workers  # ranks are never reused: a worker id names one actor
         self._lock = threading.RLock()
         self._placement: dict[str, WorkerSlot] = {}
         self._dp: dict[str, int] = {}  # data-parallel model -> its degree (reserved on its replicas' slots)
         try:
-            infos = ray.get([w.actor.info.remote() for w in self.workers])
-        except Exception:
+            self._wait_placed(self.workers)
+            infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=startup_timeout)
+        except Exception as e:
             self.shutdown()
+            if isinstance(e, ray.exceptions.GetTimeoutError):
+                raise ClusterConfigError(
+                    f"the trainer workers of {self.base_model} did not load within {startup_timeout:g} s"
+                ) from None
             raise
 
         self.limits: dict[str, int] = infos[0]["limits"]  # what a request is checked against
+
+    def _wait_placed(self, slots: list[WorkerSlot]) -> None:
+        """Every slot's actor placed within the placement timeout, or :class:`ClusterConfigError`
+        naming the ones that were not (a pool that waits for resources never given would hang)."""
+        from opentinker.cluster.ray_env import Ask, ClusterError, wait_placed
+
+        each = Ask(1, self.worker_cpus, self.worker_gpus, "trainer worker", "--trainer")
+        named = {f"trainer worker {s.worker_id} of {self.base_model}": s.actor for s in slots}
+        try:
+            wait_placed(named, each, self.placement_timeout)
+        except ClusterError as e:
+            raise ClusterConfigError(str(e)) from None
 
     def _start(self, rank: int) -> WorkerSlot:
         wid = f"trainer-{rank}"
@@ -161,10 +182,13 @@ class TrainerPool:
             self._next_rank += n
         slots = [self._start(r) for r in ranks]
         try:
+            self._wait_placed(slots)
             ray.get([s.actor.info.remote() for s in slots], timeout=timeout)
         except Exception as e:
             for slot in slots:
                 ray.kill(slot.actor, no_restart=True)
+            if isinstance(e, ClusterConfigError):
+                raise
             reason = (
                 "did not start in time" if isinstance(e, ray.exceptions.GetTimeoutError) else type(e).__name__
             )

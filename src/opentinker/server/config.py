@@ -64,6 +64,9 @@ class ServerConfig:
     trainer_cpus: float = 1.0
     trainer_gpus: float = 0.0
     auto_restore: bool = False
+    # a Ray worker (rollout or trainer) not placed on a node within this many seconds fails the
+    # start (or the scale) that asked for it, naming it, instead of waiting for resources forever
+    placement_timeout_s: float = 60.0
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
     # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
     token_ttl_s: float = 900.0

@@ -210,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--trainer-gpus", type=_non_negative_float, default=0.0, help="GPUs of each trainer worker (Ray)"
     )
     p.add_argument(
+        "--placement-timeout",
+        type=_seconds(0, strict=True),
+        default=ServerConfig.placement_timeout_s,
+        metavar="SECONDS",
+        help="a Ray worker the cluster has not placed within this many seconds fails the start "
+        "or the scale that asked for it, naming it (default %(default)g)",
+    )
+    p.add_argument(
         "--auto-restore",
         action="store_true",
         help="when a trainer worker is lost, put each of its models back from its newest save_state "
@@ -254,6 +262,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trainer_cpus=args.trainer_cpus,
         trainer_gpus=args.trainer_gpus,
         auto_restore=args.auto_restore,
+        placement_timeout_s=args.placement_timeout,
         operator_tenants=tuple(args.operator),
         ray=args.ray,
         worker_cpus=args.worker_cpus,

@@ -48,6 +48,7 @@ class Server:
             ray=config.ray,
             worker_cpus=config.worker_cpus,
             worker_gpus=config.worker_gpus,
+            placement_timeout=config.placement_timeout_s,
             trainer_workers=config.trainer_workers,
             trainer_options={
                 "worker_cpus": config.trainer_cpus,
@@ -66,6 +67,8 @@ class Server:
             max_pending=config.max_pending_per_tenant, result_ttl_s=config.result_ttl_s
         )
         self.sequencer = Sequencer()
+        # every base model's Ray workers, all kinds together, before the first is placed
+        self.runtime.check_start(list(config.base_models))
         self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
         self.usage = Ledger(self.store.path, self.runtime.store)  # audit log and usage counters
         self.traces = SessionTraces(config.data_dir, self.runtime.tick_record)
