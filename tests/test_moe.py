@@ -309,3 +309,21 @@ def test_the_sdk_over_http_trains_samples_and_resumes_a_moe_model(
             assert_scalar_close(a, b)
         finally:
             service.close("success").result()
+
+
+def test_the_per_row_gather_path_equals_the_grouped_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import opentinker.lora.experts as experts
+
+    engine = _engine(load_base_model(family_model(tmp_path / "m", "qwen3_moe")))
+    ids = [engine.create_adapter(LoRAConfig(rank=r, seed=i)) for i, r in enumerate([4, 8, 2])]
+    for i, aid in enumerate(ids):
+        _bump(engine, aid, seed=200 + i)
+    x = torch.stack([e.tokens_T for e in make_examples(6, engine.vocab_size, seed=5, min_len=9, max_len=10)])
+    outs = []
+    for below in (0, 10**9):  # never gather; always gather
+        monkeypatch.setattr(experts, "GATHER_BELOW", below)
+        with torch.no_grad(), engine.routing([ids[0], ids[1], None, ids[2], ids[0], ids[1]]):
+            outs.append(engine.base.model(input_ids=x).logits)
+    assert_rel_close(outs[1], outs[0])

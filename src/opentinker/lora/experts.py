@@ -30,7 +30,9 @@ frozen it has no parameter to act on.
 Compute, for a batch mixing K entries: every (token, expert) assignment is sorted by
 (expert, entry). The base projections run as one grouped matmul over the E expert segments, the
 LoRA terms as two grouped matmuls over the E·K (expert, entry) segments (``torch.nn.functional.
-grouped_mm``), so no Python loop runs over experts, adapters or tokens, whatever K is.
+grouped_mm``), so no Python loop runs over experts, adapters or tokens, whatever K is. When the
+rows are few beside the E·K segments (a decode step), each row gathers its own expert's pair for
+two batched matmuls instead.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ ExpertPairs = Callable[[str, torch.dtype], "tuple[torch.Tensor, torch.Tensor, to
 
 # the fused expert parameters a LoRA pair goes on, in the order the forward uses them
 EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
+# below one row per GATHER_BELOW (expert, adapter) segments (a decode step's few rows over E·K
+# segments), each row gathers its own pair and two batched matmuls run, instead of a grouped
+# matmul that visits every segment, most of them empty
+GATHER_BELOW = 2
 # what transformers' ``use_experts_implementation`` sets on every experts class it knows
 _EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "num_experts")
 
@@ -121,8 +127,13 @@ def experts_forward(
         pair = pairs(param, out.dtype)
         if pair is not None:
             a_t, b_t, scale = pair  # [E·K, in, r], [E·K, r, out], [K]
-            shrink = grouped(inp, a_t, offs_ek) * scale[entry_sorted, None]
-            out = out + grouped(shrink, b_t, offs_ek)
+            if key.numel() * GATHER_BELOW < a_t.shape[0]:  # few rows over many segments (decoding)
+                x3 = inp.to(a_t.dtype)[:, None, :]  # [N, 1, in]: each row with its own pair
+                shrink = torch.bmm(x3, a_t[key_sorted]) * scale[entry_sorted, None, None]
+                out = out + torch.bmm(shrink, b_t[key_sorted]).squeeze(1)
+            else:
+                shrink = grouped(inp, a_t, offs_ek) * scale[entry_sorted, None]
+                out = out + grouped(shrink, b_t, offs_ek)
         return out
 
     h = project(x[perm // k], "gate_up_proj" if base.has_gate else "up_proj")
