@@ -3,7 +3,7 @@
 ``tinker_cookbook.weights`` (``download``, then ``build_lora_adapter`` or ``build_hf_model``)
 reads this layout; its converters document it (``tinker_cookbook/weights/_merge_utils.py``
 ``build_name_remaps`` / ``plan_expert_ops``, ``_merge.py`` ``MergeProfile``, ``_adapter.py``
-``_expand_expert_weights``, and ``weights/README.md``, "Key Remapping"):
+``_expand_expert_weights``, and the README of ``tinker_cookbook/weights``, "Key Remapping"):
 
 - ``adapter_model.safetensors``: for each trained projection, ``base_model.model.<HF module
   path>.lora_A.weight`` [r, in] and ``.lora_B.weight`` [out, r], unscaled (the converters multiply
