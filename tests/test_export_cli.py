@@ -91,7 +91,7 @@ def test_peft_export_loads_in_peft_and_equals_the_engine(trained, tmp_path) -> N
         ("not-a-path", "malformed checkpoint path"),
         ("tinker://sess-x:train:0/weights/../up", "malformed checkpoint path"),
         ("tinker://sess-x:train:0/weights/missing", "no checkpoint tinker://sess-x:train:0/weights/missing"),
-        ("tinker://sess-x:train:0/external_weights/e", "already in PEFT format"),
+        ("tinker://sess-x:train:0/external_weights/e", "already exported"),
     ],
 )
 def test_bad_paths_get_one_clear_error(trained, tmp_path, capsys, path: str, message: str) -> None:

@@ -1,8 +1,10 @@
 """External weights, signed download URLs, checkpoint TTLs and publishing — through the unmodified
 ``tinker`` SDK (and ``tinker_cookbook.weights.download``) against ``opentinker serve``.
 
-Two ``--dev`` keys are two tenants (A and B). Covered: ``save_weights_external`` writes a PEFT
-adapter that ``peft`` loads over the HF base and that gives the server's own logprobs; its signed
+Two ``--dev`` keys are two tenants (A and B). Covered: ``save_weights_external`` writes hosted
+Tinker's adapter layout, which the cookbook's ``build_lora_adapter`` turns into a PEFT adapter that
+``peft`` loads over the HF base with the server's own logprobs (the converters on every family:
+``tests/test_tinker_weights.py``); its signed
 URLs download without a key and are refused when changed, expired or presented by another tenant;
 the cookbook's ``weights.download`` works on both path kinds (the training one goes through an
 age-encrypted temporary export); TTLs out of range are refused with nothing changed, an expired
@@ -22,6 +24,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,8 +140,10 @@ def sc_b(server: LocalServer) -> Iterator[tinker.ServiceClient]:
 
 @pytest.fixture(scope="module")
 def trained(sc_a: tinker.ServiceClient) -> tinker.TrainingClient:
-    """Tenant A's model, trained a few steps (so its LoRA B matrices are not zero)."""
-    tc = sc_a.create_lora_training_client(TEST_MODEL, rank=4, seed=1).result()
+    """Tenant A's model, trained a few steps (so its LoRA B matrices are not zero). Not its
+    unembedding: the tiny model ties it to the embedding, and the cookbook's converters then put
+    its LoRA on the shared matrix (``tests/test_tinker_weights.py``)."""
+    tc = sc_a.create_lora_training_client(TEST_MODEL, rank=4, seed=1, train_unembed=False).result()
     for _ in range(3):
         tc.forward_backward([DATUM], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
@@ -154,11 +159,21 @@ def _logprobs(tc: tinker.TrainingClient) -> np.ndarray:
 
 
 def _peft_logprobs(folder: Path, base_path: str) -> np.ndarray:
+    """External weights (Tinker's layout) through the cookbook's ``build_lora_adapter``, in ``peft``."""
     peft = pytest.importorskip("peft")
+    weights = pytest.importorskip("tinker_cookbook.weights")
+    converted = folder.with_name(folder.name + "-peft")
+    weights.build_lora_adapter(base_model=base_path, adapter_path=str(folder), output_path=str(converted))
+    return _model_logprobs(peft.PeftModel.from_pretrained(_load(base_path), str(converted)).eval())
+
+
+def _load(path: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
-    model = peft.PeftModel.from_pretrained(base, str(folder)).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _model_logprobs(model: Any) -> np.ndarray:
     with torch.no_grad():
         logp = model(input_ids=torch.tensor([TOKENS[:-1]])).logits.log_softmax(-1)[0]
     return logp.gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0].numpy()
@@ -303,6 +318,9 @@ def test_cookbook_weights_download_works_unmodified_on_both_path_kinds(
     ext = trained.save_weights_external("for-cookbook").result().path
     out = weights.download(tinker_path=ext, output_dir=str(tmp_path / "ext"), base_url=server.base_url)
     assert_logprobs_close(_peft_logprobs(Path(out), _base_path(trained)), expected)
+    merged = tmp_path / "merged"
+    weights.build_hf_model(base_model=_base_path(trained), adapter_path=out, output_path=str(merged))
+    assert_logprobs_close(_model_logprobs(_load(str(merged))), expected)
     # a training checkpoint: loaded into a new run, exported encrypted to a one-off age key,
     # downloaded, decrypted, and the temporary export deleted
     state = trained.save_state("for-cookbook").result().path

@@ -34,8 +34,9 @@ def export_checkpoint(tinker_path: str, out_dir: str | Path, *, merged: bool, da
         raise ExportError(f"{data} is not an OpenTinker data dir (it has no checkpoints/ folder)")
     if f"/{EXTERNAL}/" in tinker_path:
         raise ExportError(
-            f"{tinker_path} is already in PEFT format: fetch it with RestClient.get_external_weights_urls, "
-            "or export the training checkpoint it came from"
+            f"{tinker_path} is already exported, in Tinker's adapter layout: fetch it with "
+            "RestClient.get_external_weights_urls (tinker_cookbook.weights.build_lora_adapter turns it "
+            "into PEFT's format), or export the training checkpoint it came from"
         )
     try:
         ref = parse_tinker_path(tinker_path)

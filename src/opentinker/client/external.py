@@ -1,10 +1,12 @@
-"""External weights: an adapter exported in PEFT's format, for tools other than this service.
+"""External weights: an adapter exported in hosted Tinker's layout, for tools other than this service.
 
 ``save_weights_external(name)`` writes ``tinker://<model_id>/external_weights/<name>``, a folder
 ``checkpoints/<model_id>/external_weights/<name>/`` beside the model's engine checkpoints, holding
 
-- ``adapter_model.safetensors`` + ``adapter_config.json`` (:func:`opentinker.engine.export.export_peft`),
-  what ``peft`` and vLLM load; each with an ``.age`` suffix instead when the save named
+- ``adapter_model.safetensors`` + ``adapter_config.json`` in hosted Tinker's adapter layout
+  (:mod:`opentinker.engine.tinker_format`), what ``tinker_cookbook.weights.build_lora_adapter`` (to
+  PEFT's format, for ``peft`` and vLLM) and ``build_hf_model`` (a merged model) read; each with an
+  ``.age`` suffix instead when the save named
   ``age_encryption_recipients`` (encrypted to all of them with ``pyrage``, as the SDK documents);
 - ``.external.json``: who owns it (tenant), its base model and LoRA config, which files it has
   (name, bytes, sha256). Hidden: it is not one of the checkpoint's downloadable files.

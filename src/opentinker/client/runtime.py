@@ -476,8 +476,10 @@ class Runtime(ScaleOutMethods):
     def save_external(
         self, model_id: str, name: str, *, recipients: list[str] | None = None
     ) -> Future[ExternalRecord]:
-        """Export live model ``model_id`` in PEFT format to ``tinker://<model_id>/external_weights/
-        <name>`` (encrypted to ``recipients`` if given), in the model's order."""
+        """Export live model ``model_id`` in hosted Tinker's adapter layout (what the cookbook's
+        ``weights`` converters read; :mod:`opentinker.engine.tinker_format`) to
+        ``tinker://<model_id>/external_weights/<name>`` (encrypted to ``recipients`` if given), in
+        the model's order."""
         rec = self.model(model_id)
         parsed = parse_recipients(recipients)  # a bad recipient is refused before anything is queued
         if self.external.exists(model_id, name):
@@ -494,7 +496,7 @@ class Runtime(ScaleOutMethods):
 
         def export(eng: Engine) -> ExternalRecord:
             return self.external.write(
-                model_id, name, lambda folder: eng.export_peft(model_id, folder), meta, parsed
+                model_id, name, lambda folder: eng.export_tinker(model_id, folder), meta, parsed
             )
 
         return self.backend(rec.base_model).scheduler.submit_call(model_id, export)

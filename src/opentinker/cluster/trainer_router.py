@@ -563,6 +563,9 @@ class EngineProxy:
     def export_peft(self, ref: str | None, out_dir: Any) -> Any:
         return self._either("export_peft", ref, out_dir)
 
+    def export_tinker(self, ref: str | None, out_dir: Any) -> Any:
+        return self._either("export_tinker", ref, out_dir)
+
     def export_merged(self, ref: str | None, out_dir: Any) -> Any:
         return self._either("export_merged", ref, out_dir)
 

@@ -37,7 +37,8 @@ from opentinker.scheduler import Scheduler
 # the Engine methods a router may run on a worker for a model it placed there
 ENGINE_CALLS = frozenset(
     {
-        "create_adapter", "load_state", "delete_adapter", "save_state", "export_peft", "export_merged",
+        "create_adapter", "load_state", "delete_adapter", "save_state", "export_peft", "export_tinker",
+        "export_merged",
         "adapter_config", "adapter_step", "adapter_weights", "optimizer_state", "pending_gradients",
         "set_pending_gradients", "optim_step", "forward_backward", "forward_backward_many",
     }

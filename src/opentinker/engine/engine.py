@@ -44,6 +44,7 @@ from opentinker.engine.export import export_merged, export_peft
 from opentinker.engine.losses import LOSSES, resolve_config
 from opentinker.engine.optim import AdapterOptimizer, finite_each, step_many
 from opentinker.engine.prefix import plan_shared_prefixes, shared_prefix_logprobs
+from opentinker.engine.tinker_format import export_tinker
 from opentinker.engine.types import (
     AdamParams,
     EngineError,
@@ -584,6 +585,17 @@ class Engine:
     def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The adapter (or snapshot) ``ref`` as a PEFT folder (see :mod:`opentinker.engine.export`)."""
         return export_peft(self.adapter_weights(ref), self.lora.groups, out_dir, base_model=self.base.name)
+
+    def export_tinker(self, ref: PolicyRef, out_dir: str | Path) -> Path:
+        """The adapter (or snapshot) ``ref`` in hosted Tinker's adapter layout, what
+        ``save_weights_external`` writes (see :mod:`opentinker.engine.tinker_format`)."""
+        return export_tinker(
+            self.adapter_weights(ref),
+            self.lora.groups,
+            out_dir,
+            base_model=self.base.name,
+            model=self.base.model,
+        )
 
     def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The base model with ``ref``'s delta merged in, as a full HF model folder."""

@@ -1,0 +1,170 @@
+"""External weights in hosted Tinker's adapter layout, through the cookbook's unmodified converters.
+
+``save_weights_external`` (embedded client here; ``tests/test_weights_sharing.py`` goes through the
+SDK and a server) writes the layout ``tinker_cookbook.weights`` reads
+(:mod:`opentinker.engine.tinker_format`). On a dense tied model (the tiny Llama), a dense untied
+one (a random qwen2), and MoE models (qwen3_moe, gpt-oss), ``build_hf_model`` merges it into a
+model whose logprobs equal the engine's, and ``build_lora_adapter``'s PEFT folder, loaded with
+``peft``, does too (not on gpt-oss: see :func:`test_gpt_oss_merges_exactly`). On a tied model the
+converters put the unembedding's LoRA on the shared embedding; that case is stated exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from tinker import types
+
+from opentinker.client import Runtime, ServiceClient
+from opentinker.models.registry import tiny_model_dir
+from tests.families import family_model
+from tests.tolerances import assert_logprobs_close
+
+weights = pytest.importorskip("tinker_cookbook.weights")
+peft = pytest.importorskip("peft")
+
+TOKENS = [int(t) for t in np.random.default_rng(5).integers(3, 1000, 18)]
+DATUM = types.Datum(
+    model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+    loss_fn_inputs={"target_tokens": TOKENS[1:]},  # type: ignore[dict-item]  # lists: the client converts
+)
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runtime]:
+    rt = Runtime(tmp_path_factory.mktemp("tinker-weights") / "data")
+    yield rt
+    rt.shutdown()
+
+
+def _untied_qwen2(folder: Path) -> str:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=len(tok), tie_word_embeddings=False,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _trained(runtime: Runtime, base: str, *, train_unembed: bool = True) -> Any:
+    tc = ServiceClient(runtime=runtime).create_lora_training_client(
+        base, rank=4, seed=1, train_unembed=train_unembed
+    )
+    for _ in range(3):
+        tc.forward_backward([DATUM], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    return tc
+
+
+def _external(runtime: Runtime, tc: Any, name: str = "ext") -> Path:
+    """``save_weights_external``'s folder (what ``weights.download`` fetches over HTTP)."""
+    path = tc.save_weights_external(name).result().path
+    assert path == f"tinker://{tc.model_id}/external_weights/{name}"
+    rec = runtime.external.record(tc.model_id, name)
+    assert rec is not None and set(rec.files) == {"adapter_model.safetensors", "adapter_config.json"}
+    return rec.folder
+
+
+def _engine_logprobs(tc: Any) -> np.ndarray:
+    return tc.forward([DATUM], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def _logprobs(model: Any) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKENS[:-1]])).logits[0].float()
+    return torch.log_softmax(logits, -1)[torch.arange(len(TOKENS) - 1), torch.tensor(TOKENS[1:])].numpy()
+
+
+def _merged(base: str, adapter: Path, out: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    weights.build_hf_model(base_model=base, adapter_path=str(adapter), output_path=str(out))
+    return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+
+def _peft_model(base: str, adapter: Path, out: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    weights.build_lora_adapter(base_model=base, adapter_path=str(adapter), output_path=str(out))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    return peft.PeftModel.from_pretrained(model, str(out)).eval()
+
+
+def _both_equal_the_engine(runtime: Runtime, base: str, tmp_path: Path, **kw: Any) -> Path:
+    tc = _trained(runtime, base, **kw)
+    ext = _external(runtime, tc)
+    expected = _engine_logprobs(tc)
+    assert_logprobs_close(_logprobs(_merged(base, ext, tmp_path / "merged")), expected)
+    assert_logprobs_close(_logprobs(_peft_model(base, ext, tmp_path / "peft")), expected)
+    return ext
+
+
+def test_dense_untied_model_with_its_unembedding(runtime: Runtime, tmp_path: Path) -> None:
+    base = _untied_qwen2(tmp_path / "qwen2")
+    ext = _both_equal_the_engine(runtime, base, tmp_path)
+    keys = load_file(str(ext / "adapter_model.safetensors"))
+    assert keys["base_model.model.model.unembed_tokens.lora_B.weight"].shape == (1024, 4)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert not any("lm_head" in k for k in keys)
+
+
+def test_dense_tied_model_without_its_unembedding(runtime: Runtime, tmp_path: Path) -> None:
+    _both_equal_the_engine(runtime, str(tiny_model_dir()), tmp_path, train_unembed=False)
+
+
+def test_dense_tied_model_gets_the_unembedding_on_the_shared_embedding(
+    runtime: Runtime, tmp_path: Path
+) -> None:
+    """The cookbook maps ``unembed_tokens`` onto ``embed_tokens`` when the base has no ``lm_head``
+    (``_merge_utils.build_name_remaps``): the merged input embeddings change too, where the engine
+    changes the output side only. Stated exactly, so a cookbook that unties them shows up here."""
+    base = str(tiny_model_dir())
+    tc = _trained(runtime, base)
+    ext = _external(runtime, tc)
+    merged = _merged(base, ext, tmp_path / "merged")
+    lora = load_file(str(ext / "adapter_model.safetensors"))
+    a, b = (lora[f"base_model.model.model.unembed_tokens.lora_{x}.weight"] for x in "AB")
+    base_embed = load_file(str(tiny_model_dir() / "model.safetensors"))["model.embed_tokens.weight"]
+    want = base_embed.float() + (32 / 4) * (b @ a)  # the SDK's lora_alpha 32 over rank 4
+    got = merged.get_input_embeddings().weight.detach()
+    assert merged.get_output_embeddings().weight is merged.get_input_embeddings().weight
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"])
+def test_moe_model_experts_as_tinker_w1_w2_w3(runtime: Runtime, tmp_path: Path, family: str) -> None:
+    base = family_model(tmp_path / family, family)
+    ext = _both_equal_the_engine(runtime, base, tmp_path)
+    keys = load_file(str(ext / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.mlp.experts"
+    shapes = {w: (keys[f"{prefix}.{w}.lora_A.weight"].shape, keys[f"{prefix}.{w}.lora_B.weight"].shape) for w in ("w1", "w2", "w3")}  # fmt: skip
+    assert shapes == {
+        "w1": ((4, 4, 32), (4, 16, 4)),
+        "w3": ((4, 4, 32), (4, 16, 4)),
+        "w2": ((4, 4, 16), (4, 32, 4)),
+    }
+    assert not any("gate_up_proj" in k or "down_proj" in k for k in keys)
+
+
+def test_gpt_oss_merges_exactly(runtime: Runtime, tmp_path: Path) -> None:
+    """gpt-oss: interleaved gate/up rows split into w1/w3, attention under Tinker's ``attn``.
+    ``build_lora_adapter`` writes per-expert keys (``experts.0.gate_proj``) for vLLM, which
+    ``peft`` cannot load on gpt-oss's fused experts (it drops them without a warning)."""
+    base = family_model(tmp_path / "gpt_oss", "gpt_oss")
+    tc = _trained(runtime, base)
+    ext = _external(runtime, tc)
+    assert_logprobs_close(_logprobs(_merged(base, ext, tmp_path / "merged")), _engine_logprobs(tc))
+    keys = load_file(str(ext / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.attn.q_proj.lora_A.weight" in keys
+    assert keys["base_model.model.model.layers.1.mlp.experts.w1.lora_B.weight"].shape == (4, 16, 4)
