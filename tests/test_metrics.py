@@ -200,3 +200,18 @@ def test_no_label_shows_a_server_path(tmp_path: Path) -> None:
     assert labels and "<server path>" in labels
     for value in labels:
         assert folder not in value and str(tmp_path) not in value and not value.startswith("/")
+
+
+def test_rollout_worker_processes_are_counted(tmp_path: Path) -> None:
+    """Without Ray, the rollout workers are processes: counted by state, with their restarts."""
+    config = ServerConfig(data_dir=tmp_path / "data", base_models=(TEST_MODEL,), rollout_workers=1)
+    server = Server(config)
+    try:
+        samples = parse(server.metrics.exposition().decode())
+    finally:
+        server.close()
+    workers = "opentinker_rollout_workers"
+    assert total(samples, workers, transport="process", state="ready") == 1
+    assert total(samples, workers) == 1
+    assert total(samples, "opentinker_rollout_worker_restarts_total", transport="process") == 0
+    assert ("opentinker_rollout_running_rows", frozenset({("base_model", TEST_MODEL)})) not in samples
