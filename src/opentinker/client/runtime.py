@@ -524,9 +524,10 @@ class Runtime(ScaleOutMethods):
         """Whether checkpoint metadata (a manifest's ``meta``) belongs to ``tenant``."""
         return checkpoint_owner(meta) == tenant
 
-    def engine_stats(self) -> list[dict[str, Any]]:
+    def engine_stats(self, *, trainers: bool = True) -> list[dict[str, Any]]:
         """Per loaded base model, the engine's counters since start-up (cumulative; a reader
-        takes rates from two readings) and what is queued now: the console's live page."""
+        takes rates from two readings) and what is queued now: the console's live page
+        (``trainers=False``: without asking each Ray trainer worker for its own)."""
         with self._lock:
             backends = dict(self._backends)
         out = []
@@ -551,8 +552,13 @@ class Runtime(ScaleOutMethods):
                     "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
                 }
             )
-            out[-1].update(self.trainer_stats(name, self.models))  # trained on Ray trainer workers
+            if trainers:
+                out[-1].update(self.trainer_stats(name, self.models))  # trained on Ray trainer workers
         return out
+
+    def snapshot_ids(self, base_model: str) -> list[str]:
+        """The snapshots ``base_model``'s engine holds now (``<model>@v<n>``, loaded checkpoints)."""
+        return self.backend(base_model).engine.snapshot_ids()
 
     def shutdown(self) -> None:
         with self._lock:

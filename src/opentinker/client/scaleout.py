@@ -492,6 +492,26 @@ class ScaleOutMethods:
         each trainer worker with the models it holds."""
         return self.scaleout.workers_info(self._worker_pools(), self.rollout_workers, self._routers())
 
+    def worker_counts(self) -> dict[str, dict[str, Any]]:
+        """Per base model with workers, its rollout workers by state (and transport), their
+        restarts and re-run requests, and its trainer workers alive and lost: read here, no call
+        to any worker (``/metrics``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, pool in self._worker_pools().items():
+            stats = pool.stats
+            out.setdefault(name, {})["rollout"] = {
+                "transport": pool.transport.name,
+                "states": pool.worker_states(),
+                "restarts": sum(stats.restarts),
+                "rerun": stats.rerun,
+            }
+        for name, router in self._routers().items():
+            workers = list(router.pool.workers)
+            alive = sum(1 for w in workers if w.alive)
+            lost = sum(1 for w in workers if not w.alive and w.lost_reason != "removed")  # not scaled away
+            out.setdefault(name, {})["trainers"] = {"alive": alive, "lost": lost}
+        return out
+
     def scale_trainer_workers(self, workers: int) -> dict[str, Any]:
         """Train every base model on ``workers`` trainer workers, while serving: new ones start and
         take new models, removed ones hand each model over (its whole state through the data dir)

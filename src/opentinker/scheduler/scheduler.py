@@ -101,6 +101,7 @@ class TickStats:
     optim_steps: int = 0
     sample_requests: int = 0
     last_tick_seconds: float = 0.0
+    tick_seconds: float = 0.0  # every tick's run time, summed (with ``ticks``: a mean, /metrics)
 
 
 class Scheduler:
@@ -370,6 +371,7 @@ class Scheduler:
         self.stats.optim_steps += len(optims)
         self.stats.sample_requests += len(samples)
         self.stats.last_tick_seconds = time.perf_counter() - t0
+        self.stats.tick_seconds += self.stats.last_tick_seconds
         rows = sum(len(op.payload.examples) for op in forwards)
         record = TickRecord(
             tick, wall0, time.time(), len(forwards), rows, len(optims), len(calls), len(samples)

@@ -77,6 +77,11 @@ class Admission:
         self._running[tenant] += 1
         return q.popleft()
 
+    def counts(self) -> tuple[int, int]:
+        """(running, held) requests over every tenant now (``/metrics``)."""
+        with self._lock:
+            return sum(self._running.values()), sum(len(q) for q in self._waiting.values())
+
     def state(self, tenant: str, out: Future) -> tuple[QueueState, str | None]:
         with self._lock:
             waiting = any(w.out is out for w in self._waiting[tenant])

@@ -5,7 +5,8 @@ and what runs beside them while the server serves.
 holds) and registers the route groups, each in its own module: the SDK's operations
 (:mod:`routes`), the REST checkpoint routes (:mod:`rest_routes`), the admin reads
 (:mod:`admin_routes`), the console pages at the SDK's console paths (:mod:`console`), the
-operator's cluster routes (:mod:`cluster`) and the console (:mod:`console_api`). Routes only
+operator's cluster routes (:mod:`cluster`), the console (:mod:`console_api`) and the operator's
+``/metrics`` (:mod:`metrics`). Routes only
 authenticate, parse and delegate. A pure-ASGI middleware in front enforces the body-size limit
 (413) and undoes ``Content-Encoding: zstd`` before any route sees a body; every error answers with
 its message redacted, and a refused training request spends its ``seq_id``. Beside the routes, the
@@ -35,6 +36,7 @@ from opentinker.server.console import add_console_pages
 from opentinker.server.console_api import add_console
 from opentinker.server.errors import ApiError, error_message
 from opentinker.server.limits import BODY_KEY, BodyLimit
+from opentinker.server.metrics import add_metrics_route
 from opentinker.server.refusals import note_refused
 from opentinker.server.rest_routes import add_rest_routes
 from opentinker.server.routes import add_routes
@@ -109,6 +111,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     add_console_pages(app, server)  # the pages at the SDK's console paths (console.py)
     add_cluster_routes(app, server)  # the operator's rollout-worker reads and scaling (cluster.py)
     add_console(app, server)  # the console at / and its read-only JSON routes (console_api.py)
+    add_metrics_route(app, server)  # GET /metrics, Prometheus' text format, operators only (metrics.py)
     return app
 
 

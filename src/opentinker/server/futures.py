@@ -137,6 +137,12 @@ class FutureStore:
                 if entry is not None and entry.tenant == tenant and entry.done_at is not None:
                     del self._entries[rid]
 
+    def counts(self) -> tuple[int, int]:
+        """(unfinished, finished and kept for polls) requests over every tenant (``/metrics``)."""
+        with self._lock:
+            done = sum(1 for e in self._entries.values() if e.done_at is not None)
+            return len(self._entries) - done, done
+
     def pending(self, tenant: str) -> int:
         with self._lock:
             return self._pending[tenant]

@@ -557,6 +557,8 @@ class Operations:
             ledger.count(tenant, "sampling_prefill", req.prompt.length, session_id=session, base_model=base)
             generated = sum(len(s.tokens) for s in res.sequences)
             ledger.count(tenant, "sampling_sample", generated, session_id=session, base_model=base)
+            hits = int(getattr(res, "prompt_cache_hit_tokens", 0) or 0)
+            ledger.observe(tenant, "prompt_cache_hit", hits, base_model=base)  # /metrics only
             return encode(res)
 
         return metered

@@ -113,6 +113,11 @@ class Sequencer:
         self._models: dict[str, _Model] = {}
         self._lock = threading.RLock()
 
+    def held_count(self) -> int:
+        """Requests held now, over every model, for a lower ``seq_id`` (``/metrics``)."""
+        with self._lock:
+            return sum(len(m.held) for m in self._models.values())
+
     def open(self, model_id: str, next_seq: int = 1) -> None:
         with self._lock:
             self._models.setdefault(model_id, _Model(next_seq))

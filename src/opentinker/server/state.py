@@ -1,6 +1,7 @@
 """The server's state: :class:`Server`, everything one server process holds, built from its
 config (and an optional runtime): the store, authentication, futures, the per-tenant registry,
-the operations over the runtime, checkpoints, downloads, sessions, projects, the audit log.
+the operations over the runtime, checkpoints, downloads, sessions, projects, the audit log,
+the Prometheus metrics.
 
 The app (:mod:`~opentinker.server.app`) makes one and hands it to every route group; the routes
 only authenticate, parse and delegate to what it holds.
@@ -18,6 +19,7 @@ from opentinker.server.downloads import Downloads
 from opentinker.server.errors import Redactor
 from opentinker.server.futures import FutureStore
 from opentinker.server.lifecycle import Lifecycle
+from opentinker.server.metrics import ServerMetrics
 from opentinker.server.ops import Operations
 from opentinker.server.ordering import Sequencer
 from opentinker.server.projects import ProjectApi
@@ -81,6 +83,7 @@ class Server:
         self.sessions = SessionApi(self.store, config.session_inactive_s)
         self.projects = ProjectApi(self.registry)
         reconcile(self.runtime.store, self.store, self.runtime.external)
+        self.metrics = ServerMetrics(self)  # GET /metrics (operators): its own Prometheus registry
 
     def audit_when_done(self, tenant: str, request_id: str, event: str, **details: Any) -> None:
         """Record ``event`` in the audit log when the request succeeds, with what its result names."""

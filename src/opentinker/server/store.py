@@ -382,6 +382,13 @@ class Store:
     def all_checkpoint_paths(self) -> set[str]:
         return {r[0] for r in self._all("SELECT tinker_path FROM checkpoints")}
 
+    def checkpoint_totals(self) -> list[tuple[str, str, int, int]]:
+        """(tenant, kind, count, recorded bytes) of every checkpoint not yet swept (``/metrics``)."""
+        rows = self._all(
+            "SELECT tenant, kind, COUNT(*), COALESCE(SUM(size_bytes), 0) FROM checkpoints GROUP BY tenant, kind"
+        )
+        return [(str(t), str(k), int(n), int(b)) for t, k, n, b in rows]
+
 
 _SESSION_COLS = "id, tenant, created, last_seen, finished, meta"
 _MODEL_COLS = "id, tenant, session_id, base_model, lora, parent, created, last_request, user_metadata"

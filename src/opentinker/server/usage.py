@@ -84,6 +84,8 @@ class Ledger:
         self._db = sqlite3.connect(db_path, check_same_thread=False, isolation_level=None, timeout=30)
         self._lock = threading.Lock()
         self._hooked: OrderedDict[str, None] = OrderedDict()  # request ids with a result hook
+        # called with (tenant, kind, tokens, base_model) for every count: /metrics' counters
+        self.observers: list[Callable[[str, str, int, str], None]] = []
         with self._lock:
             self._db.executescript(SCHEMA)
 
@@ -110,12 +112,20 @@ class Ledger:
         """Add ``tokens`` of ``kind`` to this hour's counter of the tenant's session."""
         if tokens <= 0:
             return
+        self.observe(tenant, kind, tokens, base_model=base_model)
         self._all(
             "INSERT INTO usage_counts (tenant, bucket, session_id, base_model, kind, cached, tokens) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, bucket, session_id, base_model, kind, "
             "cached) DO UPDATE SET tokens = tokens + excluded.tokens",
             (tenant, _hour(time.time()), session_id, base_model, kind, int(cached), tokens),
         )
+
+    def observe(self, tenant: str, kind: str, tokens: int, *, base_model: str) -> None:
+        """Tell the observers of ``tokens`` of ``kind`` without billing them (:meth:`count` bills
+        and tells): e.g. the prompt tokens a sample took from the prefix cache."""
+        if tokens > 0:
+            for fn in self.observers:
+                fn(tenant, kind, tokens, base_model)
 
     def after(self, key: str, future: Future | None, fn: Callable[[Any], None]) -> None:
         """Call ``fn(result)`` once when ``future`` succeeds, once per ``key`` (a request id and
