@@ -56,3 +56,22 @@ def family_model(folder: Path, family: str, **overrides: Any) -> str:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+_DENSE: dict[str, Any] = dict(_ATTN, intermediate_size=48)
+
+# dense attention families (gemma3_text with a sliding-window layer before a full one, window 4)
+DENSE_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(_DENSE),
+    "qwen2": dict(_DENSE),
+    "qwen3": dict(_DENSE, head_dim=8),
+    "mistral": dict(_DENSE),
+    "gemma3_text": dict(
+        _DENSE, head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    ),
+    "phi3": dict(_DENSE),
+    "olmo2": dict(_DENSE),
+    "granite": dict(_DENSE),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
+}
+FAMILIES.update(DENSE_FAMILIES)
