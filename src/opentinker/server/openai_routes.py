@@ -260,6 +260,7 @@ class OpenAIRoutes:
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
         gone = asyncio.ensure_future(_disconnected(request))
         everything = asyncio.ensure_future(asyncio.gather(*futs))
+        everything.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await asyncio.wait({gone, everything}, return_when=asyncio.FIRST_COMPLETED)
         finally:
