@@ -116,6 +116,11 @@ class SamplingClient(ReadyClient):
         """Drop that request if no tick has taken it yet."""
         return self._scheduler.cancel_sample(ticket)
 
+    def abort(self, ticket: int) -> bool:
+        """Drop that request now, even mid-decode (its rows leave the running batch), where the
+        rollout service can; else as :meth:`cancel`."""
+        return self._scheduler.abort_sample(ticket)
+
     @property
     def max_rows(self) -> int:
         """Sampled sequences the sampler decodes together at most (one tick)."""

@@ -191,6 +191,26 @@ class StepDecoder:
             self._plan = replan(self.engine, self._plan, [row.policy for row in self._rows], self._weights)
         return len(moved)
 
+    def drop(self, rid: int) -> bool:
+        """Take request ``rid``'s rows out of the running batch now, unfinished (its caller is
+        gone); True if it had rows here. The other rows decode on, untouched; nothing of the
+        dropped rows goes into the prefix cache."""
+        if self._jobs.pop(rid, None) is None:
+            return False
+        rows = self._rows
+        keep = fill_holes([j for j, row in enumerate(rows) if row.req != rid], len(rows))
+        if not keep:
+            self._reset()
+            return True
+        assert self._model is not None
+        idx = torch.tensor(keep, device=self.engine.device)
+        self._model.select(idx)
+        self._plan = self._plan.select(idx) if self._plan is not None else None
+        self._rows = [rows[j] for j in keep]
+        live = {row.policy for row in self._rows}
+        self._weights = {p: w for p, w in self._weights.items() if p in live}
+        return True
+
     # ------------------------------------------------------------------ admit
     @torch.no_grad()
     def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:

@@ -100,6 +100,15 @@ class Follow:
 
 
 @dataclass(frozen=True)
+class Abort:
+    """Drop request ``rid`` wherever it is (its caller is gone and was answered already): still
+    waiting, or decoding, when its rows leave the running batch before the next decode step
+    (:meth:`StepDecoder.drop`; a decoder without ``drop`` lets them finish, unanswered)."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
 class Done:
     """The answer to :class:`Sample` ``rid``: its result, or the error that refused or failed it."""
 
@@ -108,7 +117,7 @@ class Done:
     error: Exception | None = None
 
 
-Inbound = Sample | Publish | Retire | Follow
+Inbound = Sample | Publish | Retire | Follow | Abort
 
 
 @dataclass
@@ -126,6 +135,7 @@ class RolloutStats:
     prefill_tokens: int = 0  # prompt tokens of admitted requests (before the prefix cache)
     sampled_tokens: int = 0  # tokens of finished sequences
     finished: int = 0  # requests answered
+    aborted: int = 0  # requests dropped mid-decode, their callers gone (Abort)
 
 
 class RolloutCore:
@@ -163,11 +173,21 @@ class RolloutCore:
                 self.backend.publish(msg.policy_id, msg.weights)
             elif isinstance(msg, Follow):
                 self._follow(msg)
+            elif isinstance(msg, Abort):
+                self._abort(msg.rid)
             else:
                 self.backend.retire(msg.policy_id)
         except EngineError as e:
             return [Done(msg.rid, error=e)] if isinstance(msg, Sample) else []
         return []
+
+    def _abort(self, rid: int) -> None:
+        if self.cancel(rid):
+            return
+        drop = getattr(self.decoder, "drop", None)
+        if drop is not None and drop(rid):
+            self.stats.aborted += 1
+            self.stats.live_rows = self.decoder.live_rows
 
     def _follow(self, msg: Follow) -> None:
         switch = getattr(self.decoder, "switch", None)
@@ -329,6 +349,23 @@ class RolloutLoop:
             fut = self._futures.pop(rid, None)
         if fut is not None:
             fut.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
+        return True
+
+    def abort(self, rid: int) -> bool:
+        """Drop request ``rid`` wherever it is: its future fails with :class:`SampleCancelled` at
+        once, and its rows, if it is decoding, leave the running batch before the next decode
+        step (:class:`Abort`). False if it has finished already (or is unknown)."""
+        with self._cv:
+            fut = self._futures.pop(rid, None)
+            if fut is None:
+                return False
+            queued = next((m for m in self._inbox if isinstance(m, Sample) and m.rid == rid), None)
+            if queued is not None:
+                self._inbox.remove(queued)
+            else:
+                self._inbox.append(Abort(rid))
+                self._cv.notify()
+        fut.set_exception(SampleCancelled(f"sample request {rid} was aborted by its caller"))
         return True
 
     def send(self, msg: Publish | Retire | Follow) -> None:

@@ -194,6 +194,15 @@ class Scheduler:
             self._cancelled.add(ticket)
             return True
 
+    def abort_sample(self, ticket: int) -> bool:
+        """Drop a sample request wherever it is, decoding included (its rows leave the running
+        batch), where the rollout service can (the in-process loop: ``RolloutLoop.abort``); else
+        as :meth:`cancel_sample` (a request already decoding runs to its end). True if dropped."""
+        abort = getattr(self.rollout, "abort", None)
+        if abort is not None:
+            return bool(abort(ticket))
+        return self.cancel_sample(ticket)
+
     def follow(self, group: str, policy_id: str) -> None:
         """Sample requests following training model ``group`` move to ``policy_id``'s weights
         mid-decode (:class:`~opentinker.sampling.rollout.Follow`), where the rollout service

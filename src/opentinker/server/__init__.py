@@ -22,6 +22,7 @@ request id. Files, in the order a request meets them:
 - ``store.py``       SQLite (WAL): tenants, keys, sessions, models, samplers, checkpoints
 - ``usage.py``       the audit log and usage counters (``AdminClient``: audit, billing, storage)
 - ``console.py``     the console pages at the paths the SDK's ``get_console_url()`` builds
+- ``openai_routes.py`` ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (``openai_*.py``)
 - ``local.py``       run a server in a child process (tests, benchmarks)
 """
 

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
@@ -37,6 +38,7 @@ from opentinker.server.console_api import add_console
 from opentinker.server.errors import ApiError, error_message
 from opentinker.server.limits import BODY_KEY, BodyLimit
 from opentinker.server.metrics import add_metrics_route
+from opentinker.server.openai_routes import add_openai_routes
 from opentinker.server.refusals import note_refused
 from opentinker.server.rest_routes import add_rest_routes
 from opentinker.server.routes import add_routes
@@ -112,7 +114,29 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     add_cluster_routes(app, server)  # the operator's rollout-worker reads and scaling (cluster.py)
     add_console(app, server)  # the console at / and its read-only JSON routes (console_api.py)
     add_metrics_route(app, server)  # GET /metrics, Prometheus' text format, operators only (metrics.py)
+    add_openai_routes(app, server)  # /v1/chat/completions, /v1/completions, /v1/models (openai_routes.py)
     return app
+
+
+def embedded_app(
+    runtime: Runtime | None = None,
+    *,
+    base_models: list[str],
+    data_dir: str | None = None,
+    chat_template: str | None = None,
+) -> FastAPI:
+    """The whole server as an ASGI app for in-process use, over ``runtime`` (or a new one): the
+    Tinker routes and the OpenAI-compatible ones, in ``--dev`` mode (any ``tml-`` key is its own
+    tenant). E.g. ``openai.AsyncOpenAI(base_url="http://embedded/v1", api_key="tml-me",
+    http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app)))``. Its state lives in
+    ``data_dir`` (default: the runtime's); ``app.state.server.close()`` ends it."""
+    from opentinker.client.runtime import default_data_dir
+
+    folder = data_dir or (runtime.data_dir if runtime is not None else default_data_dir())
+    config = ServerConfig(
+        data_dir=Path(folder), base_models=tuple(base_models), dev=True, chat_template=chat_template
+    )
+    return create_app(config, runtime)
 
 
 async def _watch_gaps(server: Server) -> None:

@@ -73,5 +73,7 @@ class ServerConfig:
     # a session with no heartbeat and no request this long is inactive: its models' state is
     # saved to a checkpoint and they are evicted from memory (the SDK heartbeats every 10 s)
     session_inactive_s: float = 600.0
+    # the OpenAI-compatible chat route's template (Jinja text; None: each base model's tokenizer's)
+    chat_template: str | None = None
     # tenants whose keys see every tenant's sessions, runs and checkpoints in the console (read-only)
     operator_tenants: tuple[str, ...] = ()

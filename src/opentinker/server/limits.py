@@ -94,7 +94,7 @@ class BodyLimit:
             if too_big and size > _DRAIN_FACTOR * self.max_bytes:
                 break
         if too_big:
-            await _answer(send, 413, f"the request body is over the limit of {self.max_bytes} bytes")
+            await _answer(scope, send, 413, f"the request body is over the limit of {self.max_bytes} bytes")
             return
         raw = b"".join(chunks)
         encoding = headers.get(b"content-encoding")
@@ -102,12 +102,14 @@ class BodyLimit:
             try:
                 raw = decompress(raw, encoding.decode("latin-1"), self.max_bytes)
             except ApiError as e:
-                await _answer(send, e.status, e.message)
+                await _answer(scope, send, e.status, e.message)
                 return
             kept = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
             scope = {**scope, "headers": [*kept, (b"content-length", str(len(raw)).encode())]}
         if not is_protobuf(headers.get(b"content-type", b"").decode("latin-1")) and nested_too_deeply(raw):
-            await _answer(send, 400, f"the JSON body is nested too deeply (over {MAX_JSON_DEPTH} levels)")
+            await _answer(
+                scope, send, 400, f"the JSON body is nested too deeply (over {MAX_JSON_DEPTH} levels)"
+            )
             return
         scope = {**scope, BODY_KEY: raw}  # for handlers of refused requests (see refusals.py)
         replayed = False
@@ -122,8 +124,11 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-async def _answer(send: Any, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
+async def _answer(scope: dict[str, Any], send: Any, status: int, detail: str) -> None:
+    answer: dict[str, Any] = {"detail": detail}
+    if str(scope.get("path", "")).startswith("/v1/"):  # the OpenAI-compatible routes' error shape
+        answer = {"error": {"message": detail, "type": "invalid_request_error", "param": None, "code": None}}
+    body = json.dumps(answer).encode()
     await send(
         {
             "type": "http.response.start",

@@ -231,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a tenant whose keys see every tenant's sessions, runs and checkpoints in the console "
         "(read-only; repeatable)",
     )
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template for /v1/chat/completions (default: each base model's tokenizer's)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -264,6 +271,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         auto_restore=args.auto_restore,
         placement_timeout_s=args.placement_timeout,
         operator_tenants=tuple(args.operator),
+        chat_template=args.chat_template.read_text() if args.chat_template is not None else None,
         ray=args.ray,
         worker_cpus=args.worker_cpus,
         worker_gpus=args.worker_gpus,
@@ -281,7 +289,11 @@ def serve(argv: list[str] | None = None) -> int:
     )
     try:
         app = create_app(config_from_args(args))
-    except (ValueError, RuntimeError) as e:  # e.g. a Ray address that does not answer, workers
+    except (
+        ValueError,
+        RuntimeError,
+        OSError,
+    ) as e:  # e.g. an unreadable --chat-template, a Ray address that does not answer, workers
         # the cluster cannot place, a rollout worker that cannot start: named, before the port opens
         print(f"opentinker serve: error: {e}", file=sys.stderr, flush=True)
         return 2

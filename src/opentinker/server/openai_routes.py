@@ -1,0 +1,446 @@
+"""OpenAI-compatible routes on ``opentinker serve``: ``POST /v1/chat/completions``,
+``POST /v1/completions`` and ``GET /v1/models`` (SERVER.md, "OpenAI-compatible API").
+
+**Models.** ``model`` names what to sample: a checkpoint path (``tinker://<run>/sampler_weights/
+<name>`` or a training checkpoint, ``tinker://<run>/weights/<name>``), a sampler id of the Tinker
+routes (``<session>:sample:<n>``), or a served base model's name. They resolve as on the Tinker
+routes (:class:`~opentinker.server.registry.Registry`), with the same tenancy: another tenant's
+path (unless published) is a 404, worded exactly as an unknown one.
+
+**Auth.** The same keys (and ``/auth/token`` tokens), sent as ``Authorization: Bearer <key>`` (the
+``openai`` client's header) or ``X-API-Key``.
+
+**Sampling.** Each request (each prompt of a completions request) is one sample request of ``n``
+sequences through the path of the Tinker ``asample`` route: the tenant's pending limit and
+admission (:mod:`admission`), the rollout service (continuous batching, the prefix cache, rollout
+workers, vLLM when on), and the usage ledger's ``sampling_prefill`` / ``sampling_sample``
+counts. A client that goes away before its answer is complete (a stream cut, a closed
+connection) has its sample aborted: its rows leave the running batch before the next decode step
+(``RolloutLoop.abort``; with rollout worker processes a request already decoding runs on, its
+result dropped).
+
+**Errors** are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``
+(:class:`~opentinker.server.openai_schemas.OpenAIError`), every message redacted of server paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from openai.types import Model
+from tinker import types
+
+from opentinker.client import SamplingClient
+from opentinker.engine import EngineError
+from opentinker.server import openai_responses as R
+from opentinker.server.errors import ApiError, NotFound, error_message
+from opentinker.server.futures import fail
+from opentinker.server.openai_format import ChatFormat, Choice, decode, new_id, parse_tool_calls, usage
+from opentinker.server.openai_schemas import (
+    MAX_N,
+    MAX_PROMPTS,
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    check_messages,
+    check_tools,
+    parse,
+)
+from opentinker.server.registry import SamplerNotLoaded
+from opentinker.server.state import Server
+
+log = logging.getLogger(__name__)
+CACHED_CLIENTS = 1024  # checkpoint samplers kept loaded for the OpenAI routes (least recently used go)
+
+
+@dataclass
+class Started:
+    """A sample request handed to the rollout service: its result, and what aborts it."""
+
+    out: Future
+    abort: Callable[[], bool]
+    prompt: list[int]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete."""
+
+
+class OpenAIRoutes:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.reg = server.registry
+        self.template = server.config.chat_template
+        self._formats: dict[str, ChatFormat] = {}
+        self._clients: OrderedDict[tuple[str, str, float], SamplingClient] = OrderedDict()
+
+    # ------------------------------------------------------------------ plumbing
+    def error(self, exc: BaseException) -> JSONResponse:
+        err = self.as_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def as_error(self, exc: BaseException) -> OpenAIError:
+        """``exc`` as an OpenAI-shaped error, its message redacted (500s logged, never detailed)."""
+        if isinstance(exc, OpenAIError):
+            err = exc
+        elif isinstance(exc, ApiError):
+            kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+            err = OpenAIError(
+                exc.message, status=exc.status, type=kind.get(exc.status, "invalid_request_error")
+            )
+        elif isinstance(exc, EngineError | ValueError):
+            err = OpenAIError(error_message(exc))
+        else:
+            log.error("an OpenAI-compatible request failed", exc_info=exc)
+            err = OpenAIError("the server failed to serve this request", status=500, type="server_error")
+        err.message = self.server.redact(err.message)
+        return err
+
+    def tenant(self, request: Request) -> str:
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key")
+        try:
+            return self.server.auth.tenant(key)
+        except ApiError as e:
+            raise OpenAIError(
+                e.message, status=401, type="invalid_request_error", code="invalid_api_key"
+            ) from None
+
+    @staticmethod
+    async def body(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except ValueError:
+            raise OpenAIError("the request body is not valid JSON") from None
+
+    def format(self, base: str) -> ChatFormat:
+        fmt = self._formats.get(base)
+        if fmt is None:
+            fmt = self._formats[base] = ChatFormat(self.reg.runtime.tokenizer(base), self.template, base)
+        return fmt
+
+    # ------------------------------------------------------------------ models
+    async def resolve(self, tenant: str, model: str) -> SamplingClient:
+        """The sampler ``model`` names for ``tenant`` (404 if unknown or another tenant's)."""
+        unknown = OpenAIError(
+            f"the model {model!r} does not exist or you do not have access to it",
+            status=404,
+            param="model",
+            code="model_not_found",
+            type="not_found_error",
+        )
+        try:
+            if model.startswith("tinker://"):
+                return await self._checkpoint_client(tenant, model)
+            if ":sample:" in model:
+                try:
+                    return self.reg.sampler(tenant, model).client
+                except SamplerNotLoaded as e:
+                    return (await asyncio.to_thread(self.reg.reload_sampler, e.row)).client
+            return self._base_client(self.reg.base_model(model))
+        except (NotFound, EngineError):
+            raise unknown from None
+
+    def _base_client(self, base: str) -> SamplingClient:
+        key = ("", base, 0.0)
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = SamplingClient(self.reg.runtime, base, None)
+        return client
+
+    async def _checkpoint_client(self, tenant: str, path: str) -> SamplingClient:
+        ref, meta = self.reg.checkpoint(tenant, path)  # another tenant's: 404, as on the Tinker routes
+        self.reg.base_model(str(meta.get("base_model", "")))  # never load an unserved base model
+        row = self.reg.store.checkpoint(ref.tinker_path)
+        key = (tenant, ref.tinker_path, row.created if row is not None else 0.0)  # a re-save: new weights
+        client = self._clients.get(key)
+        if client is None:
+            runtime = self.reg.runtime
+            client = await asyncio.to_thread(
+                SamplingClient.for_checkpoint, runtime, ref.tinker_path, tenant=tenant
+            )
+            self._clients[key] = client
+            while len(self._clients) > CACHED_CLIENTS:
+                self._clients.popitem(last=False)
+        self._clients.move_to_end(key)
+        return client
+
+    def models(self, tenant: str) -> dict[str, Any]:
+        data = [Model(id=name, created=0, object="model", owned_by="opentinker") for name in self.reg.served]
+        rows, _ = self.reg.store.checkpoints(tenant, limit=1000)
+        for row in rows:
+            if row.kind in ("weights", "sampler_weights"):
+                data.append(
+                    Model(id=row.tinker_path, created=int(row.created), object="model", owned_by=tenant)
+                )
+        return {"object": "list", "data": [m.model_dump(mode="json", exclude_unset=True) for m in data]}
+
+    # ------------------------------------------------------------------ sampling
+    def params(
+        self, req: Any, limit: int | None, prompt: list[int], base: str, what: str
+    ) -> types.SamplingParams:
+        """The request's sampling parameters, checked against the limits and the context."""
+        most = min(MAX_N, self.server.config.max_num_samples)
+        if req.n > most:
+            raise OpenAIError(f"n must be at most {most}, got {req.n}", param="n")
+        ctx = self.reg.base_info(base).max_context
+        room = ctx - len(prompt)
+        if not prompt:
+            raise OpenAIError(f"the {what} is empty", param=what)
+        if room < 1 or (limit is not None and limit > room):
+            asked = f"{len(prompt)} prompt tokens" + (f" + max_tokens {limit}" if limit is not None else "")
+            raise OpenAIError(
+                f"this model's context is {ctx} tokens; the request asks for {asked}",
+                param="max_tokens" if room >= 1 else what,
+                code="context_length_exceeded",
+            )
+        stops = req.stops()
+        return types.SamplingParams(
+            max_tokens=limit or room,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=stops if stops else ([] if req.ignore_eos else None),
+        )
+
+    def start(
+        self,
+        tenant: str,
+        client: SamplingClient,
+        prompt: list[int],
+        n: int,
+        params: types.SamplingParams,
+        topk: int,
+    ) -> Started:
+        """Sample through the Tinker ``asample`` path (see the module docstring)."""
+        ops, ticket = self.server.ops, 0
+
+        def submit() -> Future:
+            nonlocal ticket
+            fut = client.sample(
+                types.ModelInput.from_ints(prompt), n, params, topk_sample_logprobs=topk
+            ).future()
+            ticket = client.last_ticket()  # this thread's request, just queued
+            return fut
+
+        def counted(res: types.SampleResponse) -> types.SampleResponse:
+            if ops.ledger is not None:
+                base, generated = str(client.base_model), sum(len(s.tokens) for s in res.sequences)
+                ops.ledger.count(tenant, "sampling_prefill", len(prompt), session_id="", base_model=base)
+                ops.ledger.count(tenant, "sampling_sample", generated, session_id="", base_model=base)
+            return res
+
+        rid = ops.run(tenant, submit, counted)
+        out = ops.futures.future_of(rid)
+        assert out is not None
+
+        def abort() -> bool:
+            stopped = ops.admit.cancel(tenant, out) or (ticket > 0 and client.abort(ticket))
+            fail(out, ClientGone(f"request {rid}: the client went away"))
+            ops.futures.drop([rid], tenant)
+            return stopped
+
+        ops.futures.hooks(rid, cancel=abort)
+        out.add_done_callback(lambda _: ops.futures.drop([rid], tenant))
+        return Started(out, abort, prompt)
+
+    async def wait(self, request: Request, started: list[Started]) -> list[types.SampleResponse]:
+        """The samples' results; if the client disconnects first, abort them all (ClientGone)."""
+        futs = [asyncio.wrap_future(s.out) for s in started]
+        for f in futs:  # an aborted one's error is never read
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+        gone = asyncio.ensure_future(_disconnected(request))
+        everything = asyncio.ensure_future(asyncio.gather(*futs))
+        everything.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            await asyncio.wait({gone, everything}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not everything.done():
+                for s in started:
+                    s.abort()
+                everything.cancel()
+        if not everything.done() or everything.cancelled():
+            raise ClientGone("the client went away")
+        return everything.result()
+
+    # ------------------------------------------------------------------ routes
+    async def chat(self, request: Request) -> Response:
+        try:
+            tenant = self.tenant(request)
+            req: ChatRequest = parse(ChatRequest, await self.body(request))
+            messages = check_messages(req.messages)
+            tools = check_tools(req.tools) if req.tools else None
+            client = await self.resolve(tenant, req.model)
+            fmt = self.format(client.base_model)
+            prompt = fmt.render(messages, tools, req.chat_template_kwargs)
+            params = self.params(req, req.limit(), prompt, client.base_model, "messages")
+            k = (req.top_logprobs or 0) if req.logprobs else 0
+            started = [self.start(tenant, client, prompt, req.n, params, k)]
+        except Exception as e:
+            return self.error(e)
+        notes = []
+        if tools and fmt.tool_format is None:
+            notes.append(
+                f"tool calls were not parsed: the chat template of {client.base_model!r} renders tools "
+                "in a format this server does not know (it parses Qwen/Hermes <tool_call> JSON)"
+            )
+
+        def answer(results: list[types.SampleResponse]) -> R.Answer:
+            choices = [decode(fmt.tok, s, req.stops()) for s in results[0].sequences]
+            if tools and fmt.tool_format == "hermes":
+                for c in choices:
+                    parse_tool_calls(c)
+            top = (req.top_logprobs or 0) if req.logprobs else None
+            return self._answer(
+                "chatcmpl", req.model, started, results, choices, top, req.return_tokens_as_token_ids, notes
+            )
+
+        if req.stream:
+            return self._stream(request, started, answer, fmt.tok, req, chat=True)
+        return await self._whole(request, started, answer, lambda a: R.chat_body(fmt.tok, a))
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            tenant = self.tenant(request)
+            req: CompletionRequest = parse(CompletionRequest, await self.body(request))
+            if req.echo or req.suffix:
+                raise OpenAIError("echo and suffix are not supported", param="echo" if req.echo else "suffix")
+            client = await self.resolve(tenant, req.model)
+            tok = self.format(client.base_model).tok
+            prompts = _prompts(tok, req.prompt, self.reg.base_info(client.base_model).vocab_size)
+            started = []
+            for prompt in prompts:
+                params = self.params(req, req.max_tokens, prompt, client.base_model, "prompt")
+                started.append(self.start(tenant, client, prompt, req.n, params, req.logprobs or 0))
+        except Exception as e:
+            if "started" in locals():
+                for s in started:
+                    s.abort()
+            return self.error(e)
+
+        def answer(results: list[types.SampleResponse]) -> R.Answer:
+            choices = [decode(tok, s, req.stops()) for res in results for s in res.sequences]
+            return self._answer(
+                "cmpl", req.model, started, results, choices, req.logprobs, req.return_tokens_as_token_ids, []
+            )
+
+        if req.stream:
+            return self._stream(request, started, answer, tok, req, chat=False)
+        return await self._whole(request, started, answer, lambda a: R.completion_body(tok, a))
+
+    @staticmethod
+    def _answer(
+        kind: str,
+        model: str,
+        started: list[Started],
+        results: list[types.SampleResponse],
+        choices: list[Choice],
+        logprobs: int | None,
+        as_ids: bool,
+        notes: list[str],
+    ) -> R.Answer:
+        prompt_tokens = sum(len(s.prompt) for s in started)
+        cached = sum(int(r.prompt_cache_hit_tokens or 0) for r in results)
+        use = usage(prompt_tokens, sum(len(c.tokens) for c in choices), cached)
+        return R.Answer(new_id(kind), model, choices, use, logprobs, as_ids, notes)
+
+    async def _whole(
+        self,
+        request: Request,
+        started: list[Started],
+        answer: Callable[[list[types.SampleResponse]], R.Answer],
+        body: Callable[[R.Answer], dict[str, Any]],
+    ) -> Response:
+        try:
+            return JSONResponse(body(answer(await self.wait(request, started))))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        except Exception as e:
+            return self.error(e)
+
+    def _stream(
+        self,
+        request: Request,
+        started: list[Started],
+        answer: Callable[[list[types.SampleResponse]], R.Answer],
+        tok: Any,
+        req: Any,
+        *,
+        chat: bool,
+    ) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            sid, created = new_id("chatcmpl" if chat else "cmpl"), 0
+            if chat:
+                first = R.Answer(sid, req.model, [], usage(0, 0, 0), None, False, [])
+                created = first.created
+                yield R.chat_first(sid, req.model, created, req.n)
+            try:
+                a = answer(await self.wait(request, started))
+            except ClientGone:
+                return
+            except Exception as e:
+                yield R.sse(self.as_error(e).body())
+                return
+            a.id, a.created = sid, created or a.created
+            stream = R.chat_events if chat else R.completion_events
+            for event in stream(tok, a, req.include_usage()):
+                yield event
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the ASGI ``http.disconnect`` message)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _prompts(tok: Any, prompt: str | list[str] | list[int] | list[list[int]], vocab: int) -> list[list[int]]:
+    """A completions request's prompts as token ids (text with the tokenizer's special tokens)."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items or len(items) > MAX_PROMPTS:
+        raise OpenAIError(f"prompt must hold 1 to {MAX_PROMPTS} prompts", param="prompt")
+    out = [list(tok.encode(p)) if isinstance(p, str) else list(p) for p in items]
+    for i, ids in enumerate(out):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(
+                f"prompt[{i}] holds token {bad}, outside the vocabulary (0..{vocab - 1})", param="prompt"
+            )
+    return out
+
+
+def add_openai_routes(app: FastAPI, server: Server) -> None:
+    routes = OpenAIRoutes(server)
+
+    @app.post("/v1/chat/completions", tags=["openai"])
+    async def chat_completions(request: Request) -> Response:
+        return await routes.chat(request)
+
+    @app.post("/v1/completions", tags=["openai"])
+    async def completions(request: Request) -> Response:
+        return await routes.completions(request)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models(request: Request) -> Response:
+        try:
+            return JSONResponse(routes.models(routes.tenant(request)))
+        except Exception as e:
+            return routes.error(e)

@@ -1,0 +1,386 @@
+"""The OpenAI-compatible routes (``server/openai_routes.py``) driven by the real ``openai`` client,
+sync, async and streaming, against ``opentinker serve`` on the tiny model.
+
+- Chat and completions equal the Tinker ``sample`` route on the same sampler (a LoRA trained a few
+  steps, so an adapter is in play), for n = 1 and 4, greedy and seeded: the same tokens
+  (``return_tokens_as_token_ids`` reports them exactly), the same text, logprobs within 1e-4.
+- Streams concatenate to the whole answer's text, with exact usage.
+- Tenancy: another key's checkpoint is a 404 worded as an unknown one.
+- Bad input: OpenAI-shaped errors with the right status and ``param``, no server path in them,
+  and a good request sent among them unaffected.
+- A client that disconnects mid-stream has its rows taken out of the running batch.
+- Tool calls parse on a Qwen-family template: a random 2-layer qwen2 model (conftest's
+  ``other_family_model``) whose LoRA is trained to answer with a ``<tool_call>``, served by the
+  embedded ASGI app with a minimal Hermes-style template written here (:data:`HERMES`): no
+  tokenizer in the environment ships a Qwen template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import tinker
+from tinker import types
+from transformers import AutoTokenizer
+
+import opentinker
+from opentinker.client import Runtime
+from opentinker.models.registry import tiny_model_dir
+from opentinker.server.app import embedded_app
+from opentinker.server.local import LocalServer
+from tests.conftest import TEST_MODEL, local_server, other_family_model
+from tests.tolerances import LOGPROB_ATOL
+
+KEY, OTHER = "tml-openai-a", "tml-openai-b"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 34?"}]
+MAX = 12
+
+
+class World:
+    def __init__(self, srv: LocalServer, path: str, sampler: Any, service: Any) -> None:
+        self.srv, self.path, self.sampler, self.service = srv, path, sampler, service
+        self.tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+        self.oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0)
+
+    def arun(self, fn: Callable[[openai.AsyncOpenAI], Any], key: str = KEY) -> Any:
+        async def go() -> Any:
+            async with openai.AsyncOpenAI(
+                base_url=f"{self.srv.base_url}/v1", api_key=key, max_retries=0
+            ) as c:
+                return await fn(c)
+
+        return asyncio.run(go())
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def engine(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.srv.base_url}/console/api/engine", headers={"X-API-Key": KEY}, timeout=30)
+        return r.json()["engines"][0]["rollout"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    with local_server(tmp_path_factory, "openai-api") as srv:
+        service = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+        tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=8, seed=0).result()
+        ids = tc.get_tokenizer().encode("What is 12 + 34? 46")
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+        )
+        for _ in range(3):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_weights_for_sampler("openai").result().path
+        sampler = service.create_sampling_client(model_path=path).result()
+        yield World(srv, path, sampler, service)
+
+
+def _ids(entries: Any) -> list[int]:
+    return [int(e.token.removeprefix("token_id:")) for e in entries]
+
+
+def _same(world: World, ref: types.SampleResponse, got: list[tuple[str, list[int], list[float]]]) -> None:
+    assert len(got) == len(ref.sequences)
+    for (text, ids, lps), seq in zip(got, ref.sequences, strict=True):
+        assert ids == list(seq.tokens)
+        assert text == world.tok.decode(list(seq.tokens), skip_special_tokens=True)
+        assert (
+            max((abs(a - b) for a, b in zip(lps, seq.logprobs or [], strict=True)), default=0) <= LOGPROB_ATOL
+        )
+
+
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_chat_and_completions_equal_the_tinker_sample_route(world: World, n: int, mode: str) -> None:
+    temperature, seed = (0.0, None) if mode == "greedy" else (1.0, 1234)
+    prompt = world.chat_prompt(MESSAGES)
+    params = types.SamplingParams(max_tokens=MAX, temperature=temperature, seed=seed)
+    ref = world.sampler.sample(types.ModelInput.from_ints(prompt), n, params).result()
+    extra = {"return_tokens_as_token_ids": True}
+    kw: dict[str, Any] = dict(model=world.path, n=n, max_tokens=MAX, temperature=temperature, seed=seed)
+    chat = world.oa.chat.completions.create(messages=MESSAGES, logprobs=True, extra_body=extra, **kw)  # type: ignore[call-overload]
+    got = [
+        (c.message.content or "", _ids(c.logprobs.content), [e.logprob for e in c.logprobs.content])
+        for c in chat.choices
+    ]
+    _same(world, ref, got)
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(prompt)
+    assert chat.usage.completion_tokens == sum(len(s.tokens) for s in ref.sequences)
+    comp = world.arun(lambda c: c.completions.create(prompt=prompt, logprobs=0, extra_body=extra, **kw))
+    got = [(c.text, _ids_text(c.logprobs.tokens), list(c.logprobs.token_logprobs)) for c in comp.choices]
+    _same(world, ref, got)
+    assert comp.usage.prompt_tokens == len(prompt)
+
+
+def _ids_text(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_streams_concatenate_to_the_whole_answer(world: World) -> None:
+    kw: dict[str, Any] = dict(model=world.path, n=2, max_tokens=MAX, temperature=1.0, seed=7)
+    whole = world.oa.chat.completions.create(messages=MESSAGES, **kw)  # type: ignore[call-overload]
+    texts: dict[int, str] = defaultdict(str)
+    finish, usage = {}, None
+    for chunk in world.oa.chat.completions.create(
+        messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kw
+    ):  # type: ignore[call-overload]
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert dict(texts) == {c.index: c.message.content for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+
+    prompt = "What is 12 + 34?"
+
+    async def completions(c: openai.AsyncOpenAI) -> tuple[Any, dict[int, str], Any]:
+        whole = await c.completions.create(prompt=prompt, **kw)
+        parts: dict[int, str] = defaultdict(str)
+        last = None
+        async for chunk in await c.completions.create(
+            prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+        ):
+            last = chunk.usage or last
+            for ch in chunk.choices:
+                parts[ch.index] += ch.text
+        return whole, dict(parts), last
+
+    whole_c, parts, last = world.arun(completions)
+    assert parts == {c.index: c.text for c in whole_c.choices}
+    assert last is not None and last.completion_tokens == whole_c.usage.completion_tokens
+
+
+def test_usage_reports_the_cached_prefix(world: World) -> None:
+    first = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    again = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert first.usage is not None and again.usage is not None
+    details = again.usage.prompt_tokens_details
+    assert details is not None and 0 < (details.cached_tokens or 0) < again.usage.prompt_tokens
+
+
+def test_another_tenants_checkpoint_is_not_found(world: World) -> None:
+    fake = world.path.replace("sampler_weights/openai", "sampler_weights/nothing-here")
+    errors = []
+    for model in (world.path, fake):
+        with pytest.raises(openai.NotFoundError) as e:
+            world.arun(lambda c, m=model: c.chat.completions.create(model=m, messages=MESSAGES), key=OTHER)
+        err = e.value.body
+        assert isinstance(err, dict) and err["code"] == "model_not_found" and err["param"] == "model"
+        errors.append(err["message"].replace(model, "<model>"))
+    assert errors[0] == errors[1]  # worded exactly as an unknown path
+    listed = world.arun(lambda c: c.models.list(), key=OTHER)
+    assert world.path not in [m.id for m in listed.data]
+    assert world.path in [m.id for m in world.oa.models.list().data]
+
+
+def _bad_bodies(world: World) -> list[tuple[str, dict[str, Any], int, str | None]]:
+    base = {"model": world.path, "messages": MESSAGES, "max_tokens": 4}
+    bad_schema = {"type": "object", "properties": {"x": {"type": "no-such-type"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": bad_schema}}
+    return [
+        ("unknown model path", {**base, "model": "tinker://sess-0:train:0/sampler_weights/x"}, 404, "model"),
+        ("messages not a list", {**base, "messages": "hello"}, 400, "messages"),
+        ("a message not an object", {**base, "messages": [1]}, 400, "messages[0]"),
+        (
+            "unknown role",
+            {**base, "messages": [{"role": "wizard", "content": "hi"}]},
+            400,
+            "messages[0].role",
+        ),
+        ("n over the limit", {**base, "n": 129}, 400, "n"),
+        ("max_tokens over the context", {**base, "max_tokens": 5000}, 400, "max_tokens"),
+        ("tool schema not JSON Schema", {**base, "tools": [tool]}, 400, "tools[0].function.parameters"),
+    ]
+
+
+def test_bad_input_gets_openai_errors_and_spares_the_batch(world: World) -> None:
+    url = f"{world.srv.base_url}/v1/chat/completions"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    good = {"model": world.path, "messages": MESSAGES, "max_tokens": MAX, "temperature": 0}
+    alone = httpx.post(url, json=good, headers=auth, timeout=120).json()["choices"][0]["message"]["content"]
+    answers: dict[str, Any] = {}
+
+    def send(name: str, body: dict[str, Any]) -> None:
+        answers[name] = httpx.post(url, json=body, headers=auth, timeout=120)
+
+    cases = _bad_bodies(world)
+    threads = [threading.Thread(target=send, args=("good", good))]
+    threads += [threading.Thread(target=send, args=(name, body)) for name, body, _, _ in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers["good"].status_code == 200
+    assert answers["good"].json()["choices"][0]["message"]["content"] == alone
+    for name, _, status, param in cases:
+        r = answers[name]
+        assert r.status_code == status, (name, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, (name, err)
+        assert str(world.srv.data_dir) not in err["message"] and "<server path>" not in err["message"]
+    r = httpx.post(url, json=good, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.post(url, content=deep, headers={**auth, "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_client_gone_mid_stream_frees_its_rows(world: World) -> None:
+    """A long request of 8 rows decodes; a stream of 4 rows joins it and is cut: its 4 rows leave
+    the batch at once, and the 8 others finish every token they were asked for."""
+    room = 1024 - len(world.chat_prompt(MESSAGES))
+    body = {
+        "model": TEST_MODEL,
+        "messages": MESSAGES,
+        "max_tokens": room,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
+    aborted = world.engine()["aborted"]
+    other: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: other.update(
+        world.oa.chat.completions.create(n=8, seed=1, extra_body={"ignore_eos": True}, **{k: v for k, v in body.items() if k != "ignore_eos"}).model_dump()  # type: ignore[call-overload]
+    ))  # fmt: skip
+    runner.start()
+    _wait(lambda: world.engine()["live_rows"] >= 8, "the 8 rows to decode")
+    url, auth = f"{world.srv.base_url}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", url, json={**body, "n": 4, "seed": 2, "stream": True}, headers=auth, timeout=120
+    ) as r:
+        lines = r.iter_lines()  # kept: a discarded iterator closes the response (httpx)
+        first = next(lines)
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
+        _wait(lambda: world.engine()["live_rows"] == 12, "the stream's 4 rows to join")
+        del lines
+    _wait(lambda: world.engine()["aborted"] == aborted + 1, "the cut stream's abort")
+    assert world.engine()["live_rows"] <= 8  # the batch shrank by the stream's rows
+    runner.join(timeout=600)
+    assert other["usage"]["completion_tokens"] == 8 * room  # the other request, unaffected
+
+
+HERMES = """{%- if tools %}<|im_start|>system
+# Tools
+
+You may call functions. Their signatures are within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each call, return a JSON object within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'
+
+
+def test_tool_calls_parse_on_a_qwen_family_template(tmp_path: Path) -> None:
+    folder = other_family_model(tmp_path / "qwen2", "qwen2")
+    runtime = Runtime(tmp_path / "data")
+    app = embedded_app(runtime, base_models=[folder], chat_template=HERMES)
+    try:
+        tenant = app.state.server.auth.tenant(KEY)
+        path = _train_tool_call(opentinker.ServiceClient(runtime=runtime, tenant=tenant), folder)
+
+        async def ask(c: openai.AsyncOpenAI) -> Any:
+            messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+            return await c.chat.completions.create(model=path, messages=messages, tools=TOOLS, temperature=0)  # type: ignore[arg-type]
+
+        answer = asyncio.run(_embedded(app, ask))
+    finally:
+        app.state.server.close()
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+async def _embedded(app: Any, fn: Callable[[openai.AsyncOpenAI], Any]) -> Any:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://embedded") as http:
+        client = openai.AsyncOpenAI(
+            base_url="http://embedded/v1", api_key=KEY, http_client=http, max_retries=0
+        )
+        return await fn(client)
+
+
+def _train_tool_call(service: Any, folder: str) -> str:
+    """A LoRA that answers the weather question with :data:`CALL` (greedy), trained to it."""
+    tc = service.create_lora_training_client(base_model=folder, rank=16, seed=0)
+    tok = tc.get_tokenizer()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    text = tok.apply_chat_template(
+        messages, tools=TOOLS, chat_template=HERMES, add_generation_prompt=True, tokenize=False
+    )
+    prompt, reply = tok.encode(text, add_special_tokens=False), tok.encode(CALL, add_special_tokens=False)
+    ids = prompt + reply
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(reply)},
+    )
+    greedy = types.SamplingParams(max_tokens=len(reply) + 2, temperature=0)
+    for step in range(1, 301):
+        tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        if step % 10 == 0:
+            sampler = tc.save_weights_and_get_sampling_client()
+            out = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+            if list(out.sequences[0].tokens) == reply:
+                return tc.save_weights_for_sampler("tool-call").result().path
+    raise AssertionError("the LoRA did not learn the tool call in 300 steps")
