@@ -175,3 +175,18 @@ def test_inflight_switch_keeps_the_old_weights_state(setup: tuple[Engine, str, l
         assert max(abs(x - y) for x, y in zip(switched, on_new, strict=True)) > 10 * LOGPROB_ATOL
     [pinned] = _ok(got[2]).sequences
     assert_logprobs_close(pinned.logprobs, _teacher_forced(engine, old, _prompt(engine, 5, 8), pinned.tokens))
+
+
+def test_a_layer_kind_the_cache_cannot_hold_is_refused_by_name() -> None:
+    """HF's "hybrid" layers (attention and a recurrent state in one layer) are not served: the
+    reason names the family and the kind; the kinds served have none."""
+    from types import SimpleNamespace
+
+    from opentinker.sampling.forward import unsupported_cache_reason
+
+    def model(kinds: list[str]) -> Any:
+        return SimpleNamespace(config=SimpleNamespace(model_type="fam", layer_types=kinds))
+
+    reason = unsupported_cache_reason(model(["hybrid", "full_attention"]))
+    assert reason is not None and "fam" in reason and "hybrid" in reason
+    assert unsupported_cache_reason(model(["linear_attention", "full_attention", "moe", "mlp"])) is None
