@@ -6,7 +6,9 @@ are small enough that a whole conformance run takes seconds on two cores, but ev
 feature is kept: the MoE families route 4 experts top-2 so a short batch reaches each expert, GLM-4
 MoE and DeepSeek V3 have a dense first layer before a MoE layer, gpt-oss has biased experts with its
 clamped SwiGLU and sliding-window attention with sinks, and Qwen3.5-MoE mixes a Gated DeltaNet
-layer with a full-attention layer.
+layer with a full-attention layer. The hybrid families (``HYBRID_FAMILIES``: Qwen3.5 dense,
+Qwen3-Next, Nemotron-H) have one recurrent-state layer (Gated DeltaNet, Mamba2) and one
+full-attention layer.
 """
 
 from __future__ import annotations
@@ -38,7 +40,24 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
                              linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
 }  # fmt: skip
 
-FAMILIES: dict[str, dict[str, Any]] = {**MOE_FAMILIES}
+# hybrid families: a recurrent-state layer (Gated DeltaNet, Mamba2) and a full-attention layer
+_GDN: dict[str, Any] = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    layer_types=["linear_attention", "full_attention"],
+)
+HYBRID_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": dict(_ATTN, **_GDN, head_dim=8, intermediate_size=48),
+    "qwen3_next": dict(_ATTN, **_GDN, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+    "nemotron_h": dict(_ATTN, head_dim=8, intermediate_size=48, layers_block_type=["mamba", "attention"],
+                       mamba_num_heads=4, mamba_head_dim=8, n_groups=1, ssm_state_size=8, conv_kernel=4,
+                       chunk_size=8),
+}  # fmt: skip
+
+FAMILIES: dict[str, dict[str, Any]] = {**MOE_FAMILIES, **HYBRID_FAMILIES}
 
 
 def family_model(folder: Path, family: str, **overrides: Any) -> str:

@@ -49,6 +49,7 @@ from opentinker.sampling.forward import (
     make_plan,
     replan,
 )
+from opentinker.sampling.hf_cache import RowState
 from opentinker.sampling.kv_cache import fill_holes
 from opentinker.sampling.llama_decode import LlamaLean
 from opentinker.sampling.prefix_cache import PrefixCache, PrefixHit
@@ -246,15 +247,18 @@ class StepDecoder:
             mask[i, width - lens[i] :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(skip, device=dev)[:, None]
         prefixes = [h.kv if h is not None else None for h in hits] if any(hits) else None
+        # each path's own entries (one backend takes one path: its cache holds one kind)
+        tensors = None if prefixes is None else [p if isinstance(p, torch.Tensor) else None for p in prefixes]
+        states = None if prefixes is None else [p if isinstance(p, RowState) else None for p in prefixes]
         model: Forward
         if self.lean is not None:
             # columns the decode may feed: every row's new tokens but its last
             most = max(_limit(r, eng.max_context) for r in reqs)
             model = LeanForward(
-                eng, self.lean, max(skip) + width, most - 1, self.loras, prefixes, self.first_decode_cols
+                eng, self.lean, max(skip) + width, most - 1, self.loras, tensors, self.first_decode_cols
             )
         else:
-            model = HFForward(eng, self.cache_kw, prefixes)
+            model = HFForward(eng, self.cache_kw, states)
         prefill_plan = model.plan(slots, weights)
         prefix = None
         if shared:

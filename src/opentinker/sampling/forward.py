@@ -34,8 +34,21 @@ from transformers import DynamicCache
 from opentinker.engine import Engine
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
+from opentinker.sampling.hf_cache import (
+    KV_KINDS,
+    NO_CACHE_KINDS,
+    RECURRENT_KINDS,
+    RowState,
+    is_recurrent,
+    load_states,
+    merge_caches,
+    new_cache,
+    row_state,
+    select_rows,
+)
 from opentinker.sampling.kv_cache import LeanCache
 from opentinker.sampling.llama_decode import LeanLoRA, LlamaLean
+from opentinker.sampling.prefix_cache import Prefix
 
 # A batch's policies, resolved when their requests were admitted (None: the bare base model).
 Weights = Mapping[PolicyRef, LoRAWeights | None]
@@ -111,9 +124,10 @@ class Forward(Protocol):
         batch's, with room for ``room`` more decode columns."""
         ...
 
-    def row_kv(self, row: int) -> torch.Tensor:
-        """A copy of the keys and values batch row ``row`` computed (its prompt and fed tokens,
-        padding removed): [layers, 2, kv_heads, n, head_dim], for the prefix cache."""
+    def row_kv(self, row: int) -> Prefix:
+        """A copy of the state batch row ``row`` computed (its prompt and fed tokens, padding
+        removed), for the prefix cache: the lean path's keys and values [layers, 2, kv_heads, n,
+        head_dim], the HF path's :class:`~opentinker.sampling.hf_cache.RowState`."""
         ...
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
@@ -121,58 +135,50 @@ class Forward(Protocol):
         ...
 
 
-def _left_pad(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
-    """``t`` with zeros prepended along ``dim`` up to ``width``."""
-    n = t.shape[dim]
-    if n == width:
-        return t
-    shape = list(t.shape)
-    shape[dim] = width - n
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-# layer kinds whose cache is keys and values (what HFForward's cache handling slices and merges)
-_KV_LAYERS = frozenset({"full_attention", "attention", "sliding_attention", "chunked_attention"})
-
-
 def unsupported_cache_reason(model: Any) -> str | None:
     """Why the native sampler cannot hold ``model``'s decoding state (None: it can).
 
-    Its cache is per-row keys and values of equal width in every layer: rows are selected, merged
-    and stored for the next turn by slicing them. A layer that keeps a recurrent state (Gated
-    DeltaNet, Mamba2) or MLA's keys and values of different widths does not fit that yet; such a
-    model trains, and sampling it is refused with this reason instead of failing mid-decode.
+    Its HF path's cache holds one kind of state per layer (:mod:`opentinker.sampling.hf_cache`):
+    keys and values of any widths (MLA's latent included), or a recurrent state (Gated DeltaNet,
+    Mamba2). A layer of another kind (e.g. HF's "hybrid" layers, attention and a recurrent state in
+    one) is refused with this reason instead of failing mid-decode; such a model still trains.
     """
     config: Any = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     family = str(getattr(config, "model_type", "this model"))
+    known = KV_KINDS | RECURRENT_KINDS | NO_CACHE_KINDS
     for attr in ("layer_types", "layers_block_type"):
-        kinds = {str(k) for k in (getattr(config, attr, None) or [])} - _KV_LAYERS - {"mlp", "moe"}
+        kinds = {str(k) for k in (getattr(config, attr, None) or [])} - known
         if kinds:
             return (
                 f"the native sampler cannot sample {family} yet: its {', '.join(sorted(kinds))} layers keep "
-                "a recurrent state, which its key-value cache does not hold"
+                "a state its cache does not hold"
             )
-    v, nope, rope = (getattr(config, a, None) for a in ("v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"))
-    if v is not None and nope is not None and rope is not None and v != nope + rope:
-        return (
-            f"the native sampler cannot sample {family} yet: its MLA attention caches keys {nope + rope} and "
-            f"values {v} wide, and its key-value cache holds equal widths only"
-        )
     return None
 
 
 class HFForward:
-    """The model's own HF forward with a ``DynamicCache``, LoRA through the engine's routing."""
+    """The model's own HF forward with a ``DynamicCache``, LoRA through the engine's routing.
 
-    def __init__(
-        self, engine: Engine, cache_kw: str, prefixes: list[torch.Tensor | None] | None = None
-    ) -> None:
-        """``prefixes``: each row's cached keys and values to start from (see :class:`LeanForward`)."""
+    **Left padding and recurrent layers.** HF zeroes a padded position's input to a Gated DeltaNet
+    or Mamba2 layer (``apply_mask_to_padding_states``), which keeps a *fresh* state exactly zero
+    through left padding only where no bias makes the zeroed input non-zero again (Qwen3.5's
+    projections and conv have none; Mamba2's conv has one, masked again after the conv; an
+    ``in_proj`` bias would leak). A prefill that *continues* a state (a cached or shared prefix)
+    leaks either way: a padded position still decays the state (its gate is ``dt_bias``'s) and
+    shifts the conv window. So on a model with a recurrent layer no prefill pads at all: rows are
+    prefilled in groups of equal length, each group alone, and the groups joined like a running
+    batch's newcomers (:meth:`merge`). A row's state then never sees a padded position, whatever
+    HF does with them.
+    """
+
+    def __init__(self, engine: Engine, cache_kw: str, prefixes: list[RowState | None] | None = None) -> None:
+        """``prefixes``: each row's cached state to start from (see :class:`LeanForward`)."""
         self.engine = engine
         self.model = engine.base.model
         self.cache_kw = cache_kw
-        self.cache = DynamicCache()
+        self.recurrent = is_recurrent(self.model)
+        self.cache = new_cache(self.model)
         self.mask = torch.zeros(0)
         self.prefixes = prefixes
 
@@ -193,71 +199,101 @@ class HFForward:
         plan: LoRABatch | None,
         shared: SharedPrefix | None = None,
     ) -> torch.Tensor:
-        eng, model, dev, cache = self.engine, self.model, self.engine.device, self.cache
-        rows = ids.shape[0]
-        if shared is not None:  # the common prefix once, its KV cache then copied to every row
-            n = len(shared.tokens)
-            with eng.routing(shared.plan):
-                model(
+        start: tuple[DynamicCache, int] | None = None
+        if shared is not None:  # the common prefix once, its state then copied to every row
+            n, dev = len(shared.tokens), self.engine.device
+            cache = new_cache(self.model)
+            with self.engine.routing(shared.plan):
+                self.model(
                     input_ids=torch.tensor([shared.tokens], device=dev),
                     position_ids=torch.arange(n, device=dev)[None],
                     use_cache=True,
                     logits_to_keep=1,
                     **{self.cache_kw: cache},
                 )
-            cache.batch_select_indices(torch.zeros(rows, dtype=torch.long, device=dev))
-            mask = torch.cat([mask.new_ones(rows, n), mask], dim=1)
-        elif self.prefixes is not None:  # each row's cached prefix, right-aligned, padding masked
-            mask = torch.cat([self._load_prefixes(self.prefixes), mask], dim=1)
-        with eng.routing(plan):
-            out = model(
+            start = (cache, n)
+        lens = mask.sum(1)
+        if not self.recurrent or bool((lens == lens[0]).all()):
+            return self._prefill(ids, mask, pos, want_prompt, plan, start, self.prefixes)
+        return self._prefill_by_length(ids, mask, pos, want_prompt, plan, start, lens)
+
+    def _prefill(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        want_prompt: bool,
+        plan: LoRABatch | None,
+        start: tuple[DynamicCache, int] | None,
+        prefixes: list[RowState | None] | None,
+    ) -> torch.Tensor:
+        """Prefill every row into this forward's empty cache from ``start`` (a one-row cache of
+        that many tokens, copied to every row) or ``prefixes``."""
+        rows = ids.shape[0]
+        if start is not None:
+            self.cache = select_rows(start[0], torch.zeros(rows, dtype=torch.long, device=ids.device))
+            mask = torch.cat([mask.new_ones(rows, start[1]), mask], dim=1)
+        elif prefixes is not None and any(p is not None for p in prefixes):
+            mask = torch.cat([load_states(self.cache, prefixes).to(mask), mask], dim=1)
+        with self.engine.routing(plan):
+            out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=pos,
                 use_cache=True,
                 logits_to_keep=0 if want_prompt else 1,
-                **{self.cache_kw: cache},
+                **{self.cache_kw: self.cache},
             )
         self.mask = mask
         return out.logits.float()
 
-    def _load_prefixes(self, prefixes: list[torch.Tensor | None]) -> torch.Tensor:
-        """Fill the empty cache with the rows' prefixes; return their attention mask [B, P]."""
-        ref = next(kv for kv in prefixes if kv is not None)
-        n_layers, _, n_kv, _, head_dim = ref.shape
-        end = max(kv.shape[3] for kv in prefixes if kv is not None)
-        kv_all = ref.new_zeros(n_layers, 2, len(prefixes), n_kv, end, head_dim)
-        mask = torch.zeros(len(prefixes), end, dtype=torch.long, device=ref.device)
-        for i, kv in enumerate(prefixes):
-            if kv is not None:
-                kv_all[:, :, i, :, end - kv.shape[3] :] = kv
-                mask[i, end - kv.shape[3] :] = 1
-        for layer in range(n_layers):
-            self.cache.update(kv_all[layer, 0], kv_all[layer, 1], layer)
-        return mask
+    def _prefill_by_length(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        want_prompt: bool,
+        plan: LoRABatch | None,
+        start: tuple[DynamicCache, int] | None,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`_prefill` of each group of rows of one length alone (no padding), the groups then
+        joined and put back in row order; logits right-aligned as a padded prefill's."""
+        width, order, parts = ids.shape[1], [], []
+        logits: torch.Tensor | None = None
+        for n in sorted(set(lens.tolist())):
+            idx = (lens == n).nonzero().squeeze(1)
+            part = HFForward(self.engine, self.cache_kw)
+            prefixes = None if self.prefixes is None else [self.prefixes[i] for i in idx.tolist()]
+            sub = None if plan is None else plan.select(idx)
+            cols = slice(width - n, width)
+            out = part._prefill(
+                ids[idx, cols], mask[idx, cols], pos[idx, cols], want_prompt, sub, start, prefixes
+            )
+            if logits is None:
+                logits = out.new_zeros(ids.shape[0], width if want_prompt else 1, out.shape[-1])
+            logits[idx, logits.shape[1] - out.shape[1] :] = out
+            order += idx.tolist()
+            parts.append(part)
+        self.cache, self.mask = parts[0].cache, parts[0].mask
+        for part in parts[1:]:
+            self.merge(part, 0)
+        self.select(torch.tensor(order, device=ids.device).argsort())
+        assert logits is not None
+        return logits
 
     def select(self, rows: torch.Tensor) -> None:
-        self.cache.batch_select_indices(rows)
+        self.cache = select_rows(self.cache, rows)
         self.mask = self.mask[rows]
 
     def merge(self, other: Any, room: int) -> None:
         assert isinstance(other, HFForward)
         width = max(self.mask.shape[1], other.mask.shape[1])
-        mine: list[Any] = list(self.cache.layers)  # attention layers: .keys/.values [B, kv, T, D]
-        theirs: list[Any] = list(other.cache.layers)
-        merged = DynamicCache()
-        for layer, (a, b) in enumerate(zip(mine, theirs, strict=True)):
-            keys = torch.cat([_left_pad(a.keys, 2, width), _left_pad(b.keys, 2, width)])
-            values = torch.cat([_left_pad(a.values, 2, width), _left_pad(b.values, 2, width)])
-            merged.update(keys, values, layer)
-        self.cache = merged
-        self.mask = torch.cat([_left_pad(self.mask, 1, width), _left_pad(other.mask, 1, width)])
+        self.cache = merge_caches(self.cache, other.cache, width)
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(other.mask, width)])
 
-    def row_kv(self, row: int) -> torch.Tensor:
-        cols = self.mask[row].nonzero().squeeze(1)
-        cached: list[Any] = list(self.cache.layers)  # attention layers: .keys/.values [B, kv, T, D]
-        layers = [torch.stack((layer.keys[row], layer.values[row])) for layer in cached]
-        return torch.stack(layers).index_select(3, cols)
+    def row_kv(self, row: int) -> RowState:
+        return row_state(self.cache, row, self.mask[row].nonzero().squeeze(1))
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, plan: LoRABatch | None) -> torch.Tensor:
         self.mask = torch.cat([self.mask, self.mask.new_ones(ids.shape[0], 1)], dim=1)
@@ -270,6 +306,13 @@ class HFForward:
                 **{self.cache_kw: self.cache},
             )
         return out.logits[:, -1].float()
+
+
+def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """``mask`` [B, T] with zero columns prepended up to ``width``."""
+    if mask.shape[1] == width:
+        return mask
+    return torch.cat([mask.new_zeros(mask.shape[0], width - mask.shape[1]), mask], dim=1)
 
 
 class LeanForward:

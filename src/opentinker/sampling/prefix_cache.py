@@ -8,8 +8,12 @@ new tokens are prefilled. Any common prefix counts (keys and values of a causal 
 on the tokens before them), so a reply re-tokenised differently still reuses what precedes it.
 
 What is stored: for each sequence a sampling call finished, its prompt and every sampled token but
-the last (the last was never fed to the model), with the KV tensor ``[layers, 2, kv_heads, n,
-head_dim]`` of exactly those tokens (padding removed). Entries are keyed by the *policy state*
+the last (the last was never fed to the model), with the state of exactly those tokens (padding
+removed): the lean path's KV tensor ``[layers, 2, kv_heads, n, head_dim]``, or the HF path's
+:class:`~opentinker.sampling.hf_cache.RowState` (keys and values of any widths per layer, and on a
+hybrid model each recurrent layer's state *after the last token*). Keys and values can be cut at
+any prefix; a recurrent state cannot, so an entry holding one serves only a prompt that continues
+all of its tokens (the usual next turn), and a shorter common prefix is a miss. Entries are keyed by the *policy state*
 they were computed under (:func:`policy_key` in the sampler: a snapshot's id, or an adapter's id
 with its weights' version counters, so a trained adapter never reuses stale keys and values).
 A new entry replaces every entry of its key whose tokens it extends (a turn replaces the turn
@@ -24,22 +28,35 @@ from dataclasses import dataclass
 
 import torch
 
+from opentinker.sampling.hf_cache import RowState
+
+# a stored row: the lean path's KV tensor or the HF path's per-layer state
+Prefix = torch.Tensor | RowState
+
 
 @dataclass
 class PrefixHit:
     length: int  # tokens of the prompt covered by the cached keys and values
-    kv: torch.Tensor  # [layers, 2, kv_heads, length, head_dim] (a view of the entry)
+    kv: Prefix  # the state after ``length`` tokens (a view of the entry)
 
 
 @dataclass
 class _Entry:
     key: Hashable
     tokens: tuple[int, ...]
-    kv: torch.Tensor
+    kv: Prefix
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        kv = self.kv
+        return kv.nbytes if isinstance(kv, RowState) else kv.numel() * kv.element_size()
+
+    def usable(self, n: int) -> int:
+        """The longest prefix of at most ``n`` tokens this entry can serve (0: none)."""
+        return n if not isinstance(self.kv, RowState) or self.kv.cuttable or n == len(self.tokens) else 0
+
+    def cut(self, n: int) -> Prefix:
+        return self.kv.cut(n) if isinstance(self.kv, RowState) else self.kv[:, :, :, :n]
 
 
 class PrefixCache:
@@ -69,7 +86,7 @@ class PrefixCache:
         limit = len(prompt) - 1
         best_n, best_id = 0, -1
         for eid, e in self._by_key.get(key, {}).items():
-            n = _common_prefix(e.tokens, prompt, min(limit, len(e.tokens)))
+            n = e.usable(_common_prefix(e.tokens, prompt, min(limit, len(e.tokens))))
             if n > best_n:
                 best_n, best_id = n, eid
         if best_n < max(self.min_tokens, 1):
@@ -77,12 +94,13 @@ class PrefixCache:
         self._entries.move_to_end(best_id)
         self.hits += 1
         self.reused_tokens += best_n
-        return PrefixHit(best_n, self._entries[best_id].kv[:, :, :, :best_n])
+        return PrefixHit(best_n, self._entries[best_id].cut(best_n))
 
-    def put(self, key: Hashable, tokens: list[int], kv: torch.Tensor) -> None:
-        """Store ``kv`` ([layers, 2, kv_heads, len(tokens), head_dim]) of ``tokens`` under ``key``."""
-        if kv.shape[3] != len(tokens):
-            raise ValueError(f"{kv.shape[3]} KV columns for {len(tokens)} tokens")
+    def put(self, key: Hashable, tokens: list[int], kv: Prefix) -> None:
+        """Store ``kv`` (the state after ``tokens``) of ``tokens`` under ``key``."""
+        n = kv.length if isinstance(kv, RowState) else kv.shape[3]
+        if n != len(tokens):
+            raise ValueError(f"{n} KV columns for {len(tokens)} tokens")
         new = tuple(tokens)
         same = self._by_key.get(key, {})
         for eid in [eid for eid, e in same.items() if new[: len(e.tokens)] == e.tokens]:
