@@ -101,10 +101,10 @@ def run_demo(
 ) -> int:
     """Train one adapter per target at once, print progress and the held-out result. Returns 0."""
     import opentinker
+    from opentinker.client.runtime import Runtime
     from opentinker.renderers import get_renderer
     from opentinker.rl.loop import RLConfig, run_rl_many
     from opentinker.tasks import reply_length
-    from opentinker.tracking import plot_metrics
 
     targets = list(targets or TARGETS)
     check_settings(
@@ -114,8 +114,6 @@ def run_demo(
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be a positive number, got {lr}")
     t0 = time.perf_counter()
-    from opentinker.client.runtime import Runtime
-
     service = opentinker.ServiceClient(runtime=None if dtype == "auto" else Runtime(dtype=dtype))
     base = service.create_sampling_client(base_model=base_model)
     renderer = get_renderer("auto", base.get_tokenizer())
@@ -136,35 +134,59 @@ def run_demo(
         f"{steps} steps, seed {seed}"
     )
     print("step  " + "  ".join(f"{n:>16}" for n in names) + "   (mean reward / mean words)")
-    rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
-    printed = -1
+    results = asyncio.run(run_rl_many(jobs, service, on_step=StepPrinter(names, t0)))
+    plot = plot_curves(log_dir, names, targets, base_model)
 
-    def on_step(name: str, row: dict[str, Any]) -> None:
-        # adapters run at their own pace (short replies sample faster): a step's line is printed
-        # once every adapter has finished that step, with each adapter's own row for it
-        nonlocal printed
-        rows[name][row["step"]] = row
-        while all(printed + 1 in r for r in rows.values()):
-            printed += 1
+    # held-out: every adapter and the base answer the same questions in one mixed batch
+    policies = [r.training_client.save_weights_and_get_sampling_client().result() for r in results] + [base]
+    held, base_texts = held_out(policies, renderer, targets, max_tokens)
+    report_held_out(log_dir, names, held, base_texts)
+    print(f"\nmetrics: {log_dir}/*/metrics.jsonl   plot: {plot}   ({time.perf_counter() - t0:.0f}s in all)")
+    print(f"console: opentinker console --runs {log_dir}   (curves per adapter, episodes per step)")
+    return 0
+
+
+class StepPrinter:
+    """The demo's ``on_step``: one line per step, each adapter's mean reward / mean words.
+
+    Adapters run at their own pace (short replies sample faster): a step's line is printed once
+    every adapter has finished that step, with each adapter's own row for it."""
+
+    def __init__(self, names: list[str], t0: float) -> None:
+        self.names, self.t0 = names, t0
+        self.rows: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+        self.printed = -1
+
+    def __call__(self, name: str, row: dict[str, Any]) -> None:
+        self.rows[name][row["step"]] = row
+        while all(self.printed + 1 in r for r in self.rows.values()):
+            self.printed += 1
             cells = [
-                f"{rows[n][printed]['reward/mean']:6.2f} / {rows[n][printed]['env/words']:5.1f}"
-                for n in names
+                f"{self.rows[n][self.printed]['reward/mean']:6.2f} / {self.rows[n][self.printed]['env/words']:5.1f}"
+                for n in self.names
             ]
-            elapsed = time.perf_counter() - t0
-            print(f"{printed:4d}  " + "  ".join(f"{c:>16}" for c in cells) + f"   ({elapsed:.0f}s)")
+            elapsed = time.perf_counter() - self.t0
+            print(f"{self.printed:4d}  " + "  ".join(f"{c:>16}" for c in cells) + f"   ({elapsed:.0f}s)")
 
-    results = asyncio.run(run_rl_many(jobs, service, on_step=on_step))
-    plot = plot_metrics(
-        {c.name: Path(c.log_dir) for c, _, _ in jobs}, ["env/words", "reward/mean"], Path(log_dir) / "curves.png",
+
+def plot_curves(log_dir: str, names: list[str], targets: list[int], base_model: str) -> Path:
+    """``<log_dir>/curves.png``: each adapter's words per reply against its target, and its reward."""
+    from opentinker.tracking import plot_metrics
+
+    return plot_metrics(
+        {n: Path(log_dir) / n for n in names}, ["env/words", "reward/mean"], Path(log_dir) / "curves.png",
         title=f"{len(targets)} LoRA adapters, one base ({base_model.split('/')[-1]}), one batch per step",
         guides={"env/words": dict(zip(names, map(float, targets), strict=True))},
         log_y=("env/words",), smooth=3,
         labels={"env/words": "words per reply (3-step mean; dashed: target)", "reward/mean": "mean reward (1 = on target)"},
     )  # fmt: skip
 
-    # held-out: every adapter and the base answer the same questions in one mixed batch
-    policies = [r.training_client.save_weights_and_get_sampling_client().result() for r in results] + [base]
-    held, base_texts = held_out(policies, renderer, targets, max_tokens)
+
+def report_held_out(log_dir: str, names: list[str], held: list[HeldOut], base_texts: list[str]) -> None:
+    """Print the held-out table, the verdict and one question's replies; write ``held_out.json``."""
+    from opentinker.tasks import reply_length
+
+    targets = [h.target for h in held]
     print(f"\nheld-out: {len(reply_length.EVAL)} questions, {HELD_OUT_SAMPLES} replies each at temperature 1")
     print(f"  {'adapter':>10}  target  typical words  reward  base model's reward")
     for name, h in zip(names, held, strict=True):
@@ -188,9 +210,6 @@ def run_demo(
     examples = [(n, h.texts[0]) for n, h in zip(names, held, strict=True)] + [("base model", base_texts[0])]
     for name, text in examples:
         print(f"  {name:>10} ({len(text.split()):2d} words) -> {text!r}")
-    print(f"\nmetrics: {log_dir}/*/metrics.jsonl   plot: {plot}   ({time.perf_counter() - t0:.0f}s in all)")
-    print(f"console: opentinker console --runs {log_dir}   (curves per adapter, episodes per step)")
-    return 0
 
 
 def held_out(

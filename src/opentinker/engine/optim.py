@@ -22,6 +22,7 @@ here would be a different optimizer under Tinker's name.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -203,43 +204,88 @@ def step_many(
         return []
     # per adapter: its grad norm (in double) and clip factor
     norms = torch.stack([g.double().pow(2).sum() for _, g, _ in items]).sqrt().tolist()
-    params, grads, avgs, sqs, steps = [], [], [], [], []
-    decay, b1, b2, b2c, eps, step_size, bias2 = [], [], [], [], [], [], []
-    for (opt, g, hp), norm in zip(items, norms, strict=True):
-        st = opt.state
-        step = (st["step"] if st else torch.zeros((), dtype=torch.float32)) + 1
-        n = float(step)
-        clip = (
-            hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm else 1.0
-        )
-        params.append(opt.flat)
-        grads.append(g * clip if clip != 1.0 else g)
-        avgs.append(st["exp_avg"] if st else torch.zeros_like(opt.flat))
-        sqs.append(st["exp_avg_sq"] if st else torch.zeros_like(opt.flat))
-        steps.append(step)
-        lr = hp.learning_rate
-        decay.append(1 - lr * hp.weight_decay if hp.weight_decay != 0 else None)
-        b1.append(1 - hp.beta1)
-        b2.append(hp.beta2)
-        b2c.append(1 - hp.beta2)
-        eps.append(hp.eps)
-        step_size.append(-(lr / (1 - hp.beta1**n)))
-        bias2.append((1 - hp.beta2**n) ** 0.5)
+    batch = _AdamBatch.of(items, norms)
     try:
-        with torch.no_grad():
-            values = [p.mul(d) if d is not None else p for p, d in zip(params, decay, strict=True)]
-            new_avgs = torch._foreach_lerp(avgs, grads, b1)
-            new_sqs = torch._foreach_mul(sqs, b2)
-            torch._foreach_addcmul_(new_sqs, grads, grads, b2c)
-            denom = torch._foreach_sqrt(new_sqs)
-            denom = torch._foreach_div(denom, bias2)
-            torch._foreach_add_(denom, eps)
-            values = torch._foreach_addcdiv(values, new_avgs, denom, step_size)
+        values, new_avgs, new_sqs = batch.adamw()
     except RuntimeError as e:  # a scalar torch refuses: each adapter alone, so only it is refused
         if len(items) == 1:
             opt, _, hp = items[0]
             return [opt.refusal(f"overflows fp32 ({e})", hp)]
         return [step_many([it])[0] for it in items]
+    return _commit(items, norms, batch.steps, values, new_avgs, new_sqs)
+
+
+@dataclass
+class _AdamBatch:
+    """The inputs of one :func:`step_many` batch, one entry per adapter: its flat weights,
+    (clipped) gradient, moments and new step count (the tensors themselves, not copies), and its
+    hyperparameters as the scalars of each ``torch._foreach_*`` operation."""
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    avgs: list[torch.Tensor] = field(default_factory=list)
+    sqs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
+    decay: list[float | None] = field(default_factory=list)  # 1 - lr * weight_decay (None: no decay)
+    b1: list[float] = field(default_factory=list)  # 1 - beta1
+    b2: list[float] = field(default_factory=list)  # beta2
+    b2c: list[float] = field(default_factory=list)  # 1 - beta2
+    eps: list[float] = field(default_factory=list)
+    step_size: list[float] = field(default_factory=list)  # -lr / (1 - beta1^n)
+    bias2: list[float] = field(default_factory=list)  # sqrt(1 - beta2^n)
+
+    @classmethod
+    def of(
+        cls, items: list[tuple[AdapterOptimizer, torch.Tensor, AdamParams]], norms: list[float]
+    ) -> _AdamBatch:
+        b = cls()
+        for (opt, g, hp), norm in zip(items, norms, strict=True):
+            st = opt.state
+            step = (st["step"] if st else torch.zeros((), dtype=torch.float32)) + 1
+            n = float(step)
+            clip = (
+                hp.grad_clip_norm / (norm + 1e-6)
+                if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm
+                else 1.0
+            )
+            b.params.append(opt.flat)
+            b.grads.append(g * clip if clip != 1.0 else g)
+            b.avgs.append(st["exp_avg"] if st else torch.zeros_like(opt.flat))
+            b.sqs.append(st["exp_avg_sq"] if st else torch.zeros_like(opt.flat))
+            b.steps.append(step)
+            lr = hp.learning_rate
+            b.decay.append(1 - lr * hp.weight_decay if hp.weight_decay != 0 else None)
+            b.b1.append(1 - hp.beta1)
+            b.b2.append(hp.beta2)
+            b.b2c.append(1 - hp.beta2)
+            b.eps.append(hp.eps)
+            b.step_size.append(-(lr / (1 - hp.beta1**n)))
+            b.bias2.append((1 - hp.beta2**n) ** 0.5)
+        return b
+
+    def adamw(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(new weights, new first moments, new second moments), out of place; nothing is written."""
+        with torch.no_grad():
+            values = [p.mul(d) if d is not None else p for p, d in zip(self.params, self.decay, strict=True)]
+            new_avgs = torch._foreach_lerp(self.avgs, self.grads, self.b1)
+            new_sqs = torch._foreach_mul(self.sqs, self.b2)
+            torch._foreach_addcmul_(new_sqs, self.grads, self.grads, self.b2c)
+            denom = torch._foreach_sqrt(new_sqs)
+            denom = torch._foreach_div(denom, self.bias2)
+            torch._foreach_add_(denom, self.eps)
+            values = torch._foreach_addcdiv(values, new_avgs, denom, self.step_size)
+        return list(values), list(new_avgs), list(new_sqs)
+
+
+def _commit(
+    items: list[tuple[AdapterOptimizer, torch.Tensor, AdamParams]],
+    norms: list[float],
+    steps: list[torch.Tensor],
+    values: list[torch.Tensor],
+    new_avgs: list[torch.Tensor],
+    new_sqs: list[torch.Tensor],
+) -> list[dict[str, float] | EngineError]:
+    """Write each adapter's new weights and moments if all of them are finite, else refuse its step."""
     k = len(items)
     finite = finite_each([*values, *new_avgs, *new_sqs])
     out: list[dict[str, float] | EngineError] = []

@@ -1,7 +1,8 @@
 """The RL loop: rollouts -> :func:`~opentinker.rl.train_step.train_step` (group-relative
 advantages, one ``forward_backward`` + ``optim_step``) -> a sampling client of the new weights,
 every step. Two loops share that step and everything around it (:class:`_Run`: evaluation,
-checkpoints, logging, stopping):
+logging, stopping; the run scaffold :func:`~opentinker.tracking.run.open_run`: the training
+client, resume, checkpoints, the final save, the plot):
 
 * **sync** (:func:`_sync_loop`): step *n* samples with the policy after *n* updates, then trains
   on that data.
@@ -19,7 +20,6 @@ requests meet in the scheduler and share its fused batches. A failing sampler st
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -35,11 +35,9 @@ from opentinker.rl.rollout import gather_or_cancel, group_metrics, rollout_group
 from opentinker.rl.train_step import train_step
 from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_rollout_group
 from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
-from opentinker.tracking import RolloutLog, RunLogger, plot_metrics
-from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
+from opentinker.tracking import RolloutLog
 from opentinker.tracking.rollouts import DEFAULT_MAX_BYTES, DEFAULT_PER_STEP
-
-log = logging.getLogger(__name__)
+from opentinker.tracking.run import Run, open_run
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 
@@ -128,30 +126,27 @@ class _Run:
     log row, stopping rule)."""
 
     def __init__(
-        self, cfg: RLConfig, dataset: RLDataset, evaluator: Evaluator | None, tc: Any, start: int,
-        log_dir: Path, logger: RunLogger, base_policy: Any | None, replay: SuccessReplay | None,
+        self, cfg: RLConfig, dataset: RLDataset, evaluator: Evaluator | None, run: Run, service: Any,
+        base_policy: Any | None, replay: SuccessReplay | None,
         on_step: Callable[[str, dict[str, Any]], None] | None,
     ) -> None:  # fmt: skip
-        self.cfg, self.dataset, self.evaluator, self.tc = cfg, dataset, evaluator, tc
-        self.log_dir, self.logger, self.base_policy, self.replay = log_dir, logger, base_policy, replay
+        self.cfg, self.dataset, self.evaluator, self.run = cfg, dataset, evaluator, run
+        self.tc, self.start, self.log_dir = run.tc, run.start, run.log_dir
+        self.service, self.base_policy, self.replay = service, base_policy, replay
         self.on_step = on_step
         self.params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-        self.rows: list[dict[str, Any]] = []
-        self.final_path: str | None = None
-        self.start = self.last_step = start
         self.policy: Any = None  # the sampling client of the current weights, at `version`
-        self.version = start
+        self.version = run.start
         self.refreshed = asyncio.Condition()  # notified when `version` moves on
         self.t_start = time.monotonic()
         self.eval_total = 0.0  # evaluation time, kept off the training clock
         self.pending_eval: dict[str, float] = {}  # the start's evaluation, logged with the first row
-        self.service: Any = None  # set by run_rl: test-time training forks episodes' adapters
         self.ttt_metrics: dict[str, float] = {}  # the last rollouts' test-time updates
         self.ttt_updates: TTTUpdates | None = None  # every group's episodes fuse; forks are reused
         self.rollout_log = (
             RolloutLog(
-                log_dir, tc.get_tokenizer(), series=cfg.name or log_dir.name, per_step=cfg.rollouts_per_step,
-                max_bytes=cfg.rollouts_max_bytes, start_step=start,
+                run.log_dir, self.tc.get_tokenizer(), series=run.name, per_step=cfg.rollouts_per_step,
+                max_bytes=cfg.rollouts_max_bytes, start_step=run.start,
             )
             if cfg.rollouts_per_step > 0
             else None
@@ -234,28 +229,17 @@ class _Run:
     async def end_step(self, step: int, m: dict[str, Any]) -> bool:
         """Checkpoint, evaluate and log step ``step``; True when the run should stop here."""
         cfg = self.cfg
-        self.last_step = step + 1
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            self.final_path = await save_checkpoint(self.tc, step + 1, self.log_dir)
-            if self.replay is not None:
-                self.replay.save(self.log_dir / "replay.json")
+        await self.run.maybe_checkpoint(step + 1)
         if self.evaluator is not None and (
             step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
         ):
             m.update(await self.evaluate(self.policy, step + 1))
         m["time/train_clock_s"] = self.train_clock()  # wall clock minus evaluations
-        self.rows.append(self.logger.log(step, {**self.pending_eval, **m}))
+        row = self.run.log(step, {**self.pending_eval, **m})
         if self.on_step is not None:
-            self.on_step(cfg.name or self.log_dir.name, self.rows[-1])
+            self.on_step(self.run.name, row)
         self.pending_eval = {}
         return _should_stop(cfg, m)
-
-    async def finish(self) -> None:
-        """The last checkpoint, unless the last step just saved one."""
-        if self.cfg.save_every == 0 or self.last_step % self.cfg.save_every:
-            self.final_path = await save_checkpoint(self.tc, self.last_step, self.log_dir)
-            if self.replay is not None:
-                self.replay.save(self.log_dir / "replay.json")
 
 
 async def _sync_loop(run: _Run) -> None:
@@ -318,18 +302,10 @@ async def run_rl(
     resume: bool = False,
     on_step: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> RLResult:
-    """Train one adapter with RL; write ``cfg.log_dir/{config.json, metrics.jsonl, curves.png}``."""
+    """Train one adapter with RL; write ``cfg.log_dir/{config.json, metrics.jsonl, curves.png}``
+    (the run scaffold, :func:`~opentinker.tracking.run.open_run`: resume, checkpoints, final save)."""
     cfg.check()
     log_dir = Path(cfg.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    tc, start = await open_training_client(
-        service, cfg, log_dir, resume=resume, training_client=training_client
-    )
-    base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
-    logger = RunLogger(
-        log_dir, cfg, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
-        show=("reward/mean", "eval/accuracy", "loss/per_token"),
-    )  # fmt: skip
     replay = (
         SuccessReplay(cfg.replay_size, cfg.replay_per_step, cfg.replay_weight, cfg.seed)
         if cfg.replay_size
@@ -337,22 +313,20 @@ async def run_rl(
     )
     if replay is not None and resume:
         replay.load(log_dir / "replay.json")
-    run = _Run(cfg, dataset, evaluator, tc, start, log_dir, logger, base_policy, replay, on_step)
-    run.service = service
-    try:
-        await run.begin()
-        await (_async_loop(run) if cfg.mode == "async" else _sync_loop(run))
-        await run.finish()
-    finally:
-        if run.ttt_updates is not None:
-            await run.ttt_updates.close()  # the pooled episodes' adapters
-        logger.close()
-        if run.rows or (log_dir / "metrics.jsonl").exists():
-            try:
-                plot_metrics({cfg.name or log_dir.name: log_dir}, list(cfg.plot_keys), log_dir / "curves.png")
-            except Exception as e:
-                log.warning("plotting failed: %r", e)
-    return RLResult(tc, run.rows, run.final_path)
+    on_save = None if replay is None else (lambda _step: replay.save(log_dir / "replay.json"))
+    async with open_run(
+        cfg, service, total_steps=cfg.steps, show=("reward/mean", "eval/accuracy", "loss/per_token"),
+        resume=resume, training_client=training_client, on_save=on_save,
+    ) as run:  # fmt: skip
+        base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
+        loop = _Run(cfg, dataset, evaluator, run, service, base_policy, replay, on_step)
+        try:
+            await loop.begin()
+            await (_async_loop(loop) if cfg.mode == "async" else _sync_loop(loop))
+        finally:
+            if loop.ttt_updates is not None:
+                await loop.ttt_updates.close()  # the pooled episodes' adapters
+    return RLResult(run.tc, run.rows, run.final_path)
 
 
 def learning_rate_at(cfg: RLConfig, step: int, train_clock_s: float) -> float:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -81,7 +80,9 @@ from opentinker.rl.types import (
     TrajectoryGroup,
     Transition,
 )
-from opentinker.tracking import RolloutLog, RunLogger, plot_metrics
+from opentinker.tracking import RolloutLog, plot_metrics, read_metrics
+from opentinker.tracking.checkpoints import newest_checkpoint
+from opentinker.tracking.run import Run, open_run
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,32 @@ async def run_multiagent(
 ) -> MultiAgentResult:
     """Train one adapter per agent of ``task``; see the module docstring. Agent *k*'s adapter is
     created with seed ``cfg.seed + k`` (unless ``training_clients`` are given, or the run resumes
-    from ``cfg.log_dir``'s checkpoints)."""
+    from ``cfg.log_dir``'s checkpoints: the run scaffold, :func:`~opentinker.tracking.run.open_run`)."""
+    agents = _checked_agents(cfg, task)
+    async with open_run(
+        cfg, service, total_steps=cfg.steps, resume=resume, agents=agents, training_clients=training_clients,
+        config={**dataclasses.asdict(cfg), "agents": list(agents)},  # the console overlays their curves
+        show=tuple(task.show_keys) or tuple(f"{a}/reward/mean" for a in agents[:1]),
+        plot=lambda run: plot_agents(
+            read_metrics(run.log_dir), agents, run.log_dir / "curves.png", task.plot_keys, title=run.name
+        ),
+    ) as run:  # fmt: skip
+        games = _AgentsLoop(cfg, service, task, run, agents)
+        pending_eval = await games.begin()
+        for step in range(run.start, cfg.steps):
+            m = await games.step(step)
+            await run.maybe_checkpoint(step + 1)
+            if task.evaluator is not None and (
+                step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+            ):
+                m.update(await games.evaluate(step + 1))
+            run.log(step, {**pending_eval, **m})
+            pending_eval = {}
+    return MultiAgentResult(dict(run.clients), run.rows, run.final_paths)
+
+
+def _checked_agents(cfg: RLConfig, task: MultiAgentTask) -> tuple[str, ...]:
+    """``task``'s agents, once ``cfg`` and ``task`` are known to be a run :func:`run_multiagent` can do."""
     cfg.check()
     if cfg.mode != "sync":
         raise ValueError(f"run_multiagent supports mode='sync' only, got {cfg.mode!r}")
@@ -275,120 +301,89 @@ async def run_multiagent(
     agents = tuple(task.agents)
     if not agents or len(set(agents)) != len(agents):
         raise ValueError(f"a multi-agent task needs distinct agent names, got {agents}")
-    log_dir = Path(cfg.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_index = log_dir / "checkpoints.jsonl"
-    start, paths = last_complete_checkpoint(ckpt_index, agents) if resume else (0, {})
-    if paths:
-        reloaded = await asyncio.gather(
-            *(service.create_training_client_from_state_with_optimizer(paths[a]) for a in agents)
+    return agents
+
+
+class _AgentsLoop:
+    """The steps of :func:`run_multiagent`: every agent's current policy, a step's games and
+    updates, the evaluation."""
+
+    def __init__(
+        self, cfg: RLConfig, service: Any, task: MultiAgentTask, run: Run, agents: tuple[str, ...]
+    ) -> None:
+        self.cfg, self.task, self.run, self.agents, self.tcs = cfg, task, run, agents, run.clients
+        self.base_policy = (
+            service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
         )
-        tcs = dict(zip(agents, reloaded, strict=True))
-    elif training_clients is not None:
-        ckpt_index.unlink(missing_ok=True)  # a fresh run in a used folder starts a new index
-        tcs = {a: training_clients[a] for a in agents}
-    else:
-        ckpt_index.unlink(missing_ok=True)
-        created = await asyncio.gather(
-            *(
-                service.create_lora_training_client(
-                    base_model=cfg.base_model, rank=cfg.lora_rank, seed=cfg.seed + k,
-                    train_attn=cfg.train_attn, train_mlp=cfg.train_mlp, train_unembed=cfg.train_unembed,
-                )
-                for k in range(len(agents))
+        self.params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
+        self.rollout_log = (
+            RolloutLog(
+                run.log_dir, self.tcs[agents[0]].get_tokenizer(), per_step=cfg.rollouts_per_step,
+                max_bytes=cfg.rollouts_max_bytes, start_step=run.start,
             )
+            if cfg.rollouts_per_step > 0
+            else None
         )  # fmt: skip
-        tcs = dict(zip(agents, created, strict=True))
-    base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
-    logger = RunLogger(  # config.json names the agents: the console overlays their curves
-        log_dir, {**dataclasses.asdict(cfg), "agents": list(agents)}, total_steps=cfg.steps, start_step=start, progress=cfg.progress, name=cfg.name,
-        show=tuple(task.show_keys) or tuple(f"{a}/reward/mean" for a in agents[:1]),
-    )  # fmt: skip
-    params = types.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature)
-    rows: list[dict[str, Any]] = []
-    rollout_log = (
-        RolloutLog(
-            log_dir, tcs[agents[0]].get_tokenizer(), per_step=cfg.rollouts_per_step,
-            max_bytes=cfg.rollouts_max_bytes, start_step=start,
-        )
-        if cfg.rollouts_per_step > 0
-        else None
-    )  # fmt: skip
+        self.policies: dict[str, Any] = {}
+        self.version = run.start
+        self.t_start = time.monotonic()
 
-    async def policies_now() -> dict[str, Any]:
-        return {a: await tcs[a].save_weights_and_get_sampling_client() for a in agents}
+    async def policies_now(self) -> dict[str, Any]:
+        return {a: await self.tcs[a].save_weights_and_get_sampling_client() for a in self.agents}
 
-    async def evaluate(pols: dict[str, Any], step: int) -> dict[str, float]:
-        if task.evaluator is None:
+    async def begin(self) -> dict[str, float]:
+        """The starting policies; the start's evaluation (logged with the first row)."""
+        self.policies = await self.policies_now()
+        self.t_start = time.monotonic()
+        return await self.evaluate(self.run.start)
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        if self.task.evaluator is None:
             return {}
         t = time.monotonic()
-        out = {f"eval/{k}": float(v) for k, v in (await task.evaluator(pols, step)).items()}
+        out = {f"eval/{k}": float(v) for k, v in (await self.task.evaluator(self.policies, step)).items()}
         out["time/eval_s"] = time.monotonic() - t
         return out
 
-    async def save(step: int) -> None:
-        futs = {a: tcs[a].save_state(f"{a}-step-{step:06d}") for a in agents}
-        with ckpt_index.open("a") as f:
-            for a, fut in futs.items():
-                paths[a] = (await fut).path
-                f.write(json.dumps({"step": step, "agent": a, "path": paths[a]}) + "\n")
+    async def step(self, step: int) -> dict[str, float]:
+        """Play step ``step``'s games, train every agent on its own moves, move the policies on."""
+        cfg, agents = self.cfg, self.agents
+        t0 = time.monotonic()
+        groups = await self.play(step)
+        t1 = time.monotonic()
+        m: dict[str, float] = game_metrics(groups)
+        tgroups = {a: [g.trajectory_group(a) for g in groups] for a in agents}
+        if self.rollout_log is not None:
+            for a in agents:
+                self.rollout_log.log(step, agent_episodes(tgroups[a]), series=a)
+        lr = learning_rate_at(cfg, step, t1 - self.t_start)
+        datums_fn = per_move_datums if self.task.per_move_advantages else None
+        # every agent's update is submitted before any is awaited: they share scheduler ticks
+        updates = await train_steps(
+            {a: Learner(self.tcs[a], tgroups[a]) for a in agents}, cfg, learning_rate=lr, step=step,
+            base_policy=self.base_policy, datums_fn=datums_fn,
+        )  # fmt: skip
+        for a, um in updates.items():
+            am = group_metrics(tgroups[a])
+            am.pop("env/errors", None)  # game errors are counted once, in game/errors
+            m.update({f"{a}/{k}": v for k, v in {**am, **um}.items()})
+        t2 = time.monotonic()
+        self.policies = await self.policies_now()
+        self.version += 1
+        m.update({"time/sample_s": t1 - t0, "time/train_s": t2 - t1, "policy/version": float(self.version)})
+        return m
 
-    policies = await policies_now()
-    version = start
-    t_start = time.monotonic()
-    pending_eval = await evaluate(policies, start)
-    try:
-        for step in range(start, cfg.steps):
-            t0 = time.monotonic()
-            seed = cfg.seed * 1_000_003 + step * 10_007
-            versions = dict.fromkeys(agents, version)
-            groups = await gather_or_cancel(
-                *(
-                    play_group(b, policies, params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_versions=versions)
-                    for k, b in enumerate(task.dataset.batch(step))
-                )
-            )  # fmt: skip
-            t1 = time.monotonic()
-            m: dict[str, float] = game_metrics(groups)
-            tgroups = {a: [g.trajectory_group(a) for g in groups] for a in agents}
-            if rollout_log is not None:
-                for a in agents:
-                    rollout_log.log(step, agent_episodes(tgroups[a]), series=a)
-            lr = learning_rate_at(cfg, step, t1 - t_start)
-            datums_fn = per_move_datums if task.per_move_advantages else None
-            # every agent's update is submitted before any is awaited: they share scheduler ticks
-            updates = await train_steps(
-                {a: Learner(tcs[a], tgroups[a]) for a in agents}, cfg, learning_rate=lr, step=step,
-                base_policy=base_policy, datums_fn=datums_fn,
-            )  # fmt: skip
-            for a, um in updates.items():
-                am = group_metrics(tgroups[a])
-                am.pop("env/errors", None)  # game errors are counted once, in game/errors
-                m.update({f"{a}/{k}": v for k, v in {**am, **um}.items()})
-            t2 = time.monotonic()
-            policies = await policies_now()
-            version += 1
-            m.update({"time/sample_s": t1 - t0, "time/train_s": t2 - t1, "policy/version": float(version)})
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                await save(step + 1)
-            if task.evaluator is not None and (
-                step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-            ):
-                m.update(await evaluate(policies, step + 1))
-            rows.append(logger.log(step, {**pending_eval, **m}))
-            pending_eval = {}
-        if start < cfg.steps and (cfg.save_every == 0 or cfg.steps % cfg.save_every):
-            await save(cfg.steps)
-    finally:
-        logger.close()
-        if rows:
-            try:
-                plot_agents(
-                    rows, agents, log_dir / "curves.png", task.plot_keys, title=cfg.name or log_dir.name
-                )
-            except Exception as e:
-                log.warning("plotting failed: %r", e)
-    return MultiAgentResult(dict(tcs), rows, paths)
+    async def play(self, step: int) -> list[GameGroup]:
+        """Every group of step ``step``, concurrently, with the current policies."""
+        cfg = self.cfg
+        seed = cfg.seed * 1_000_003 + step * 10_007
+        versions = dict.fromkeys(self.agents, self.version)
+        return await gather_or_cancel(
+            *(
+                play_group(b, self.policies, self.params, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_versions=versions)
+                for k, b in enumerate(self.task.dataset.batch(step))
+            )
+        )  # fmt: skip
 
 
 def agent_episodes(groups: Sequence[TrajectoryGroup]) -> list[tuple[int, Trajectory, float]]:
@@ -403,17 +398,7 @@ def agent_episodes(groups: Sequence[TrajectoryGroup]) -> list[tuple[int, Traject
 def last_complete_checkpoint(index: Path, agents: tuple[str, ...]) -> tuple[int, dict[str, str]]:
     """(the last step at which every agent was saved, each agent's checkpoint path there), from a
     run's ``checkpoints.jsonl``; (0, {}) if there is none."""
-    by_step: dict[int, dict[str, str]] = {}
-    lines = index.read_text().splitlines() if index.exists() else []
-    for line in lines:
-        row = json.loads(line) if line.strip() else {}
-        if "agent" in row:
-            by_step.setdefault(int(row["step"]), {})[row["agent"]] = row["path"]
-    complete = [step for step, saved in by_step.items() if all(a in saved for a in agents)]
-    if not complete:
-        return 0, {}
-    step = max(complete)
-    return step, {a: by_step[step][a] for a in agents}
+    return newest_checkpoint(index, agents)
 
 
 def agent_rows(rows: list[dict[str, Any]], agent: str) -> list[dict[str, Any]]:

@@ -164,65 +164,98 @@ async def rollout_group(
     except Exception as e:  # a broken group is this group's failure alone
         log.warning("%s.make_envs failed: %r", type(builder).__name__, e)
         return TrajectoryGroup([], builder.tags(), errors=1)
-    errors = 0
+    group = _GroupRollout(
+        envs, policy, params, seed, timeout_s, policy_version, policy_for_episode, on_episode_end
+    )
+    await group.reset()
+    trajs = await group.episodes(await group.first_turns())
+    return TrajectoryGroup(group.add_group_rewards(builder, trajs), builder.tags(), group.errors)
 
-    async def first_obs(env: Env) -> list[int] | None:
-        nonlocal errors
+
+class _GroupRollout:
+    """The steps of :func:`rollout_group` over its environments; ``errors`` counts the failed episodes."""
+
+    def __init__(
+        self, envs: list[Env], policy: Any, params: types.SamplingParams, seed: int | None,
+        timeout_s: float | None, policy_version: int, policy_for_episode: Callable[[int, list[int]], Any] | None,
+        on_episode_end: Callable[[int], None] | None,
+    ) -> None:  # fmt: skip
+        self.envs, self.policy, self.params, self.seed, self.timeout_s = envs, policy, params, seed, timeout_s
+        self.policy_version = policy_version
+        self.policy_for_episode, self.on_episode_end = policy_for_episode, on_episode_end
+        self.obs: list[list[int] | None] = []  # each environment's opening observation (None: it failed)
+        self.errors = 0
+
+    async def reset(self) -> None:
+        """Every environment's opening observation, concurrently."""
+        self.obs = list(await asyncio.gather(*(self.first_obs(e) for e in self.envs)))
+
+    async def first_obs(self, env: Env) -> list[int] | None:
         try:
-            return list(await env_call("reset", env.initial_observation(), timeout_s))
+            return list(await env_call("reset", env.initial_observation(), self.timeout_s))
         except Exception as e:
-            errors += 1
+            self.errors += 1
             log.warning("environment %s failed at reset: %r", type(env).__name__, e)
             return None
 
-    obs = await asyncio.gather(*(first_obs(e) for e in envs))
-    live = [i for i, ob in enumerate(obs) if ob is not None]
+    async def first_turns(self) -> list[tuple[list[int], list[Sampled] | BaseException]]:
+        """(episodes, their first turns): one request per distinct opening observation (and stop
+        condition), all at once; a request refused for its context is that request's exception."""
+        by_key: dict[tuple, list[int]] = {}
+        for i, ob in enumerate(self.obs):
+            if ob is not None:
+                by_key.setdefault((tuple(ob), repr(self.envs[i].stop)), []).append(i)
+        keys = list(by_key.values())
+        firsts = await gather_or_cancel(*(self.first_samples(idx, k) for k, idx in enumerate(keys)))
+        return list(zip(keys, firsts, strict=True))
 
-    # one request per distinct opening observation (and stop condition)
-    by_key: dict[tuple, list[int]] = {}
-    for i in live:
-        by_key.setdefault((tuple(obs[i] or ()), repr(envs[i].stop)), []).append(i)
-
-    async def first_samples(idx: list[int], k: int) -> list[Sampled] | BaseException:
-        env0 = envs[idx[0]]
-        s = None if seed is None else seed + 104729 * k
+    async def first_samples(self, idx: list[int], k: int) -> list[Sampled] | BaseException:
+        env0 = self.envs[idx[0]]
+        s = None if self.seed is None else self.seed + 104729 * k
         try:
-            return await sample_tokens(policy, obs[idx[0]] or [], len(idx), _params(params, env0, s))
+            return await sample_tokens(
+                self.policy, self.obs[idx[0]] or [], len(idx), _params(self.params, env0, s)
+            )
         except SamplerError:
             raise
         except Exception as e:  # refused for the environment's context: those episodes' failure
             return e
 
-    keys = list(by_key.values())
-    firsts = await gather_or_cancel(*(first_samples(idx, k) for k, idx in enumerate(keys)))
+    async def episodes(
+        self, firsts: list[tuple[list[int], list[Sampled] | BaseException]]
+    ) -> list[Trajectory]:
+        """Every episode with a first turn, run to its end, concurrently; the failed ones dropped."""
+        jobs = []
+        for idx, got in firsts:
+            if isinstance(got, BaseException):
+                self.errors += len(idx)
+                log.warning("the sampler refused the first turn's context: %r", got)
+                continue
+            jobs += [self.episode(i, s) for i, s in zip(idx, got, strict=True)]
+        return [t for t in await gather_or_cancel(*jobs) if t is not None]
 
-    async def run(i: int, sampled: Sampled) -> Trajectory | None:
-        nonlocal errors
+    async def episode(self, i: int, sampled: Sampled) -> Trajectory | None:
         try:
-            s = None if seed is None else seed + 15485863 * (i + 1)
-            own = policy if policy_for_episode is None else policy_for_episode(i, obs[i] or [])
-            traj = await _episode(envs[i], own, params, obs[i] or [], sampled, s, timeout_s)
-            traj.policy_version = policy_version
+            s = None if self.seed is None else self.seed + 15485863 * (i + 1)
+            ob = self.obs[i] or []
+            own = self.policy if self.policy_for_episode is None else self.policy_for_episode(i, ob)
+            traj = await _episode(self.envs[i], own, self.params, ob, sampled, s, self.timeout_s)
+            traj.policy_version = self.policy_version
             return traj
         except SamplerError:
             raise
         except Exception as e:
-            errors += 1
-            log.warning("episode of %s failed: %r", type(envs[i]).__name__, e)
+            self.errors += 1
+            log.warning("episode of %s failed: %r", type(self.envs[i]).__name__, e)
             return None
         finally:
-            if on_episode_end is not None:
-                on_episode_end(i)
+            if self.on_episode_end is not None:
+                self.on_episode_end(i)
 
-    jobs = []
-    for idx, got in zip(keys, firsts, strict=True):
-        if isinstance(got, BaseException):
-            errors += len(idx)
-            log.warning("the sampler refused the first turn's context: %r", got)
-            continue
-        jobs += [run(i, s) for i, s in zip(idx, got, strict=True)]
-    trajs = [t for t in await gather_or_cancel(*jobs) if t is not None]
-    if trajs:
+    def add_group_rewards(self, builder: EnvGroupBuilder, trajs: list[Trajectory]) -> list[Trajectory]:
+        """``trajs`` with the builder's group rewards added; none if those fail (all counted)."""
+        if not trajs:
+            return trajs
         try:
             extra = builder.group_rewards(trajs)
             for t, r in zip(trajs, extra, strict=True):
@@ -230,10 +263,10 @@ async def rollout_group(
                     raise ValueError(f"group reward {r} is not finite")
                 t.final_reward += float(r)
         except Exception as e:
-            errors += len(trajs)
+            self.errors += len(trajs)
             log.warning("group rewards failed: %r", e)
-            trajs = []
-    return TrajectoryGroup(trajs, builder.tags(), errors)
+            return []
+        return trajs
 
 
 def _mean(xs: list[float]) -> float:

@@ -29,7 +29,6 @@ implicit reward gap, in nats), ``dpo/accuracy`` (pairs with chosen > rejected),
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from collections.abc import Sequence
@@ -44,10 +43,7 @@ from opentinker.data import supervised_datum
 from opentinker.renderers import Message, Renderer, check_messages
 from opentinker.sft.data import Batcher, read_jsonl
 from opentinker.sft.loop import SCHEDULES, lr_at
-from opentinker.tracking import RunLogger, plot_metrics
-from opentinker.tracking.checkpoints import open_training_client, save_checkpoint
-
-log = logging.getLogger(__name__)
+from opentinker.tracking.run import open_run
 
 
 @dataclass
@@ -213,51 +209,34 @@ async def run_dpo(
     resume: bool = False,
 ) -> DPOResult:
     """Train one adapter by DPO on rendered ``pairs``; write ``cfg.log_dir/{config.json,
-    metrics.jsonl, checkpoints.jsonl, curves.png}``. Resume as :func:`opentinker.sft.loop.run_sft`."""
+    metrics.jsonl, checkpoints.jsonl, curves.png}``. Resume as :func:`opentinker.sft.loop.run_sft`
+    (the run scaffold, :func:`~opentinker.tracking.run.open_run`)."""
     cfg.check()
     batcher = Batcher(len(pairs), cfg.batch_size, cfg.seed)
     total = cfg.steps or cfg.epochs * batcher.steps_per_epoch
-    log_dir = Path(cfg.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    tc, start = await open_training_client(
-        service, cfg, log_dir, resume=resume, training_client=training_client
-    )
-    if reference is None:
-        reference = await service.create_sampling_client(base_model=cfg.base_model)
-    ref = await reference_logprobs(reference, pairs)
-    logger = RunLogger(
-        log_dir, cfg, total_steps=total, start_step=start, progress=cfg.progress, name=cfg.name,
+    async with open_run(
+        cfg, service, total_steps=total, resume=resume, training_client=training_client,
         show=("dpo/loss", "dpo/margin", "dpo/accuracy"),
-    )  # fmt: skip
-    rows: list[dict[str, Any]] = []
-    final_path: str | None = None
-    try:
-        for step in range(start, total):
+    ) as run:  # fmt: skip
+        if reference is None:
+            reference = await service.create_sampling_client(base_model=cfg.base_model)
+        ref = await reference_logprobs(reference, pairs)
+        for step in range(run.start, total):
             t0 = time.monotonic()
             idx = batcher.indices(step)
             seqs = [j for i in idx for j in (2 * i, 2 * i + 1)]
             lr = lr_at(cfg.learning_rate, cfg.lr_schedule, step, total)
-            fb = tc.forward_backward_custom(
+            fb = run.tc.forward_backward_custom(
                 [pairs.datums[j] for j in seqs], dpo_loss(cfg.beta, [ref[j] for j in seqs])
             )
-            opt = tc.optim_step(types.AdamParams(learning_rate=lr))
+            opt = run.tc.optim_step(types.AdamParams(learning_rate=lr))
             out = await fb
             await opt
             m = {k: float(v) for k, v in out.metrics.items() if k.startswith("dpo/")}
             m.update({"train/pairs": float(len(idx)), "optim/lr": lr, "time/step_s": time.monotonic() - t0})
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                final_path = await save_checkpoint(tc, step + 1, log_dir)
-            rows.append(logger.log(step, m))
-        if start < total and not (cfg.save_every and total % cfg.save_every == 0):
-            final_path = await save_checkpoint(tc, total, log_dir)
-    finally:
-        logger.close()
-        if rows:
-            try:
-                plot_metrics({cfg.name or log_dir.name: log_dir}, list(cfg.plot_keys), log_dir / "curves.png")
-            except Exception as e:
-                log.warning("plotting failed: %r", e)
-    return DPOResult(tc, rows, final_path)
+            await run.maybe_checkpoint(step + 1)
+            run.log(step, m)
+    return DPOResult(run.tc, run.rows, run.final_path)
 
 
 def train_dpo(cfg: DPOConfig, service: Any, pairs: PairData, **kw: Any) -> DPOResult:

@@ -24,22 +24,16 @@ run's metrics equal the uninterrupted run's (tested).
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tinker import types
 
 from opentinker.sft.data import Batcher, SupervisedData, trained_tokens
-from opentinker.tracking import RunLogger, plot_metrics
-from opentinker.tracking.checkpoints import INDEX, open_training_client, save_checkpoint
-
-log = logging.getLogger(__name__)
+from opentinker.tracking.run import open_run
 
 SCHEDULES = ("constant", "linear", "cosine")
 Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
@@ -138,77 +132,67 @@ async def run_sft(
     resume: bool = False,
 ) -> SFTResult:
     """Train one adapter by SFT on ``train`` (rendered ``Datum`` s, see :mod:`opentinker.sft.data`);
-    write ``cfg.log_dir/{config.json, metrics.jsonl, checkpoints.jsonl, curves.png}``."""
+    write ``cfg.log_dir/{config.json, metrics.jsonl, checkpoints.jsonl, curves.png}`` (the run
+    scaffold, :func:`~opentinker.tracking.run.open_run`: resume, checkpoints, final save)."""
     cfg.check()
     train_d, eval_d = _datums(train), _datums(eval)
     batcher = Batcher(len(train_d), cfg.batch_size, cfg.seed)
     total = cfg.total_steps(len(train_d))
-    log_dir = Path(cfg.log_dir)
-    ckpt_index = log_dir / INDEX
-    log_dir.mkdir(parents=True, exist_ok=True)
-    tc, start = await open_training_client(
-        service, cfg, log_dir, resume=resume, training_client=training_client
-    )
-    logger = RunLogger(
-        log_dir, cfg, total_steps=total + bool(eval_d or evaluator), start_step=start, progress=cfg.progress, name=cfg.name,
-        show=("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy"),
-    )  # fmt: skip
-    rows: list[dict[str, Any]] = []
-    final_path: str | None = None
-
-    async def evaluate(step: int) -> dict[str, float]:
-        t = time.monotonic()
-        out: dict[str, float] = {}
-        if eval_d:
-            out.update(await eval_nll(tc, eval_d, cfg.eval_batch_size))
-        if evaluator is not None:
-            policy = await tc.save_weights_and_get_sampling_client()
-            out.update({f"eval/{k}": v for k, v in (await evaluator(policy, step)).items()})
-        if out:
-            out["time/eval_s"] = time.monotonic() - t
-        return out
-
     data_stats: dict[str, float] = {}
     for prefix, d in (("train", train), ("eval", eval)):
         if isinstance(d, SupervisedData):
             data_stats.update(d.stats(prefix))
-    try:
-        for step in range(start, total):
-            m: dict[str, float] = dict(data_stats) if step == start else {}
+    async with open_run(
+        cfg, service, total_steps=total + bool(eval_d or evaluator), resume=resume,
+        training_client=training_client, show=("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy"),
+    ) as run:  # fmt: skip
+        for step in range(run.start, total):
+            m: dict[str, float] = dict(data_stats) if step == run.start else {}
             if step == 0 or (cfg.eval_every and step % cfg.eval_every == 0):
-                m.update(await evaluate(step))
-            t0 = time.monotonic()
-            batch = batcher.batch(train_d, step)
-            lr = lr_at(cfg.learning_rate, cfg.lr_schedule, step, total)
-            fb = tc.forward_backward(batch, "cross_entropy")
-            opt = tc.optim_step(types.AdamParams(learning_rate=lr))
-            out = await fb
-            await opt
-            loss = float(out.metrics["loss:sum"])
-            tokens = trained_tokens(batch)
-            m.update({
-                "loss/sum": loss, "loss/nll_per_token": loss / max(1.0, tokens), "train/tokens": tokens,
-                "train/datums": float(len(batch)), "train/epoch": float(batcher.epoch(step)),
-                "optim/lr": lr, "time/step_s": time.monotonic() - t0,
-            })  # fmt: skip
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                final_path = await save_checkpoint(tc, step + 1, log_dir)
-            rows.append(logger.log(step, m))
-        final = await evaluate(total)
+                m.update(await _evaluate(run.tc, cfg, eval_d, evaluator, step))
+            m.update(await _sft_step(run.tc, cfg, batcher, train_d, step, total))
+            await run.maybe_checkpoint(step + 1)
+            run.log(step, m)
+        final = await _evaluate(run.tc, cfg, eval_d, evaluator, total)
         if final:
-            rows.append(logger.log(total, final))
-        if start < total and not (cfg.save_every and total % cfg.save_every == 0):
-            final_path = await save_checkpoint(tc, total, log_dir)
-        elif final_path is None and ckpt_index.exists():
-            final_path = json.loads(ckpt_index.read_text().strip().splitlines()[-1])["path"]
-    finally:
-        logger.close()
-        if rows or (log_dir / "metrics.jsonl").exists():
-            try:
-                plot_metrics({cfg.name or log_dir.name: log_dir}, list(cfg.plot_keys), log_dir / "curves.png")
-            except Exception as e:
-                log.warning("plotting failed: %r", e)
-    return SFTResult(tc, rows, final_path)
+            run.log(total, final)
+    return SFTResult(run.tc, run.rows, run.final_path)
+
+
+async def _evaluate(
+    tc: Any, cfg: SFTConfig, eval_d: list[types.Datum], evaluator: Evaluator | None, step: int
+) -> dict[str, float]:
+    """The eval set's NLL and the ``evaluator``'s metrics on ``tc``'s current weights (``{}``: neither)."""
+    t = time.monotonic()
+    out: dict[str, float] = {}
+    if eval_d:
+        out.update(await eval_nll(tc, eval_d, cfg.eval_batch_size))
+    if evaluator is not None:
+        policy = await tc.save_weights_and_get_sampling_client()
+        out.update({f"eval/{k}": v for k, v in (await evaluator(policy, step)).items()})
+    if out:
+        out["time/eval_s"] = time.monotonic() - t
+    return out
+
+
+async def _sft_step(
+    tc: Any, cfg: SFTConfig, batcher: Batcher, train_d: list[types.Datum], step: int, total: int
+) -> dict[str, float]:
+    """One update: ``forward_backward("cross_entropy")`` and ``optim_step``, submitted together."""
+    t0 = time.monotonic()
+    batch = batcher.batch(train_d, step)
+    lr = lr_at(cfg.learning_rate, cfg.lr_schedule, step, total)
+    fb = tc.forward_backward(batch, "cross_entropy")
+    opt = tc.optim_step(types.AdamParams(learning_rate=lr))
+    out = await fb
+    await opt
+    loss = float(out.metrics["loss:sum"])
+    tokens = trained_tokens(batch)
+    return {
+        "loss/sum": loss, "loss/nll_per_token": loss / max(1.0, tokens), "train/tokens": tokens,
+        "train/datums": float(len(batch)), "train/epoch": float(batcher.epoch(step)),
+        "optim/lr": lr, "time/step_s": time.monotonic() - t0,
+    }  # fmt: skip
 
 
 def train_sft(cfg: SFTConfig, service: Any, train: Data, eval: Data | None = None, **kw: Any) -> SFTResult:
