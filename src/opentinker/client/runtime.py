@@ -108,6 +108,28 @@ def default_data_dir() -> Path:
     return Path(env) if env else cache_dir() / "data"
 
 
+def _check_sampling_options(
+    rollout_workers: int, sample_in_ticks: bool, rollout_backend: str, rollout_options: dict[str, Any]
+) -> None:
+    """Refuse settings of the sampling side that cannot work together, naming them."""
+    if rollout_workers and sample_in_ticks:
+        raise ValueError("rollout_workers and sample_in_ticks exclude each other")
+    if rollout_backend not in ROLLOUT_BACKENDS:
+        raise ValueError(
+            f"unknown rollout backend {rollout_backend!r}; choose one of {', '.join(ROLLOUT_BACKENDS)}"
+        )
+    if rollout_backend == "vllm":
+        if rollout_workers:
+            raise ValueError(
+                "rollout_backend='vllm' runs vLLM's own engine processes; use it with rollout_workers=0"
+            )
+        from opentinker.sampling.vllm_engine import check_max_lora_rank, import_vllm
+
+        import_vllm()  # not installed: fail now, naming the cause, not at the first request
+        if "max_lora_rank" in rollout_options:
+            check_max_lora_rank(rollout_options["max_lora_rank"])
+
+
 class Runtime(ScaleOutMethods):
     def __init__(
         self,
@@ -147,22 +169,7 @@ class Runtime(ScaleOutMethods):
         and the restore of a lost worker's models (:class:`~opentinker.client.scaleout.ScaleOut`);
         a setting the cluster cannot meet raises ``ValueError`` here."""
         self.dtype = dtype_name(resolve_dtype(dtype, device))  # a name: it travels to workers as is
-        if rollout_workers and sample_in_ticks:
-            raise ValueError("rollout_workers and sample_in_ticks exclude each other")
-        if rollout_backend not in ROLLOUT_BACKENDS:
-            raise ValueError(
-                f"unknown rollout backend {rollout_backend!r}; choose one of {', '.join(ROLLOUT_BACKENDS)}"
-            )
-        if rollout_backend == "vllm":
-            if rollout_workers:
-                raise ValueError(
-                    "rollout_backend='vllm' runs vLLM's own engine processes; use it with rollout_workers=0"
-                )
-            from opentinker.sampling.vllm_engine import check_max_lora_rank, import_vllm
-
-            import_vllm()  # not installed: fail now, naming the cause, not at the first request
-            if "max_lora_rank" in (rollout_options or {}):
-                check_max_lora_rank((rollout_options or {})["max_lora_rank"])
+        _check_sampling_options(rollout_workers, sample_in_ticks, rollout_backend, rollout_options or {})
         self.scaleout = ScaleOut(
             rollout_workers=rollout_workers,
             ray=ray,

@@ -377,7 +377,7 @@ class Engine:
         owners: list[tuple[str, str]] = []
         for aid in adapters:
             assert aid is not None
-            for name, p in _named(self._adapters[aid].weights).items():
+            for name, p in self._adapters[aid].weights.state_dict().items():
                 params.append(p)
                 owners.append((aid, name))
         total = torch.stack([per_req_loss[i] for i in train]).sum()
@@ -445,7 +445,7 @@ class Engine:
         replicas put in the sum of every replica's gradients before their optimizer steps. Every
         tensor is checked (names, shapes, finite) before any is set; a mismatch changes nothing."""
         a = self._adapter(adapter_id)
-        named = _named(a.weights)
+        named = a.weights.state_dict()
         if set(grads) != set(named):
             missing, extra = sorted(set(named) - set(grads)), sorted(set(grads) - set(named))
             raise EngineError(f"gradients for adapter {adapter_id!r} lack {missing} / have unknown {extra}")
@@ -589,18 +589,9 @@ class Engine:
     def export_tinker(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The adapter (or snapshot) ``ref`` in hosted Tinker's adapter layout, what
         ``save_weights_external`` writes (see :mod:`opentinker.engine.tinker_format`)."""
-        return export_tinker(
-            self.adapter_weights(ref),
-            self.lora.groups,
-            out_dir,
-            base_model=self.base.name,
-            model=self.base.model,
-        )
+        weights, groups = self.adapter_weights(ref), self.lora.groups
+        return export_tinker(weights, groups, out_dir, base_model=self.base.name, model=self.base.model)
 
     def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The base model with ``ref``'s delta merged in, as a full HF model folder."""
         return export_merged(self.adapter_weights(ref), self.lora.groups, self.base.path, out_dir)
-
-
-def _named(weights: LoRAWeights) -> dict[str, torch.Tensor]:
-    return weights.state_dict()

@@ -89,6 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
         "float32): auto = bfloat16 on a CUDA GPU that supports it, else float32; bfloat16 on a "
         "GPU without it is refused, on a CPU without native bf16 it falls back to float32 (logged)",
     )
+    _add_limit_args(p)
+    _add_worker_args(p)
+    p.add_argument(
+        "--operator",
+        action="append",
+        default=[],
+        metavar="TENANT",
+        help="a tenant whose keys see every tenant's sessions, runs and checkpoints in the console "
+        "(read-only; repeatable)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template for /v1/chat/completions (default: each base model's tokenizer's)",
+    )
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """Request limits, timeouts, sweeps and caches."""
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
     p.add_argument("--max-pending", type=int, default=2048, help="unfinished requests per tenant before 429")
     p.add_argument(
@@ -141,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         "than per request; a sample in flight at a server crash then waits for the SDK's "
         "stuck-detection instead of failing at once",
     )
+
+
+def _add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Rollout workers and their backend."""
     p.add_argument(
         "--rollout-workers",
         type=_non_negative,
@@ -164,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
         "adapter at this rank, so set it to the ranks you train: 1, 8, 16, 32, 64, 128, 256, 320 "
         "or 512; default %(default)s)",
     )
+    _add_ray_args(p)
+
+
+def _add_ray_args(p: argparse.ArgumentParser) -> None:
+    """Ray: rollout and trainer workers as actors, their resources, data parallelism, placement."""
     p.add_argument(
         "--ray",
         nargs="?",
@@ -223,23 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="when a trainer worker is lost, put each of its models back from its newest save_state "
         "checkpoint on another worker (the server logs each restore and how many steps were lost)",
     )
-    p.add_argument(
-        "--operator",
-        action="append",
-        default=[],
-        metavar="TENANT",
-        help="a tenant whose keys see every tenant's sessions, runs and checkpoints in the console "
-        "(read-only; repeatable)",
-    )
-    p.add_argument(
-        "--chat-template",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="a Jinja chat template for /v1/chat/completions (default: each base model's tokenizer's)",
-    )
-    p.add_argument("--log-level", default="warning")
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -65,6 +65,13 @@ def add_rest_routes(app: FastAPI, server: Server) -> None:
     ) -> dict[str, Any]:
         return ckpts.user_checkpoints(t, limit, offset)
 
+    _add_checkpoint_routes(app, server)
+
+
+def _add_checkpoint_routes(app: FastAPI, server: Server) -> None:
+    """One checkpoint's TTL, publishing, external-weights URLs and signed downloads."""
+    ckpts = server.checkpoints
+    api = "/api/v1"
     ckpt = f"{api}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}"
 
     @app.put(f"{ckpt}/ttl", tags=["checkpoints"])

@@ -33,20 +33,27 @@ from opentinker.server.state import Server
 
 log = logging.getLogger(__name__)
 PROTO = "application/x-protobuf"
+API = "/api/v1"
 
 
 def add_routes(app: FastAPI, server: Server) -> None:
-    ops, reg = server.ops, server.registry
-    audit = server.audit_when_done
+    """Every route of the Tinker protocol, registered one resource at a time."""
+    _service_routes(app, server)
+    _auth_routes(app, server)
+    _sessions_routes(app, server)
+    _training_routes(app, server)
+    _sampling_routes(app, server)
+    _futures_routes(app, server)
 
-    api = "/api/v1"
 
-    # ---------------------------------------------------------------- service
-    @app.get(f"{api}/healthz", tags=["service"])
+def _service_routes(app: FastAPI, server: Server) -> None:
+    reg = server.registry
+
+    @app.get(f"{API}/healthz", tags=["service"])
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post(f"{api}/client/config", tags=["service"])
+    @app.post(f"{API}/client/config", tags=["service"])
     async def client_config(req: S.ClientConfigRequest, t: Tenant) -> dict[str, Any]:
         return {
             "pjwt_auth_enabled": server.auth.signer is not None,
@@ -59,11 +66,11 @@ def add_routes(app: FastAPI, server: Server) -> None:
             "custom_loss_server_side": True,  # /create_custom_loss (server/custom_losses.py)
         }
 
-    @app.post(f"{api}/client/dynamic_config", tags=["service"])
+    @app.post(f"{API}/client/dynamic_config", tags=["service"])
     async def client_dynamic_config(req: S.ClientConfigRequest, t: Tenant) -> dict[str, Any]:
         return {"sample_cancel_enabled": True}  # abandoned samples are cancelled (lifecycle.py)
 
-    @app.get(f"{api}/get_server_capabilities", tags=["service"])
+    @app.get(f"{API}/get_server_capabilities", tags=["service"])
     async def capabilities(t: Tenant) -> dict[str, Any]:
         models = []
         for name, base in reg.served.items():
@@ -73,26 +80,31 @@ def add_routes(app: FastAPI, server: Server) -> None:
             )
         return {"supported_models": models}
 
-    # ---------------------------------------------------------------- auth
-    @app.post(f"{api}/auth/token", tags=["auth"])
+
+def _auth_routes(app: FastAPI, server: Server) -> None:
+
+    @app.post(f"{API}/auth/token", tags=["auth"])
     async def auth_token(key: Credential) -> dict[str, str]:
         return {"jwt": server.auth.issue(key)}
 
-    @app.get(f"{api}/auth/apikey/me", tags=["auth"])
+    @app.get(f"{API}/auth/apikey/me", tags=["auth"])
     async def apikey_me(key: Credential) -> dict[str, Any]:
         return server.auth.key_info(key)
 
-    @app.delete(f"{api}/auth/apikey/me", tags=["auth"])
+    @app.delete(f"{API}/auth/apikey/me", tags=["auth"])
     async def apikey_delete(key: Credential) -> dict[str, Any]:
         server.auth.delete_key(key)
         return {}
 
-    @app.post(f"{api}/telemetry", tags=["service"])
+    @app.post(f"{API}/telemetry", tags=["service"])
     async def telemetry(t: Tenant) -> dict[str, str]:
         return {"status": "accepted"}
 
-    # ---------------------------------------------------------------- sessions
-    @app.post(f"{api}/create_session", tags=["sessions"])
+
+def _sessions_routes(app: FastAPI, server: Server) -> None:
+    reg = server.registry
+
+    @app.post(f"{API}/create_session", tags=["sessions"])
     async def create_session(req: S.CreateSessionRequest, t: Tenant) -> dict[str, Any]:
         if req.project_id is not None:
             check_project(req.project_id)
@@ -100,13 +112,13 @@ def add_routes(app: FastAPI, server: Server) -> None:
         server.usage.record(t, "session_create", session_id=sess.id, project_id=req.project_id)
         return {"session_id": sess.id, "type": "create_session"}
 
-    @app.post(f"{api}/session_heartbeat", tags=["sessions"])
+    @app.post(f"{API}/session_heartbeat", tags=["sessions"])
     async def heartbeat(req: S.SessionHeartbeatRequest, t: Tenant) -> dict[str, Any]:
         sess = reg.session(t, req.session_id)
         reg.touch(sess.id, server.store.touch_session, sess.id)
         return {"type": "session_heartbeat"}
 
-    @app.post(f"{api}/sessions/{{session_id}}/finish", tags=["sessions"])
+    @app.post(f"{API}/sessions/{{session_id}}/finish", tags=["sessions"])
     async def finish(session_id: str, req: S.FinishSessionRequest, t: Tenant) -> dict[str, Any]:
         sess = reg.session(t, session_id, live=False)
         if not sess.finished:
@@ -114,7 +126,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
             server.usage.record(t, "session_finish", session_id=sess.id)
         return {}
 
-    @app.get(f"{api}/sessions", tags=["sessions"])
+    @app.get(f"{API}/sessions", tags=["sessions"])
     async def list_sessions(
         t: Tenant,
         limit: Annotated[int, Query(ge=1, le=1000)] = 20,
@@ -123,28 +135,28 @@ def add_routes(app: FastAPI, server: Server) -> None:
     ) -> dict[str, Any]:
         return server.sessions.list(t, limit, offset)
 
-    @app.post(f"{api}/sessions/search", tags=["sessions"])
+    @app.post(f"{API}/sessions/search", tags=["sessions"])
     async def search_sessions(req: SessionSearchRequest, t: Tenant) -> dict[str, Any]:
         return server.sessions.search(t, req)
 
-    @app.get(f"{api}/sessions/{{session_id}}", tags=["sessions"])
+    @app.get(f"{API}/sessions/{{session_id}}", tags=["sessions"])
     async def get_session(
         session_id: str, t: Tenant, access_scope: S.AccessScope = "owned"
     ) -> dict[str, Any]:
         return server.sessions.get(t, session_id)
 
-    @app.get(f"{api}/sessions/{{session_id}}/trace_export", tags=["sessions"])
+    @app.get(f"{API}/sessions/{{session_id}}/trace_export", tags=["sessions"])
     async def trace_export(session_id: str, request: Request, t: Tenant) -> dict[str, Any]:
         server.sessions.get(t, session_id)  # another tenant's session is unknown (404)
         return await asyncio.to_thread(server.downloads.trace_url, t, str(request.base_url), session_id)
 
-    @app.put(f"{api}/sessions/{{session_id}}/project", tags=["sessions"])
+    @app.put(f"{API}/sessions/{{session_id}}/project", tags=["sessions"])
     async def assign_project(session_id: str, req: AssignProjectRequest, t: Tenant) -> dict[str, Any]:
         server.projects.assign(t, session_id, req)
         server.usage.record(t, "project_session_assign", session_id=session_id, project_id=req.project_id)
         return {}
 
-    @app.post(f"{api}/copy_weights", tags=["checkpoints"])
+    @app.post(f"{API}/copy_weights", tags=["checkpoints"])
     async def copy_weights(
         req: CopyWeightsRequest,
         t: Tenant,
@@ -154,19 +166,23 @@ def add_routes(app: FastAPI, server: Server) -> None:
         server.usage.record(t, "checkpoint_copy", source=req.source_path, tinker_path=answer["tinker_path"])
         return answer
 
-    # ---------------------------------------------------------------- training
-    @app.post(f"{api}/create_model", tags=["training"])
+
+def _training_routes(app: FastAPI, server: Server) -> None:
+    ops = server.ops
+    audit = server.audit_when_done
+
+    @app.post(f"{API}/create_model", tags=["training"])
     async def create_model(req: S.CreateModelRequest, t: Tenant) -> dict[str, Any]:
         rid = ops.create_model(t, req)
         audit(t, rid, "training_run_create", session_id=req.session_id, base_model=req.base_model)
         return {"request_id": rid}
 
-    @app.post(f"{api}/get_info", tags=["training"])
+    @app.post(f"{API}/get_info", tags=["training"])
     async def get_info(req: S.GetInfoRequest, t: Tenant) -> dict[str, Any]:
         return ops.get_info(t, req.model_id)
 
     @app.post(
-        f"{api}/forward_backward",
+        f"{API}/forward_backward",
         tags=["training"],
         openapi_extra={
             "requestBody": {
@@ -179,31 +195,31 @@ def add_routes(app: FastAPI, server: Server) -> None:
     async def forward_backward(request: Request, t: Tenant) -> dict[str, Any]:
         return {"request_id": ops.forward_backward(t, await request.body())}
 
-    @app.post(f"{api}/create_custom_loss", tags=["training"])
+    @app.post(f"{API}/create_custom_loss", tags=["training"])
     async def create_custom_loss(req: CreateCustomLossRequest, t: Tenant) -> dict[str, Any]:
         return {"request_id": ops.create_custom_loss(t, req)}
 
-    @app.post(f"{api}/optim_step", tags=["training"])
+    @app.post(f"{API}/optim_step", tags=["training"])
     async def optim_step(req: S.OptimStepRequest, t: Tenant) -> dict[str, Any]:
         return {"request_id": ops.optim_step(t, req)}
 
-    @app.post(f"{api}/save_weights", tags=["checkpoints"])
+    @app.post(f"{API}/save_weights", tags=["checkpoints"])
     async def save_weights(req: S.SaveWeightsRequest, t: Tenant) -> dict[str, Any]:
         rid = ops.save_weights(t, req)
         audit(t, rid, "checkpoint_create", model_id=req.model_id)
         return {"request_id": rid}
 
-    @app.post(f"{api}/save_weights_for_sampler", tags=["checkpoints"])
+    @app.post(f"{API}/save_weights_for_sampler", tags=["checkpoints"])
     async def save_weights_for_sampler(req: S.SaveWeightsForSamplerRequest, t: Tenant) -> dict[str, Any]:
         rid = ops.save_weights_for_sampler(t, req)
         audit(t, rid, "checkpoint_create", model_id=req.model_id)  # or sampler_create (ephemeral)
         return {"request_id": rid}
 
-    @app.post(f"{api}/save_weights_external", tags=["checkpoints"])
+    @app.post(f"{API}/save_weights_external", tags=["checkpoints"])
     async def save_weights_external(req: S.SaveWeightsExternalRequest, t: Tenant) -> dict[str, Any]:
         return {"request_id": ops.save_weights_external(t, req)}
 
-    @app.post(f"{api}/load_weights", tags=["checkpoints"])
+    @app.post(f"{API}/load_weights", tags=["checkpoints"])
     async def load_weights(req: S.LoadWeightsRequest, t: Tenant) -> dict[str, Any]:
         rid = ops.load_weights(t, req)
         if req.session_id is not None:  # a new training run from the checkpoint
@@ -211,8 +227,12 @@ def add_routes(app: FastAPI, server: Server) -> None:
         audit(t, rid, "checkpoint_read", model_id=req.model_id, tinker_path=req.path, purpose="load_weights")
         return {"request_id": rid}
 
-    # ---------------------------------------------------------------- sampling
-    @app.post(f"{api}/create_sampling_session", tags=["sampling"])
+
+def _sampling_routes(app: FastAPI, server: Server) -> None:
+    ops = server.ops
+    reg = server.registry
+
+    @app.post(f"{API}/create_sampling_session", tags=["sampling"])
     async def create_sampling_session(req: S.CreateSamplingSessionRequest, t: Tenant) -> dict[str, Any]:
         make = ops.create_sampling_session(t, req)
         sampler_id = await asyncio.to_thread(make)
@@ -221,11 +241,11 @@ def add_routes(app: FastAPI, server: Server) -> None:
         server.usage.record(t, "sampler_create", sampler_id=sampler_id, base_model=req.base_model)
         return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
-    @app.get(f"{api}/samplers/{{sampler_id}}", tags=["sampling"])
+    @app.get(f"{API}/samplers/{{sampler_id}}", tags=["sampling"])
     async def get_sampler(sampler_id: str, t: Tenant) -> dict[str, Any]:
         return ops.get_sampler(t, sampler_id)
 
-    @app.post(f"{api}/asample", tags=["sampling"])
+    @app.post(f"{API}/asample", tags=["sampling"])
     async def asample(req: S.SampleRequest, t: Tenant) -> dict[str, Any]:
         try:
             return ops.asample(t, req)
@@ -233,8 +253,10 @@ def add_routes(app: FastAPI, server: Server) -> None:
             await asyncio.to_thread(reg.reload_sampler, e.row)
             return ops.asample(t, req)
 
-    # ---------------------------------------------------------------- futures
-    @app.post(f"{api}/retrieve_future", tags=["futures"])
+
+def _futures_routes(app: FastAPI, server: Server) -> None:
+
+    @app.post(f"{API}/retrieve_future", tags=["futures"])
     async def retrieve_future(req: S.FutureRetrieveRequest, t: Tenant) -> Response:
         state, fut = await server.futures.wait(req.request_id, t, server.config.poll_timeout_s)
         if state == "unknown":
@@ -255,18 +277,18 @@ def add_routes(app: FastAPI, server: Server) -> None:
             return Response(result, media_type=PROTO)
         return JSONResponse(result)
 
-    @app.post(f"{api}/cancel_future", tags=["futures"])
+    @app.post(f"{API}/cancel_future", tags=["futures"])
     async def cancel_future(req: CancelFutureRequest, t: Tenant) -> dict[str, Any]:
         return server.lifecycle.cancel_future(t, req)
 
-    @app.post(f"{api}/retrieve_futures", tags=["futures"])
+    @app.post(f"{API}/retrieve_futures", tags=["futures"])
     async def retrieve_futures(req: FuturesRetrieveRequest, t: Tenant) -> dict[str, Any]:
         return await server.lifecycle.retrieve_futures(t, req)
 
-    @app.post(f"{api}/join_sampling_session", tags=["sampling"])
+    @app.post(f"{API}/join_sampling_session", tags=["sampling"])
     async def join_sampling_session(req: JoinSamplingSessionRequest, t: Tenant) -> dict[str, Any]:
         return server.lifecycle.join_sampling_session(t, req)
 
-    @app.post(f"{api}/unload_model", tags=["training"])
+    @app.post(f"{API}/unload_model", tags=["training"])
     async def unload_model(req: UnloadModelRequest, t: Tenant) -> dict[str, Any]:
         return server.lifecycle.unload_model(t, req)
