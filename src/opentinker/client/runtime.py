@@ -44,6 +44,7 @@ from opentinker.sampling import NativeBackend, RolloutBackend
 from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
+from opentinker.sampling.routed import RoutedBackend
 from opentinker.scheduler import Scheduler, TickRecord
 
 if TYPE_CHECKING:
@@ -214,11 +215,11 @@ class Runtime(ScaleOutMethods):
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
-        if self.rollout_backend == "vllm":
-            from opentinker.sampling.vllm_backend import VLLMBackend
-
-            vb = VLLMBackend.for_engine(engine, **self.rollout_options)
-            return vb, vb.decoder
+        if self.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
+            rb = RoutedBackend.for_engine(
+                engine, prefix_cache_bytes=self.prefix_cache_bytes, **self.rollout_options
+            )
+            return rb, rb.decoder
         nb = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
         return nb, lambda: nb.decoder(snapshots_only=True)
 
@@ -549,8 +550,23 @@ class Runtime(ScaleOutMethods):
                     "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
                 }
             )
+            if isinstance(b.sampler, RoutedBackend):  # vLLM with its native fallback
+                out[-1]["served_by"] = [
+                    {**s, "model_id": self._snapshot_owner(b, s["snapshot"])} for s in b.sampler.served_by()
+                ]
+                out[-1]["base_served_by"] = b.sampler.base_served_by()
             out[-1].update(self.trainer_stats(name, self.models))  # trained on Ray trainer workers
         return out
+
+    def _snapshot_owner(self, b: Backend, policy: str) -> str | None:
+        """The model a snapshot was taken from (a loaded checkpoint's: the model it was saved from)."""
+        if policy.startswith("tinker://"):
+            with contextlib.suppress(EngineError):
+                return parse_tinker_path(policy.rsplit("@", 1)[0]).model_id
+            return None
+        with contextlib.suppress(KeyError, EngineError):
+            return b.engine.snapshot_info(policy).adapter_id
+        return None
 
     def shutdown(self) -> None:
         with self._lock:
