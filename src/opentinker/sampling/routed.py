@@ -65,12 +65,17 @@ class RoutedBackend(RolloutBackend):
         cls, engine: Engine, *, prefix_cache_bytes: int | None = None, **vllm_kwargs: Any
     ) -> RoutedBackend:
         """vLLM over ``engine``'s base model (``vllm_kwargs``: :meth:`VLLMBackend.for_engine`'s),
-        the native backend over ``engine`` itself."""
+        the native backend over ``engine`` itself; vLLM is not started on a model it cannot run."""
+        from opentinker.sampling.vllm_engine import unservable_reason
+
         native = (
             NativeBackend(engine)
             if prefix_cache_bytes is None
             else NativeBackend(engine, prefix_cache_bytes=prefix_cache_bytes)
         )
+        off = unservable_reason(engine.base.model.config)
+        if off is not None:
+            return cls(None, native, vllm_off=off)
         return cls(VLLMBackend.for_engine(engine, **vllm_kwargs), native)
 
     # ---------------------------------------------------------------- placement
@@ -179,12 +184,12 @@ class RoutedDecoder:
         return (self.vllm.running() if self.vllm else []) + self.native.running()
 
     def pin(self, req: SampleRequest) -> Pinned:
-        if self.vllm is None:
-            return self.native.pin(req)
         if req.policy is None:
-            return self.vllm.pin(req)
+            return self.native.pin(req) if self.vllm is None else self.vllm.pin(req)
         placed = self.backend.place(req.policy, self.backend.lookup(req.policy))
-        return (self.vllm if placed.backend == VLLM else self.native).pin(req)
+        return (
+            self.vllm.pin(req) if self.vllm is not None and placed.backend == VLLM else self.native.pin(req)
+        )
 
     def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
         side = self.backend.side
