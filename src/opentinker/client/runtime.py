@@ -44,12 +44,12 @@ from opentinker.sampling import NativeBackend, RolloutBackend
 from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
+from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
 
 if TYPE_CHECKING:
     import torch
 
-ROLLOUT_BACKENDS = ("native", "vllm")
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
 
@@ -108,28 +108,6 @@ def default_data_dir() -> Path:
     return Path(env) if env else cache_dir() / "data"
 
 
-def _check_sampling_options(
-    rollout_workers: int, sample_in_ticks: bool, rollout_backend: str, rollout_options: dict[str, Any]
-) -> None:
-    """Refuse settings of the sampling side that cannot work together, naming them."""
-    if rollout_workers and sample_in_ticks:
-        raise ValueError("rollout_workers and sample_in_ticks exclude each other")
-    if rollout_backend not in ROLLOUT_BACKENDS:
-        raise ValueError(
-            f"unknown rollout backend {rollout_backend!r}; choose one of {', '.join(ROLLOUT_BACKENDS)}"
-        )
-    if rollout_backend == "vllm":
-        if rollout_workers:
-            raise ValueError(
-                "rollout_backend='vllm' runs vLLM's own engine processes; use it with rollout_workers=0"
-            )
-        from opentinker.sampling.vllm_engine import check_max_lora_rank, import_vllm
-
-        import_vllm()  # not installed: fail now, naming the cause, not at the first request
-        if "max_lora_rank" in rollout_options:
-            check_max_lora_rank(rollout_options["max_lora_rank"])
-
-
 class Runtime(ScaleOutMethods):
     def __init__(
         self,
@@ -169,7 +147,7 @@ class Runtime(ScaleOutMethods):
         and the restore of a lost worker's models (:class:`~opentinker.client.scaleout.ScaleOut`);
         a setting the cluster cannot meet raises ``ValueError`` here."""
         self.dtype = dtype_name(resolve_dtype(dtype, device))  # a name: it travels to workers as is
-        _check_sampling_options(rollout_workers, sample_in_ticks, rollout_backend, rollout_options or {})
+        check_rollout_options(rollout_workers, sample_in_ticks, rollout_backend, rollout_options or {})
         self.scaleout = ScaleOut(
             rollout_workers=rollout_workers,
             ray=ray,
@@ -221,11 +199,11 @@ class Runtime(ScaleOutMethods):
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
-        if self.rollout_backend == "vllm":
-            from opentinker.sampling.vllm_backend import VLLMBackend
-
-            vb = VLLMBackend.for_engine(engine, **self.rollout_options)
-            return vb, vb.decoder
+        if self.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
+            rb = RoutedBackend.for_engine(
+                engine, prefix_cache_bytes=self.prefix_cache_bytes, **self.rollout_options
+            )
+            return rb, rb.decoder
         nb = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
         return nb, lambda: nb.decoder(snapshots_only=True)
 
@@ -559,6 +537,11 @@ class Runtime(ScaleOutMethods):
                     "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
                 }
             )
+            if isinstance(b.sampler, RoutedBackend):  # vLLM with its native fallback
+                out[-1]["served_by"] = [
+                    {**s, "model_id": self._snapshot_owner(b, s["snapshot"])} for s in b.sampler.served_by()
+                ]
+                out[-1]["base_served_by"] = b.sampler.base_served_by()
             if trainers:
                 out[-1].update(self.trainer_stats(name, self.models))  # trained on Ray trainer workers
         return out
@@ -566,6 +549,16 @@ class Runtime(ScaleOutMethods):
     def snapshot_ids(self, base_model: str) -> list[str]:
         """The snapshots ``base_model``'s engine holds now (``<model>@v<n>``, loaded checkpoints)."""
         return self.backend(base_model).engine.snapshot_ids()
+
+    def _snapshot_owner(self, b: Backend, policy: str) -> str | None:
+        """The model a snapshot was taken from (a loaded checkpoint's: the model it was saved from)."""
+        if policy.startswith("tinker://"):
+            with contextlib.suppress(EngineError):
+                return parse_tinker_path(policy.rsplit("@", 1)[0]).model_id
+            return None
+        with contextlib.suppress(KeyError, EngineError):
+            return b.engine.snapshot_info(policy).adapter_id
+        return None
 
     def shutdown(self) -> None:
         with self._lock:

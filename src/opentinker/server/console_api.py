@@ -137,6 +137,17 @@ def add_console(app: FastAPI, server: Any) -> None:
                     for m, e in s["restored"].items()
                     if (r := store.model(m)) is not None and r.tenant == who.tenant
                 }
+            if "served_by" in s:  # which backend samples each snapshot: the caller's own (an operator: all)
+                s["served_by"] = [
+                    e
+                    for e in s["served_by"]
+                    if who.operator
+                    or (
+                        (m := e.get("model_id")) is not None
+                        and (r := store.model(m)) is not None
+                        and r.tenant == who.tenant
+                    )
+                ][:MAX_PAGE]
         return {"engines": stats}
 
     @app.get(f"{API}/sessions", tags=["console"])

@@ -273,6 +273,12 @@ async function enginePage() {
         depths.length ? el("table", {}, el("tr", {}, el("th", { text: "model" }), el("th", { text: "queued ops" })),
           depths.map(([m, d]) => el("tr", {}, el("td", {}, el("code", { text: m })), el("td", { class: "num", text: d }))))
           : el("p", { text: "nothing queued" }),
+        e.served_by ? el("h4", { text: "served by (vLLM, or the native backend where vLLM cannot serve)" }) : null,
+        e.served_by ? (e.served_by.length ? el("table", { class: "served-by" },
+          el("tr", {}, el("th", { text: "snapshot" }), el("th", { text: "served by" }), el("th", { text: "why" })),
+          e.served_by.map((s) => el("tr", { "data-snapshot": s.snapshot }, el("td", {}, el("code", { text: s.snapshot })),
+            el("td", { text: s.served_by }), el("td", { text: s.reason }))))
+          : el("p", { text: "no snapshot sampled yet (the base model samples on vLLM)" })) : null,
         h.x.length > 1 ? chart("ticks/s", [{ label: "ticks/s", points: h.x.map((x, i) => [x - h.x[0], h.y[i]]) }], { xLabel: "s" }) : null);
     });
     view.replaceChildren(...(blocks.length ? blocks : [el("p", { text: "No base model is loaded yet." })]));
