@@ -368,3 +368,46 @@ def test_the_checker_catches_a_cycle_through_a_package_init(tmp_path: Path) -> N
     )
     cycles = import_cycles(scan(tmp_path))
     assert cycles == [["opentinker.models.registry", "opentinker.models.smollm2"]]
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def _sources() -> list[Path]:
+    return sorted((SRC / ROOT).rglob("*.py"))
+
+
+def test_no_module_in_src_is_over_600_lines() -> None:
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in _sources()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept): {long}"
+
+
+def _long_functions(paths: list[Path], root: Path) -> list[str]:
+    long = []
+    for p in paths:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{p.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return long
+
+
+def test_no_function_in_src_is_over_80_lines() -> None:
+    long = _long_functions(_sources(), SRC)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split into named steps): {long}"
+
+
+def test_the_length_check_catches_a_long_method_and_passes_a_short_one(tmp_path: Path) -> None:
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 1))
+    (tmp_path / "ok.py").write_text(f"class C:\n    def f(self):\n{body}\n")
+    (tmp_path / "long.py").write_text(f"class C:\n    async def g(self):\n{body}\n        y = 1\n")
+    assert _long_functions([tmp_path / "ok.py"], tmp_path) == []
+    assert _long_functions([tmp_path / "long.py"], tmp_path) == [
+        f"long.py:2 g ({MAX_FUNCTION_LINES + 1} lines)"
+    ]

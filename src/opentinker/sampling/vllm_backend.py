@@ -80,33 +80,17 @@ class VLLMBackend(RolloutBackend):
         not published here (the training engine's snapshots, in process); ``trainer``: scores
         finished rows for the mismatch figures (None: not measured). ``multiprocessing``: run
         vLLM's engine core in a child process (then the caller's ``__main__`` must be guarded).
-        ``kv_cache_bytes``: the KV cache's size; None on CPU means
-        :data:`~opentinker.sampling.vllm_engine.CPU_KV_CACHE_BYTES` unless
-        ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM-CPU otherwise sizes it as ``gpu_memory_utilization``
-        of the first NUMA node's memory minus the process's resident memory, which fails outright
-        where that node holds only part of the machine's RAM); on GPU, ``gpu_memory_utilization``.
-        ``lora`` False: vLLM runs without runtime LoRA, serving the base model only (every
+        ``kv_cache_bytes``: the KV cache's size (see :mod:`~opentinker.sampling.vllm_engine`). ``lora`` False: vLLM runs without runtime LoRA, serving the base model only (every
         adapter refused, :data:`~opentinker.sampling.vllm_lora.NO_LORA_REASON`)."""
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
-        self._vllm = vllm
-        self.base_model = base_model
-        self.groups = groups
-        self.max_context = max_context
-        self.vocab_size = vocab_size
-        self.eos_ids = set(eos_ids or ())
-        self.resolve = resolve
-        self.trainer = trainer
-        self.prompt_scorer = prompt_scorer
-        self.max_lora_rank = max_lora_rank
-        self.max_logprobs = max_logprobs
+        self._vllm, self.base_model, self.groups = vllm, base_model, groups
+        self.max_context, self.vocab_size, self.eos_ids = max_context, vocab_size, set(eos_ids or ())
+        self.resolve, self.trainer, self.prompt_scorer = resolve, trainer, prompt_scorer
+        self.max_lora_rank, self.max_logprobs = max_lora_rank, max_logprobs
         check_max_lora_rank(max_lora_rank)
-        self._own_dir = export_dir is None
-        self.export_dir = (
-            Path(tempfile.mkdtemp(prefix="opentinker-vllm-")) if export_dir is None else Path(export_dir)
-        )
-        self.export_dir.mkdir(parents=True, exist_ok=True)
+        self._own_dir, self.export_dir = export_dir is None, _export_dir(export_dir)
         self.llm = start_engine(
             vllm,
             model_path,
@@ -136,8 +120,7 @@ class VLLMBackend(RolloutBackend):
             lora=lora,
         )
         self._request_ids = itertools.count(1)
-        # outputs of requests another decoder owns (one engine, several decoders in turn)
-        self._stash: dict[str, Any] = {}
+        self._stash: dict[str, Any] = {}  # outputs of requests another decoder owns (one engine)
         self.mismatch_total = Mismatch()
 
     @classmethod
@@ -328,3 +311,10 @@ class VLLMDecoder:
             b.mismatch_last = mismatch_of(b.trainer, scored)
             b.mismatch_total = (b.mismatch_total or Mismatch()).merged(b.mismatch_last)
         return finished
+
+
+def _export_dir(export_dir: str | Path | None) -> Path:
+    """Where adapters are written for vLLM to load: ``export_dir``, or a fresh temporary folder."""
+    out = Path(tempfile.mkdtemp(prefix="opentinker-vllm-")) if export_dir is None else Path(export_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -32,7 +32,11 @@ class VLLMUnavailableError(RuntimeError):
     """vLLM is not installed (or fails to import) in this environment."""
 
 
-CPU_KV_CACHE_BYTES = 1 << 30  # the KV cache on CPU when nothing sets it: 1 GiB
+# the KV cache on CPU when neither ``kv_cache_bytes`` nor ``VLLM_CPU_KVCACHE_SPACE`` sets it: 1 GiB.
+# vLLM-CPU would otherwise size it as ``gpu_memory_utilization`` of the first NUMA node's memory
+# minus the process's resident memory, which fails outright where that node holds only part of the
+# machine's RAM. On a GPU, ``gpu_memory_utilization`` decides it.
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def _kv_cache_bytes(explicit: int | None) -> int | None:

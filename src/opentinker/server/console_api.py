@@ -76,19 +76,33 @@ async def _viewer(request: Request, key: Annotated[str | None, Depends(_key)]) -
 Who = Annotated[Viewer, Depends(_viewer)]
 
 
-def add_console(app: FastAPI, server: Any) -> None:
-    """The server's console (``server``: the app's :class:`~opentinker.server.state.Server`): the
-    page, and read-only JSON routes scoped to the caller's tenant."""
-    mount_static(app, "server")
-    store, history = server.store, server.ops.history
+class _Console:
+    """What the console's routes share: the server's store and loss history, and the row lookups
+    and JSON shapes scoped to a viewer."""
 
-    def model_row(who: Viewer, model_id: str) -> ModelRow:
-        row = store.model(model_id)
+    def __init__(self, server: Any) -> None:
+        self.server, self.store, self.history = server, server.store, server.ops.history
+
+    def model_row(self, who: Viewer, model_id: str) -> ModelRow:
+        row = self.store.model(model_id)
         if row is None or not who.sees(row.tenant):
             raise NotFound(f"unknown training run {model_id!r}")
         return row
 
-    def run_json(row: ModelRow) -> dict[str, Any]:
+    def checkpoint_row(self, who: Viewer, model_id: str, kind: str, name: str) -> CheckpointRow:
+        row = self.store.checkpoint(f"tinker://{model_id}/{kind}/{name}")
+        if row is None or not who.sees(row.tenant) or row.expired():
+            raise NotFound(f"unknown checkpoint tinker://{model_id}/{kind}/{name}")
+        return row
+
+    def owned(self, who: Viewer, model_id: str | None) -> bool:
+        """Whether ``model_id`` is the viewer's (an operator's: every model)."""
+        if who.operator:
+            return True
+        row = self.store.model(model_id) if model_id is not None else None
+        return row is not None and row.tenant == who.tenant
+
+    def run_json(self, row: ModelRow) -> dict[str, Any]:
         lora = row.lora
         targets = [t for t in ("attn", "mlp", "unembed") if lora.get(f"train_{t}", True)]
         return {
@@ -99,12 +113,12 @@ def add_console(app: FastAPI, server: Any) -> None:
             "rank": lora.get("rank"),
             "targets": targets,
             "parent": row.parent,
-            "steps": history.steps(row.id),
+            "steps": self.history.steps(row.id),
             "created": row.created,
             "last_request": row.last_request,
         }
 
-    def ckpt_json(row: CheckpointRow) -> dict[str, Any]:
+    def ckpt_json(self, row: CheckpointRow) -> dict[str, Any]:
         return {
             **checkpoint_json(row),
             "model_id": row.model_id,
@@ -116,46 +130,43 @@ def add_console(app: FastAPI, server: Any) -> None:
             "sampler_versions": list(row.meta.get("sampler_versions") or []),
         }
 
+
+def add_console(app: FastAPI, server: Any) -> None:
+    """The server's console (``server``: the app's :class:`~opentinker.server.state.Server`): the
+    page, and read-only JSON routes scoped to the caller's tenant."""
+    mount_static(app, "server")
+    con = _Console(server)
+    _engine_routes(app, con)
+    _session_routes(app, con)
+    _model_routes(app, con)
+    _checkpoint_routes(app, con)
+
+
+def _engine_routes(app: FastAPI, con: _Console) -> None:
     @app.get(f"{API}/whoami", tags=["console"])
     async def whoami(who: Who) -> dict[str, Any]:
         return {"tenant": who.tenant, "operator": who.operator}
 
     @app.get(f"{API}/engine", tags=["console"])
     async def engine(who: Who) -> dict[str, Any]:
-        stats = server.runtime.engine_stats()
-        for s in stats:  # queue depths: only the caller's own models (an operator: all)
-            depths = s["queue_depths"]
-            if not who.operator:
-                owners = {m: store.model(m) for m in depths}
-                depths = {
-                    m: d for m, d in depths.items() if (r := owners[m]) is not None and r.tenant == who.tenant
-                }
+        stats = con.server.runtime.engine_stats()
+        for s in stats:  # only the caller's own models (an operator: all)
+            depths = {m: d for m, d in s["queue_depths"].items() if con.owned(who, m)}
             s["queue_depths"] = dict(sorted(depths.items(), key=lambda kv: -kv[1])[:MAX_PAGE])
-            if "restored" in s and not who.operator:  # models brought back after a trainer worker's loss
-                s["restored"] = {
-                    m: e
-                    for m, e in s["restored"].items()
-                    if (r := store.model(m)) is not None and r.tenant == who.tenant
-                }
-            if "served_by" in s:  # which backend samples each snapshot: the caller's own (an operator: all)
-                s["served_by"] = [
-                    e
-                    for e in s["served_by"]
-                    if who.operator
-                    or (
-                        (m := e.get("model_id")) is not None
-                        and (r := store.model(m)) is not None
-                        and r.tenant == who.tenant
-                    )
-                ][:MAX_PAGE]
+            if "restored" in s:  # models brought back after a trainer worker's loss
+                s["restored"] = {m: e for m, e in s["restored"].items() if con.owned(who, m)}
+            if "served_by" in s:  # which backend samples each snapshot
+                s["served_by"] = [e for e in s["served_by"] if con.owned(who, e.get("model_id"))][:MAX_PAGE]
         return {"engines": stats}
 
+
+def _session_routes(app: FastAPI, con: _Console) -> None:
     @app.get(f"{API}/sessions", tags=["console"])
     async def sessions(who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
-        rows = store.sessions(who.scope, limit=limit + 1, offset=offset)
+        rows = con.store.sessions(who.scope, limit=limit + 1, offset=offset)
         out = []
         for r in rows[:limit]:
-            models, samplers, n_ckpt, size = store.session_contents(r.id)
+            models, samplers, n_ckpt, size = con.store.session_contents(r.id)
             out.append(
                 {
                     "session_id": r.id,
@@ -177,10 +188,10 @@ def add_console(app: FastAPI, server: Any) -> None:
     ) -> dict[str, Any]:
         """The session's requests (training, sampling, checkpoints, ...) with their queue wait, run
         time and tick: the spans ``export_session_trace`` exports."""
-        row = store.session(session_id)
+        row = con.store.session(session_id)
         if row is None or not who.sees(row.tenant):
             raise NotFound(f"unknown session {session_id!r}")
-        requests, total = server.traces.requests(session_id, offset, limit)
+        requests, total = con.server.traces.requests(session_id, offset, limit)
         return {
             "session_id": session_id,
             "requests": requests,
@@ -189,17 +200,24 @@ def add_console(app: FastAPI, server: Any) -> None:
             "total_count": total,
         }
 
+
+def _model_routes(app: FastAPI, con: _Console) -> None:
     @app.get(f"{API}/models", tags=["console"])
     async def models(who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
-        rows, total = store.models(who.scope, limit, offset)
-        return {"models": [run_json(r) for r in rows], "offset": offset, "limit": limit, "total_count": total}
+        rows, total = con.store.models(who.scope, limit, offset)
+        return {
+            "models": [con.run_json(r) for r in rows],
+            "offset": offset,
+            "limit": limit,
+            "total_count": total,
+        }
 
     @app.get(f"{API}/models/{{model_id}}", tags=["console"])
     async def model(
         model_id: str, who: Who, max_points: Annotated[int, Query(ge=2, le=MAX_CURVE_POINTS)] = 500
     ) -> dict[str, Any]:
-        row = model_row(who, model_id)
-        hist = history.run(row.id)
+        row = con.model_row(who, model_id)
+        hist = con.history.run(row.id)
         curves: dict[str, list[list[float]]] = {}
         if hist is not None:
             for name, series in (
@@ -208,11 +226,11 @@ def add_console(app: FastAPI, server: Any) -> None:
                 ("learning_rate", hist.learning_rate),
             ):
                 curves[name] = downsample([(float(x), y) for x, y in series], max_points)
-        ckpts, total = store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
+        ckpts, total = con.store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
         return {
-            **run_json(row),
+            **con.run_json(row),
             "curves": curves,
-            "checkpoints": [ckpt_json(c) for c in ckpts],
+            "checkpoints": [con.ckpt_json(c) for c in ckpts],
             "checkpoint_count": total,
         }
 
@@ -220,57 +238,53 @@ def add_console(app: FastAPI, server: Any) -> None:
     async def lineage(model_id: str, who: Who) -> dict[str, Any]:
         """Where the run came from (the checkpoints it was created from, oldest first) and what it
         saved: each checkpoint with its parent and the sampler versions its data came from."""
-        row = model_row(who, model_id)
+        row = con.model_row(who, model_id)
         ancestors: list[dict[str, Any]] = []
         parent, seen = row.parent, {row.id}
         while parent and len(ancestors) < LINEAGE_DEPTH:
-            c = store.checkpoint(parent)
+            c = con.store.checkpoint(parent)
             if c is None or not (who.sees(c.tenant) or c.public):
                 ancestors.append({"tinker_path": parent, "visible": False})
                 break
-            ancestors.append({**ckpt_json(c), "visible": True})
+            ancestors.append({**con.ckpt_json(c), "visible": True})
             if c.model_id in seen:
                 break
             seen.add(c.model_id)
-            up = store.model(c.model_id)
+            up = con.store.model(c.model_id)
             parent = up.parent if up is not None and who.sees(up.tenant) else None
-        ckpts, _ = store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
+        ckpts, _ = con.store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
         return {
             "model_id": row.id,
             "ancestors": ancestors[::-1],
-            "checkpoints": [ckpt_json(c) for c in ckpts],
+            "checkpoints": [con.ckpt_json(c) for c in ckpts],
         }
 
+
+def _checkpoint_routes(app: FastAPI, con: _Console) -> None:
     @app.get(f"{API}/checkpoints", tags=["console"])
     async def checkpoints(who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
-        rows, total = store.checkpoints(who.scope, limit=limit, offset=offset)
+        rows, total = con.store.checkpoints(who.scope, limit=limit, offset=offset)
         return {
-            "checkpoints": [ckpt_json(c) for c in rows],
+            "checkpoints": [con.ckpt_json(c) for c in rows],
             "offset": offset,
             "limit": limit,
             "total_count": total,
         }
 
-    def checkpoint_row(who: Viewer, model_id: str, kind: str, name: str) -> CheckpointRow:
-        row = store.checkpoint(f"tinker://{model_id}/{kind}/{name}")
-        if row is None or not who.sees(row.tenant) or row.expired():
-            raise NotFound(f"unknown checkpoint tinker://{model_id}/{kind}/{name}")
-        return row
-
     @app.get(f"{API}/checkpoints/{{model_id}}/{{kind}}/{{name}}", tags=["console"])
     async def checkpoint(model_id: str, kind: str, name: str, who: Who) -> dict[str, Any]:
-        return ckpt_json(checkpoint_row(who, model_id, kind, name))
+        return con.ckpt_json(con.checkpoint_row(who, model_id, kind, name))
 
     @app.get(f"{API}/checkpoints/{{model_id}}/{{kind}}/{{name}}/peft.zip", tags=["console"])
     async def download_peft(model_id: str, kind: str, name: str, who: Who) -> Response:
         """The checkpoint as a PEFT adapter folder (``adapter_model.safetensors``,
         ``adapter_config.json``), zipped."""
-        row = checkpoint_row(who, model_id, kind, name)
+        row = con.checkpoint_row(who, model_id, kind, name)
         if row.kind not in ("weights", "sampler_weights"):
             raise NotFound(f"tinker://{model_id}/{kind}/{name} is not a training checkpoint")
         tmp = Path(tempfile.mkdtemp(prefix="opentinker-peft-"))
         try:
-            fut = server.runtime.export_checkpoint_peft(row.tinker_path, row.tenant, tmp / "peft")
+            fut = con.server.runtime.export_checkpoint_peft(row.tinker_path, row.tenant, tmp / "peft")
             folder = await asyncio.wrap_future(fut)
             buf = io.BytesIO()
             with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
