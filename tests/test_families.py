@@ -22,7 +22,7 @@ from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.decoder import run_to_completion
 from opentinker.sampling.types import SampleResult
 from tests.conftest import make_examples
-from tests.families import DENSE_FAMILIES, family_model
+from tests.families import DENSE_FAMILIES, HYBRID_FAMILIES, family_model, without_peft_v4_conversion
 from tests.tolerances import assert_logprobs_close
 
 ADAM = AdamParams(learning_rate=2e-2)
@@ -117,7 +117,7 @@ def test_a_next_turn_from_the_prefix_cache_equals_a_fresh_prefill(trained: tuple
 
 
 def test_save_load_is_exact_and_peft_export_matches(
-    trained: tuple[Engine, list[str]], tmp_path: Path
+    trained: tuple[Engine, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
@@ -129,6 +129,7 @@ def test_save_load_is_exact_and_peft_export_matches(
     after = engine.forward_backward(ForwardRequest(loaded, data, backward=False)).outputs
     assert all(torch.equal(x["logprobs"], y["logprobs"]) for x, y in zip(before, after, strict=True))
     out = engine.export_peft(a, tmp_path / "peft")
+    without_peft_v4_conversion(monkeypatch, engine.lora.groups)
     fresh = AutoModelForCausalLM.from_pretrained(engine.base.path, dtype=torch.float32).eval()
     model = peft.PeftModel.from_pretrained(fresh, str(out)).eval()
     x = torch.stack([e.tokens_T for e in data])
@@ -137,3 +138,23 @@ def test_save_load_is_exact_and_peft_export_matches(
         with engine.routing([a] * len(data)):
             ours = engine.base.model(input_ids=x).logits
     assert_logprobs_close(ours.log_softmax(-1).flatten(), ref.log_softmax(-1).flatten())
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRID_FAMILIES))
+def hybrid(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Engine, list[str]]:
+    """A hybrid family (Gated DeltaNet or Mamba2 layers beside attention), two trained adapters;
+    its sampling is covered in tests/test_hybrid_sampling.py."""
+    engine = Engine(load_base_model(family_model(tmp_path_factory.mktemp(request.param), request.param)))
+    aid = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    kinds = {engine.lora.groups[n].kind for n in engine.adapter_weights(aid).a}
+    assert kinds == {"attn", "mlp", "unembed"} - ({"mlp"} if request.param == "nemotron_h" else set())
+    for s in range(3):
+        engine.forward_backward(ForwardRequest(aid, make_examples(4, engine.vocab_size, seed=20 + s)))
+        engine.optim_step(aid, ADAM)
+    return engine, [aid, aid]
+
+
+def test_a_hybrid_family_saves_loads_and_exports_to_peft(
+    hybrid: tuple[Engine, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    test_save_load_is_exact_and_peft_export_matches(hybrid, tmp_path, monkeypatch)

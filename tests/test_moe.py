@@ -21,7 +21,7 @@ from opentinker.lora import LoRAConfig
 from opentinker.models import BaseModel, load_base_model
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from tests.conftest import make_examples
-from tests.families import MOE_FAMILIES, family_model
+from tests.families import MOE_FAMILIES, family_model, without_peft_v4_conversion
 from tests.tolerances import assert_logprobs_close, assert_rel_close, assert_scalar_close
 
 ADAM = AdamParams(learning_rate=2e-2)
@@ -161,23 +161,6 @@ def test_sampled_logprobs_match_the_trainer(moe_base: BaseModel) -> None:
             assert_logprobs_close(lp, seq.logprobs)
 
 
-def _without_peft_v4_conversion(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
-    """peft 0.21 rewrites, on MoE model types, every ``gate_proj``/``up_proj``/``down_proj`` target as
-    a transformers-4 per-expert target of the fused ``gate_up_proj`` (at twice the rank). On GLM-4
-    MoE and DeepSeek V3 (a dense first layer) and Qwen3.5-MoE (a shared expert) those targets are
-    plain projections, which the rewrite drops, and the experts' pairs then load at the wrong rank.
-    The exported folder is transformers-5 PEFT as it is, so it is loaded with the rewrite off."""
-    dense = [
-        n for n, g in engine.lora.groups.items() if not g.experts and n.endswith(("gate_proj", "up_proj"))
-    ]
-    if dense:
-        import peft.tuners.tuners_utils as tu
-        import peft.utils.transformers_weight_conversion as conv
-
-        monkeypatch.setattr(conv, "convert_peft_config_for_transformers", lambda *a, **k: None)
-        monkeypatch.setattr(tu, "is_transformers_ge_v5", False, raising=False)
-
-
 def test_save_load_is_exact_and_peft_export_matches(
     moe_base: BaseModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,7 +179,7 @@ def test_save_load_is_exact_and_peft_export_matches(
         assert torch.equal(x["logprobs"], y["logprobs"])
 
     out = engine.export_peft(aid, tmp_path / "peft")
-    _without_peft_v4_conversion(monkeypatch, engine)
+    without_peft_v4_conversion(monkeypatch, engine.lora.groups)
     fresh = AutoModelForCausalLM.from_pretrained(engine.base.path, dtype=torch.float32).eval()
     model = peft.PeftModel.from_pretrained(fresh, str(out)).eval()
     x = torch.stack([e.tokens_T for e in data])

@@ -255,13 +255,28 @@ class MultiLoRAExperts(nn.Module):
         )
 
 
-def _kind_of(path: str, is_unembed: bool) -> str | None:
+def _fused_away(path: str, owner: str) -> bool:
+    """A projection whose weight a fused kernel reads directly, bypassing its module (so a LoRA
+    there would be dropped silently on that path): a Mamba mixer's ``out_proj`` (the CUDA kernels'
+    ``mamba_inner_fn`` takes ``out_proj.weight``); PEFT refuses it on Mamba models for that reason."""
+    return "mamba" in owner.lower() and path.rpartition(".")[2] == "out_proj"
+
+
+def _kind_of(path: str, is_unembed: bool, owner: str = "") -> str | None:
+    """``attn`` (sequence mixing: attention, linear attention, Mamba), ``mlp`` or ``unembed``, from
+    the module's path, or else from the class of the block holding it (Nemotron-H names every
+    block's layer ``mixer``: a ``NemotronHMamba2Mixer``, ``NemotronHAttention`` or ``NemotronHMLP``)."""
     if is_unembed:
         return "unembed"
     parts = path.lower().split(".")
     if any("attn" in p or "attention" in p for p in parts):
         return "attn"
     if any(p in ("mlp", "feed_forward", "ffn") or "mlp" in p for p in parts):
+        return "mlp"
+    owner = owner.lower()
+    if any(w in owner for w in ("attention", "mamba", "deltanet")):
+        return "attn"
+    if any(w in owner for w in ("mlp", "moe", "experts")):
         return "mlp"
     return None
 
@@ -294,8 +309,9 @@ class MultiLoRA:
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         found: dict[str, list[_Site]] = {}
         for path, module in list(model.named_modules()):
-            kind = _kind_of(path, module is out_emb)
-            if kind is not None:
+            parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+            kind = _kind_of(path, module is out_emb, type(parent).__name__)
+            if kind is not None and not _fused_away(path, type(parent).__name__):
                 for site in self._sites(path, module, kind):
                     found.setdefault(site.name, []).append(site)
         self.groups: dict[str, TargetGroup] = {}
