@@ -168,6 +168,51 @@ def test_streams_concatenate_to_the_whole_answer(world: World) -> None:
     assert last is not None and last.completion_tokens == whole_c.usage.completion_tokens
 
 
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_scores_the_prompt_as_the_tinker_route(world: World, max_tokens: int) -> None:
+    """``echo`` + ``logprobs`` (lm-eval's loglikelihood request): the prompt's tokens and their
+    logprobs equal the Tinker ``sample`` route's ``prompt_logprobs`` (the first null), its top
+    logprobs its ``topk_prompt_logprobs``; ``max_tokens`` 0 samples nothing more."""
+    prompts = [world.tok.encode("What is 12 + 34? 46"), world.tok.encode("The cat sat on the mat")]
+    extra = {"return_tokens_as_token_ids": True}
+    comp = world.oa.completions.create(
+        model=world.path,
+        prompt=prompts,
+        max_tokens=max_tokens,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body=extra,
+    )
+    assert [c.index for c in comp.choices] == [0, 1]
+    for prompt, c in zip(prompts, comp.choices, strict=True):
+        ref = world.sampler.sample(
+            types.ModelInput.from_ints(prompt),
+            1,
+            types.SamplingParams(max_tokens=1, temperature=0.0),
+            include_prompt_logprobs=True,
+            topk_prompt_logprobs=2,
+        ).result()
+        lp = c.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert _ids_text(lp.tokens or [])[: len(prompt)] == prompt
+        assert len(lp.tokens or []) == len(prompt) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = list(ref.prompt_logprobs or [])[1:]
+        got = lp.token_logprobs[1 : len(prompt)]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOGPROB_ATOL  # type: ignore[operator]
+        tops = ref.topk_prompt_logprobs or []
+        for row, ref_row in zip(lp.top_logprobs[1 : len(prompt)], tops[1:], strict=True):
+            assert _ids_text(list(row)) == [t for t, _ in ref_row]
+            assert max(abs(a - b) for a, (_, b) in zip(row.values(), ref_row, strict=True)) <= LOGPROB_ATOL
+        if max_tokens:
+            assert _ids_text(lp.tokens or [])[-1] == ref.sequences[0].tokens[0]
+        assert c.text.startswith(world.tok.decode(prompt))
+    assert comp.usage is not None and comp.usage.completion_tokens == max_tokens * len(prompts)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        world.oa.completions.create(model=world.path, prompt="hi", max_tokens=0)
+
+
 def test_usage_reports_the_cached_prefix(world: World) -> None:
     first = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
     again = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)

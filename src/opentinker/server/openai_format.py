@@ -91,6 +91,17 @@ class ChatFormat:
 
 
 @dataclass
+class Echo:
+    """The prompt a completions choice echoes (``echo``): its tokens, their logprobs given what
+    precedes them (the first None: nothing does) and top logprobs, as the Tinker ``sample`` route's
+    ``prompt_logprobs`` / ``topk_prompt_logprobs``."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None] | None
+
+
+@dataclass
 class Choice:
     """One sampled sequence, decoded."""
 
@@ -100,6 +111,18 @@ class Choice:
     text: str
     finish_reason: str  # stop | length (| tool_calls, set by parse_tool_calls)
     tool_calls: list[ChatCompletionMessageFunctionToolCall] | None = None
+    echo: Echo | None = None
+
+
+def echoed(choice: Choice, prompt: list[int], prompt_text: str, res: Any, sampled: bool) -> Choice:
+    """``choice`` with the prompt echoed before it (its text and, in logprobs, its tokens);
+    ``sampled`` False (``max_tokens`` 0): the prompt alone, the one token sampled dropped."""
+    lps = [None if x is None or x != x else float(x) for x in res.prompt_logprobs or []]
+    echo = Echo(list(prompt), lps, res.topk_prompt_logprobs)
+    if not sampled:
+        return Choice([], [], [] if choice.top is not None else None, prompt_text, "length", echo=echo)
+    choice.text, choice.echo = prompt_text + choice.text, echo
+    return choice
 
 
 def decode(tok: Any, seq: Any, stops: list[str] | None) -> Choice:
@@ -189,17 +212,28 @@ def chat_logprobs(
 
 
 def completion_logprobs(tok: Any, choice: Choice, k: int, as_ids: bool) -> Logprobs:
-    """``logprobs`` of a completions choice (the legacy shape: parallel lists)."""
-    tokens = [token_text(tok, t, as_ids) for t in choice.tokens]
+    """``logprobs`` of a completions choice (the legacy shape: parallel lists), the echoed
+    prompt's first (its first token's logprob and top logprobs null, as OpenAI's)."""
+    echo = choice.echo or Echo([], [], [])
+    ids = echo.tokens + choice.tokens
+    tokens = [token_text(tok, t, as_ids) for t in ids]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
     top = None
     if k and choice.top is not None:
-        top = [{token_text(tok, t, as_ids): float(lp) for t, lp in row[:k]} for row in choice.top]
-    return Logprobs(
-        tokens=tokens, token_logprobs=list(choice.logprobs), top_logprobs=top, text_offset=offsets
+        rows = list(echo.top or [None] * len(echo.tokens)) + list(choice.top)
+        top = [
+            None if row is None else {token_text(tok, t, as_ids): float(lp) for t, lp in row[:k]}
+            for row in rows
+        ]
+    # built unvalidated: the type wants floats, and an echoed prompt's first logprob is null
+    return Logprobs.model_construct(
+        tokens=tokens,
+        token_logprobs=[*echo.logprobs, *choice.logprobs],
+        top_logprobs=top,
+        text_offset=offsets,
     )
 
 

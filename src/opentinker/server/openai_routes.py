@@ -44,7 +44,15 @@ from opentinker.engine import EngineError
 from opentinker.server import openai_responses as R
 from opentinker.server.errors import ApiError, NotFound, error_message
 from opentinker.server.futures import fail
-from opentinker.server.openai_format import ChatFormat, Choice, decode, new_id, parse_tool_calls, usage
+from opentinker.server.openai_format import (
+    ChatFormat,
+    Choice,
+    decode,
+    echoed,
+    new_id,
+    parse_tool_calls,
+    usage,
+)
 from opentinker.server.openai_schemas import (
     MAX_N,
     MAX_PROMPTS,
@@ -220,14 +228,22 @@ class OpenAIRoutes:
         n: int,
         params: types.SamplingParams,
         topk: int,
+        prompt_topk: int | None = None,
     ) -> Started:
-        """Sample through the Tinker ``asample`` path (see the module docstring)."""
+        """Sample through the Tinker ``asample`` path (see the module docstring); ``prompt_topk``
+        not None: with the prompt's logprobs (and that many top logprobs), as its
+        ``prompt_logprobs`` / ``topk_prompt_logprobs``."""
         ops, ticket = self.server.ops, 0
 
         def submit() -> Future:
             nonlocal ticket
             fut = client.sample(
-                types.ModelInput.from_ints(prompt), n, params, topk_sample_logprobs=topk
+                types.ModelInput.from_ints(prompt),
+                n,
+                params,
+                include_prompt_logprobs=prompt_topk is not None,
+                topk_prompt_logprobs=prompt_topk or 0,
+                topk_sample_logprobs=topk,
             ).future()
             ticket = client.last_ticket()  # this thread's request, just queued
             return fut
@@ -313,15 +329,16 @@ class OpenAIRoutes:
         try:
             tenant = self.tenant(request)
             req: CompletionRequest = parse(CompletionRequest, await self.body(request))
-            if req.echo or req.suffix:
-                raise OpenAIError("echo and suffix are not supported", param="echo" if req.echo else "suffix")
+            _check_echo(req)
             client = await self.resolve(tenant, req.model)
             tok = self.format(client.base_model).tok
             prompts = _prompts(tok, req.prompt, self.reg.base_info(client.base_model).vocab_size)
+            limit = 1 if req.max_tokens == 0 else req.max_tokens  # 0: sample one, return none
+            echo_k = (req.logprobs or 0) if req.echo else None
             started = []
             for prompt in prompts:
-                params = self.params(req, req.max_tokens, prompt, client.base_model, "prompt")
-                started.append(self.start(tenant, client, prompt, req.n, params, req.logprobs or 0))
+                params = self.params(req, limit, prompt, client.base_model, "prompt")
+                started.append(self.start(tenant, client, prompt, req.n, params, req.logprobs or 0, echo_k))
         except Exception as e:
             if "started" in locals():
                 for s in started:
@@ -329,7 +346,14 @@ class OpenAIRoutes:
             return self.error(e)
 
         def answer(results: list[types.SampleResponse]) -> R.Answer:
-            choices = [decode(tok, s, req.stops()) for res in results for s in res.sequences]
+            choices = []
+            for i, res in enumerate(results):
+                for seq in res.sequences:
+                    c = decode(tok, seq, req.stops())
+                    if req.echo:
+                        text = _prompt_text(tok, req.prompt, i, started[i].prompt)
+                        c = echoed(c, started[i].prompt, text, res, sampled=req.max_tokens != 0)
+                    choices.append(c)
             return self._answer(
                 "cmpl", req.model, started, results, choices, req.logprobs, req.return_tokens_as_token_ids, []
             )
@@ -405,6 +429,25 @@ async def _disconnected(request: Request) -> None:
     """Return when the client disconnects (the ASGI ``http.disconnect`` message)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _check_echo(req: CompletionRequest) -> None:
+    """``echo`` (whole answers only) and ``max_tokens`` 0 (only with ``echo``); no ``suffix``."""
+    if req.suffix:
+        raise OpenAIError("suffix is not supported", param="suffix")
+    if req.echo and req.stream:
+        raise OpenAIError("echo is not supported with stream", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise OpenAIError("max_tokens 0 needs echo (scoring the prompt)", param="max_tokens")
+
+
+def _prompt_text(tok: Any, prompt: Any, i: int, ids: list[int]) -> str:
+    """The ``i``-th prompt as sent (a text prompt) or decoded (token ids), for ``echo``."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and i < len(prompt) and isinstance(prompt[i], str):
+        return prompt[i]
+    return tok.decode(ids)
 
 
 def _prompts(tok: Any, prompt: str | list[str] | list[int] | list[list[int]], vocab: int) -> list[list[int]]:
