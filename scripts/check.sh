@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
+# a test skipped for a missing extra fails (tests/conftest.py): scripts/install.sh installs them all
+export OPENTINKER_NO_SKIPS=1
 "$BIN/ruff" check src tests benchmarks scripts recipes
 "$BIN/ruff" format --check src tests benchmarks scripts recipes
 "$BIN/pyright" --pythonpath "$BIN/python" src

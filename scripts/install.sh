@@ -18,7 +18,12 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__ == "2.13.0+cpu" else f"torch {torch.__version__} replaced the CPU build 2.13.0+cpu")'
 .venv/bin/python -m pip install -q --no-deps tinker-cookbook==0.6.1
-# the browser the console's tests drive (Debian's chromium); without it those tests are skipped
+# the browser the console's tests drive (Debian's chromium); scripts/check.sh fails the browser tests
+# without it (OPENTINKER_NO_SKIPS), so a machine that cannot install it stops here
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-    (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed: the browser tests will be skipped"
+    apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
+command -v chromium >/dev/null 2>&1 || { echo "install.sh: chromium is missing (the browser tests need it)" >&2; exit 1; }
+# every extra the tests import, importable (a skip for a missing one fails under scripts/check.sh)
+.venv/bin/python -c 'import peft, playwright.sync_api, ray, tensorboard, tinker, tinker_cookbook.weights, vllm, wandb'
+

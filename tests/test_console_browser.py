@@ -29,6 +29,9 @@ from tests.conftest import TEST_MODEL
 from tests.console_world import start_world
 
 CHROMIUM = os.environ.get("OPENTINKER_CHROMIUM", "/usr/bin/chromium")
+# every wait in the browser is for a condition, returning once it holds; this bounds it generously so
+# that a loaded machine (CI beside other jobs) still meets it
+WAIT_MS = 120_000
 SHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright")
 if not Path(CHROMIUM).exists():
@@ -81,9 +84,10 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(150):
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while time.monotonic() < deadline:  # up as soon as it answers; a loaded machine gets time
             try:
-                urllib.request.urlopen(url + "/console/api/mode", timeout=2)
+                urllib.request.urlopen(url + "/console/api/mode", timeout=10)
                 break
             except OSError:
                 time.sleep(0.2)
@@ -175,7 +179,7 @@ def test_the_engine_page_updates_live(browser: Any, world: tuple[LocalServer, di
     tc.forward_backward([datum(list(range(3, 12)))], "cross_entropy").result()
     page.wait_for_function(
         f"() => Number(document.querySelector(\"section.engine [data-stat='ticks'] b\").textContent) > {before}",
-        timeout=15_000,
+        timeout=WAIT_MS,
     )  # no reload: the page polls
     assert page.inner_text("section.engine [data-stat='ticks/s'] b") != ""
     _shot(page, "server-engine")
@@ -214,7 +218,7 @@ def test_local_runs_curves_live_and_problems(browser: Any, local_run: tuple[str,
         f.write(json.dumps({"step": len(rows), "reward/mean": 0.5}) + "\n")
     page.wait_for_function(
         f"() => Number(document.querySelector(\"#charts .chart[data-title='reward/mean']\").dataset.points) > {expected}",
-        timeout=15_000,
+        timeout=WAIT_MS,
     )
     page.close()
 
@@ -238,7 +242,11 @@ def test_local_runs_rollouts_are_shown(browser: Any, local_run: tuple[str, Path]
     assert action in page.eval_on_selector_all(".turn.action", "ts => ts.map(t => t.textContent)")
     page.fill("input[name=min_reward]", "0.5")
     page.press("input[name=min_reward]", "Enter")
-    page.wait_for_timeout(500)
+    page.wait_for_function(  # the filtered list, however long the reload takes
+        "() => [...document.querySelectorAll('.episode .meta')].every("
+        "m => parseFloat(m.textContent.split('reward ')[1]) >= 0.5)",
+        timeout=WAIT_MS,
+    )
     metas = page.eval_on_selector_all(".episode .meta", "ms => ms.map(m => m.textContent)")
     assert all(float(m.split("reward ")[1].split(" ")[0]) >= 0.5 for m in metas)
     _shot(page, "runs-rollouts")

@@ -193,3 +193,19 @@ def test_apikey_me_shows_and_deletes_the_presented_key(server: LocalServer) -> N
         assert http.get("/checkpoints").status_code == 401
     with _http(server, token) as http:
         assert http.get("/checkpoints").status_code == 401
+
+
+def test_the_sdk_cli_auth_api_shows_and_deletes_its_key(server: LocalServer) -> None:
+    """The SDK's own ``tinker`` CLI client (``TinkerAuthApi``: ``tinker login`` / ``logout``) on the
+    same two routes."""
+    import httpx
+    from tinker.cli.auth_api import AuthApiError, TinkerAuthApi
+
+    key = _key(server, "hana")
+    with httpx.Client(timeout=60) as http:
+        api = TinkerAuthApi(http, base_url=server.base_url)
+        me = api.get_self_api_key(key)
+        assert me.details.org_details.name == "hana"
+        api.delete_self_api_key(key)
+        with pytest.raises(AuthApiError):
+            api.get_self_api_key(key)

@@ -297,6 +297,7 @@ def serve(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from opentinker.server.app import create_app
+    from opentinker.server.route_log import with_route_log
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -318,7 +319,7 @@ def serve(argv: list[str] | None = None) -> int:
         flush=True,
     )
     uvicorn.run(
-        app,
+        with_route_log(app),  # OPENTINKER_ROUTE_LOG: the tests' request log (route_log.py)
         host=args.host,
         port=args.port,
         log_level=args.log_level,
