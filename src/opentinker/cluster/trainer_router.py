@@ -49,7 +49,6 @@ from typing import Any
 
 from opentinker.cluster.dp import DataParallelModel, shortfall
 from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
-from opentinker.cluster.trainer_worker import moved
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, SnapshotInfo
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import RolloutBackend
@@ -487,7 +486,7 @@ class EngineProxy:
             weights = self._remote(source, "adapter_weights", source)
             step = int(self._remote(source, "adapter_step", source))
         else:
-            weights = moved(self._local.adapter_weights(source), "cpu")
+            weights = self._local.adapter_weights(source).clone(device="cpu")
             step = self._local.snapshot_info(source).step
         if into is not None:
             dp = self._dp(into)

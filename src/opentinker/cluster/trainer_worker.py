@@ -161,7 +161,7 @@ class TrainerWorker:
         if isinstance(out, ForwardResult):
             return _cpu_result(out)
         if isinstance(out, LoRAWeights):
-            return moved(out, "cpu")
+            return out.clone(device="cpu")
         return out
 
     def snapshot(self, model_id: str, seq: int) -> tuple[Any, LoRAWeights]:
@@ -170,7 +170,7 @@ class TrainerWorker:
 
         def take(eng: Engine) -> tuple[Any, LoRAWeights]:
             info = eng.snapshot(model_id)
-            weights = moved(eng.adapter_weights(info.snapshot_id), "cpu")
+            weights = eng.adapter_weights(info.snapshot_id).clone(device="cpu")
             eng.release_snapshot(info.snapshot_id)
             return info, weights
 
@@ -185,7 +185,7 @@ class TrainerWorker:
 
         def fork(eng: Engine) -> str:
             tmp = f"adopt:{model_id}:{seq}"
-            eng.add_snapshot(tmp, moved(weights, eng.device), step=step)
+            eng.add_snapshot(tmp, weights.clone(device=eng.device), step=step)
             try:
                 if into:
                     return eng.fork_adapter(tmp, into=model_id, parent=parent)
@@ -404,15 +404,6 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def moved(weights: LoRAWeights, device: str | torch.device) -> LoRAWeights:
-    """A detached copy of ``weights`` on ``device`` (a fresh uid: another process's is not ours)."""
-    return LoRAWeights(
-        weights.config,
-        {g: t.detach().to(device).clone() for g, t in weights.a.items()},
-        {g: t.detach().to(device).clone() for g, t in weights.b.items()},
-    )
 
 
 def _cpu_result(res: ForwardResult) -> ForwardResult:

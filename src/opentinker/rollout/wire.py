@@ -113,9 +113,4 @@ def to_bytes(weights: LoRAWeights) -> tuple[dict, bytes]:
 
 def from_bytes(config: dict, data: bytes, device: torch.device | str = "cpu") -> LoRAWeights:
     """The inverse of :func:`to_bytes` (tensors on ``device``, not requiring grad)."""
-    weights = LoRAWeights(LoRAConfig(**config))
-    for key, t in st_load(data).items():
-        group, _, kind = key.rpartition(".")
-        target = weights.a if kind == "lora_A" else weights.b
-        target[group] = t.to(device)
-    return weights
+    return LoRAWeights.from_state_dict(LoRAConfig(**config), st_load(data), device=device)
