@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -115,8 +117,13 @@ class TrainerWorker:
             },
         )
 
-    def _call(self, model_id: str, fn: Any) -> Any:
-        return self.scheduler.submit_call(model_id, fn).result()
+    def _call(self, model_id: str, fn: Callable[[Engine], Any]) -> Any:
+        return self._submit_call(model_id, fn).result()
+
+    def _submit_call(self, model_id: str, fn: Callable[[Engine], Any]) -> Future:
+        """``fn`` in the model's order on the scheduler's thread, given this worker's own engine
+        whole (what only an ``Engine`` has: lineage, pending gradients), not the ``Trainer`` seam."""
+        return self.scheduler.submit_call(model_id, lambda _: fn(self.engine))
 
     # ------------------------------------------------------------------ routed ops, in order
     def submit(
@@ -149,9 +156,7 @@ class TrainerWorker:
                 method = str(payload)
                 if method not in ENGINE_CALLS:
                     raise EngineError(f"a trainer worker does not run Engine.{method}")
-                fut = self.scheduler.submit_call(
-                    model_id, lambda eng: getattr(eng, method)(*args, **(kwargs or {}))
-                )
+                fut = self._submit_call(model_id, lambda eng: getattr(eng, method)(*args, **(kwargs or {})))
         finally:
             if seq is not None:
                 with self._order:
@@ -233,12 +238,12 @@ class TrainerWorker:
             self._order.notify_all()
         return step
 
-    def _ordered_call(self, model_id: str, seq: int, fn: Any) -> Any:
+    def _ordered_call(self, model_id: str, seq: int, fn: Callable[[Engine], Any]) -> Any:
         with self._order:
             while self._next_seq.get(model_id, 0) != seq:
                 self._order.wait()
         try:
-            fut = self.scheduler.submit_call(model_id, fn)
+            fut = self._submit_call(model_id, fn)
         finally:
             with self._order:
                 self._next_seq[model_id] = seq + 1

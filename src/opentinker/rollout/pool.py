@@ -187,6 +187,13 @@ class WorkerPool(WorkerLifecycle):
         r.future.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
         return True
 
+    def abort(self, rid: int) -> bool:
+        """As :meth:`cancel`: a request sent to a worker runs to its end there."""
+        return self.cancel(rid)
+
+    def follow(self, group: str, policy_id: str) -> None:
+        """Nothing: a worker's rows finish on the weights they started with."""
+
     def shutdown(self) -> None:
         with self._lock:
             if self._stopped:
