@@ -28,7 +28,7 @@ from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, U
 from opentinker.lora import LoRAConfig
 from opentinker.rollout.pool import WorkerPool
 from opentinker.rollout.process import WorkerStartError
-from opentinker.rollout.wire import Cancel, Publish, Published, Sample, from_bytes, to_bytes
+from opentinker.rollout.wire import Cancel, LoRABytes, Publish, Published, Sample, from_bytes, to_bytes
 from opentinker.rollout.worker import WorkerCore
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.rollout import Done, SampleCancelled
@@ -300,7 +300,7 @@ def test_worker_core_publishes_whole_snapshots_and_cancels_waiting_requests(
     """The transport-agnostic core, driven by messages in this process."""
     core = WorkerCore(7, TEST_MODEL, prefix_cache_bytes=0)
     cfg, data = to_bytes(served.engine.adapter_weights(snaps[0]))
-    assert core.handle(Publish("s#1", cfg, data)) == [Published("s#1")]
+    assert core.handle(Publish("s#1", LoRABytes(cfg, data))) == [Published("s#1")]
     req = SampleRequest("s#1", [1, 5, 9, 20, 7], GREEDY)
     assert core.handle(Sample(1, req)) == [] and core.handle(Sample(2, req)) == []
     [cancelled] = core.handle(Cancel(2))
@@ -354,12 +354,12 @@ def test_a_torn_snapshot_payload_is_never_registered(served: Served, snaps: list
     core = WorkerCore(8, TEST_MODEL, prefix_cache_bytes=0)
     cfg, data = to_bytes(served.engine.adapter_weights(snaps[1]))
     with pytest.raises(EngineError, match="snapshot 's#2' arrived incomplete"):
-        core.handle(Publish("s#2", cfg, data[: len(data) // 2]))
+        core.handle(Publish("s#2", LoRABytes(cfg, data[: len(data) // 2])))
     assert core.snapshot_ids() == []
     req = SampleRequest("s#2", [1, 5, 9, 20, 7], GREEDY)
     [refused] = core.handle(Sample(1, req))
     assert isinstance(refused, Done) and isinstance(refused.error, UnknownPolicyError)
-    assert core.handle(Publish("s#2", cfg, data)) == [Published("s#2")]
+    assert core.handle(Publish("s#2", LoRABytes(cfg, data))) == [Published("s#2")]
     assert core.handle(Sample(2, req)) == []
     done: list[Done] = []
     while core.busy:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
 from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
-from opentinker.client.scaleout import ScaleOut, ScaleOutMethods
-from opentinker.engine import Engine, EngineError, SnapshotInfo, UnknownPolicyError
+from opentinker.client.scaleout import ScaleOut, ScaleOutMethods, data_parallel_of
+from opentinker.engine import Engine, EngineError, SnapshotInfo, Trainer, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
@@ -264,7 +264,7 @@ class Runtime(ScaleOutMethods):
         self._check_new(model_id)
         backend = self.backend(base_model)
 
-        def make(eng: Engine) -> ModelRecord:
+        def make(eng: Trainer) -> ModelRecord:
             self.scaleout.create_adapter(eng, config, model_id, degree)
             rec = ModelRecord(model_id, eng.base.name, config, tenant, data_parallel=degree)
             return self._register(rec, on_created)
@@ -295,10 +295,10 @@ class Runtime(ScaleOutMethods):
         backend = self.backend(ckpt_base)
         folder = self.store.folder(ref)
 
-        def make(eng: Engine) -> ModelRecord:
+        def make(eng: Trainer) -> ModelRecord:
             degree, note = self.scaleout.checkpoint_degree(eng, asked, meta)
             if degree > 1:  # every replica reads the checkpoint (storage every worker reads)
-                eng.load_data_parallel(folder, model_id, degree, optimizer=optimizer)  # type: ignore[attr-defined]
+                data_parallel_of(eng).load_data_parallel(folder, model_id, degree, optimizer=optimizer)
             elif optimizer:
                 eng.load_state(folder, adapter_id=model_id, optimizer=True)
             else:  # weights only: a copy of the checkpoint's weights, read from disk once
@@ -318,7 +318,7 @@ class Runtime(ScaleOutMethods):
         ref, _ = self.checkpoint(path, rec.tenant)
         folder = self.store.folder(ref)
 
-        def load(eng: Engine) -> None:
+        def load(eng: Trainer) -> None:
             if optimizer:
                 eng.load_state(folder, optimizer=True, into=model_id)
             else:  # weights only: a copy of the checkpoint's weights, read from disk once
@@ -342,7 +342,7 @@ class Runtime(ScaleOutMethods):
             model_id, lambda eng: eng.delete_adapter(model_id)
         )
 
-    def _weights_source(self, eng: Engine, ref: CheckpointRef) -> str:
+    def _weights_source(self, eng: Trainer, ref: CheckpointRef) -> str:
         """The snapshot holding checkpoint ``ref``'s weights, loaded on first use and kept for the
         next weight-only load of the same checkpoint (many models forked from one policy save:
         test-time training's one adapter per episode). Runs on the scheduler's thread. The key is
@@ -431,7 +431,7 @@ class Runtime(ScaleOutMethods):
         backend = self.backend(base)
         folder = self.store.folder(ref)
 
-        def load(eng: Engine) -> PolicyVersion:
+        def load(eng: Trainer) -> PolicyVersion:
             # keyed by content as well as path: a checkpoint saved again under the same name
             # (overwrite) is a new policy version, while samplers made earlier keep the old one
             policy = f"{ref.tinker_path}@{_content_id(folder)}"
@@ -449,7 +449,7 @@ class Runtime(ScaleOutMethods):
         folder = self.store.folder(ref)
         snapshot_id = f"export-{uuid.uuid4().hex}"
 
-        def export(eng: Engine) -> Path:
+        def export(eng: Trainer) -> Path:
             eng.load_snapshot(folder, snapshot_id)
             try:
                 return eng.export_peft(snapshot_id, out_dir)
@@ -479,7 +479,7 @@ class Runtime(ScaleOutMethods):
             "parent": rec.parent,
         }
 
-        def export(eng: Engine) -> ExternalRecord:
+        def export(eng: Trainer) -> ExternalRecord:
             return self.external.write(
                 model_id, name, lambda folder: eng.export_tinker(model_id, folder), meta, parsed
             )

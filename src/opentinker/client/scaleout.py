@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opentinker.engine import Engine
+from opentinker.engine import DataParallelTrainer, Engine, EngineError, Trainer
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
 from opentinker.rollout.pool import WorkerPool
@@ -33,6 +33,7 @@ from opentinker.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from opentinker.client.checkpoints import CheckpointStore
+    from opentinker.cluster.trainer_router import RoutedScheduler
 
 _log = logging.getLogger(__name__)
 
@@ -155,13 +156,13 @@ class ScaleOut:
             )
         return degree
 
-    def create_adapter(self, eng: Engine, config: LoRAConfig, model_id: str, degree: int) -> None:
+    def create_adapter(self, eng: Trainer, config: LoRAConfig, model_id: str, degree: int) -> None:
         """Model ``model_id``'s adapter: on one worker (or this process), or data-parallel over
-        ``degree`` trainer workers (``eng`` is then the router's proxy, :mod:`opentinker.cluster.dp`)."""
+        ``degree`` trainer workers (:mod:`opentinker.cluster.dp`)."""
         if degree == 1:
             eng.create_adapter(config, model_id)
         else:
-            eng.create_data_parallel(config, model_id, degree)  # type: ignore[attr-defined]
+            data_parallel_of(eng).create_data_parallel(config, model_id, degree)
 
     def rollout_pool(
         self,
@@ -396,7 +397,7 @@ class ScaleOut:
             )  # fmt: skip
 
     def checkpoint_degree(
-        self, eng: Engine, asked: int | None, meta: Mapping[str, Any]
+        self, eng: Trainer, asked: int | None, meta: Mapping[str, Any]
     ) -> tuple[int, str | None]:
         """The data-parallel degree of a model made from a checkpoint with manifest ``meta``, and
         a note if it is not the one the checkpoint records. ``asked`` (the request's own degree,
@@ -408,8 +409,8 @@ class ScaleOut:
         recorded = int(meta.get("data_parallel", 1) or 1)
         if recorded <= 1:
             return 1, None
-        room = getattr(eng, "data_parallel_shortfall", None)  # the router's proxy: trainer workers
-        why = room(recorded) if callable(room) else "this service trains in its own process"
+        dp = eng.data_parallel
+        why = "this service trains in its own process" if dp is None else dp.data_parallel_shortfall(recorded)
         if why is None:
             return recorded, None
         note = f"the checkpoint was data-parallel over {recorded} trainer workers, made on one worker: {why}"
@@ -483,9 +484,16 @@ class ScaleOutMethods:
                 if isinstance(b.scheduler.rollout, WorkerPool)
             }
 
-    def _routers(self) -> dict[str, Any]:
+    def _routers(self) -> dict[str, RoutedScheduler]:
+        """Per base model, the router of its trainer workers (none: models train in this process)."""
+        if not self.scaleout.trainer_workers:
+            return {}
+        from opentinker.cluster.trainer_router import RoutedScheduler
+
         with self._lock:
-            return {n: b.scheduler for n, b in self._backends.items() if hasattr(b.scheduler, "pool")}
+            return {
+                n: b.scheduler for n, b in self._backends.items() if isinstance(b.scheduler, RoutedScheduler)
+            }
 
     def rollout_workers_info(self) -> dict[str, Any]:
         """The workers now: per base model, each rollout worker's state and requests served, and
@@ -547,13 +555,18 @@ class ScaleOutMethods:
     def trainer_stats(self, name: str, models: Mapping[str, Any]) -> dict[str, Any]:
         """Base model ``name``'s trainer workers and the models auto-restore put back (empty
         when it trains in this process): part of :meth:`Runtime.engine_stats`."""
-        with self._lock:
-            backend = self._backends.get(name)
-        trainers = getattr(backend.scheduler, "trainer_info", None) if backend is not None else None
-        if not callable(trainers):
+        router = self._routers().get(name)
+        if router is None:
             return {}
         restored = {m: e for m, e in self.restored.items() if (r := models.get(m)) and r.base_model == name}
-        return {"trainer_workers": trainers(), "restored": restored}
+        return {"trainer_workers": router.trainer_info(), "restored": restored}
+
+
+def data_parallel_of(eng: Trainer) -> DataParallelTrainer:
+    """``eng``'s data-parallel operations; an error where models train in this process."""
+    if eng.data_parallel is None:
+        raise EngineError("data parallelism needs trainer workers (serve with --ray --trainer-workers N)")
+    return eng.data_parallel
 
 
 def _safe(name: str) -> str:

@@ -20,7 +20,7 @@ from opentinker.client.futures import ClientFuture, ReadyClient, client_future, 
 from opentinker.client.inflight import inflight_client
 from opentinker.client.runtime import ModelRecord, Runtime
 from opentinker.client.sampling import SamplingClient
-from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult, SnapshotInfo
+from opentinker.engine import AdamParams, EngineError, ForwardRequest, ForwardResult, SnapshotInfo, Trainer
 from opentinker.engine.checkpoint import CheckpointError
 from opentinker.engine.custom_loss import CustomLoss as CustomLossGraph
 from opentinker.engine.optim import check_step_params
@@ -48,7 +48,7 @@ class TrainingClient(ReadyClient):
         cfg = {k: v for k, v in (config or {}).items()}
         return ForwardRequest(self.model_id, examples, loss_fn, cfg, backward, custom_loss)
 
-    def _call(self, fn: Callable[[Engine], Any]) -> Any:
+    def _call(self, fn: Callable[[Trainer], Any]) -> Any:
         """Queue ``fn`` in this model's order; returns the concurrent future."""
         self._record()
         return self._scheduler.submit_call(self.model_id, fn)
@@ -93,7 +93,7 @@ class TrainingClient(ReadyClient):
             for ex in examples
         ]
 
-        def run(engine: Engine) -> types.ForwardBackwardOutput:
+        def run(engine: Trainer) -> types.ForwardBackwardOutput:
             fwd = engine.forward_backward(ForwardRequest(self.model_id, plain, backward=False))
             logprobs = [o["logprobs"].clone().requires_grad_(True) for o in fwd.outputs]
             loss, metrics = loss_fn(data, logprobs)
@@ -140,7 +140,7 @@ class TrainingClient(ReadyClient):
         fut = self._call(lambda eng: self._save(eng, ref, optimizer=False, overwrite=True))
         return mapped(fut, lambda path: types.SaveWeightsForSamplerResponse(path=path))
 
-    def _save(self, engine: Engine, ref: CheckpointRef, *, optimizer: bool, overwrite: bool) -> str:
+    def _save(self, engine: Trainer, ref: CheckpointRef, *, optimizer: bool, overwrite: bool) -> str:
         rec = self._record()
         meta = {
             "tenant": rec.tenant,

@@ -54,7 +54,7 @@ from opentinker.cluster.ray_env import (
 )
 from opentinker.lora import LoRAWeights
 from opentinker.rollout.process import WorkerDied, WorkerStartError
-from opentinker.rollout.wire import Done, Inbound, Outbound, Publish, Ready, Stop, to_bytes
+from opentinker.rollout.wire import Done, Inbound, LoRABytes, Outbound, Publish, Ready, Stop, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,8 @@ class RolloutActor:
 
 def _resolve(msg: Inbound) -> Inbound:
     """A ``Publish`` whose data is an object reference, with the bytes fetched from the store."""
-    if isinstance(msg, Publish) and not isinstance(msg.data, bytes | bytearray | memoryview):
-        return Publish(msg.policy_id, msg.config, bytes(ray.get(msg.data)))
+    if isinstance(msg, Publish) and not isinstance(msg.weights.data, bytes | bytearray | memoryview):
+        return Publish(msg.policy_id, LoRABytes(msg.weights.config, bytes(ray.get(msg.weights.data))))
     return msg
 
 
@@ -192,10 +192,10 @@ class RayTransport:
             options["device"] = "cuda"
         return RayWorker(index, options, self, startup_timeout)
 
-    def payload(self, weights: LoRAWeights) -> tuple[dict, Any]:
+    def payload(self, weights: LoRAWeights) -> LoRABytes:
         config, data = to_bytes(weights)
         self.puts += 1
-        return config, ray.put(data)
+        return LoRABytes(config, ray.put(data))
 
     def check_capacity(self, workers: int) -> None:
         check_fits(workers, self.cpus, self.gpus)

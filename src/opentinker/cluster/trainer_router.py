@@ -14,7 +14,8 @@ Every other operation of a model goes, in the model's submission order, to its w
 ``forward_backward`` and ``optim_step`` are sent without waiting (a pipelined pair meets in one
 tick of the worker's scheduler, fused with the other adapters it holds); a queued call
 (``fn(engine)``: save, load, snapshot, delete, ...) runs on the front-end with an
-:class:`EngineProxy` as its engine, whose adapter methods run on the model's worker, in order.
+:class:`~opentinker.cluster.routed_trainer.RoutedTrainer` as its trainer, whose model operations run
+on the model's worker, in order.
 Each model has a *lane*: its operations start one after another, and each remote op carries the
 model's sequence number, which the worker uses to queue them in order
 (:meth:`TrainerWorker.submit`).
@@ -37,9 +38,7 @@ its degree on workers that stay, in its lane, with its whole state and pending g
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -48,21 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.cluster.dp import DataParallelModel, shortfall
+from opentinker.cluster.routed_trainer import RoutedTrainer
 from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
-from opentinker.cluster.trainer_worker import moved
-from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, SnapshotInfo
-from opentinker.lora import LoRAConfig
+from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
+from opentinker.engine.trainer import Trainer
 from opentinker.sampling import RolloutBackend
 from opentinker.sampling.rollout import RolloutService
 from opentinker.scheduler import Scheduler
-
-# what an EngineProxy serves from the front-end's engine: the base model and the policy versions
-LOCAL_ATTRS = frozenset(
-    {
-        "base", "vocab_size", "max_context", "max_batch_tokens", "device", "lora", "snapshot_ids",
-        "snapshot_info", "load_snapshot", "add_snapshot", "release_snapshot", "plan_routing", "routing",
-    }
-)  # fmt: skip
 
 
 class _Lane:
@@ -105,13 +96,13 @@ class RoutedScheduler(Scheduler):
     def submit_optim(self, model_id: str, params: AdamParams) -> Future:
         return self._enqueue(model_id, lambda fut: self._send(model_id, "optim", params, fut))
 
-    def submit_call(self, model_id: str, fn: Callable[[Engine], Any]) -> Future:
+    def submit_call(self, model_id: str, fn: Callable[[Trainer], Any]) -> Future:
         if not self._routed(model_id):  # e.g. a snapshot's release, a checkpoint served as a policy
             return super().submit_call(model_id, fn)
 
         def run(fut: Future) -> None:
             try:
-                fut.set_result(fn(EngineProxy(self, model_id)))  # type: ignore[arg-type]
+                fut.set_result(fn(RoutedTrainer(self, model_id)))
             except Exception as e:
                 fut.set_exception(self._translate(e))
 
@@ -332,6 +323,10 @@ class RoutedScheduler(Scheduler):
         self.note_step(model_id, step)
         return ",".join(w.worker_id for w in new.replicas), step
 
+    def fresh(self) -> int:
+        """A number not given before (new adapter ids, renumbered snapshots)."""
+        return next(self._names)
+
     def note_step(self, model_id: str, step: int) -> None:
         """The optimizer steps ``model_id`` has taken (known at its creation or load)."""
         with self._lane_lock:
@@ -390,208 +385,3 @@ class RoutedScheduler(Scheduler):
         super().shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.pool.shutdown()
-
-
-class EngineProxy:
-    """What a queued call sees as its engine: adapter methods run on the adapter's trainer worker
-    (in its order), the base model and policy versions are the front-end engine's."""
-
-    def __init__(self, router: RoutedScheduler, key: str) -> None:
-        self._router, self._key = router, key
-        self._local = router.engine
-        self._pool = router.pool
-
-    def __getattr__(self, name: str) -> Any:
-        if name in LOCAL_ATTRS:
-            return getattr(self._local, name)
-        raise AttributeError(f"Engine.{name} is not served over trainer workers")
-
-    # ------------------------------------------------------------------ where things are
-    def _placed(self, ref: str | None) -> WorkerSlot | None:
-        """The worker of adapter ``ref`` if a worker holds it (a lost one raises), else None."""
-        return self._pool.worker_of(ref) if ref is not None and self._pool.is_placed(ref) else None
-
-    def _dp(self, ref: str | None) -> DataParallelModel | None:
-        """The data-parallel model ``ref``, if it is one."""
-        return None if ref is None else self._router.dp.get(ref)
-
-    def _remote(self, model_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        dp = self._dp(model_id)
-        if dp is not None:  # a read: replica 0's (the replicas are the same)
-            return dp.read(method, *args, **kwargs)
-        slot = self._pool.worker_of(model_id)
-        return self._router.call(model_id, slot, method, *args, ordered=model_id == self._key, **kwargs)
-
-    def _placed_call(self, model_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``method`` creating ``model_id`` on a newly chosen worker; the placement is undone if it fails."""
-        slot = self._pool.place(model_id)
-        try:
-            return self._router.call(model_id, slot, method, *args, **kwargs)
-        except Exception:
-            self._pool.forget(model_id)
-            raise
-
-    # ------------------------------------------------------------------ adapters
-    def create_adapter(self, config: Any, adapter_id: str | None = None) -> str:
-        if adapter_id is None:
-            adapter_id = f"adapter-routed-{next(self._router._names)}"
-        out = self._placed_call(adapter_id, "create_adapter", config, adapter_id)
-        self._router.note_step(adapter_id, 0)
-        return out
-
-    def create_data_parallel(self, config: LoRAConfig, adapter_id: str, degree: int) -> str:
-        """A fresh adapter replicated over ``degree`` trainer workers (:mod:`opentinker.cluster.dp`)."""
-        if config.seed is None:  # every replica starts from the same weights: one seed for all
-            config = dataclasses.replace(config, seed=secrets.randbelow(2**31))
-        self._router.dp[adapter_id] = DataParallelModel(self._pool, adapter_id, config, degree=degree)
-        self._router.note_step(adapter_id, 0)
-        return adapter_id
-
-    def data_parallel_shortfall(self, degree: int) -> str | None:
-        """Why a new data-parallel model of ``degree`` cannot be made now (None: it can)."""
-        return shortfall(self._pool, degree)
-
-    def load_data_parallel(self, path: Any, adapter_id: str, degree: int, *, optimizer: bool) -> str:
-        """Adapter ``adapter_id`` from the checkpoint at ``path`` (storage every worker reads),
-        replicated over ``degree`` trainer workers, each loading it."""
-        dp = DataParallelModel(
-            self._pool, adapter_id, None, degree=degree, checkpoint=str(path), optimizer=optimizer
-        )
-        self._router.dp[adapter_id] = dp
-        self._router.note_step(adapter_id, int(dp.read("adapter_step", adapter_id)))
-        return adapter_id
-
-    def load_state(
-        self, path: Any, *, adapter_id: str | None = None, optimizer: bool = True, into: str | None = None
-    ) -> str:
-        if into is not None:
-            dp = self._dp(into)
-            if dp is not None:
-                return dp.load(str(path), optimizer=optimizer)
-            return self._remote(into, "load_state", path, optimizer=optimizer, into=into)
-        aid = adapter_id or f"adapter-routed-{next(self._router._names)}"
-        out = self._placed_call(aid, "load_state", path, adapter_id=aid, optimizer=optimizer)
-        self._router.note_step(aid, int(self._remote(aid, "adapter_step", aid)))
-        return out
-
-    def fork_adapter(
-        self,
-        source: str,
-        adapter_id: str | None = None,
-        *,
-        into: str | None = None,
-        parent: str | None = None,
-    ) -> str:
-        src_slot = self._placed(source)
-        if src_slot is not None or self._dp(source) is not None:
-            weights = self._remote(source, "adapter_weights", source)
-            step = int(self._remote(source, "adapter_step", source))
-        else:
-            weights = moved(self._local.adapter_weights(source), "cpu")
-            step = self._local.snapshot_info(source).step
-        if into is not None:
-            dp = self._dp(into)
-            if dp is not None:
-                dp.adopt(weights, step=step, parent=parent or source)
-                self._router.note_step(into, step)
-                return into
-            slot = self._pool.worker_of(into)
-            seq = self._router.next_seq(into, slot)
-            ref = slot.actor.adopt.remote(into, seq, weights, step=step, parent=parent or source, into=True)
-            out = self._pool.get(slot, into, ref)
-            self._router.note_step(into, step)
-            return out
-        aid = adapter_id or f"adapter-routed-{next(self._router._names)}"
-        slot = self._pool.place(aid)
-        try:
-            seq = self._router.next_seq(aid, slot)
-            ref = slot.actor.adopt.remote(aid, seq, weights, step=step, parent=parent or source, into=False)
-            out = self._pool.get(slot, aid, ref)
-            self._router.note_step(aid, step)
-            return out
-        except Exception:
-            self._pool.forget(aid)
-            raise
-
-    def delete_adapter(self, adapter_id: str) -> None:
-        dp = self._router.dp.pop(adapter_id, None)
-        if dp is not None:
-            dp.delete()
-            return
-        self._remote(adapter_id, "delete_adapter", adapter_id)
-        self._pool.forget(adapter_id)
-
-    def has_adapter(self, adapter_id: str) -> bool:
-        return self._dp(adapter_id) is not None or self._placed(adapter_id) is not None
-
-    def adapter_ids(self) -> list[str]:
-        return sorted([*self._pool.placement(), *self._router.dp])
-
-    def snapshot(self, adapter_id: str) -> SnapshotInfo:
-        """The worker's snapshot, its tensors registered on the front-end engine for sampling."""
-        dp = self._dp(adapter_id)
-        if dp is not None:
-            info, weights = dp.snapshot()
-        else:
-            slot = self._pool.worker_of(adapter_id)
-            seq = self._router.next_seq(adapter_id, slot)
-            info, weights = self._pool.get(slot, adapter_id, slot.actor.snapshot.remote(adapter_id, seq))
-        sid = info.snapshot_id
-        while sid in self._local.snapshot_ids():  # a restored model counts its versions afresh
-            sid = f"{info.snapshot_id}.{next(self._router._names)}"
-        self._local.add_snapshot(sid, weights, adapter_id=adapter_id, step=info.step)
-        return dataclasses.replace(info, snapshot_id=sid)
-
-    def check_policy(self, ref: str | None) -> None:
-        if self._dp(ref) is None and self._placed(ref) is None:
-            self._local.check_policy(ref)
-
-    def _either(self, method: str, ref: str | None, *args: Any, **kwargs: Any) -> Any:
-        """``method`` on the worker holding adapter ``ref``, or on the front-end's engine for a
-        policy version (a snapshot) or the bare base model."""
-        if self._dp(ref) is not None or self._placed(ref) is not None:
-            assert ref is not None
-            return self._remote(ref, method, ref, *args, **kwargs)
-        return getattr(self._local, method)(ref, *args, **kwargs)
-
-    def adapter_weights(self, ref: str | None) -> Any:
-        return self._either("adapter_weights", ref)
-
-    def save_state(self, ref: str | None, path: Any, **kwargs: Any) -> Any:
-        return self._either("save_state", ref, path, **kwargs)
-
-    def export_peft(self, ref: str | None, out_dir: Any) -> Any:
-        return self._either("export_peft", ref, out_dir)
-
-    def export_tinker(self, ref: str | None, out_dir: Any) -> Any:
-        return self._either("export_tinker", ref, out_dir)
-
-    def export_merged(self, ref: str | None, out_dir: Any) -> Any:
-        return self._either("export_merged", ref, out_dir)
-
-    def adapter_config(self, adapter_id: str) -> Any:
-        return self._either("adapter_config", adapter_id)
-
-    def adapter_step(self, adapter_id: str) -> int:
-        return self._remote(adapter_id, "adapter_step", adapter_id)
-
-    def optimizer_state(self, adapter_id: str) -> Any:
-        return self._remote(adapter_id, "optimizer_state", adapter_id)
-
-    def pending_gradients(self, adapter_id: str) -> Any:
-        return self._remote(adapter_id, "pending_gradients", adapter_id)
-
-    def optim_step(self, adapter_id: str, params: AdamParams) -> Any:
-        dp = self._dp(adapter_id)
-        if dp is not None:
-            return dp.optim_step(params)
-        return self._remote(adapter_id, "optim_step", adapter_id, params)
-
-    def forward_backward(self, req: ForwardRequest) -> Any:
-        dp = self._dp(req.policy)
-        if dp is not None:
-            return dp.forward_request(req)
-        if self._placed(req.policy) is None:
-            return self._local.forward_backward(req)
-        assert req.policy is not None
-        return self._remote(req.policy, "forward_backward", req)

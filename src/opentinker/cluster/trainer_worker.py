@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -115,8 +117,13 @@ class TrainerWorker:
             },
         )
 
-    def _call(self, model_id: str, fn: Any) -> Any:
-        return self.scheduler.submit_call(model_id, fn).result()
+    def _call(self, model_id: str, fn: Callable[[Engine], Any]) -> Any:
+        return self._submit_call(model_id, fn).result()
+
+    def _submit_call(self, model_id: str, fn: Callable[[Engine], Any]) -> Future:
+        """``fn`` in the model's order on the scheduler's thread, given this worker's own engine
+        whole (what only an ``Engine`` has: lineage, pending gradients), not the ``Trainer`` seam."""
+        return self.scheduler.submit_call(model_id, lambda _: fn(self.engine))
 
     # ------------------------------------------------------------------ routed ops, in order
     def submit(
@@ -149,9 +156,7 @@ class TrainerWorker:
                 method = str(payload)
                 if method not in ENGINE_CALLS:
                     raise EngineError(f"a trainer worker does not run Engine.{method}")
-                fut = self.scheduler.submit_call(
-                    model_id, lambda eng: getattr(eng, method)(*args, **(kwargs or {}))
-                )
+                fut = self._submit_call(model_id, lambda eng: getattr(eng, method)(*args, **(kwargs or {})))
         finally:
             if seq is not None:
                 with self._order:
@@ -161,7 +166,7 @@ class TrainerWorker:
         if isinstance(out, ForwardResult):
             return _cpu_result(out)
         if isinstance(out, LoRAWeights):
-            return moved(out, "cpu")
+            return out.clone(device="cpu")
         return out
 
     def snapshot(self, model_id: str, seq: int) -> tuple[Any, LoRAWeights]:
@@ -170,7 +175,7 @@ class TrainerWorker:
 
         def take(eng: Engine) -> tuple[Any, LoRAWeights]:
             info = eng.snapshot(model_id)
-            weights = moved(eng.adapter_weights(info.snapshot_id), "cpu")
+            weights = eng.adapter_weights(info.snapshot_id).clone(device="cpu")
             eng.release_snapshot(info.snapshot_id)
             return info, weights
 
@@ -185,7 +190,7 @@ class TrainerWorker:
 
         def fork(eng: Engine) -> str:
             tmp = f"adopt:{model_id}:{seq}"
-            eng.add_snapshot(tmp, moved(weights, eng.device), step=step)
+            eng.add_snapshot(tmp, weights.clone(device=eng.device), step=step)
             try:
                 if into:
                     return eng.fork_adapter(tmp, into=model_id, parent=parent)
@@ -233,12 +238,12 @@ class TrainerWorker:
             self._order.notify_all()
         return step
 
-    def _ordered_call(self, model_id: str, seq: int, fn: Any) -> Any:
+    def _ordered_call(self, model_id: str, seq: int, fn: Callable[[Engine], Any]) -> Any:
         with self._order:
             while self._next_seq.get(model_id, 0) != seq:
                 self._order.wait()
         try:
-            fut = self.scheduler.submit_call(model_id, fn)
+            fut = self._submit_call(model_id, fn)
         finally:
             with self._order:
                 self._next_seq[model_id] = seq + 1
@@ -404,15 +409,6 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def moved(weights: LoRAWeights, device: str | torch.device) -> LoRAWeights:
-    """A detached copy of ``weights`` on ``device`` (a fresh uid: another process's is not ours)."""
-    return LoRAWeights(
-        weights.config,
-        {g: t.detach().to(device).clone() for g, t in weights.a.items()},
-        {g: t.detach().to(device).clone() for g, t in weights.b.items()},
-    )
 
 
 def _cpu_result(res: ForwardResult) -> ForwardResult:

@@ -3,6 +3,7 @@
 from opentinker.engine.checkpoint import CheckpointError
 from opentinker.engine.engine import Engine
 from opentinker.engine.losses import LOSSES
+from opentinker.engine.trainer import DataParallelTrainer, Trainer
 from opentinker.engine.types import (
     AdamParams,
     EngineError,
@@ -18,6 +19,7 @@ __all__ = [
     "LOSSES",
     "AdamParams",
     "CheckpointError",
+    "DataParallelTrainer",
     "Engine",
     "EngineError",
     "Example",
@@ -25,5 +27,8 @@ __all__ = [
     "ForwardResult",
     "PolicyRef",
     "SnapshotInfo",
+    "Trainer",
     "UnknownPolicyError",
 ]
+
+_: type[Trainer] = Engine  # pyright checks that the engine is a Trainer (engine/trainer.py)

@@ -152,20 +152,12 @@ def read_adapter(
         )
     config = LoRAConfig(**meta["lora"])
     check_config(config)
-    loaded = LoRAWeights(config)
-    for key, t in files[ADAPTER_FILE].items():
-        group, _, kind = key.rpartition(".")
-        if group not in groups or kind not in ("lora_A", "lora_B"):
-            raise CheckpointError(f"checkpoint {path} has weights {key!r}, which this model lacks")
-        g = groups[group]
-        want = g.a_shape(config.rank) if kind == "lora_A" else g.b_shape(config.rank)
-        if tuple(t.shape) != want:
-            raise CheckpointError(f"checkpoint {path}: {key} has shape {tuple(t.shape)}, expected {want}")
-        target = loaded.a if kind == "lora_A" else loaded.b
-        target[group] = t.to(device).clone().requires_grad_(True)
-    wanted = {name for name, g in groups.items() if config.trains(g.kind)}
-    if set(loaded.a) != wanted or set(loaded.b) != wanted:
-        raise CheckpointError(f"checkpoint {path} does not hold every LoRA group its config trains")
+    try:
+        loaded = LoRAWeights.from_state_dict(
+            config, files[ADAPTER_FILE], groups, device=device, requires_grad=True
+        )
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
     return loaded, meta, files
 
 

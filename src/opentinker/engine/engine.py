@@ -72,6 +72,8 @@ class _Adapter:
 
 
 class Engine:
+    data_parallel: None = None  # a Trainer: every model trains in this process (engine/trainer.py)
+
     def __init__(
         self,
         base_model: str | BaseModel = "opentinker/tiny",

@@ -108,9 +108,48 @@ class LoRAWeights:
         out.update({f"{g}.lora_B": t for g, t in self.b.items()})
         return out
 
-    def clone(self, *, requires_grad: bool = False) -> LoRAWeights:
-        """A detached copy (a snapshot when ``requires_grad`` is False); a flattened adapter's
-        copy is flattened too (one copy of its buffer)."""
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: LoRAConfig,
+        tensors: dict[str, torch.Tensor],
+        groups: dict[str, TargetGroup] | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        requires_grad: bool = False,
+    ) -> LoRAWeights:
+        """The inverse of :meth:`state_dict`: ``<group>.lora_A`` / ``<group>.lora_B`` tensors,
+        each copied to ``device``. Given the base model's target ``groups``, each tensor must name
+        one of them and have its shape (:meth:`TargetGroup.a_shape` / ``b_shape`` at the config's
+        rank), and every group the config trains must be there. A mismatch raises ``ValueError``
+        naming it; nothing is shared with ``tensors``."""
+        out = cls(config)
+        for key, t in tensors.items():
+            group, _, kind = key.rpartition(".")
+            if kind not in ("lora_A", "lora_B") or (groups is not None and group not in groups):
+                raise ValueError(f"{key!r} is not a LoRA weight of this model")
+            if groups is not None:
+                g = groups[group]
+                want = g.a_shape(config.rank) if kind == "lora_A" else g.b_shape(config.rank)
+                if tuple(t.shape) != want:
+                    raise ValueError(f"{key} has shape {tuple(t.shape)}, expected {want}")
+            target = out.a if kind == "lora_A" else out.b
+            target[group] = t.detach().to(device, copy=True).requires_grad_(requires_grad)
+        if groups is not None:
+            wanted = {name for name, g in groups.items() if config.trains(g.kind)}
+            if set(out.a) != wanted or set(out.b) != wanted:
+                raise ValueError("it does not hold every LoRA group its config trains")
+        return out
+
+    def clone(self, *, requires_grad: bool = False, device: torch.device | str | None = None) -> LoRAWeights:
+        """A detached copy with a uid of its own (a snapshot when ``requires_grad`` is False). A
+        flattened adapter's copy is flattened too (one copy of its buffer); a copy to ``device``
+        (for another device or process) is one tensor per weight, each on ``device``: pickled,
+        views of one buffer would each carry the whole buffer."""
+        if device is not None:
+            return LoRAWeights.from_state_dict(
+                self.config, self.state_dict(), device=device, requires_grad=requires_grad
+            )
         if self.flat is not None:
             out = LoRAWeights(self.config)
             out._view(self.flat.detach().clone(), self._layout(), requires_grad)

@@ -59,7 +59,7 @@ from opentinker.rollout.lifecycle import WorkerLifecycle
 from opentinker.rollout.process import WorkerDied, WorkerStartError
 from opentinker.rollout.slots import PoolStats, Req, Slot, start_all
 from opentinker.rollout.transport import ProcessTransport, Transport
-from opentinker.rollout.wire import Done, Failed, Publish, Published, Ready, Retire, Sample
+from opentinker.rollout.wire import Done, Failed, LoRABytes, Publish, Published, Ready, Retire, Sample
 from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned
 from opentinker.sampling.rollout import SampleCancelled
 from opentinker.sampling.types import SampleRequest, SamplingParams
@@ -122,7 +122,7 @@ class WorkerPool(WorkerLifecycle):
         self._ids = itertools.count(1)
         self._local = threading.local()
         self._wire: dict[int, tuple[str, str | None, LoRAWeights]] = {}  # weights uid -> wire, policy, w
-        self._bytes: dict[str, tuple[dict, bytes]] = {}  # wire id -> its handoff payload
+        self._bytes: dict[str, LoRABytes] = {}  # wire id -> its handoff payload
         self._prefixes: dict[str | None, OrderedDict[tuple[int, ...], int]] = {}
         self._rerun = self._published = self._retired = self._prefix_routed = 0
         self._last_sweep = 0.0
@@ -186,6 +186,13 @@ class WorkerPool(WorkerLifecycle):
                 return False
         r.future.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
         return True
+
+    def abort(self, rid: int) -> bool:
+        """As :meth:`cancel`: a request sent to a worker runs to its end there."""
+        return self.cancel(rid)
+
+    def follow(self, group: str, policy_id: str) -> None:
+        """Nothing: a worker's rows finish on the weights they started with."""
 
     def shutdown(self) -> None:
         with self._lock:
@@ -386,7 +393,7 @@ class WorkerPool(WorkerLifecycle):
         payload = self._bytes.get(wire)
         if payload is None:
             payload = self._bytes[wire] = self.transport.payload(pinned.weights)
-        slot.handle.send(Publish(wire, *payload))
+        slot.handle.send(Publish(wire, payload))
         slot.published.add(wire)
         self._published += 1
 

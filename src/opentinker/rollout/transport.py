@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from opentinker.lora import LoRAWeights
 from opentinker.rollout.process import ProcessWorker
-from opentinker.rollout.wire import Inbound, Outbound, Ready, to_bytes
+from opentinker.rollout.wire import Inbound, LoRABytes, Outbound, Ready, to_bytes
 
 
 class WorkerHandle(Protocol):
@@ -55,7 +55,7 @@ class Transport(Protocol):
         """A handle on worker ``index`` (not started)."""
         ...
 
-    def payload(self, weights: LoRAWeights) -> tuple[dict, Any]:
+    def payload(self, weights: LoRAWeights) -> LoRABytes:
         """A snapshot's config and the data a :class:`~opentinker.rollout.wire.Publish` carries;
         the pool makes it once per version and keeps it while any worker may need it."""
         ...
@@ -73,7 +73,7 @@ class ProcessTransport:
     def worker(self, index: int, options: dict[str, Any], startup_timeout: float) -> WorkerHandle:
         return ProcessWorker(index, options, startup_timeout=startup_timeout)
 
-    def payload(self, weights: LoRAWeights) -> tuple[dict, Any]:
+    def payload(self, weights: LoRAWeights) -> LoRABytes:
         return to_bytes(weights)
 
     def check_capacity(self, workers: int) -> None:

@@ -1,10 +1,12 @@
 """The messages between a rollout worker and its pool, and a snapshot's tensors as bytes.
 
-Inbound (pool → worker): :class:`Publish` (a policy version's LoRA tensors as safetensors bytes,
-sent once per worker per version), :class:`Retire`, :class:`Sample`, :class:`Cancel`, :class:`Stop`.
-Outbound (worker → pool): :class:`Ready` / :class:`Failed` (the start-up handshake),
-:class:`Published` (a snapshot arrived whole and is sampleable), :class:`Done` (a request's
-result or error). Every message is a plain picklable value (no tensors, no shared objects), so
+The rollout loop's messages (:mod:`opentinker.sampling.rollout`: ``Sample``, ``Publish``,
+``Retire``, ``Done``), defined there once, plus the few only a worker needs.
+Inbound (pool → worker): :class:`Publish` ``[LoRABytes]`` (a policy version's LoRA tensors as
+safetensors bytes, sent once per worker per version), :class:`Retire`, :class:`Sample`,
+:class:`Cancel`, :class:`Stop`. Outbound (worker → pool): :class:`Ready` / :class:`Failed` (the
+start-up handshake), :class:`Published` (a snapshot arrived whole and is sampleable), :class:`Done`
+(a request's result or error). Every message is a plain picklable value (no tensors, no shared objects), so
 any transport that moves bytes can carry them: a pipe to a process, an actor call.
 
 A worker names a snapshot by its *wire id* ``<policy>#<n>``, where ``n`` numbers the weights in
@@ -16,19 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from opentinker.lora import LoRAConfig, LoRAWeights
-from opentinker.sampling.rollout import Done
-from opentinker.sampling.types import SampleRequest
+from opentinker.sampling.rollout import Done, Publish, Retire, Sample
 
 __all__ = [
     "Cancel",
     "Done",
     "Failed",
+    "LoRABytes",
     "Publish",
     "Published",
     "Ready",
@@ -40,28 +43,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Publish:
-    """Make the snapshot in ``data`` (:func:`to_bytes`) sampleable as ``policy_id``."""
+class LoRABytes(NamedTuple):
+    """What a worker's :class:`Publish` carries: a snapshot's LoRA config (a plain dict) and its
+    tensors as safetensors bytes (:func:`to_bytes`), or where the transport put those bytes (a Ray
+    ``ObjectRef``). A worker's ``Sample`` names its policy by wire id."""
 
-    policy_id: str
     config: dict
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Retire:
-    """Free ``policy_id``'s tensors (requests already running on it finish)."""
-
-    policy_id: str
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Sample ``request`` (its policy a wire id or None); answered by a :class:`Done`."""
-
-    rid: int
-    request: SampleRequest
+    data: Any
 
 
 @dataclass(frozen=True)
@@ -101,21 +89,16 @@ class Published:
     policy_id: str
 
 
-Inbound = Publish | Retire | Sample | Cancel | Stop
+Inbound = Publish[LoRABytes] | Retire | Sample | Cancel | Stop
 Outbound = Ready | Failed | Published | Done
 
 
-def to_bytes(weights: LoRAWeights) -> tuple[dict, bytes]:
+def to_bytes(weights: LoRAWeights) -> LoRABytes:
     """A snapshot's LoRA config (a plain dict) and its tensors as safetensors bytes."""
     tensors = {k: t.detach().cpu().contiguous() for k, t in weights.state_dict().items()}
-    return dataclasses.asdict(weights.config), st_save(tensors)
+    return LoRABytes(dataclasses.asdict(weights.config), st_save(tensors))
 
 
 def from_bytes(config: dict, data: bytes, device: torch.device | str = "cpu") -> LoRAWeights:
     """The inverse of :func:`to_bytes` (tensors on ``device``, not requiring grad)."""
-    weights = LoRAWeights(LoRAConfig(**config))
-    for key, t in st_load(data).items():
-        group, _, kind = key.rpartition(".")
-        target = weights.a if kind == "lora_A" else weights.b
-        target[group] = t.to(device)
-    return weights
+    return LoRAWeights.from_state_dict(LoRAConfig(**config), st_load(data), device=device)

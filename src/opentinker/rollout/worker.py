@@ -37,7 +37,6 @@ from opentinker.rollout.wire import (
 )
 from opentinker.sampling import NativeBackend
 from opentinker.sampling.rollout import Done, RolloutCore, SampleCancelled
-from opentinker.sampling.rollout import Sample as CoreSample
 
 BACKENDS = ("native",)  # the rollout backends a worker can run
 
@@ -76,11 +75,11 @@ class WorkerCore:
         """Take one message; returns its immediate replies (an acknowledged publish, a refused or
         cancelled request)."""
         if isinstance(msg, Sample):
-            return list(self.core.handle(CoreSample(msg.rid, msg.request)))
+            return list(self.core.handle(msg))
         if isinstance(msg, Publish):
             if msg.policy_id not in self.engine.snapshot_ids():
                 try:
-                    weights = from_bytes(msg.config, msg.data, self.engine.device)
+                    weights = from_bytes(msg.weights.config, msg.weights.data, self.engine.device)
                 except Exception as e:  # torn or corrupt bytes: register nothing
                     raise EngineError(f"snapshot {msg.policy_id!r} arrived incomplete: {e}") from e
                 self.backend.publish(msg.policy_id, weights)

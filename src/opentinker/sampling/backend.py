@@ -7,7 +7,8 @@ Everything above it (scheduler, clients, RL loops) talks to a :class:`RolloutBac
 - ``generate(requests)``: one batch whose requests may each name a different policy (or None, the
   bare base model), returning per request sampled tokens + logprobs + stop reasons, and prompt /
   top-k prompt logprobs when asked; a refused request yields an ``EngineError`` in its slot and
-  never disturbs the others.
+  never disturbs the others;
+- ``compute_logprobs(policy, tokens)``: built here, once, on ``generate``'s prompt logprobs.
 
 The native PyTorch backend (:mod:`opentinker.sampling.native`) shares the training engine's base
 model and snapshots, so ``publish`` is free. The vLLM backend (:mod:`opentinker.sampling.vllm_backend`)
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from opentinker.engine.types import EngineError
 from opentinker.lora import LoRAWeights
-from opentinker.sampling.types import SampleRequest, SampleResult
+from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -111,3 +112,15 @@ class RolloutBackend(ABC):
     @abstractmethod
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
         """Sample every request in one mixed-policy batch; a bad request fails alone."""
+
+    def compute_logprobs(self, policy: str | None, tokens: list[int]) -> list[float | None]:
+        """Logprob of each token given the ones before it under ``policy`` (the first is None):
+        the prompt logprobs of a one-token greedy request."""
+        req = SampleRequest(
+            policy, tokens, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True
+        )
+        [res] = self.generate([req])
+        if isinstance(res, Exception):
+            raise res
+        assert res.prompt_logprobs is not None
+        return res.prompt_logprobs

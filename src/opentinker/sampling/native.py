@@ -26,7 +26,7 @@ from opentinker.sampling.decoder import (
 from opentinker.sampling.forward import LoRACache, unsupported_cache_reason
 from opentinker.sampling.llama_decode import LlamaLean, lean_llama
 from opentinker.sampling.prefix_cache import PrefixCache
-from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams
+from opentinker.sampling.types import SampleRequest, SampleResult
 
 __all__ = ["MIN_SHARED_PREFIX", "NativeBackend", "common_prompt_prefix"]
 
@@ -117,17 +117,6 @@ class NativeBackend(RolloutBackend):
         if not self.lean_decode:
             return None
         return lean_llama(self.engine.base.model, self.engine.lora.groups)
-
-    def compute_logprobs(self, policy: str | None, tokens: list[int]) -> list[float | None]:
-        """Logprob of each token given the ones before it under ``policy`` (the first is None)."""
-        req = SampleRequest(
-            policy, tokens, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True
-        )
-        [res] = self.generate([req])
-        if isinstance(res, Exception):
-            raise res
-        assert res.prompt_logprobs is not None
-        return res.prompt_logprobs
 
 
 def _eos_ids(engine: Engine) -> set[int]:

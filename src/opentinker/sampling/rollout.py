@@ -12,7 +12,8 @@ answered at once, not when the batch ends. ``continuous=False`` admits only into
 and its id), :class:`Publish` / :class:`Retire` (a policy version's weights in, out) in;
 :class:`Done` (a request's result or error) out. :class:`RolloutLoop` drives it on a thread in
 this process, resolving ``Future``s from the ``Done``s; a worker process (or actor) holding its own
-base model runs the same core on the messages it receives (the weights of a ``Publish`` as bytes).
+base model runs the same core on the same messages (:mod:`opentinker.rollout.wire` adds its own
+few), a ``Publish`` carrying the weights' bytes instead of the tensors.
 
 **Policy versions, exactly.** A request is *pinned* to the weights its policy names when it enters
 (:meth:`StepDecoder.pin`); in this process that is at :meth:`RolloutLoop.submit`, on the caller's
@@ -54,7 +55,7 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
@@ -73,12 +74,17 @@ class Sample:
     pinned: Pinned | None = field(default=None, compare=False)
 
 
+W = TypeVar("W")
+
+
 @dataclass(frozen=True)
-class Publish:
-    """Make ``weights`` sampleable as ``policy_id``."""
+class Publish(Generic[W]):
+    """Make ``weights`` sampleable as ``policy_id``: in this process the
+    :class:`~opentinker.lora.LoRAWeights` themselves; to a worker, their bytes
+    (:class:`opentinker.rollout.wire.LoRABytes`)."""
 
     policy_id: str
-    weights: LoRAWeights
+    weights: W
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ class Done:
     error: Exception | None = None
 
 
-Inbound = Sample | Publish | Retire | Follow | Abort
+Inbound = Sample | Publish[LoRAWeights] | Retire | Follow | Abort
 
 
 @dataclass
@@ -266,12 +272,16 @@ def _done(rid: int, res: SampleResult | Exception) -> Done:
 
 class RolloutService(Protocol):
     """What the scheduler hands samples to: :class:`RolloutLoop` (a thread in this process) or a
-    pool of worker processes (:mod:`opentinker.rollout.pool`)."""
+    pool of worker processes (:mod:`opentinker.rollout.pool`). ``abort`` drops a request wherever
+    it is where the service can (else as ``cancel``); ``follow`` moves inflight requests to newer
+    weights where it can (else they finish on the weights they started with)."""
 
     def submit(self, req: SampleRequest) -> Future: ...
     def last_request(self) -> int: ...
     def state(self, rid: int) -> str: ...
     def cancel(self, rid: int) -> bool: ...
+    def abort(self, rid: int) -> bool: ...
+    def follow(self, group: str, policy_id: str) -> None: ...
     def shutdown(self) -> None: ...
 
 
@@ -368,7 +378,7 @@ class RolloutLoop:
         fut.set_exception(SampleCancelled(f"sample request {rid} was aborted by its caller"))
         return True
 
-    def send(self, msg: Publish | Retire | Follow) -> None:
+    def send(self, msg: Publish[LoRAWeights] | Retire | Follow) -> None:
         """Queue a publish, retire or follow, run on the loop's thread in order with the requests."""
         with self._cv:
             self._check_open()

@@ -29,7 +29,7 @@ from opentinker.lora import LoRAWeights
 from opentinker.sampling.backend import RolloutBackend
 from opentinker.sampling.decoder import Finished, Pinned, StepDecoder, run_to_completion
 from opentinker.sampling.native import NativeBackend
-from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams
+from opentinker.sampling.types import SampleRequest, SampleResult
 from opentinker.sampling.vllm_backend import VLLMBackend, VLLMDecoder
 
 VLLM, NATIVE = "vllm", "native"
@@ -151,16 +151,6 @@ class RoutedBackend(RolloutBackend):
 
     def generate(self, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
         return run_to_completion(self.decoder(), requests)
-
-    def compute_logprobs(self, policy: str | None, tokens: list[int]) -> list[float | None]:
-        req = SampleRequest(
-            policy, tokens, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True
-        )
-        [res] = self.generate([req])
-        if isinstance(res, Exception):
-            raise res
-        assert res.prompt_logprobs is not None
-        return res.prompt_logprobs
 
     def close(self) -> None:
         if self.vllm is not None:

@@ -191,18 +191,6 @@ class VLLMBackend(RolloutBackend):
     def decoder(self) -> VLLMDecoder:
         return VLLMDecoder(self)
 
-    def compute_logprobs(self, policy: str | None, tokens: list[int]) -> list[float | None]:
-        from opentinker.sampling.types import SamplingParams
-
-        req = SampleRequest(
-            policy, tokens, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=True
-        )
-        [res] = self.generate([req])
-        if isinstance(res, Exception):
-            raise res
-        assert res.prompt_logprobs is not None
-        return res.prompt_logprobs
-
     def vllm_params(self, req: SampleRequest, sample: int) -> Any:
         """vLLM's ``SamplingParams`` for row ``sample`` of ``req``."""
         return sampling_params(self._vllm, req, sample, eos_ids=self.eos_ids, max_context=self.max_context)

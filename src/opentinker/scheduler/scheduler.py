@@ -60,7 +60,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from opentinker.engine import AdamParams, Engine, ForwardRequest
+from opentinker.engine import AdamParams, Engine, ForwardRequest, Trainer
 from opentinker.sampling import RolloutBackend, SampleRequest
 from opentinker.sampling.rollout import RolloutService, SampleCancelled
 
@@ -147,8 +147,9 @@ class Scheduler:
     def submit_optim(self, model_id: str, params: AdamParams) -> Future:
         return self._submit(model_id, _Op("optim", params, Future()))
 
-    def submit_call(self, model_id: str, fn: Callable[[Engine], Any]) -> Future:
-        """Run ``fn(engine)`` in this model's order (saves, loads, snapshots, deletes)."""
+    def submit_call(self, model_id: str, fn: Callable[[Trainer], Any]) -> Future:
+        """Run ``fn(trainer)`` in this model's order (saves, loads, snapshots, deletes): here the
+        trainer is :attr:`engine`; over trainer workers, the router's (``engine/trainer.py``)."""
         return self._submit(model_id, _Op("call", fn, Future()))
 
     def submit_sample(self, req: SampleRequest) -> Future:
@@ -198,9 +199,8 @@ class Scheduler:
         """Drop a sample request wherever it is, decoding included (its rows leave the running
         batch), where the rollout service can (the in-process loop: ``RolloutLoop.abort``); else
         as :meth:`cancel_sample` (a request already decoding runs to its end). True if dropped."""
-        abort = getattr(self.rollout, "abort", None)
-        if abort is not None:
-            return bool(abort(ticket))
+        if self.rollout is not None:
+            return self.rollout.abort(ticket)
         return self.cancel_sample(ticket)
 
     def follow(self, group: str, policy_id: str) -> None:
@@ -208,9 +208,8 @@ class Scheduler:
         mid-decode (:class:`~opentinker.sampling.rollout.Follow`), where the rollout service
         supports it (the in-process loop). Inside ticks, a batch runs to completion on the weights
         it started with."""
-        follow = getattr(self.rollout, "follow", None)
-        if follow is not None:
-            follow(group, policy_id)
+        if self.rollout is not None:
+            self.rollout.follow(group, policy_id)
 
     def queue_depths(self) -> dict[str, int]:
         """Operations waiting per model (those of the tick now running are no longer counted)."""
