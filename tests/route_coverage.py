@@ -66,7 +66,24 @@ LOCAL_METHODS: dict[str, str] = {
     "SamplingClient.get_sampler_handle": "a picklable handle of ids",
     "SamplingClient.from_sampler_handle": "a client rebuilt from a handle, no request",
     "SamplingClient.on_queue_state_change": "a callback the SDK calls",
+    "RestClient.whoami": "read from the claims of the JWT the SDK already holds (its docstring: no request)",
 }
+
+# Gaps the whole-suite check found and that no test closes yet, each as the check words it. The
+# check fails on any gap not listed here and on an entry here that is no longer a gap (delete it):
+# the set only shrinks.
+PENDING: frozenset[str] = frozenset(
+    {
+        "route GET /api/v1/healthz: no SDK call reached it (served as /api/v1/healthz)",
+        "route POST /api/v1/cancel_future: no SDK call reached it (served as /api/v1/cancel_future)",
+        "member AdminClient.get_telemetry: no test called it",
+        "member RestClient.copy_weights: no test called it",
+        "member SamplingClient.get_tokenizer: no test called it",
+        "member SamplingClient.sample_async: no test called it",
+        "member ServiceClient.create_rest_client: no test called it",
+        "member TrainingClient.save_weights_and_get_sampling_client_async: no test called it",
+    }
+)
 
 CALLED: set[str] = set()  # the public members a caller outside the SDK called, in this process
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("opentinker_sdk_method", default=None)
@@ -233,3 +250,10 @@ def problems(records: Iterable[dict[str, Any]], called: set[str], served: list[A
         elif name in LOCAL_METHODS and by_member[name]:
             out.append(f"member {name}: in LOCAL_METHODS but it reached {sorted(by_member[name])}")
     return out
+
+
+def unexpected(gaps: list[str]) -> list[str]:
+    """The gaps not in :data:`PENDING`, and the :data:`PENDING` entries that are gaps no more."""
+    new = [g for g in gaps if g not in PENDING]
+    closed = [f"PENDING entry closed, delete it: {g}" for g in sorted(PENDING - set(gaps))]
+    return new + closed
