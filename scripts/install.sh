@@ -4,7 +4,7 @@
 # with its vllm and ray extras (vLLM's CPU build requires exactly this torch; the torchvision /
 # torchaudio / torchcodec it pulls are removed again), then tinker-cookbook without its dependencies
 # (they are in the dev extra; it also requires tml-renderers>=0.4.1, which is not on PyPI; see the
-# README).
+# cookbook notes in docs/SERVER.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
