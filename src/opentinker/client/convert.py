@@ -13,16 +13,47 @@ import torch
 from tinker import types
 
 from opentinker.engine import EngineError, Example, ForwardResult
+from opentinker.models.vision import Image, ImageError, Vision
 from opentinker.sampling import SampleResult, SamplingParams
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def datum_to_example(datum: types.Datum, index: int) -> Example:
-    try:
-        tokens = datum.model_input.to_ints()
-    except Exception as e:
-        raise EngineError(f"datum {index}: model_input must hold only token chunks ({e})") from e
+def model_input_parts(
+    model_input: types.ModelInput, vision: Vision | None, where: str
+) -> tuple[list[int], tuple[Image, ...]]:
+    """A ``ModelInput``'s token ids and images: an ``ImageChunk`` is decoded by the base model's
+    image processor and becomes as many image placeholder ids as it has tokens (what Tinker's
+    ``ModelInput.length`` counts it as). Refused, naming the chunk: an image on a text-only base
+    model, an image the processor refuses (``models/vision.py``), an ``expected_tokens`` that
+    disagrees, and an ``ImageAssetPointerChunk`` (this server keeps no image assets)."""
+    tokens: list[int] = []
+    images: list[Image] = []
+    for c, chunk in enumerate(model_input.chunks):
+        if isinstance(chunk, types.EncodedTextChunk):
+            tokens.extend(int(t) for t in chunk.tokens)
+        elif isinstance(chunk, types.ImageChunk):
+            if vision is None:
+                raise EngineError(f"{where}: chunk {c} is an image, but this base model is text-only")
+            try:
+                image = vision.encode(chunk.data, chunk.format, chunk.expected_tokens)
+            except ImageError as e:
+                raise EngineError(f"{where}: chunk {c}: {e}") from None
+            images.append(image)
+            tokens.extend([vision.image_token_id] * image.n_tokens)
+        elif isinstance(chunk, types.ImageAssetPointerChunk):
+            raise EngineError(
+                f"{where}: chunk {c} is an image_asset_pointer, which this server does not resolve "
+                "(it keeps no image assets and fetches no URLs): send the image's bytes in an ImageChunk"
+            )
+        else:
+            kind = getattr(chunk, "type", type(chunk).__name__)
+            raise EngineError(f"{where}: chunk {c} is a {kind} chunk, which this server does not take")
+    return tokens, tuple(images)
+
+
+def datum_to_example(datum: types.Datum, index: int, vision: Vision | None = None) -> Example:
+    tokens, images = model_input_parts(datum.model_input, vision, f"datum {index}")
     inputs: dict[str, torch.Tensor] = {}
     for key, td in datum.loss_fn_inputs.items():
         t = td.to_torch()
@@ -34,7 +65,7 @@ def datum_to_example(datum: types.Datum, index: int) -> Example:
                 )
             t = t.long()
         inputs[key] = t
-    return Example(torch.tensor(tokens, dtype=torch.long), inputs)
+    return Example(torch.tensor(tokens, dtype=torch.long), inputs, images)
 
 
 def forward_output(res: ForwardResult) -> types.ForwardBackwardOutput:

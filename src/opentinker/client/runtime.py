@@ -40,6 +40,7 @@ from opentinker.models import load_base_model
 from opentinker.models.dtype import dtype_name, resolve_dtype
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
+from opentinker.models.vision import Vision
 from opentinker.sampling import NativeBackend, RolloutBackend
 from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
@@ -219,6 +220,10 @@ class Runtime(ScaleOutMethods):
     def tokenizer(self, base_model: str) -> Any:
         """The base model's tokenizer (a ``transformers`` tokenizer), shared by all its adapters."""
         return self.backend(base_model).engine.base.tokenizer
+
+    def vision(self, base_model: str) -> Vision | None:
+        """A vision-language base model's image side (None: text-only)."""
+        return self.backend(base_model).engine.base.vision
 
     def tick_record(self, base_model: str, tick: int) -> TickRecord | None:
         """When tick ``tick`` of ``base_model``'s scheduler ran and what it fused (recent ticks)."""

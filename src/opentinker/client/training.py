@@ -44,7 +44,8 @@ class TrainingClient(ReadyClient):
         self, data: Sequence[types.Datum], loss_fn: str, config: Any, backward: bool, custom_loss: Any = None
     ) -> ForwardRequest:
         self._record()
-        examples = [datum_to_example(d, i) for i, d in enumerate(data)]
+        vision = self._runtime.vision(self._base_model)
+        examples = [datum_to_example(d, i, vision) for i, d in enumerate(data)]
         cfg = {k: v for k, v in (config or {}).items()}
         return ForwardRequest(self.model_id, examples, loss_fn, cfg, backward, custom_loss)
 
@@ -84,10 +85,12 @@ class TrainingClient(ReadyClient):
         forward_backward with weights -g (same gradient as the loss). Runs as one queued step."""
         if isinstance(loss_fn, CustomLossGraph):  # made by create_custom_loss: one fused step
             return self.forward_backward(data, "custom", custom_loss=loss_fn)
-        examples = [datum_to_example(d, i) for i, d in enumerate(data)]
+        examples = [
+            datum_to_example(d, i, self._runtime.vision(self._base_model)) for i, d in enumerate(data)
+        ]
         self._record()
         plain = [
-            type(ex)(ex.tokens_T, {"target_tokens": ex.inputs["target_tokens"]})
+            type(ex)(ex.tokens_T, {"target_tokens": ex.inputs["target_tokens"]}, ex.images)
             if "target_tokens" in ex.inputs
             else ex
             for ex in examples
@@ -102,7 +105,11 @@ class TrainingClient(ReadyClient):
             for ex, lp in zip(plain, logprobs, strict=True):
                 grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
                 weighted.append(
-                    type(ex)(ex.tokens_T, {"target_tokens": ex.inputs["target_tokens"], "weights": -grad})
+                    type(ex)(
+                        ex.tokens_T,
+                        {"target_tokens": ex.inputs["target_tokens"], "weights": -grad},
+                        ex.images,
+                    )
                 )
             res = engine.forward_backward(ForwardRequest(self.model_id, weighted, "cross_entropy"))
             out = forward_output(ForwardResult(fwd.outputs, {**res.metrics, **metrics}))

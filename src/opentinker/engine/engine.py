@@ -41,6 +41,7 @@ from opentinker.engine.checkpoint import (
 )
 from opentinker.engine.custom_loss import reduce_metrics
 from opentinker.engine.export import export_merged, export_peft
+from opentinker.engine.images import check_images, has_images, image_kwargs
 from opentinker.engine.losses import LOSSES, resolve_config
 from opentinker.engine.optim import AdapterOptimizer, finite_each, step_many
 from opentinker.engine.prefix import plan_shared_prefixes, shared_prefix_logprobs
@@ -216,11 +217,9 @@ class Engine:
     def _resolve(self, ref: PolicyRef) -> LoRAWeights | None:
         if ref is None:
             return None
-        a = self._adapters.get(ref)
-        if a is not None:
+        if (a := self._adapters.get(ref)) is not None:
             return a.weights
-        s = self._snapshots.get(ref)
-        if s is not None:
+        if (s := self._snapshots.get(ref)) is not None:
             return s[0]
         raise UnknownPolicyError(f"unknown adapter or snapshot {ref!r}")
 
@@ -261,6 +260,7 @@ class Engine:
                     max_context=self.max_context,
                     max_batch_tokens=self.max_batch_tokens,
                 )
+                check_images(req, self.base.vision)
                 if req.backward and req.policy is None:
                     raise EngineError("cannot train the base model: forward_backward needs a live adapter")
                 if req.backward and req.policy not in self._adapters:
@@ -346,7 +346,7 @@ class Engine:
             for ex, n in zip(examples, lengths, strict=False)
         ]
         plan = None
-        if self.share_prefixes and len(rows) > 1:
+        if self.share_prefixes and len(rows) > 1 and not has_images(examples):
             plan = plan_shared_prefixes([ex.tokens_T.tolist() for ex in examples], list(policies))
         if plan is not None:
             toks = [ex.tokens_T.to(self.device) for ex in examples]
@@ -356,7 +356,8 @@ class Engine:
         for b, ex in enumerate(examples):
             tokens_BT[b, : lengths[b]] = ex.tokens_T.to(self.device)
         with self.routing(policies):
-            logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False).logits.float()
+            images = image_kwargs(self.base.vision, tokens_BT, examples)
+            logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False, **images).logits.float()
         lse_BT = torch.logsumexp(logits_BTV, dim=-1)
         # One batched gather of every row's targets (K > 1 for soft targets), padded with token
         # 0: a per-row gather would give each row a full [B, T, V] zero gradient in backward.

@@ -13,6 +13,8 @@
   in parameter order (the first innermost, under ``.base_layer``), with ``lora_A`` [r·E, in]
   (expert-major) and ``lora_B`` [out, r·E] (expert-minor), which is how PEFT 0.21 lays them out;
 - ``r`` and ``lora_alpha`` giving the engine's own ``alpha / r`` scale; no rsLoRA, no DoRA, no bias;
+- on a vision-language model, ``exclude_modules`` its vision tower and projector (they have
+  projections of the same short names, which the engine never trains);
 - ``base_model_name_or_path`` the base model's canonical name (an HF id such as
   ``HuggingFaceTB/SmolLM2-135M-Instruct``), never a folder of the machine that wrote it.
 
@@ -34,6 +36,7 @@ from safetensors.torch import save_file
 
 from opentinker.lora import LoRAWeights, TargetGroup
 from opentinker.lora.experts import EXPERT_PARAMS
+from opentinker.lora.layers import VISION_MODULES
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -86,6 +89,9 @@ def export_peft(
         "modules_to_save": None,
         "inference_mode": True,
     }
+    if any(p.startswith("model.language_model.") for g in groups.values() for p in g.paths):
+        # a VL model: its vision tower has projections of the same short names, never trained
+        config["exclude_modules"] = rf".*\.({'|'.join(VISION_MODULES)})\..*"
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     return out
 

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from opentinker.models.vision import Image
+
 # Who a row runs through: a live adapter id, a snapshot id (``"<adapter>@v<n>"``), or None (bare base).
 PolicyRef = str | None
 
@@ -37,6 +39,8 @@ class Example:
 
     tokens_T: torch.Tensor  # int64 [T]
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a VL model's images, in token order; each is ``n_tokens`` placeholder ids in ``tokens_T``
+    images: tuple[Image, ...] = ()
 
 
 class CustomLoss(Protocol):

@@ -281,6 +281,14 @@ def _kind_of(path: str, is_unembed: bool, owner: str = "") -> str | None:
     return None
 
 
+# a VL model's vision tower and projector: frozen, never a LoRA target (LoRA is the language model's)
+VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+
+
+def _in_vision(path: str) -> bool:
+    return any(part in VISION_MODULES for part in path.split("."))
+
+
 def _dims(module: nn.Module) -> tuple[int, int, bool] | None:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features, False
@@ -311,7 +319,7 @@ class MultiLoRA:
         for path, module in list(model.named_modules()):
             parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
             kind = _kind_of(path, module is out_emb, type(parent).__name__)
-            if kind is not None and not _fused_away(path, type(parent).__name__):
+            if kind is not None and not _fused_away(path, type(parent).__name__) and not _in_vision(path):
                 for site in self._sites(path, module, kind):
                     found.setdefault(site.name, []).append(site)
         self.groups: dict[str, TargetGroup] = {}

@@ -20,6 +20,7 @@ import torch
 
 from opentinker.models.dtype import resolve_dtype
 from opentinker.models.registry import canonical_name, resolve_model_path
+from opentinker.models.vision import Vision
 
 CONFIG_FILE = "config.json"
 
@@ -38,6 +39,7 @@ class BaseModel:
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
     vocab_size: int
     max_context: int
+    vision: Vision | None = None  # a vision-language model's image side (models/vision.py)
 
     @property
     def model_type(self) -> str:
@@ -59,14 +61,18 @@ def load_base_model(
     and sampling see the same function) and every base parameter has ``requires_grad=False``; only
     LoRA weights are trained. A model that cannot be served raises :class:`ModelLoadError`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype, device)
     canonical = canonical_name(name)
     path = resolve_model_path(canonical)
     config = read_config(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(
+    try:
+        vision = Vision.load(path, config) if is_vision_language(config) else None
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(_redact(" ".join(str(e).split()), path)) from None
+    model: Any = model_class(config).from_pretrained(
         path, config=config, dtype=torch_dtype, attn_implementation=attention_for(config)
     )
     model.to(device)
@@ -74,13 +80,36 @@ def load_base_model(
     for p in model.parameters():
         p.requires_grad_(False)
     config = model.config
+    if vision is not None:
+        vision.dtype = torch_dtype
+    text = getattr(config, "text_config", None) if vision is not None else None
     vocab = int(model.get_output_embeddings().weight.shape[0])
     max_context = int(
-        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+        getattr(text or config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
     )
     return BaseModel(
-        name=canonical, path=path, model=model, tokenizer=tokenizer, vocab_size=vocab, max_context=max_context
+        name=canonical, path=path, model=model, tokenizer=tokenizer, vocab_size=vocab,
+        max_context=max_context, vision=vision,
+    )  # fmt: skip
+
+
+def is_vision_language(config: Any) -> bool:
+    """Is ``config`` a vision-language model transformers has an image-text-to-text class for
+    (Qwen2.5-VL, Qwen3-VL, Qwen3.5 with its vision tower)? Such a model loads with its vision
+    tower (frozen, like the whole base), and its image processor."""
+    from transformers import AutoModelForImageTextToText
+
+    return getattr(config, "vision_config", None) is not None and (
+        type(config) in AutoModelForImageTextToText._model_mapping
     )
+
+
+def model_class(config: Any) -> Any:
+    """The transformers auto class that loads ``config``: image-text-to-text for a VL model (its
+    language model's LoRA targets sit under ``model.language_model``), else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
 
 
 def read_config(path: str) -> Any:
@@ -138,7 +167,7 @@ def _check_config_json(file: Path) -> None:
 def _check_causal_lm(config: Any) -> None:
     from transformers import AutoModelForCausalLM
 
-    if type(config) not in AutoModelForCausalLM._model_mapping:
+    if type(config) not in AutoModelForCausalLM._model_mapping and not is_vision_language(config):
         raise ModelLoadError(
             f"unsupported model family {config.model_type!r}: transformers has no causal-LM class for "
             f"it ({type(config).__name__}); OpenTinker trains causal language models"
@@ -149,9 +178,7 @@ def attention_for(config: Any) -> str:
     """The attention implementation to load with: PyTorch's SDPA where the family's model class
     supports it (fast on CPU and GPU), else ``eager`` (gpt-oss: its attention sinks have no SDPA
     path in transformers, and asking for SDPA is refused outright)."""
-    from transformers import AutoModelForCausalLM
-
-    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    cls = model_class(config)._model_mapping[type(config)]
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
