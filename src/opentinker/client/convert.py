@@ -52,6 +52,24 @@ def model_input_parts(
     return tokens, tuple(images)
 
 
+def check_images(model_input: types.ModelInput, vision: Vision | None, where: str) -> None:
+    """Refuse (``EngineError`` naming the chunk) a ``ModelInput`` whose images cannot run; a
+    text-only one is not looked at."""
+    if any(not isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
+        model_input_parts(model_input, vision, where)
+
+
+def model_input_length(model_input: types.ModelInput) -> int:
+    """``ModelInput.length``, an image without ``expected_tokens`` counted as 0 (its count is
+    known once the image processor has run; the SDK's own ``length`` raises there)."""
+    return sum(
+        (c.expected_tokens or 0)
+        if isinstance(c, types.ImageChunk | types.ImageAssetPointerChunk)
+        else c.length
+        for c in model_input.chunks
+    )
+
+
 def datum_to_example(datum: types.Datum, index: int, vision: Vision | None = None) -> Example:
     tokens, images = model_input_parts(datum.model_input, vision, f"datum {index}")
     inputs: dict[str, torch.Tensor] = {}

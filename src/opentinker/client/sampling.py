@@ -7,7 +7,7 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.convert import check_prompt_extras, sample_response
+from opentinker.client.convert import check_prompt_extras, model_input_parts, sample_response
 from opentinker.client.convert import sampling_params as to_sampling_params
 from opentinker.client.futures import ReadyClient, mapped
 from opentinker.client.runtime import Runtime
@@ -49,7 +49,7 @@ class SamplingClient(ReadyClient):
         prompt_alt_tokens_k: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
-        ids = prompt.to_ints()
+        ids, images = model_input_parts(prompt, self._runtime.vision(self.base_model), "the prompt")
         targets = check_prompt_extras(
             len(ids),
             include_prompt_logprobs,
@@ -69,6 +69,7 @@ class SamplingClient(ReadyClient):
             prompt_alt_tokens_k=prompt_alt_tokens_k,
             follow=self.follow,
             kv_namespace=self.kv_namespace,
+            images=images,
         )
         self._note_use()
 
@@ -84,11 +85,13 @@ class SamplingClient(ReadyClient):
         return await self.sample(*args, **kwargs)
 
     def compute_logprobs(self, prompt: types.ModelInput) -> AwaitableConcurrentFuture[list[float | None]]:
+        ids, images = model_input_parts(prompt, self._runtime.vision(self.base_model), "the prompt")
         req = SampleRequest(
             self.policy,
-            prompt.to_ints(),
+            ids,
             to_sampling_params(types.SamplingParams(max_tokens=1)),
             prompt_logprobs=True,
+            images=images,
         )
 
         def logprobs(res: SampleResult) -> list[float | None]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,8 @@ import torch
 # The largest image taken, in pixels (width x height): 4096 x 4096. Larger is refused with 413,
 # from the header alone. The processor then resizes what is taken to its own pixel bounds.
 MAX_IMAGE_PIXELS = 4096 * 4096
-FORMATS = {"png": "PNG", "jpeg": "JPEG"}  # Tinker's ImageChunk.format -> PIL's format name
+FORMATS = {"png": "PNG", "jpeg": "JPEG"}
+ENCODED_KEPT = 32  # images kept encoded (by their bytes' digest): a server checks, then runs, each  # Tinker's ImageChunk.format -> PIL's format name
 
 
 class ImageError(ValueError):
@@ -48,6 +51,7 @@ class Image:
     grid_thw: torch.Tensor  # int64 [3]: temporal, height, width in patches
     n_tokens: int  # placeholder positions in the token sequence
     digest: str  # sha256 of the pixel patches: equal images, equal digests
+    size: tuple[int, int] = (0, 0)  # the decoded image's width and height
 
 
 def decode_image(data: bytes, fmt: str, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
@@ -102,6 +106,8 @@ class Vision:
         self.image_token_id = int(config.image_token_id)
         self.merge = int(getattr(processor, "merge_size", 1) or 1)
         self.dtype = torch.float32  # the vision tower's (the loader sets it)
+        self._kept: OrderedDict[tuple[str, str, int], Image] = OrderedDict()
+        self._lock = threading.Lock()
         self.special_ids = {
             int(i) for i in (self.image_token_id, getattr(config, "video_token_id", None)) if i is not None
         }
@@ -125,7 +131,27 @@ class Vision:
     def encode(
         self, data: bytes, fmt: str, expected_tokens: int | None = None, *, max_pixels: int = MAX_IMAGE_PIXELS
     ) -> Image:
-        """The :class:`Image` of ``data``; :class:`ImageError` if it is refused (module docstring)."""
+        """The :class:`Image` of ``data``; :class:`ImageError` if it is refused (module docstring).
+        The last :data:`ENCODED_KEPT` images are kept, by their bytes' digest."""
+        key = (hashlib.sha256(data).hexdigest(), fmt, max_pixels)
+        with self._lock:
+            image = self._kept.get(key)
+            if image is not None:
+                self._kept.move_to_end(key)
+        if image is None:
+            image = self._encode(data, fmt, max_pixels)
+            with self._lock:
+                self._kept[key] = image
+                while len(self._kept) > ENCODED_KEPT:
+                    self._kept.popitem(last=False)
+        if expected_tokens is not None and int(expected_tokens) != image.n_tokens:
+            raise ImageError(
+                f"expected_tokens={expected_tokens} but this {image.size[0]}x{image.size[1]} image is "
+                f"{image.n_tokens} tokens for this model's image processor"
+            )
+        return image
+
+    def _encode(self, data: bytes, fmt: str, max_pixels: int) -> Image:
         pil = decode_image(data, fmt, max_pixels=max_pixels)
         try:
             out = self.processor(images=[pil], return_tensors="pt")
@@ -134,13 +160,8 @@ class Vision:
         pixels = out["pixel_values"].float().contiguous()
         grid = out["image_grid_thw"].reshape(-1).long()
         n = int(grid.prod()) // (self.merge * self.merge)
-        if expected_tokens is not None and int(expected_tokens) != n:
-            raise ImageError(
-                f"expected_tokens={expected_tokens} but this {pil.width}x{pil.height} image is {n} "
-                f"tokens for this model's image processor"
-            )
         digest = hashlib.sha256(pixels.numpy().tobytes() + grid.numpy().tobytes()).hexdigest()
-        return Image(pixels, grid, n, digest)
+        return Image(pixels, grid, n, digest, (pil.width, pil.height))
 
     def count_placeholders(self, tokens: list[int] | torch.Tensor) -> int:
         t = torch.as_tensor(tokens)

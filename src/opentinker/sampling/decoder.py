@@ -54,6 +54,7 @@ from opentinker.sampling.kv_cache import fill_holes
 from opentinker.sampling.llama_decode import LlamaLean
 from opentinker.sampling.prefix_cache import PrefixCache, PrefixHit
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
+from opentinker.sampling.vision import cache_tokens, inside_image, vision_rows
 
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second forward
 
@@ -259,6 +260,9 @@ class StepDecoder:
             )
         else:
             model = HFForward(eng, self.cache_kw, states)
+            if eng.base.vision is not None and any(r.images for r in reqs):  # sampling/vision.py
+                prompts, images = [r.prompt for r in reqs], [r.images for r in reqs]
+                model.vision = vision_rows(eng.base.model, eng.base.vision, prompts, images, skip)
         prefill_plan = model.plan(slots, weights)
         prefix = None
         if shared:
@@ -359,7 +363,7 @@ class StepDecoder:
                 continue
             job = self._jobs[row.req]
             if job.cached:  # keep what the finished row computed
-                tokens = job.pinned.req.prompt + row.tokens[:-1]
+                tokens = self._cache_prompt(job.pinned.req) + row.tokens[:-1]
                 self.prefix_cache.put(job.key, tokens, model.row_kv(j))
             top = row.topk_logprobs if row.topk else None
             job.seqs[row.sample] = SampledSequence(row.tokens, row.logprobs, row.reason, top)
@@ -379,10 +383,27 @@ class StepDecoder:
         all prompts, prefilled once and shared (0 = none)."""
         hits: list[PrefixHit | None] = [None] * len(reqs)
         if keys:
-            hits = [self.prefix_cache.match(k, r.prompt) for k, r in zip(keys, reqs, strict=True)]
+            hits = [
+                self.prefix_cache.match(k, self._cache_prompt(r)) for k, r in zip(keys, reqs, strict=True)
+            ]
+            hits = [
+                None if h is not None and self._cuts_image(r, h.length) else h
+                for h, r in zip(hits, reqs, strict=True)
+            ]
         if any(hits) or want_prompt or not self.share_prefix or len(set(slots)) > 1:
             return hits, 0
+        if any(r.images for r in reqs):  # the shared-prefix prefill is text-only
+            return hits, 0
         return hits, common_prompt_prefix(reqs)
+
+    def _cache_prompt(self, r: SampleRequest) -> list[int]:
+        """The prompt as the prefix cache keys it: an image's positions by its content."""
+        vision = self.engine.base.vision
+        return r.prompt if vision is None else cache_tokens(r.prompt, r.images, vision.image_token_id)
+
+    def _cuts_image(self, r: SampleRequest, n: int) -> bool:
+        vision = self.engine.base.vision
+        return vision is not None and inside_image(r.prompt, r.images, vision.image_token_id, n)
 
     def _new_row(self, rid: int, slot: PolicyRef, r: SampleRequest, k: int) -> Row:
         seed = r.params.seed

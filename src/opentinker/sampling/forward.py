@@ -49,6 +49,7 @@ from opentinker.sampling.hf_cache import (
 from opentinker.sampling.kv_cache import LeanCache
 from opentinker.sampling.llama_decode import LeanLoRA, LlamaLean
 from opentinker.sampling.prefix_cache import Prefix
+from opentinker.sampling.vision import VisionRows, step_positions
 
 # A batch's policies, resolved when their requests were admitted (None: the bare base model).
 Weights = Mapping[PolicyRef, LoRAWeights | None]
@@ -181,6 +182,9 @@ class HFForward:
         self.cache = new_cache(self.model)
         self.mask = torch.zeros(0)
         self.prefixes = prefixes
+        # a VL model's rows: set before the prefill (sampling/vision.py); then each row's M-RoPE delta
+        self.vision: VisionRows | None = None
+        self.deltas: torch.Tensor | None = None
 
     def plan(self, policies: list[PolicyRef], weights: Weights) -> LoRABatch | None:
         return make_plan(self.engine, policies, weights)
@@ -214,7 +218,7 @@ class HFForward:
             start = (cache, n)
         lens = mask.sum(1)
         if not self.recurrent or bool((lens == lens[0]).all()):
-            return self._prefill(ids, mask, pos, want_prompt, plan, start, self.prefixes)
+            return self._prefill(ids, mask, pos, want_prompt, plan, start, self.prefixes, self.vision)
         return self._prefill_by_length(ids, mask, pos, want_prompt, plan, start, lens)
 
     def _prefill(
@@ -226,22 +230,26 @@ class HFForward:
         plan: LoRABatch | None,
         start: tuple[DynamicCache, int] | None,
         prefixes: list[RowState | None] | None,
+        vision: VisionRows | None = None,
     ) -> torch.Tensor:
         """Prefill every row into this forward's empty cache from ``start`` (a one-row cache of
-        that many tokens, copied to every row) or ``prefixes``."""
+        that many tokens, copied to every row) or ``prefixes``; ``vision``: the rows' images and
+        M-RoPE positions (a VL model)."""
         rows = ids.shape[0]
         if start is not None:
             self.cache = select_rows(start[0], torch.zeros(rows, dtype=torch.long, device=ids.device))
             mask = torch.cat([mask.new_ones(rows, start[1]), mask], dim=1)
         elif prefixes is not None and any(p is not None for p in prefixes):
             mask = torch.cat([load_states(self.cache, prefixes).to(mask), mask], dim=1)
+        kw = {"position_ids": pos} if vision is None else vision.kwargs(ids, pos)
+        self.deltas = None if vision is None else vision.deltas.to(ids.device)
         with self.engine.routing(plan):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
-                position_ids=pos,
                 use_cache=True,
                 logits_to_keep=0 if want_prompt else 1,
+                **kw,
                 **{self.cache_kw: self.cache},
             )
         self.mask = mask
@@ -267,15 +275,16 @@ class HFForward:
             prefixes = None if self.prefixes is None else [self.prefixes[i] for i in idx.tolist()]
             sub = None if plan is None else plan.select(idx)
             cols = slice(width - n, width)
+            vis = None if self.vision is None else self.vision.subset(idx)
             out = part._prefill(
-                ids[idx, cols], mask[idx, cols], pos[idx, cols], want_prompt, sub, start, prefixes
+                ids[idx, cols], mask[idx, cols], pos[idx, cols], want_prompt, sub, start, prefixes, vis
             )
             if logits is None:
                 logits = out.new_zeros(ids.shape[0], width if want_prompt else 1, out.shape[-1])
             logits[idx, logits.shape[1] - out.shape[1] :] = out
             order += idx.tolist()
             parts.append(part)
-        self.cache, self.mask = parts[0].cache, parts[0].mask
+        self.cache, self.mask, self.deltas = parts[0].cache, parts[0].mask, parts[0].deltas
         for part in parts[1:]:
             self.merge(part, 0)
         self.select(torch.tensor(order, device=ids.device).argsort())
@@ -285,11 +294,17 @@ class HFForward:
     def select(self, rows: torch.Tensor) -> None:
         self.cache = select_rows(self.cache, rows)
         self.mask = self.mask[rows]
+        self.deltas = None if self.deltas is None else self.deltas[rows]
 
     def merge(self, other: Any, room: int) -> None:
         assert isinstance(other, HFForward)
         width = max(self.mask.shape[1], other.mask.shape[1])
         self.cache = merge_caches(self.cache, other.cache, width)
+        if self.deltas is not None or other.deltas is not None:
+            mine, theirs = (
+                f.deltas if f.deltas is not None else f.mask.new_zeros(f.mask.shape[0]) for f in (self, other)
+            )
+            self.deltas = torch.cat([mine, theirs])
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(other.mask, width)])
 
     def row_kv(self, row: int) -> RowState:
@@ -301,7 +316,7 @@ class HFForward:
             out = self.model(
                 input_ids=ids,
                 attention_mask=self.mask,
-                position_ids=pos,
+                position_ids=pos if self.deltas is None else step_positions(pos, self.deltas),
                 use_cache=True,
                 **{self.cache_kw: self.cache},
             )

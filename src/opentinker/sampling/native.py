@@ -13,9 +13,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Hashable
 
+import torch
+
 from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights
+from opentinker.models.vision import check_placeholders
 from opentinker.sampling.backend import RolloutBackend, check_request
 from opentinker.sampling.decoder import (
     MIN_SHARED_PREFIX,
@@ -87,6 +90,10 @@ class NativeBackend(RolloutBackend):
         if self._unsupported is not None:
             raise EngineError(self._unsupported)
         check_request(req, vocab_size=self.engine.vocab_size, max_context=self.engine.max_context)
+        try:
+            check_placeholders("the prompt", torch.tensor(req.prompt), req.images, self.engine.base.vision)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         _check_prompt_extras(
             req, self.engine.vocab_size
         )  # the prompt-logprob extras only this backend serves

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from opentinker.engine.types import PolicyRef
+from opentinker.models.vision import Image
 
 StopReason = Literal["stop", "length"]
 
@@ -51,6 +52,8 @@ class SampleRequest:
     # across the weights it follows (keys and values computed under earlier weights: the SDK's
     # inflight contract); None: cached under the exact weights
     kv_namespace: str | None = None
+    # a VL model's images, in prompt order; each is ``n_tokens`` placeholder ids in ``prompt``
+    images: tuple[Image, ...] = ()
 
     @property
     def wants_prompt(self) -> bool:

@@ -175,6 +175,10 @@ class VLLMBackend(RolloutBackend):
     # ---------------------------------------------------------------- sampling
     def validate(self, req: SampleRequest) -> None:
         check_request(req, vocab_size=self.vocab_size, max_context=self.max_context)
+        if req.images:
+            raise EngineError(
+                "the vLLM sampler backend takes no images here; image prompts need the native one"
+            )
         if req.topk_sample_logprobs > self.max_logprobs:
             raise EngineError(
                 f"topk_sample_logprobs is {req.topk_sample_logprobs}; the vLLM backend reports at "

@@ -20,7 +20,7 @@ from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataMod
 from tinker.types.optimizer import OptimParamsBase
 
 from opentinker.client import SamplingClient
-from opentinker.client.convert import check_prompt_extras
+from opentinker.client.convert import check_images, check_prompt_extras, model_input_length
 from opentinker.client.service import optimizer_type
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAConfig
@@ -307,7 +307,7 @@ class Operations:
                 data = self.stability.resolve(tenant, session, data)
             return op(data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
 
-        ledger, tokens = self.ledger, sum(d.model_input.length for d in call.data)
+        ledger, tokens = self.ledger, sum(model_input_length(d.model_input) for d in call.data)
         base = self.reg.runtime.model(call.model_id).base_model
         session = call.model_id.split(":train:", 1)[0]
         name = "forward" if call.forward_only else "forward_backward"
@@ -455,6 +455,10 @@ class Operations:
             raise BadRequest("asample needs a sampling_session_id (or a base_model)")
         digest = digest_json("asample", req.model_dump(mode="json"))
         self.check_sample(req)
+        try:  # an image the model cannot take: 400 at once (models/vision.py)
+            check_images(req.prompt, self.reg.runtime.vision(client.base_model), "the prompt")
+        except EngineError as e:
+            raise BadRequest(str(e)) from None
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
@@ -517,7 +521,7 @@ class Operations:
         """The prompt-scoring options, checked when the request arrives (400 naming the field)."""
         try:
             check_prompt_extras(
-                req.prompt.length,
+                model_input_length(req.prompt),
                 bool(req.prompt_logprobs),
                 _target_tensor(req),
                 req.prompt_alt_tokens_k,
@@ -533,6 +537,8 @@ class Operations:
         session = sampler_id.split(":sample:", 1)[0]
         weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
         policy = f"{sampler_id} ({weights})"
+        if any(not isinstance(c, types.EncodedTextChunk) for c in req.prompt.chunks):
+            raise BadRequest("record_stability_info takes text prompts only; this one has an image")
         prompt = req.prompt.to_ints()
 
         def record(res: types.SampleResponse) -> Any:
@@ -554,7 +560,13 @@ class Operations:
 
         def metered(res: Any) -> Any:
             base = str(client.base_model)
-            ledger.count(tenant, "sampling_prefill", req.prompt.length, session_id=session, base_model=base)
+            ledger.count(
+                tenant,
+                "sampling_prefill",
+                model_input_length(req.prompt),
+                session_id=session,
+                base_model=base,
+            )
             generated = sum(len(s.tokens) for s in res.sequences)
             ledger.count(tenant, "sampling_sample", generated, session_id=session, base_model=base)
             hits = int(getattr(res, "prompt_cache_hit_tokens", 0) or 0)

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.types.encoded_text_chunk import EncodedTextChunk
+from tinker.types.image_chunk import ImageChunk
 
 from opentinker.server.errors import BadRequest, PayloadTooLarge
 
@@ -167,16 +168,28 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 
 def _datum(i: int, d: pb.Datum) -> types.Datum:
-    tokens: list[int] = []
-    for chunk in d.model_input:
+    chunks: list[Any] = []
+    for c, chunk in enumerate(d.model_input):
         kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise BadRequest(f"datum {i}: {kind or 'empty'} chunks are not supported (only encoded_text)")
-        tokens.extend(
-            _frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens").tolist()
-        )
+        if kind == "encoded_text":
+            tokens = _frombuffer(chunk.encoded_text.tokens, np.dtype(np.int32), f"datum {i} tokens").tolist()
+            chunks.append(EncodedTextChunk.model_construct(tokens=tokens))
+        elif kind == "image":  # decoded by the model's image processor when it runs (models/vision.py)
+            image = chunk.image
+            expected = image.expected_tokens if image.HasField("expected_tokens") else None
+            if image.format not in ("png", "jpeg"):
+                raise BadRequest(
+                    f"datum {i}: chunk {c}: unsupported image format {image.format!r}: send png or jpeg"
+                )
+            chunks.append(
+                ImageChunk.model_construct(data=image.data, format=image.format, expected_tokens=expected)
+            )
+        else:
+            raise BadRequest(
+                f"datum {i}: {kind or 'empty'} chunks are not supported (only encoded_text and image)"
+            )
     inputs = {name: _tensor(t, f"datum {i} loss_fn_inputs[{name!r}]") for name, t in d.loss_fn_inputs.items()}
-    model_input = types.ModelInput.model_construct(chunks=[EncodedTextChunk.model_construct(tokens=tokens)])
+    model_input = types.ModelInput.model_construct(chunks=chunks)
     if len(d.model_input_spans) or len(d.loss_fn_input_spans):  # provenance (stable_reinforce)
         spans = (_spans(i, d.model_input_spans), _spans(i, d.loss_fn_input_spans))
         return types.Datum(

@@ -1,0 +1,101 @@
+"""Images over HTTP: the official ``tinker`` SDK against ``opentinker serve`` on a random 2-layer
+Qwen3-VL (``tests/vision.py``): an SFT step with an ``ImageChunk`` in the datum (the SDK sends it
+in its protobuf body), a sample with an image prompt (JSON), and the refusals: a wrong
+``expected_tokens``, a corrupt PNG, an unsupported format and an image on a text-only model each
+name the problem, with no server path or traceback; nothing else in the batch is affected.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from tests.vision import SPECIAL, jpeg, png, vl_model
+
+
+def _message(exc: BaseException) -> str:
+    return str(getattr(exc, "body", None) or exc)
+
+
+@pytest.mark.slow
+def test_sdk_sft_step_and_sample_with_an_image(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import tinker
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    from tests.conftest import local_server
+
+    folder = vl_model(tmp_path / "qwen3-vl", "qwen3_vl")
+    start, end = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(SPECIAL[:2])
+
+    def model_input(image: types.ImageChunk, tail: list[int]) -> types.ModelInput:
+        return types.ModelInput(
+            chunks=[
+                types.EncodedTextChunk(tokens=[5, 6, start]),
+                image,
+                types.EncodedTextChunk(tokens=[end, *tail]),
+            ]
+        )
+
+    good = types.ImageChunk(data=png(), format="png", expected_tokens=4)
+    mi = model_input(good, [7, 8, 9, 10])
+    n = mi.length  # 3 + 4 + 5: Tinker counts the image as its expected_tokens
+    targets = [6, start, 0, 0, 0, 0, end, 7, 8, 9, 10, 11]  # the cookbook's: 0 for the image's
+    weights = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert n == len(targets)
+    datum = types.Datum(model_input=mi, loss_fn_inputs={"target_tokens": targets, "weights": weights})
+    with local_server(tmp_path_factory, "vl-server", base_model=folder) as srv:
+        service = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-vision-http")
+        try:
+            tc = service.create_lora_training_client(base_model=folder, rank=4, seed=0).result()
+            losses = []
+            for _ in range(3):
+                losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+                tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            assert losses[-1] < losses[0]
+            out = tc.forward([datum], "cross_entropy").result()
+            assert len(out.loss_fn_outputs[0]["logprobs"].data) == n
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=0, stop=[])
+            prompt = model_input(types.ImageChunk(data=jpeg(seed=3), format="jpeg"), [7])
+            res = sampler.sample(prompt, 2, params).result()
+            assert len(res.sequences) == 2 and all(len(s.tokens) == 5 for s in res.sequences)
+            lps = sampler.compute_logprobs(prompt).result()
+            assert len(lps) == 3 + 4 + 2 and lps[0] is None
+
+            corrupt = bytearray(png())
+            corrupt[60:80] = b"\0" * 20
+            gif = io.BytesIO()
+            from PIL import Image
+
+            Image.new("RGB", (8, 8)).save(gif, format="GIF")
+            bad = {
+                "expected_tokens=9 but this 64x64 image is 4 tokens": types.ImageChunk(data=png(), format="png", expected_tokens=9),
+                "png image is truncated or corrupt": types.ImageChunk(data=bytes(corrupt), format="png", expected_tokens=4),
+                "not a PNG or JPEG image": types.ImageChunk(data=gif.getvalue(), format="png", expected_tokens=4),
+            }  # fmt: skip
+            for problem, chunk in bad.items():
+                with pytest.raises(tinker.BadRequestError) as e:
+                    sampler.sample(model_input(chunk, [7]), 1, params).result()
+                assert problem in _message(e.value) and "Traceback" not in _message(e.value)
+                assert str(tmp_path) not in _message(e.value)
+                bad_datum = types.Datum(
+                    model_input=model_input(chunk, [7, 8, 9, 10]), loss_fn_inputs=datum.loss_fn_inputs
+                )
+                # a training call is ordered (seq_id): it is taken, and fails through its future as
+                # the user's error (a 400 would leave a gap in the model's sequence)
+                with pytest.raises(tinker.RequestFailedError) as e2:
+                    tc.forward_backward([bad_datum], "cross_entropy").result()
+                assert problem in str(e2.value) and str(tmp_path) not in str(e2.value)
+                assert e2.value.category.name == "User"
+            pointer = types.ImageAssetPointerChunk(format="png", location="/etc/hosts", expected_tokens=4)
+            with pytest.raises(tinker.BadRequestError, match="image_asset_pointer"):
+                sampler.sample(model_input(pointer, [7]), 1, params).result()  # type: ignore[arg-type]
+            # the model goes on: its next step is served, unaffected
+            assert tc.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+        finally:
+            service.close("success").result()
