@@ -130,3 +130,8 @@ def test_a_vl_folder_without_its_image_processor_is_refused(tmp_path: Path) -> N
     with pytest.raises(ModelLoadError, match="no preprocessor_config.json") as e:
         load_base_model(str(folder))
     assert str(tmp_path) not in str(e.value)
+    # Qwen3.5 has a text-only causal-LM class: without its image processor it loads as that
+    folder = Path(vl_model(tmp_path / "q35", "qwen3_5"))
+    (folder / "preprocessor_config.json").unlink()
+    base = load_base_model(str(folder))
+    assert base.vision is None and type(base.model).__name__ == "Qwen3_5ForCausalLM"

@@ -23,6 +23,7 @@ from opentinker.models.registry import canonical_name, resolve_model_path
 from opentinker.models.vision import Vision
 
 CONFIG_FILE = "config.json"
+PROCESSOR_FILE = "preprocessor_config.json"  # a VL model's image processor, saved beside it
 
 
 class ModelLoadError(ValueError):
@@ -68,12 +69,16 @@ def load_base_model(
     path = resolve_model_path(canonical)
     config = read_config(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    # a VL family with a causal-LM class (Qwen3.5) and no image processor saved loads text-only
+    vl = is_vision_language(config) and (
+        (Path(path) / PROCESSOR_FILE).is_file() or not _has_causal_lm(config)
+    )
     try:
-        vision = Vision.load(path, config) if is_vision_language(config) else None
+        vision = Vision.load(path, config) if vl else None
     except (ValueError, OSError) as e:
         raise ModelLoadError(_redact(" ".join(str(e).split()), path)) from None
-    model: Any = model_class(config).from_pretrained(
-        path, config=config, dtype=torch_dtype, attn_implementation=attention_for(config)
+    model: Any = model_class(config, vl).from_pretrained(
+        path, config=config, dtype=torch_dtype, attn_implementation=attention_for(config, vl)
     )
     model.to(device)
     model.eval()
@@ -104,12 +109,20 @@ def is_vision_language(config: Any) -> bool:
     )
 
 
-def model_class(config: Any) -> Any:
-    """The transformers auto class that loads ``config``: image-text-to-text for a VL model (its
-    language model's LoRA targets sit under ``model.language_model``), else causal LM."""
+def model_class(config: Any, vision: bool | None = None) -> Any:
+    """The transformers auto class that loads ``config``: image-text-to-text for a VL model
+    loaded with its vision tower (its language model's LoRA targets sit under
+    ``model.language_model``), else causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    vl = is_vision_language(config) and (vision if vision is not None else not _has_causal_lm(config))
+    return AutoModelForImageTextToText if vl else AutoModelForCausalLM
+
+
+def _has_causal_lm(config: Any) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    return type(config) in AutoModelForCausalLM._model_mapping
 
 
 def read_config(path: str) -> Any:
@@ -165,20 +178,19 @@ def _check_config_json(file: Path) -> None:
 
 
 def _check_causal_lm(config: Any) -> None:
-    from transformers import AutoModelForCausalLM
 
-    if type(config) not in AutoModelForCausalLM._model_mapping and not is_vision_language(config):
+    if not _has_causal_lm(config) and not is_vision_language(config):
         raise ModelLoadError(
             f"unsupported model family {config.model_type!r}: transformers has no causal-LM class for "
             f"it ({type(config).__name__}); OpenTinker trains causal language models"
         )
 
 
-def attention_for(config: Any) -> str:
+def attention_for(config: Any, vision: bool | None = None) -> str:
     """The attention implementation to load with: PyTorch's SDPA where the family's model class
     supports it (fast on CPU and GPU), else ``eager`` (gpt-oss: its attention sinks have no SDPA
     path in transformers, and asking for SDPA is refused outright)."""
-    cls = model_class(config)._model_mapping[type(config)]
+    cls = model_class(config, vision)._model_mapping[type(config)]
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
