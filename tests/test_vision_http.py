@@ -92,6 +92,13 @@ def test_sdk_sft_step_and_sample_with_an_image(
                     tc.forward_backward([bad_datum], "cross_entropy").result()
                 assert problem in str(e2.value) and str(tmp_path) not in str(e2.value)
                 assert e2.value.category.name == "User"
+            # over the pixel limit (4096 x 4096): a 6000 x 6000 one-bit PNG of a few kB, 413
+            big = io.BytesIO()
+            Image.new("1", (6000, 6000)).save(big, format="PNG")
+            huge = types.ImageChunk(data=big.getvalue(), format="png")
+            with pytest.raises(tinker.APIStatusError) as e3:
+                sampler.sample(model_input(huge, [7]), 1, params).result()
+            assert e3.value.status_code == 413 and "over the limit of 16777216" in _message(e3.value)
             pointer = types.ImageAssetPointerChunk(format="png", location="/etc/hosts", expected_tokens=4)
             with pytest.raises(tinker.BadRequestError, match="image_asset_pointer"):
                 sampler.sample(model_input(pointer, [7]), 1, params).result()  # type: ignore[arg-type]

@@ -19,6 +19,14 @@ from opentinker.sampling import SampleResult, SamplingParams
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
+class ImageRefused(EngineError):
+    """An image the model cannot take; ``status`` 413 for one over the pixel limit, else 400."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def model_input_parts(
     model_input: types.ModelInput, vision: Vision | None, where: str
 ) -> tuple[list[int], tuple[Image, ...]]:
@@ -38,7 +46,7 @@ def model_input_parts(
             try:
                 image = vision.encode(chunk.data, chunk.format, chunk.expected_tokens)
             except ImageError as e:
-                raise EngineError(f"{where}: chunk {c}: {e}") from None
+                raise ImageRefused(f"{where}: chunk {c}: {e}", e.status) from None
             images.append(image)
             tokens.extend([vision.image_token_id] * image.n_tokens)
         elif isinstance(chunk, types.ImageAssetPointerChunk):

@@ -455,10 +455,10 @@ class Operations:
             raise BadRequest("asample needs a sampling_session_id (or a base_model)")
         digest = digest_json("asample", req.model_dump(mode="json"))
         self.check_sample(req)
-        try:  # an image the model cannot take: 400 at once (models/vision.py)
+        try:  # an image the model cannot take: 400 (413: over the pixel limit) at once
             check_images(req.prompt, self.reg.runtime.vision(client.base_model), "the prompt")
         except EngineError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e), getattr(e, "status", 400)) from None
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
