@@ -8,6 +8,7 @@ the images through its two passes.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +125,24 @@ def test_forward_backward_custom_keeps_the_images(service: tuple[opentinker.Serv
     la = a.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     lb = b.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
     assert_logprobs_close(torch.tensor(la), torch.tensor(lb))
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_process_samples_image_prompts_as_in_process(
+    service: tuple[opentinker.ServiceClient, str], tmp_path: Path
+) -> None:
+    """The images travel to a rollout worker process with the request; its samples equal the
+    in-process sampler's (same seed, same weights)."""
+    svc, folder = service
+    prompt = image_prompt(folder, 4, [7])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=2, stop=[])
+    here = svc.create_sampling_client(base_model=folder).sample(prompt, 2, params).result()
+    runtime = Runtime(tmp_path / "data", dtype="float32", rollout_workers=1)
+    try:
+        there = opentinker.ServiceClient(runtime=runtime).create_sampling_client(base_model=folder)
+        out = there.sample(prompt, 2, params).result()
+    finally:
+        runtime.shutdown()
+    for a, b in zip(here.sequences, out.sequences, strict=True):
+        assert a.tokens == b.tokens
+        assert_logprobs_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
