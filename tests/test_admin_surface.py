@@ -33,8 +33,11 @@ import tinker
 import torch
 from tinker import types
 from tinker.lib.api_future_impl import QueueState
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 from tinker.lib.public_interfaces.api_future import APIFuture
+from transformers import AutoTokenizer
 
+from opentinker.models.registry import resolve_model_path
 from opentinker.server.console import local_console_url
 from opentinker.server.local import LocalServer
 from tests import route_coverage
@@ -326,15 +329,70 @@ def test_queue_state_changes_are_reported_once_a_minute(
 def test_telemetry_follows_the_environment(
     server: LocalServer, work: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for client in (work["service"], work["trainer"], work["sampler"], work["rest"]):
+    for client in (work["service"], work["trainer"], work["sampler"], work["rest"], _admin(server)):
         assert client.get_telemetry() is None  # TINKER_TELEMETRY=0
     monkeypatch.setenv("TINKER_TELEMETRY", "1")
     service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
     try:
         tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=2, seed=1).result()
         assert tc.get_telemetry() is not None and service.get_telemetry() is not None
+        # a REST-only client shares its holder with every one of the same URL and key: a new key
+        assert _admin(server, "tml-admin-surface-telemetry").get_telemetry() is not None
     finally:
         service.close("success").result()
+
+
+def test_create_rest_client_reads_what_a_rest_client_reads(server: LocalServer, work: dict[str, Any]) -> None:
+    service: tinker.ServiceClient = work["service"]
+    with pytest.warns(FutureWarning, match="create_rest_client"):  # deprecated: construct RestClient
+        made = service.create_rest_client()
+    runs = made.list_training_runs().result().training_runs
+    assert work["trainer"].model_id in [r.training_run_id for r in runs]
+    assert (
+        made.list_checkpoints(work["trainer"].model_id).result()
+        == work["rest"].list_checkpoints(work["trainer"].model_id).result()
+    )
+    assert made.get_session(service.holder.get_session_id()).result().training_run_ids == [
+        work["trainer"].model_id
+    ]
+
+
+def test_the_sdks_health_check_reads_ok(server: LocalServer, work: dict[str, Any]) -> None:
+    """No public SDK method calls ``/healthz``: the SDK's own service resource does, on a
+    connection of the client's holder."""
+    holder = work["service"].holder
+
+    async def health() -> types.HealthResponse:
+        with holder.aclient(ClientConnectionPoolType.SESSION) as client:
+            return await client.service.health_check()
+
+    answer = holder.run_coroutine_threadsafe(health()).result(timeout=60)
+    assert isinstance(answer, types.HealthResponse) and answer.status == "ok"
+
+
+def test_a_sampling_client_gets_the_tokenizer_of_a_base_model_served_from_a_folder(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``SamplingClient.get_tokenizer`` loads transformers' tokenizer by the base model's *name*
+    (``TrainingClient``'s uses the ``tokenizer_id`` the server sends). A built-in name such as
+    ``opentinker/tiny`` is no Hugging Face id a client can load offline; a base model served from a
+    local folder is named by that folder, which the client's transformers reads."""
+    folder = resolve_model_path(TEST_MODEL)
+    text = "The quick brown fox jumps over the lazy dog"
+    want = AutoTokenizer.from_pretrained(folder).encode(text)
+    with local_server(tmp_path_factory, "folder-data", base_model=folder) as srv:
+        service = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+        try:
+            tc = service.create_lora_training_client(base_model=folder, rank=2, seed=0).result()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            assert sampler.get_base_model() == folder
+            tokenizer = sampler.get_tokenizer()
+            assert tokenizer.encode(text) == want == tc.get_tokenizer().encode(text)
+            params = types.SamplingParams(max_tokens=6, seed=0, stop=[])
+            (seq,) = sampler.sample(types.ModelInput.from_ints(want), 1, params).result().sequences
+            assert len(seq.tokens) == 6 and isinstance(tokenizer.decode(seq.tokens), str)
+        finally:
+            service.close("success").result()
 
 
 def test_server_capabilities_describe_every_served_model(server: LocalServer, work: dict[str, Any]) -> None:
