@@ -241,8 +241,8 @@ def problems(records: Iterable[dict[str, Any]], called: set[str], served: list[A
     return out
 
 
-def unexpected(gaps: list[str]) -> list[str]:
-    """The gaps not in :data:`PENDING`, and the :data:`PENDING` entries that are gaps no more."""
-    new = [g for g in gaps if g not in PENDING]
-    closed = [f"PENDING entry closed, delete it: {g}" for g in sorted(PENDING - set(gaps))]
+def unexpected(gaps: list[str], pending: frozenset[str] = PENDING) -> list[str]:
+    """The gaps not in ``pending`` (:data:`PENDING`), and its entries that are gaps no more."""
+    new = [g for g in gaps if g not in pending]
+    closed = [f"PENDING entry closed, delete it: {g}" for g in sorted(pending - set(gaps))]
     return new + closed
