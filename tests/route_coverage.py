@@ -51,6 +51,17 @@ SDK_USER_AGENT = re.compile(r"^(Async)?Tinker/Python ")
 # What each SDK path parameter looks like at run time (a checkpoint id is "<kind>/<name>").
 SAMPLE_PARAMS = {"checkpoint_id": "sampler_weights/ckpt-1", "sampling_session_id": "sess-1:sample:0"}
 
+# What a client holder's background tasks send (its heartbeat, config refresh, sampling-cancel drain,
+# telemetry). A task inherits the context of the call that started it, so these carry the tag of
+# whichever member made the holder (``SamplingClient.from_sampler_handle``'s heartbeats), and are
+# no request of that member's: they count for the routes they reach, never for a member.
+BACKGROUND_ROUTES = {
+    ("POST", "/api/v1/session_heartbeat"),
+    ("POST", "/api/v1/client/dynamic_config"),
+    ("POST", "/api/v1/cancel_future"),
+    ("POST", "/api/v1/telemetry"),
+}
+
 # Public members that send no request of their own, and why.
 LOCAL_METHODS: dict[str, str] = {
     **{f"{c.__name__}.get_telemetry": "the client's own telemetry object" for c in CLIENTS},
@@ -221,7 +232,7 @@ def problems(records: Iterable[dict[str, Any]], called: set[str], served: list[A
     for r in records:
         if r.get("sdk_method") or SDK_USER_AGENT.match(r.get("user_agent", "")):
             reached.add((r["method"], r["route"]))
-        if r.get("sdk_method"):
+        if r.get("sdk_method") and (r["method"], r["route"]) not in BACKGROUND_ROUTES:
             by_member[r["sdk_method"]].add(f"{r['method']} {r['route']}")
     out = []
     for method, template in sorted(sdk_routes()):

@@ -102,6 +102,15 @@ def test_the_route_check_names_what_no_sdk_call_reached(app_routes: list[APIRout
     assert problems(quiet, called, app_routes) == [
         "member RestClient.list_user_checkpoints: called, but no request it sent reached a server"
     ]
+    # a heartbeat of the holder a member made carries its tag: it is no request of that member's
+    beat = {"method": "POST", "route": "/api/v1/session_heartbeat", "user_agent": "AsyncTinker/Python 0.38.0"}
+    assert problems(
+        [*quiet, {**beat, "sdk_method": "RestClient.list_user_checkpoints"}], called, app_routes
+    ) == ["member RestClient.list_user_checkpoints: called, but no request it sent reached a server"]
+    assert (
+        problems([*records, {**beat, "sdk_method": "SamplingClient.from_sampler_handle"}], called, app_routes)
+        == []
+    )
 
 
 def test_the_servers_log_routes_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
