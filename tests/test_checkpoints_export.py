@@ -73,6 +73,22 @@ def test_load_into_existing_adapter_with_other_config_changes_nothing(engine: En
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_load_into_an_adapter_of_another_seed_takes_the_checkpoints_weights(engine: Engine, tmp_path) -> None:
+    """The seed only chose an adapter's initial weights: a checkpoint of the same rank, scale and
+    targets loads into it (with and without its optimizer state, and as an in-memory fork)."""
+    aid = _trained(engine)
+    path = engine.save_state(aid, tmp_path / "ck")
+    want = engine.adapter_weights(aid).state_dict()
+    for optimizer in (False, True):
+        other = engine.create_adapter(LoRAConfig(rank=4, seed=7))
+        engine.load_state(path, optimizer=optimizer, into=other)
+        got = engine.adapter_weights(other).state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    forked = engine.create_adapter(LoRAConfig(rank=4, seed=9))
+    engine.fork_adapter(aid, into=forked)
+    assert all(torch.equal(engine.adapter_weights(forked).state_dict()[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("cfg", [dict(rank=4), dict(rank=8, alpha=16, train_mlp=False, train_unembed=False)])
 def test_inv5_peft_export_matches_engine_logits(engine: Engine, tmp_path, cfg) -> None:
     peft = pytest.importorskip("peft")

@@ -85,16 +85,29 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + WAIT_MS / 1000
-        while time.monotonic() < deadline:  # up as soon as it answers; a loaded machine gets time
+        while True:  # up as soon as it answers; a loaded machine gets time
             try:
                 urllib.request.urlopen(url + "/console/api/mode", timeout=10)
                 break
             except OSError:
+                assert proc.poll() is None, f"opentinker console exited with {proc.returncode}"
+                assert time.monotonic() < deadline, (
+                    f"opentinker console did not answer within {WAIT_MS / 1000} s"
+                )
                 time.sleep(0.2)
         yield url, runs
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _page(browser: Any, **options: Any) -> Any:
+    """A new page whose every wait (an action's, a navigation's, ``wait_for_*``'s) is bounded by
+    :data:`WAIT_MS` rather than Playwright's 30 s default: each returns as soon as its condition holds."""
+    page = browser.new_page(**options)
+    page.set_default_timeout(WAIT_MS)
+    page.set_default_navigation_timeout(WAIT_MS)
+    return page
 
 
 def _shot(page: Any, name: str) -> None:
@@ -103,7 +116,7 @@ def _shot(page: Any, name: str) -> None:
 
 
 def _sign_in(browser: Any, srv: LocalServer, key: str) -> Any:
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page = _page(browser, viewport={"width": 1280, "height": 900})
     page.goto(srv.base_url + "/")
     page.fill("#api-key", key)
     page.click("form.signin button")
@@ -138,7 +151,7 @@ def test_a_tenant_sees_its_runs_and_not_anothers(
 
 def test_a_wrong_key_is_refused_in_the_page(browser: Any, world: tuple[LocalServer, dict[str, Any]]) -> None:
     srv, _ = world
-    page = browser.new_page()
+    page = _page(browser)
     page.goto(srv.base_url + "/")
     page.fill("#api-key", "tml-wrong-key")
     page.click("form.signin button")
@@ -188,7 +201,7 @@ def test_the_engine_page_updates_live(browser: Any, world: tuple[LocalServer, di
 
 def test_local_runs_curves_live_and_problems(browser: Any, local_run: tuple[str, Path]) -> None:
     url, runs = local_run
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page = _page(browser, viewport={"width": 1280, "height": 1000})
     page.goto(url + "/")
     page.wait_for_selector("#charts .chart")
     names = page.eval_on_selector_all("tr.run", "rows => rows.map(r => r.dataset.run)")
@@ -226,14 +239,15 @@ def test_local_runs_curves_live_and_problems(browser: Any, local_run: tuple[str,
 def test_local_runs_rollouts_are_shown(browser: Any, local_run: tuple[str, Path]) -> None:
     url, runs = local_run
     first = json.loads((runs / "multi" / "seed0" / "rollouts.jsonl").read_text().splitlines()[0])
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page = _page(browser, viewport={"width": 1280, "height": 1000})
     page.goto(url + "/")
     page.wait_for_selector("tr.run[data-run='multi/seed0'] a.open-rollouts")
     page.click("tr.run[data-run='multi/seed0'] a.open-rollouts")
     page.wait_for_selector(".episode")
     page.select_option("select[name=step]", str(first["step"]))
     page.wait_for_function(
-        f"() => [...document.querySelectorAll('.episode .meta')].every(m => m.textContent.startsWith('step {first['step']} '))"
+        "() => { const ms = [...document.querySelectorAll('.episode .meta')]; "
+        f"return ms.length > 0 && ms.every(m => m.textContent.startsWith('step {first['step']} ')); }}"
     )
     prompt = first["turns"][0]["text"]
     texts = page.eval_on_selector_all(".turn.prompt", "ts => ts.map(t => t.textContent)")
@@ -257,7 +271,7 @@ def test_a_multi_agent_runs_episodes_filter_by_agent(browser: Any, local_run: tu
     url, runs = local_run
     logged = [json.loads(x) for x in (runs / "game" / "rollouts.jsonl").read_text().splitlines()]
     assert {e["series"] for e in logged} == {"X", "O"}
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page = _page(browser, viewport={"width": 1280, "height": 1000})
     page.goto(url + "/")
     page.click("tr.run[data-run='game'] a.open-rollouts")
     page.wait_for_selector(".episode")
@@ -269,7 +283,8 @@ def test_a_multi_agent_runs_episodes_filter_by_agent(browser: Any, local_run: tu
     for agent in ("O", "X"):
         page.select_option("select[name=series]", agent)
         page.wait_for_function(
-            f"() => [...document.querySelectorAll('.episode .meta')].every(m => m.textContent.includes(' · {agent} · '))"
+            "() => { const ms = [...document.querySelectorAll('.episode .meta')]; "
+            f"return ms.length > 0 && ms.every(m => m.textContent.includes(' · {agent} · ')); }}"
         )
         shown = page.eval_on_selector_all(".turn.prompt", "ts => ts.map(t => t.textContent)")
         mine = [e["turns"][0]["text"] for e in logged if e["series"] == agent]

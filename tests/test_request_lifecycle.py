@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -490,6 +491,55 @@ def test_cancel_future_drops_a_queued_sample_and_refuses_other_ids(server: Local
             r = http.post("/cancel_future", json={"request_id": rid})
             assert r.status_code == 404 and "unknown" in r.json()["detail"]
         assert http.post("/cancel_future", json={"id": small}).status_code == 422
+
+
+@pytest.fixture
+def one_running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
+    """A server that runs one request per tenant at a time and polls one request at a time (no
+    ``--batch-polling``: the SDK's polls then report each request's queue state)."""
+    with local_server(
+        tmp_path_factory, "one-running-data", "--poll-timeout", "0.3", "--max-running", "1"
+    ) as srv:
+        yield srv
+
+
+def test_a_sample_the_sdk_abandons_is_cancelled_on_the_server(one_running: LocalServer) -> None:
+    """Cancelling a sample's future makes the SDK send ``/cancel_future`` (the server's dynamic
+    config enables it), and the server drops the request unsampled. The SDK's request waits behind
+    the tenant's one running request, a sample that fills the ticks for seconds; it is cancelled
+    once the SDK's own poll reports it held (``paused_rate_limit``), so the server holds it then:
+    its trace slice says it failed as cancelled, and it never ran."""
+    key = "tml-lifecycle-cancel"
+    service = tinker.ServiceClient(base_url=one_running.base_url, api_key=key)
+    try:
+        sampler = service.create_sampling_client(base_model=TEST_MODEL).result()
+        held = threading.Event()
+
+        def observe(state: QueueState, reason: str | None) -> None:
+            if state == QueueState.PAUSED_RATE_LIMIT:
+                held.set()
+
+        sampler.on_queue_state_change = observe  # type: ignore[method-assign]  # the SDK's observer
+        with _http(one_running, key) as http:
+            big = _asample(http, _sampler_id(http), 1, n=256, max_tokens=96, full=True)
+            params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=1)
+            future = sampler.sample(types.ModelInput.from_ints(TOKENS), 1, params)
+            assert held.wait(timeout=120), "the SDK's poll never reported the sample held"
+            future.future().cancel()
+            assert _result(http, big).headers["content-type"] == "application/x-protobuf"
+        assert future.future().cancelled()
+        rest = tinker.RestClient(base_url=one_running.base_url, api_key=key)
+        deadline = time.monotonic() + 120
+        while True:  # the SDK sends the cancel from its own task: until the server has it
+            url = rest.export_session_trace(service.holder.get_session_id()).result()
+            trace = httpx.get(url, timeout=60).raise_for_status().json()
+            (sample,) = [e["args"] for e in trace["traceEvents"] if e.get("name") == "sample"]
+            if sample["status"] != "running" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert sample["status"] == "failed: Cancelled" and sample["run_ms"] == 0, sample
+    finally:
+        service.close("success").result()
 
 
 def test_a_sample_held_back_by_capacity_says_paused_capacity(server: LocalServer) -> None:

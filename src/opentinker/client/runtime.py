@@ -329,7 +329,7 @@ class Runtime(ScaleOutMethods):
             else:  # weights only: a copy of the checkpoint's weights, read from disk once
                 source = self._weights_source(eng, ref)
                 have, want = eng.adapter_weights(source).config, eng.adapter_config(model_id)
-                if have != want:
+                if not want.same_layout(have):
                     raise CheckpointError(
                         f"checkpoint {ref.tinker_path} has LoRA config {have}, model {model_id!r} has {want}"
                     )

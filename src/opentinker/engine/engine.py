@@ -157,7 +157,7 @@ class Engine:
         step = self._adapters[source].step if source in self._adapters else self.snapshot_info(source).step
         if into is not None:
             target = self._adapter(into)
-            if target.weights.config != src.config:
+            if not target.weights.config.same_layout(src.config):
                 raise EngineError(
                     f"{source!r} has LoRA config {src.config}, adapter {into!r} has {target.weights.config}"
                 )
@@ -544,7 +544,7 @@ class Engine:
             new_opt.load_state_tensors(opt_tensors)
         if into is not None:
             target = self._adapter(into)
-            if target.weights.config != config:
+            if not target.weights.config.same_layout(config):
                 raise CheckpointError(
                     f"checkpoint {path} has LoRA config {config}, adapter {into!r} has {target.weights.config}"
                 )

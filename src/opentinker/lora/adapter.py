@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -40,6 +40,11 @@ class LoRAConfig:
 
     def trains(self, kind: str) -> bool:
         return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[kind]
+
+    def same_layout(self, other: LoRAConfig) -> bool:
+        """Whether weights made with ``other`` fit an adapter made with this one: the same rank,
+        scale and targets. The seed only chose the initial weights, so it may differ."""
+        return replace(self, seed=None) == replace(other, seed=None)
 
 
 @dataclass(frozen=True)
