@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -61,7 +62,9 @@ from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
 from opentinker.sampling.backend import Mismatch, RolloutBackend
 from opentinker.sampling.decoder import Decoder, Pinned
-from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams
+from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams, Tokens, TokenSink
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,14 @@ Inbound = Sample | Publish[LoRAWeights] | Retire | Follow | Abort
 
 
 @dataclass
+class _Streamed:
+    """A streamed request's sink, and how many tokens of each sample it has been sent."""
+
+    sink: TokenSink
+    sent: list[int]
+
+
+@dataclass
 class RolloutStats:
     steps: int = 0  # decode steps run
     admitted: int = 0  # requests admitted
@@ -161,6 +172,7 @@ class RolloutCore:
         self.max_rows = max_rows
         self.stats = RolloutStats()
         self._waiting: deque[tuple[int, Pinned]] = deque()
+        self._streams: dict[int, _Streamed] = {}  # streamed requests not yet answered
         # guards _waiting: other threads ask whether a request still waits, and cancel it
         self._lock = threading.Lock()
 
@@ -175,6 +187,8 @@ class RolloutCore:
                 pinned = msg.pinned or self.decoder.pin(msg.request)
                 with self._lock:
                     self._waiting.append((msg.rid, pinned))
+                if msg.request.stream is not None:
+                    self._streams[msg.rid] = _Streamed(msg.request.stream, [0] * msg.request.num_samples)
             elif isinstance(msg, Publish):
                 self.backend.publish(msg.policy_id, msg.weights)
             elif isinstance(msg, Follow):
@@ -188,6 +202,7 @@ class RolloutCore:
         return []
 
     def _abort(self, rid: int) -> None:
+        self._streams.pop(rid, None)
         if self.cancel(rid):
             return
         drop = getattr(self.decoder, "drop", None)
@@ -241,10 +256,48 @@ class RolloutCore:
         stats.live_rows = dec.live_rows
         stats.waiting = len(self._waiting)
         stats.finished += len(finished)
+        for rid, _ in finished:
+            self._streams.pop(rid, None)
         stats.sampled_tokens += sum(
             len(seq.tokens) for _, res in finished if isinstance(res, SampleResult) for seq in res.sequences
         )
         return [_done(rid, res) for rid, res in finished]
+
+    def progress(self) -> list[tuple[Tokens, TokenSink]]:
+        """The tokens streamed requests decoded since the last call (after :meth:`tick`: those
+        its step added), each with the sink it goes to. A request answered by the tick sends
+        nothing more: its result holds every token. Decoders without ``progress`` (vLLM) stream
+        nothing: their tokens come with the result."""
+        look = getattr(self.decoder, "progress", None)
+        if not self._streams or look is None:
+            return []
+        out: list[tuple[Tokens, TokenSink]] = []
+        rids = list(self._streams)  # a snapshot: cancel (another thread) may remove one
+        found = look(rids)
+        if len(found) < len(rids):  # a request failed outside a tick's answers: forget it
+            with self._lock:
+                waiting = {r for r, _ in self._waiting}
+            for rid in rids:
+                if rid not in found and rid not in waiting:
+                    self._streams.pop(rid, None)
+        for rid, samples in found.items():
+            s = self._streams.get(rid)
+            if s is None:
+                continue
+            for k, (tokens, logprobs, top) in enumerate(samples):
+                start, n = s.sent[k], len(tokens)
+                if n > start:
+                    piece = Tokens(
+                        rid,
+                        k,
+                        start,
+                        tokens[start:n],
+                        logprobs[start:n],
+                        None if top is None else top[start:n],
+                    )
+                    out.append((piece, s.sink))
+                    s.sent[k] = n
+        return out
 
     def is_waiting(self, rid: int) -> bool:
         """Whether request ``rid`` waits for room in the batch (a tick ran without it)."""
@@ -257,6 +310,7 @@ class RolloutCore:
             for item in self._waiting:
                 if item[0] == rid:
                     self._waiting.remove(item)
+                    self._streams.pop(rid, None)
                     return True
         return False
 
@@ -418,6 +472,7 @@ class RolloutLoop:
                 done += core.handle(msg)
             try:
                 done += core.tick()
+                self._stream(core.progress())
             except Exception as e:  # a bug must fail the requests it touched, never the thread
                 done += [Done(rid, error=e) for rid in core.decoder.running()]
             self._resolve(done)
@@ -435,6 +490,14 @@ class RolloutLoop:
             if self._received == seen:
                 return
             seen = self._received
+
+    @staticmethod
+    def _stream(pieces: list[tuple[Tokens, TokenSink]]) -> None:
+        for piece, sink in pieces:
+            try:
+                sink(piece)
+            except Exception:  # a sink's failure is its reader's, never the loop's
+                log.exception("a token sink failed")
 
     def _resolve(self, done: list[Done]) -> None:
         with self._cv:
