@@ -1,8 +1,16 @@
 """The rollout worker pool: sampling served by N worker processes, each with its own base model.
 
 :class:`WorkerPool` has the in-process :class:`~opentinker.sampling.rollout.RolloutLoop`'s face
-(``submit`` → ``Future``, tickets, ``state``, ``cancel``, ``shutdown``), so the scheduler hands
-it samples the same way. One dispatcher thread owns every worker's pipe.
+(``submit`` → ``Future``, tickets, ``state``, ``cancel``, ``abort``, ``shutdown``), so the
+scheduler hands it samples the same way. One dispatcher thread owns every worker's pipe.
+
+**Streams and aborts.** A streamed request's tokens come back from its worker as
+:class:`~opentinker.rollout.wire.Tokens` messages while it decodes, and the dispatcher hands them
+to the request's sink (its ``TokenSink`` crossed to the worker as a bare marker). ``abort`` of a
+request on a worker fails its future at once and sends that worker an
+:class:`~opentinker.rollout.wire.Abort`: its rows leave the worker's running batch before its next
+decode step. Each worker reports its running batch when it changes
+(:class:`~opentinker.rollout.wire.Rows`: rows, waiting, aborted), summed in :attr:`WorkerPool.stats`.
 
 **Pinning** happens here, on the submitter's thread, exactly as in process: the request is
 validated and its policy resolved to the engine's snapshot weights (unknown, retired or live

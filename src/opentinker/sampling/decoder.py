@@ -16,6 +16,8 @@ one :class:`StepDecoder` through four moves:
 * **switch** (:meth:`StepDecoder.switch`): the rows of every request following a training model
   (``SampleRequest.follow``, a ``kind="inflight"`` sampler's) move to new weights in place, keys
   and values kept; the rule is in the method's docstring.
+* **progress** (:meth:`StepDecoder.progress`): a request's samples so far, read between steps to
+  stream their tokens.
 * **retire**: rows that stop leave the batch (and the KV cache) at once; a request whose rows have
   all stopped is returned by the ``admit``/``step`` call that finished it.
 

@@ -27,6 +27,12 @@ thread, against the engine's snapshots. The rows hold those weights until they s
   weights (their rows keep the tensors alive; they are freed when the last one stops); requests
   submitted after the retire fail with the unknown-policy error.
 
+**Streamed requests.** A request with a ``stream`` sink (:class:`~opentinker.sampling.types.TokenSink`)
+gets its samples' new tokens after every tick (:meth:`RolloutCore.progress`: what the tick's
+prefill and step added, as :class:`~opentinker.sampling.types.Tokens`), on the loop's thread, while
+its rows decode; the tokens of the step that finishes it come only with its result. A worker sends
+them to its pool as messages. Decoders without ``progress`` (vLLM) stream nothing.
+
 **Inflight requests switch weights mid-decode.** A request with ``follow`` set (a
 ``kind="inflight"`` sampler's) is pinned like any other, but a :class:`Follow` for its group moves
 it to newer weights in place: rows decoding switch at the next decode step, keeping their keys and
@@ -326,9 +332,10 @@ def _done(rid: int, res: SampleResult | Exception) -> Done:
 
 class RolloutService(Protocol):
     """What the scheduler hands samples to: :class:`RolloutLoop` (a thread in this process) or a
-    pool of worker processes (:mod:`opentinker.rollout.pool`). ``abort`` drops a request wherever
-    it is where the service can (else as ``cancel``); ``follow`` moves inflight requests to newer
-    weights where it can (else they finish on the weights they started with)."""
+    pool of worker processes or actors (:mod:`opentinker.rollout.pool`). ``abort`` drops a request
+    wherever it is, its rows leaving the running batch (in process or on the worker decoding it);
+    ``follow`` moves inflight requests to newer weights where it can (else they finish on the
+    weights they started with). Both stream a request's tokens to its ``stream`` sink."""
 
     def submit(self, req: SampleRequest) -> Future: ...
     def last_request(self) -> int: ...
