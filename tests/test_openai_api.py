@@ -505,6 +505,35 @@ def test_tool_calls_parse_on_a_qwen_family_template(tmp_path: Path) -> None:
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
 
+def test_a_stream_whose_tokens_come_with_the_result_is_one_piece_per_token(tmp_path: Path) -> None:
+    """Sampling inside the scheduler's ticks hands no tokens on while decoding: the stream's pieces
+    (one per token, with its logprob) follow the result and concatenate to the whole answer."""
+    runtime = Runtime(tmp_path / "data", sample_in_ticks=True)
+    app = embedded_app(runtime, base_models=[TEST_MODEL])
+    kw: dict[str, Any] = dict(
+        model=TEST_MODEL, prompt="12 + 34 =", max_tokens=16, n=2, temperature=1.0, seed=5, logprobs=1
+    )
+    kw["extra_body"] = {"ignore_eos": True}
+
+    async def ask(c: openai.AsyncOpenAI) -> tuple[Any, dict[int, list[Any]]]:
+        whole = await c.completions.create(**kw)
+        chunks: dict[int, list[Any]] = defaultdict(list)
+        async for chunk in await c.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                chunks[ch.index].append(ch)
+        return whole, chunks
+
+    try:
+        whole, chunks = asyncio.run(_embedded(app, ask))
+    finally:
+        app.state.server.close()
+    for c in whole.choices:
+        mine = chunks[c.index]
+        assert len(mine) == 16 and "".join(ch.text for ch in mine) == c.text
+        assert [x for ch in mine for x in ch.logprobs.token_logprobs] == c.logprobs.token_logprobs
+        assert [ch.finish_reason for ch in mine] == [None] * 15 + ["length"]
+
+
 async def _embedded(app: Any, fn: Callable[[openai.AsyncOpenAI], Any]) -> Any:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://embedded") as http:

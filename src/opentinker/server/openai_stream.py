@@ -21,9 +21,9 @@ the usage (``stream_options.include_usage``, counted from the result: exact). To
 received but has not sent text for yet have their logprobs in the next chunk of that choice.
 
 Where tokens do not come while decoding (the vLLM backend, sampling inside the scheduler's ticks),
-or where the whole text is needed first (chat with tools in the Hermes format: tool calls are
-parsed from the whole text), the pieces follow one another once the samples are done
-(:func:`~opentinker.server.openai_responses.chat_events`).
+a choice's pieces, one per token, follow one another once the samples are done; so do they where
+the whole text is needed first (chat with tools in the Hermes format: tool calls are parsed from
+the whole text, :func:`~opentinker.server.openai_responses.chat_events`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from opentinker.client.sampling import Tokens, TokenSink
 from opentinker.server import openai_responses as R
-from opentinker.server.openai_format import Choice, completion_logprobs
+from opentinker.server.openai_format import Choice, completion_logprobs, pieces
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,11 @@ class Live:
         for i, final in enumerate(a.choices):
             c = self.choice(i)
             rest, span = c.rest(final), range(min(c.covered, len(final.tokens)), len(final.tokens))
+            if not c.tokens and final.tokens:  # none came while decoding: a piece per token now
+                parts = pieces(self.tok, final.tokens, final.text)
+                for t, piece in enumerate(parts[:-1]):
+                    yield self._chunk(i, final, piece, range(t, t + 1), None)
+                rest, span = parts[-1], range(len(parts) - 1, len(final.tokens))
             if self.chat:
                 if rest or (a.logprobs is not None and span):
                     yield self._chunk(i, final, rest, span, None)
