@@ -288,6 +288,77 @@ def test_bad_input_gets_openai_errors_and_spares_the_batch(world: World) -> None
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def _first_text_while_decoding(world: World, stream: Iterator[Any]) -> str:
+    """Read ``stream`` up to its first chunk with text; the running batch must still hold the row."""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            assert world.engine()["live_rows"] >= 1  # the row decodes on: this text came before its end
+            return chunk.choices[0].delta.content
+    raise AssertionError("the stream sent no text")
+
+
+def test_a_stream_sends_text_while_its_row_decodes(world: World) -> None:
+    """The first text of a long answer arrives while its row is still in the running batch (sync
+    and async clients); cutting the stream then aborts the row."""
+    room = 1024 - len(world.chat_prompt(MESSAGES))
+    kw: dict[str, Any] = dict(
+        model=world.path, messages=MESSAGES, max_tokens=room, seed=3, extra_body={"ignore_eos": True}
+    )
+    aborted = world.engine()["aborted"]
+    stream = world.oa.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
+    assert _first_text_while_decoding(world, iter(stream))
+    stream.close()
+    _wait(lambda: world.engine()["aborted"] == aborted + 1, "the cut stream's abort")
+
+    async def go(c: openai.AsyncOpenAI) -> None:
+        stream = await c.completions.create(
+            model=world.path,
+            prompt="12 + 34 =",
+            max_tokens=room,
+            seed=4,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                assert world.engine()["live_rows"] >= 1
+                break
+        else:
+            raise AssertionError("the stream sent no text")
+        await stream.close()
+
+    world.arun(go)
+    _wait(lambda: world.engine()["aborted"] == aborted + 2, "the cut async stream's abort")
+    _wait(lambda: world.engine()["live_rows"] == 0, "the batch to empty")
+
+
+def test_a_streams_pieces_are_its_tokens_with_exact_usage(world: World) -> None:
+    """Chunks come token by token (one logprob entry per sampled token, text in many chunks), and
+    concatenate to the whole answer's text and tokens; usage is the whole answer's."""
+    kw: dict[str, Any] = dict(model=world.path, n=2, max_tokens=40, temperature=1.0, seed=9, logprobs=True)
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    whole = world.oa.chat.completions.create(messages=MESSAGES, extra_body=extra, **kw)  # type: ignore[call-overload]
+    texts: dict[int, str] = defaultdict(str)
+    ids: dict[int, list[int]] = defaultdict(list)
+    pieces: dict[int, int] = defaultdict(int)
+    usage = None
+    for chunk in world.oa.chat.completions.create(
+        messages=MESSAGES, stream=True, stream_options={"include_usage": True}, extra_body=extra, **kw
+    ):  # type: ignore[call-overload]
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            pieces[c.index] += bool(c.delta.content)
+            ids[c.index] += _ids(c.logprobs.content) if c.logprobs and c.logprobs.content else []
+    for c in whole.choices:
+        assert texts[c.index] == c.message.content
+        assert ids[c.index] == _ids(c.logprobs.content)  # type: ignore[union-attr]
+        assert pieces[c.index] > len(ids[c.index]) // 4  # many pieces, not one at the end
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 80)
+    assert whole.usage.completion_tokens == 80
+
+
 def _wait(cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -326,6 +397,44 @@ def test_a_client_gone_mid_stream_frees_its_rows(world: World) -> None:
     assert world.engine()["live_rows"] <= 8  # the batch shrank by the stream's rows
     runner.join(timeout=600)
     assert other["usage"]["completion_tokens"] == 8 * room  # the other request, unaffected
+
+
+@pytest.mark.slow  # a second server, whose rollout worker process loads its own base model
+def test_with_rollout_workers_a_stream_is_live_and_a_cut_one_leaves_the_workers_batch(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The disconnect test above, with sampling in a rollout worker process (``--rollout-workers``):
+    the stream's first text arrives while its rows decode in the worker, and once it is cut the
+    abort reaches the worker, whose running batch shrinks by the stream's rows (as the worker
+    reports it); the request beside it finishes every token."""
+    with local_server(tmp_path_factory, "openai-workers", "--rollout-workers", "1") as srv:
+        oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0)
+
+        def engine() -> dict[str, Any]:
+            r = httpx.get(f"{srv.base_url}/console/api/engine", headers={"X-API-Key": KEY}, timeout=30)
+            return r.json()["engines"][0]["rollout"]
+
+        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+        text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+        room = 1024 - len(tok.encode(text, add_special_tokens=False))
+        body: dict[str, Any] = dict(model=TEST_MODEL, messages=MESSAGES, max_tokens=room, temperature=1.0)
+        other: dict[str, Any] = {}
+        runner = threading.Thread(target=lambda: other.update(
+            oa.chat.completions.create(n=3, seed=1, extra_body={"ignore_eos": True}, **body).model_dump()  # type: ignore[call-overload]
+        ))  # fmt: skip
+        runner.start()
+        _wait(lambda: engine()["live_rows"] >= 3, "the 3 rows to decode in the worker")
+        stream = oa.chat.completions.create(n=2, seed=2, stream=True, extra_body={"ignore_eos": True}, **body)  # type: ignore[call-overload]
+        aborted = engine()["aborted"]
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                assert engine()["live_rows"] == 5  # text came while the stream's 2 rows decode
+                break
+        stream.close()
+        _wait(lambda: engine()["aborted"] == aborted + 1, "the worker to take the abort")
+        assert engine()["live_rows"] <= 3  # the worker's batch shrank by the stream's rows
+        runner.join(timeout=900)
+        assert other["usage"]["completion_tokens"] == 3 * room  # the other request, unaffected
 
 
 HERMES = """{%- if tools %}<|im_start|>system
@@ -394,6 +503,35 @@ def test_tool_calls_parse_on_a_qwen_family_template(tmp_path: Path) -> None:
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_a_stream_whose_tokens_come_with_the_result_is_one_piece_per_token(tmp_path: Path) -> None:
+    """Sampling inside the scheduler's ticks hands no tokens on while decoding: the stream's pieces
+    (one per token, with its logprob) follow the result and concatenate to the whole answer."""
+    runtime = Runtime(tmp_path / "data", sample_in_ticks=True)
+    app = embedded_app(runtime, base_models=[TEST_MODEL])
+    kw: dict[str, Any] = dict(
+        model=TEST_MODEL, prompt="12 + 34 =", max_tokens=16, n=2, temperature=1.0, seed=5, logprobs=1
+    )
+    kw["extra_body"] = {"ignore_eos": True}
+
+    async def ask(c: openai.AsyncOpenAI) -> tuple[Any, dict[int, list[Any]]]:
+        whole = await c.completions.create(**kw)
+        chunks: dict[int, list[Any]] = defaultdict(list)
+        async for chunk in await c.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                chunks[ch.index].append(ch)
+        return whole, chunks
+
+    try:
+        whole, chunks = asyncio.run(_embedded(app, ask))
+    finally:
+        app.state.server.close()
+    for c in whole.choices:
+        mine = chunks[c.index]
+        assert len(mine) == 16 and "".join(ch.text for ch in mine) == c.text
+        assert [x for ch in mine for x in ch.logprobs.token_logprobs] == c.logprobs.token_logprobs
+        assert [ch.finish_reason for ch in mine] == [None] * 15 + ["length"]
 
 
 async def _embedded(app: Any, fn: Callable[[openai.AsyncOpenAI], Any]) -> Any:

@@ -39,6 +39,8 @@ from opentinker.rollout.pool import WorkerPool  # noqa: E402
 from opentinker.rollout.process import WorkerStartError  # noqa: E402
 from opentinker.rollout.wire import to_bytes  # noqa: E402
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams  # noqa: E402
+from opentinker.sampling.rollout import SampleCancelled  # noqa: E402
+from opentinker.sampling.types import TokenSink  # noqa: E402
 from opentinker.server.auth import create_key  # noqa: E402
 from opentinker.server.local import LocalServer, free_port  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
@@ -113,6 +115,30 @@ class TestPoolOnRay:
         assert len(set(pids)) == 2 and os.getpid() not in pids and None not in pids
         names = {served.handle(i).name for i in range(2)}
         assert names <= _actors()
+
+    def test_an_actor_streams_tokens_and_an_abort_reaches_it(self, served: Served) -> None:
+        """A streamed request's tokens come from its actor while it decodes (the pool's reader
+        hands them to its sink before the result) and concatenate to the result; an aborted
+        request's rows leave its actor's running batch, the request beside it unaffected."""
+        pool, pieces = served.pool, []
+        req = SampleRequest(None, [5, 6, 7, 8], SEEDED, num_samples=2, stream=TokenSink(pieces.append))
+        res = pool.submit(req).result(timeout=300)
+        assert isinstance(res, SampleResult)
+        for k, seq in enumerate(res.sequences):
+            got = [t for p in pieces if p.sample == k for t in p.tokens]
+            assert got == seq.tokens[: len(got)] and len(got) >= len(seq.tokens) - 1
+        long = SamplingParams(max_tokens=1000, temperature=1.0, seed=3, stop=[])
+        aborted, busy = pool.stats.aborted, pool.stats.live_rows
+        other = pool.submit(SampleRequest(None, [7, 8, 9, 10], long, num_samples=3))
+        _wait(lambda: pool.stats.live_rows == busy + 3, 180)
+        cut = pool.submit(SampleRequest(None, [11, 12, 13], long, num_samples=2))
+        _wait(lambda: pool.stats.live_rows == busy + 5, 180)
+        assert pool.abort(pool.last_request())
+        with pytest.raises(SampleCancelled):
+            cut.result(timeout=10)
+        _wait(lambda: pool.stats.aborted == aborted + 1, 180)
+        assert pool.stats.live_rows <= busy + 3  # its batch shrank by the aborted rows
+        assert [len(s.tokens) for s in other.result(timeout=900).sequences] == [1000] * 3
 
     def test_handoff_goes_through_the_object_store_once_per_version(self, served: Served) -> None:
         aid = served.engine.create_adapter(LoRAConfig(rank=4, seed=11))

@@ -12,6 +12,9 @@ from opentinker.client.convert import sampling_params as to_sampling_params
 from opentinker.client.futures import ReadyClient, mapped
 from opentinker.client.runtime import Runtime
 from opentinker.sampling import SampleRequest, SampleResult
+from opentinker.sampling.types import Tokens, TokenSink
+
+__all__ = ["SamplingClient", "TokenSink", "Tokens"]
 
 
 class SamplingClient(ReadyClient):
@@ -49,6 +52,59 @@ class SamplingClient(ReadyClient):
         prompt_alt_tokens_k: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        return self._sample(
+            None,
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            topk_prompt_logprobs,
+            topk_sample_logprobs,
+            target_prompt_logprobs,
+            prompt_alt_tokens_k,
+            prompt_logprobs_last_n,
+        )
+
+    def sample_streamed(
+        self,
+        sink: TokenSink,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        *,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        """As :meth:`sample`, and the samples' tokens handed to ``sink`` while they decode (by the
+        rollout loop and rollout workers; where sampling runs otherwise, they come only with the
+        result). The result holds every token, streamed or not."""
+        return self._sample(
+            sink,
+            prompt,
+            num_samples,
+            sampling_params,
+            include_prompt_logprobs,
+            topk_prompt_logprobs,
+            topk_sample_logprobs,
+            None,
+            0,
+            None,
+        )
+
+    def _sample(
+        self,
+        sink: TokenSink | None,
+        prompt: types.ModelInput,
+        num_samples: int,
+        sampling_params: types.SamplingParams,
+        include_prompt_logprobs: bool,
+        topk_prompt_logprobs: int,
+        topk_sample_logprobs: int,
+        target_prompt_logprobs: types.TensorData | None,
+        prompt_alt_tokens_k: int,
+        prompt_logprobs_last_n: int | None,
+    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
         ids, images = model_input_parts(prompt, self._runtime.vision(self.base_model), "the prompt")
         targets = check_prompt_extras(
             len(ids),
@@ -70,6 +126,7 @@ class SamplingClient(ReadyClient):
             follow=self.follow,
             kv_namespace=self.kv_namespace,
             images=images,
+            stream=sink,
         )
         self._note_use()
 

@@ -28,7 +28,7 @@ from typing import Any
 from opentinker.rollout.process import WorkerStartError
 from opentinker.rollout.slots import Req, Slot, start_all
 from opentinker.rollout.transport import Transport, WorkerHandle
-from opentinker.rollout.wire import Ready
+from opentinker.rollout.wire import Ready, Rows
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,7 @@ class WorkerLifecycle:
             "rollout worker %d died (%s); re-running %d requests", slot.index, why, len(slot.inflight)
         )
         slot.state = "dead"
+        slot.batch = Rows(0, 0, 0, 0)  # a new worker starts its counts afresh
         back = sorted(slot.inflight.values(), key=lambda r: r.rid)
         slot.inflight.clear()
         slot.published.clear()

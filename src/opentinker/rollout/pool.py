@@ -1,8 +1,16 @@
 """The rollout worker pool: sampling served by N worker processes, each with its own base model.
 
 :class:`WorkerPool` has the in-process :class:`~opentinker.sampling.rollout.RolloutLoop`'s face
-(``submit`` → ``Future``, tickets, ``state``, ``cancel``, ``shutdown``), so the scheduler hands
-it samples the same way. One dispatcher thread owns every worker's pipe.
+(``submit`` → ``Future``, tickets, ``state``, ``cancel``, ``abort``, ``shutdown``), so the
+scheduler hands it samples the same way. One dispatcher thread owns every worker's pipe.
+
+**Streams and aborts.** A streamed request's tokens come back from its worker as
+:class:`~opentinker.rollout.wire.Tokens` messages while it decodes, and the dispatcher hands them
+to the request's sink (its ``TokenSink`` crossed to the worker as a bare marker). ``abort`` of a
+request on a worker fails its future at once and sends that worker an
+:class:`~opentinker.rollout.wire.Abort`: its rows leave the worker's running batch before its next
+decode step. Each worker reports its running batch when it changes
+(:class:`~opentinker.rollout.wire.Rows`: rows, waiting, aborted), summed in :attr:`WorkerPool.stats`.
 
 **Pinning** happens here, on the submitter's thread, exactly as in process: the request is
 validated and its policy resolved to the engine's snapshot weights (unknown, retired or live
@@ -43,6 +51,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import logging
 import multiprocessing as mp
 import threading
 import time
@@ -59,10 +68,24 @@ from opentinker.rollout.lifecycle import WorkerLifecycle
 from opentinker.rollout.process import WorkerDied, WorkerStartError
 from opentinker.rollout.slots import PoolStats, Req, Slot, start_all
 from opentinker.rollout.transport import ProcessTransport, Transport
-from opentinker.rollout.wire import Done, Failed, LoRABytes, Publish, Published, Ready, Retire, Sample
+from opentinker.rollout.wire import (
+    Abort,
+    Done,
+    Failed,
+    LoRABytes,
+    Publish,
+    Published,
+    Ready,
+    Retire,
+    Rows,
+    Sample,
+    Tokens,
+)
 from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned
 from opentinker.sampling.rollout import SampleCancelled
-from opentinker.sampling.types import SampleRequest, SamplingParams
+from opentinker.sampling.types import SampleRequest, SamplingParams, TokenSink
+
+log = logging.getLogger(__name__)
 
 PREFIXES_PER_POLICY = 256  # finished sequences remembered per policy for prefix-aware routing
 SWEEP_S = 0.5  # how often versions the engine no longer serves are retired from the workers
@@ -188,8 +211,27 @@ class WorkerPool(WorkerLifecycle):
         return True
 
     def abort(self, rid: int) -> bool:
-        """As :meth:`cancel`: a request sent to a worker runs to its end there."""
-        return self.cancel(rid)
+        """Drop request ``rid`` wherever it is: its future fails with ``SampleCancelled`` at once;
+        waiting here, it is never sent; on a worker, that worker gets an
+        :class:`~opentinker.rollout.wire.Abort` and its rows leave its running batch before its
+        next decode step. False if it has been answered already (or is unknown)."""
+        if self.cancel(rid):
+            return True
+        with self._lock:
+            r = self._reqs.pop(rid, None)
+            if r is None:
+                return False
+            slot = next((s for s in self._slots if rid in s.inflight), None)
+            if slot is not None:
+                del slot.inflight[rid]
+                if slot.handle is not None and slot.state in ("ready", "draining"):
+                    try:
+                        slot.handle.send(Abort(rid))
+                    except WorkerDied as e:
+                        self._died(slot, str(e))
+                self._finish_drain(slot)
+        r.future.set_exception(SampleCancelled(f"sample request {rid} was aborted by its caller"))
+        return True
 
     def follow(self, group: str, policy_id: str) -> None:
         """Nothing: a worker's rows finish on the weights they started with."""
@@ -248,6 +290,10 @@ class WorkerPool(WorkerLifecycle):
                 self._published,
                 self._retired,
                 self._prefix_routed,
+                sum(s.batch.live_rows for s in self._slots),
+                len(self._inbox) + len(self._pending) + sum(s.batch.waiting for s in self._slots),
+                sum(s.batch.steps for s in self._slots),
+                sum(s.batch.aborted for s in self._slots),
             )
 
     # ------------------------------------------------------------------ dispatcher
@@ -312,8 +358,14 @@ class WorkerPool(WorkerLifecycle):
         try:
             while slot.handle.conn.poll(0):
                 msg = slot.handle.recv()
-                if isinstance(msg, Done):
+                if isinstance(msg, Tokens):
+                    r = slot.inflight.get(msg.rid)
+                    if r is not None and r.pinned.req.stream is not None:
+                        _deliver(r.pinned.req.stream, msg)
+                elif isinstance(msg, Done):
                     self._answer(slot, msg)
+                elif isinstance(msg, Rows):
+                    slot.batch = msg
                 elif isinstance(msg, Published):
                     slot.acked.add(msg.policy_id)
         except WorkerDied as e:
@@ -426,6 +478,13 @@ class WorkerPool(WorkerLifecycle):
             self._reqs.pop(r.rid, None)
             r.future.set_exception(err)
         self._pending.clear()
+
+
+def _deliver(sink: TokenSink, piece: Tokens) -> None:
+    try:
+        sink(piece)
+    except Exception:  # a sink's failure is its reader's, never the dispatcher's
+        log.exception("a token sink failed")
 
 
 def _renamed(req: SampleRequest, wire: str) -> SampleRequest:

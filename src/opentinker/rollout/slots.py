@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from opentinker.rollout.transport import WorkerHandle
-from opentinker.rollout.wire import Ready
+from opentinker.rollout.wire import Ready, Rows
 from opentinker.sampling.decoder import Pinned
 
 
@@ -39,6 +39,7 @@ class Slot:
     served: int = 0  # requests it answered
     restarts: int = 0
     error: str = ""
+    batch: Rows = field(default_factory=lambda: Rows(0, 0, 0, 0))  # its running batch, as it last said
 
     @property
     def rows(self) -> int:
@@ -53,6 +54,12 @@ class PoolStats:
     published: int  # snapshot handoffs sent (a version to one worker)
     retired: int  # retires sent
     prefix_routed: int  # requests sent to the worker holding their prefix
+    # the workers' running batches (as each last reported), summed: rows decoding, requests
+    # waiting for room (in the pool or on a worker), decode steps run, requests aborted mid-decode
+    live_rows: int = 0
+    waiting: int = 0
+    steps: int = 0
+    aborted: int = 0
 
 
 def start_all(handles: list[WorkerHandle]) -> list[Ready]:

@@ -1,12 +1,15 @@
 """The messages between a rollout worker and its pool, and a snapshot's tensors as bytes.
 
 The rollout loop's messages (:mod:`opentinker.sampling.rollout`: ``Sample``, ``Publish``,
-``Retire``, ``Done``), defined there once, plus the few only a worker needs.
+``Retire``, ``Abort``, ``Done``; ``Tokens`` from :mod:`opentinker.sampling.types`), defined there
+once, plus the few only a worker needs.
 Inbound (pool → worker): :class:`Publish` ``[LoRABytes]`` (a policy version's LoRA tensors as
 safetensors bytes, sent once per worker per version), :class:`Retire`, :class:`Sample`,
-:class:`Cancel`, :class:`Stop`. Outbound (worker → pool): :class:`Ready` / :class:`Failed` (the
-start-up handshake), :class:`Published` (a snapshot arrived whole and is sampleable), :class:`Done`
-(a request's result or error). Every message is a plain picklable value (no tensors, no shared objects), so
+:class:`Cancel`, :class:`Abort` (its caller is gone: its rows leave the running batch),
+:class:`Stop`. Outbound (worker → pool): :class:`Ready` / :class:`Failed` (the start-up
+handshake), :class:`Published` (a snapshot arrived whole and is sampleable), :class:`Tokens` (a
+streamed request's tokens as they decode), :class:`Rows` (the running batch changed),
+:class:`Done` (a request's result or error). Every message is a plain picklable value (no tensors, no shared objects), so
 any transport that moves bytes can carry them: a pipe to a process, an actor call.
 
 A worker names a snapshot by its *wire id* ``<policy>#<n>``, where ``n`` numbers the weights in
@@ -25,9 +28,11 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from opentinker.lora import LoRAConfig, LoRAWeights
-from opentinker.sampling.rollout import Done, Publish, Retire, Sample
+from opentinker.sampling.rollout import Abort, Done, Publish, Retire, Sample
+from opentinker.sampling.types import Tokens
 
 __all__ = [
+    "Abort",
     "Cancel",
     "Done",
     "Failed",
@@ -36,8 +41,10 @@ __all__ = [
     "Published",
     "Ready",
     "Retire",
+    "Rows",
     "Sample",
     "Stop",
+    "Tokens",
     "from_bytes",
     "to_bytes",
 ]
@@ -89,8 +96,19 @@ class Published:
     policy_id: str
 
 
-Inbound = Publish[LoRABytes] | Retire | Sample | Cancel | Stop
-Outbound = Ready | Failed | Published | Done
+@dataclass(frozen=True)
+class Rows:
+    """The worker's running batch now: rows decoding, requests waiting for room, decode steps run
+    and requests aborted so far (sent when the rows, the waiting or the aborted change)."""
+
+    live_rows: int
+    waiting: int
+    steps: int
+    aborted: int
+
+
+Inbound = Publish[LoRABytes] | Retire | Sample | Cancel | Abort | Stop
+Outbound = Ready | Failed | Published | Tokens | Rows | Done
 
 
 def to_bytes(weights: LoRAWeights) -> LoRABytes:

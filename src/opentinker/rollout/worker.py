@@ -25,6 +25,7 @@ import torch
 from opentinker.engine import Engine, EngineError
 from opentinker.models import load_base_model
 from opentinker.rollout.wire import (
+    Abort,
     Cancel,
     Inbound,
     Outbound,
@@ -32,6 +33,7 @@ from opentinker.rollout.wire import (
     Published,
     Ready,
     Retire,
+    Rows,
     Sample,
     from_bytes,
 )
@@ -63,6 +65,7 @@ class WorkerCore:
         self.backend = NativeBackend(self.engine, prefix_cache_bytes=prefix_cache_bytes)
         self.core = RolloutCore(self.backend.decoder(), self.backend, max_rows=max_rows)
         self.load_s = time.perf_counter() - t
+        self._rows = Rows(0, 0, 0, 0)  # what the pool was last told of the running batch
 
     def ready(self) -> Ready:
         return Ready(self.worker, os.getpid(), self.load_s)
@@ -88,18 +91,38 @@ class WorkerCore:
             if msg.policy_id in self.engine.snapshot_ids():
                 self.backend.retire(msg.policy_id)
             return []
+        if isinstance(msg, Abort):  # its rows leave the running batch now; nobody waits for them
+            self.core.handle(msg)
+            return self._rows_changed()
         if isinstance(msg, Cancel):
             if self.core.cancel(msg.rid):
                 return [Done(msg.rid, error=SampleCancelled(f"sample request {msg.rid} was cancelled"))]
             return []
         raise TypeError(f"a rollout worker cannot handle {type(msg).__name__}")
 
-    def tick(self) -> list[Done]:
-        """One admission + decode step; a failure fails the requests it touched, never the worker."""
+    def tick(self) -> list[Outbound]:
+        """One admission + decode step: the tokens streamed requests decoded, the requests it
+        finished, and the running batch if it changed. A failure fails the requests it touched,
+        never the worker."""
+        pieces: list[Outbound] = []
         try:
-            return self.core.tick()
+            done = self.core.tick()
+            pieces += [piece for piece, _ in self.core.progress()]
         except Exception as e:
-            return [Done(rid, error=e) for rid in self.core.decoder.running()]
+            done = [Done(rid, error=e) for rid in self.core.decoder.running()]
+        return self._rows_changed() + pieces + done  # the batch first: it is current when the tokens come
+
+    def _rows_changed(self) -> list[Outbound]:
+        st = self.core.stats
+        rows = Rows(st.live_rows, st.waiting, st.steps, st.aborted)
+        if (rows.live_rows, rows.waiting, rows.aborted) == (
+            self._rows.live_rows,
+            self._rows.waiting,
+            self._rows.aborted,
+        ):  # the steps alone: not worth a message per step
+            return []
+        self._rows = rows
+        return [rows]
 
     def snapshot_ids(self) -> list[str]:
         return self.engine.snapshot_ids()

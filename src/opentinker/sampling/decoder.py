@@ -16,6 +16,8 @@ one :class:`StepDecoder` through four moves:
 * **switch** (:meth:`StepDecoder.switch`): the rows of every request following a training model
   (``SampleRequest.follow``, a ``kind="inflight"`` sampler's) move to new weights in place, keys
   and values kept; the rule is in the method's docstring.
+* **progress** (:meth:`StepDecoder.progress`): a request's samples so far, read between steps to
+  stream their tokens.
 * **retire**: rows that stop leave the batch (and the KV cache) at once; a request whose rows have
   all stopped is returned by the ``admit``/``step`` call that finished it.
 
@@ -30,7 +32,7 @@ cache while it runs).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -60,6 +62,8 @@ MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth a second f
 
 # (request id, its result or the error that refused or failed it)
 Finished = tuple[int, SampleResult | Exception]
+# a sample so far: its tokens, their logprobs, their top logprobs (None: not asked)
+Progress = tuple[list[int], list[float], list[list[tuple[int, float]]] | None]
 
 
 @dataclass
@@ -192,6 +196,24 @@ class StepDecoder:
         if self._model is not None:
             self._plan = replan(self.engine, self._plan, [row.policy for row in self._rows], self._weights)
         return len(moved)
+
+    def progress(self, rids: Collection[int]) -> dict[int, list[Progress]]:
+        """Of requests ``rids``, those with rows here (admitted, not yet answered): each sample so
+        far as (tokens, logprobs, top logprobs or None), finished rows and decoding ones alike.
+        The lists are the decoder's own: read them before the next step."""
+        out: dict[int, list[Progress]] = {}
+        for rid in rids:
+            job = self._jobs.get(rid)
+            if job is not None:
+                out[rid] = [
+                    ([], [], None) if s is None else (s.tokens, s.logprobs, s.topk_logprobs) for s in job.seqs
+                ]
+        if out:
+            for row in self._rows:
+                got = out.get(row.req)
+                if got is not None:
+                    got[row.sample] = (row.tokens, row.logprobs, row.topk_logprobs if row.topk else None)
+        return out
 
     def drop(self, rid: int) -> bool:
         """Take request ``rid``'s rows out of the running batch now, unfinished (its caller is

@@ -27,6 +27,12 @@ thread, against the engine's snapshots. The rows hold those weights until they s
   weights (their rows keep the tensors alive; they are freed when the last one stops); requests
   submitted after the retire fail with the unknown-policy error.
 
+**Streamed requests.** A request with a ``stream`` sink (:class:`~opentinker.sampling.types.TokenSink`)
+gets its samples' new tokens after every tick (:meth:`RolloutCore.progress`: what the tick's
+prefill and step added, as :class:`~opentinker.sampling.types.Tokens`), on the loop's thread, while
+its rows decode; the tokens of the step that finishes it come only with its result. A worker sends
+them to its pool as messages. Decoders without ``progress`` (vLLM) stream nothing.
+
 **Inflight requests switch weights mid-decode.** A request with ``follow`` set (a
 ``kind="inflight"`` sampler's) is pinned like any other, but a :class:`Follow` for its group moves
 it to newer weights in place: rows decoding switch at the next decode step, keeping their keys and
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -61,7 +68,9 @@ from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
 from opentinker.sampling.backend import Mismatch, RolloutBackend
 from opentinker.sampling.decoder import Decoder, Pinned
-from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams
+from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams, Tokens, TokenSink
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,14 @@ Inbound = Sample | Publish[LoRAWeights] | Retire | Follow | Abort
 
 
 @dataclass
+class _Streamed:
+    """A streamed request's sink, and how many tokens of each sample it has been sent."""
+
+    sink: TokenSink
+    sent: list[int]
+
+
+@dataclass
 class RolloutStats:
     steps: int = 0  # decode steps run
     admitted: int = 0  # requests admitted
@@ -161,6 +178,7 @@ class RolloutCore:
         self.max_rows = max_rows
         self.stats = RolloutStats()
         self._waiting: deque[tuple[int, Pinned]] = deque()
+        self._streams: dict[int, _Streamed] = {}  # streamed requests not yet answered
         # guards _waiting: other threads ask whether a request still waits, and cancel it
         self._lock = threading.Lock()
 
@@ -175,6 +193,8 @@ class RolloutCore:
                 pinned = msg.pinned or self.decoder.pin(msg.request)
                 with self._lock:
                     self._waiting.append((msg.rid, pinned))
+                if msg.request.stream is not None:
+                    self._streams[msg.rid] = _Streamed(msg.request.stream, [0] * msg.request.num_samples)
             elif isinstance(msg, Publish):
                 self.backend.publish(msg.policy_id, msg.weights)
             elif isinstance(msg, Follow):
@@ -188,6 +208,7 @@ class RolloutCore:
         return []
 
     def _abort(self, rid: int) -> None:
+        self._streams.pop(rid, None)
         if self.cancel(rid):
             return
         drop = getattr(self.decoder, "drop", None)
@@ -241,10 +262,48 @@ class RolloutCore:
         stats.live_rows = dec.live_rows
         stats.waiting = len(self._waiting)
         stats.finished += len(finished)
+        for rid, _ in finished:
+            self._streams.pop(rid, None)
         stats.sampled_tokens += sum(
             len(seq.tokens) for _, res in finished if isinstance(res, SampleResult) for seq in res.sequences
         )
         return [_done(rid, res) for rid, res in finished]
+
+    def progress(self) -> list[tuple[Tokens, TokenSink]]:
+        """The tokens streamed requests decoded since the last call (after :meth:`tick`: those
+        its step added), each with the sink it goes to. A request answered by the tick sends
+        nothing more: its result holds every token. Decoders without ``progress`` (vLLM) stream
+        nothing: their tokens come with the result."""
+        look = getattr(self.decoder, "progress", None)
+        if not self._streams or look is None:
+            return []
+        out: list[tuple[Tokens, TokenSink]] = []
+        rids = list(self._streams)  # a snapshot: cancel (another thread) may remove one
+        found = look(rids)
+        if len(found) < len(rids):  # a request failed outside a tick's answers: forget it
+            with self._lock:
+                waiting = {r for r, _ in self._waiting}
+            for rid in rids:
+                if rid not in found and rid not in waiting:
+                    self._streams.pop(rid, None)
+        for rid, samples in found.items():
+            s = self._streams.get(rid)
+            if s is None:
+                continue
+            for k, (tokens, logprobs, top) in enumerate(samples):
+                start, n = s.sent[k], len(tokens)
+                if n > start:
+                    piece = Tokens(
+                        rid,
+                        k,
+                        start,
+                        tokens[start:n],
+                        logprobs[start:n],
+                        None if top is None else top[start:n],
+                    )
+                    out.append((piece, s.sink))
+                    s.sent[k] = n
+        return out
 
     def is_waiting(self, rid: int) -> bool:
         """Whether request ``rid`` waits for room in the batch (a tick ran without it)."""
@@ -257,6 +316,7 @@ class RolloutCore:
             for item in self._waiting:
                 if item[0] == rid:
                     self._waiting.remove(item)
+                    self._streams.pop(rid, None)
                     return True
         return False
 
@@ -272,9 +332,10 @@ def _done(rid: int, res: SampleResult | Exception) -> Done:
 
 class RolloutService(Protocol):
     """What the scheduler hands samples to: :class:`RolloutLoop` (a thread in this process) or a
-    pool of worker processes (:mod:`opentinker.rollout.pool`). ``abort`` drops a request wherever
-    it is where the service can (else as ``cancel``); ``follow`` moves inflight requests to newer
-    weights where it can (else they finish on the weights they started with)."""
+    pool of worker processes or actors (:mod:`opentinker.rollout.pool`). ``abort`` drops a request
+    wherever it is, its rows leaving the running batch (in process or on the worker decoding it);
+    ``follow`` moves inflight requests to newer weights where it can (else they finish on the
+    weights they started with). Both stream a request's tokens to its ``stream`` sink."""
 
     def submit(self, req: SampleRequest) -> Future: ...
     def last_request(self) -> int: ...
@@ -418,6 +479,7 @@ class RolloutLoop:
                 done += core.handle(msg)
             try:
                 done += core.tick()
+                self._stream(core.progress())
             except Exception as e:  # a bug must fail the requests it touched, never the thread
                 done += [Done(rid, error=e) for rid in core.decoder.running()]
             self._resolve(done)
@@ -435,6 +497,14 @@ class RolloutLoop:
             if self._received == seen:
                 return
             seen = self._received
+
+    @staticmethod
+    def _stream(pieces: list[tuple[Tokens, TokenSink]]) -> None:
+        for piece, sink in pieces:
+            try:
+                sink(piece)
+            except Exception:  # a sink's failure is its reader's, never the loop's
+                log.exception("a token sink failed")
 
     def _resolve(self, done: list[Done]) -> None:
         with self._cv:

@@ -10,8 +10,9 @@ importance-sampling losses need.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from opentinker.engine.types import PolicyRef
 from opentinker.models.vision import Image
@@ -54,6 +55,9 @@ class SampleRequest:
     kv_namespace: str | None = None
     # a VL model's images, in prompt order; each is ``n_tokens`` placeholder ids in ``prompt``
     images: tuple[Image, ...] = ()
+    # a streamed request's: where its samples' tokens go while they decode (:class:`TokenSink`);
+    # None: they come only in the result
+    stream: TokenSink | None = field(default=None, compare=False)
 
     @property
     def wants_prompt(self) -> bool:
@@ -64,6 +68,39 @@ class SampleRequest:
             or self.target_prompt_tokens is not None
             or self.prompt_alt_tokens_k
         )
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Tokens sample ``sample`` of a streamed request (rollout id ``rid``) decoded since the last
+    :class:`Tokens` of it: they extend its first ``start`` tokens (with their logprobs and, when
+    the request asks for them, top logprobs). The last tokens of a sample may come only in the
+    request's result."""
+
+    rid: int
+    sample: int
+    start: int
+    tokens: list[int]
+    logprobs: list[float]
+    topk: list[list[tuple[int, float]]] | None = None
+
+
+class TokenSink:
+    """Where a streamed request's :class:`Tokens` go while it decodes (``SampleRequest.stream``):
+    ``deliver`` is called on the rollout loop's thread (or the worker pool's dispatcher), so it
+    must be quick and never block. A sink crosses to a rollout worker (pickled) as a bare marker,
+    without ``deliver``: the worker sends its :class:`Tokens` back as messages and the pool hands
+    them to the request's own sink."""
+
+    def __init__(self, deliver: Callable[[Tokens], None] | None = None) -> None:
+        self._deliver = deliver
+
+    def __call__(self, piece: Tokens) -> None:
+        if self._deliver is not None:
+            self._deliver(piece)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TokenSink, ())
 
 
 @dataclass

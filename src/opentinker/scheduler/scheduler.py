@@ -197,8 +197,9 @@ class Scheduler:
 
     def abort_sample(self, ticket: int) -> bool:
         """Drop a sample request wherever it is, decoding included (its rows leave the running
-        batch), where the rollout service can (the in-process loop: ``RolloutLoop.abort``); else
-        as :meth:`cancel_sample` (a request already decoding runs to its end). True if dropped."""
+        batch, in process or on the rollout worker decoding it: ``RolloutService.abort``); inside
+        ticks, as :meth:`cancel_sample` (a request already decoding runs to its end). True if
+        dropped."""
         if self.rollout is not None:
             return self.rollout.abort(ticket)
         return self.cancel_sample(ticket)

@@ -141,7 +141,9 @@ class StateCollector(Collector):
         rows = SummaryMetricFamily(f"{PREFIX}_tick_rows", "Datums in each tick's fused pass", labels=lb)
         last = _gauge("last_tick_seconds", "Run time of the last tick", lb)
         optim = _counter("optim_steps", "Optimizer steps run", lb)
-        running = _gauge("rollout_running_rows", "Sequences decoding in the rollout loop's batch", lb)
+        running = _gauge(
+            "rollout_running_rows", "Sequences decoding in the rollout batch (rollout workers': summed)", lb
+        )
         waiting = _gauge("rollout_waiting_requests", "Sample requests waiting to join the batch", lb)
         steps = _counter("rollout_decode_steps", "Decode steps the rollout loop ran", lb)
         cache = _gauge("prefix_cache_bytes", "Bytes of keys and values in the prefix cache", lb)
@@ -153,7 +155,7 @@ class StateCollector(Collector):
             rows.add_metric(base, st["ticks"], st["fused_rows"])
             last.add_metric(base, st["last_tick_seconds"])
             optim.add_metric(base, st["optim_steps"])
-            rs = e["rollout"] or {}  # the in-process loop's (a worker pool's: served per worker)
+            rs = e["rollout"] or {}  # the in-process loop's, or the worker pool's (its workers' summed)
             if "live_rows" in rs:
                 running.add_metric(base, rs["live_rows"])
                 waiting.add_metric(base, rs["waiting"])

@@ -6,8 +6,9 @@ A stream is Server-Sent Events: ``data: <chunk JSON>`` per event, ending with ``
 Each choice's text comes one piece per sampled token (pieces that concatenate to exactly the
 whole answer's text, with that token's logprob when asked), then a chunk with its
 ``finish_reason``; with ``stream_options.include_usage`` a last chunk with no choices carries the
-usage. The rollout loop answers a sample when all its rows have stopped, so the pieces follow one
-another once the sample is done; the first chunk (the assistant role) goes out at once.
+usage. Here the pieces follow one another once the sample is done (where tokens do not come
+while decoding, see :mod:`openai_stream`, which streams the others token by token); the first
+chunk (the assistant role) goes out at once.
 """
 
 from __future__ import annotations

@@ -16,8 +16,11 @@ admission (:mod:`admission`), the rollout service (continuous batching, the pref
 workers, vLLM when on), and the usage ledger's ``sampling_prefill`` / ``sampling_sample``
 counts. A client that goes away before its answer is complete (a stream cut, a closed
 connection) has its sample aborted: its rows leave the running batch before the next decode step
-(``RolloutLoop.abort``; with rollout worker processes a request already decoding runs on, its
-result dropped).
+(``RolloutLoop.abort``; with rollout worker processes or actors, the pool sends the worker an
+``Abort`` and its rows leave that worker's batch).
+
+**Streams** (``stream``) send each choice's text token by token while it decodes
+(:mod:`openai_stream`).
 
 **Errors** are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``
 (:class:`~opentinker.server.openai_schemas.OpenAIError`), every message redacted of server paths.
@@ -40,6 +43,7 @@ from openai.types import Model
 from tinker import types
 
 from opentinker.client import SamplingClient
+from opentinker.client.sampling import TokenSink
 from opentinker.engine import EngineError
 from opentinker.server import openai_responses as R
 from opentinker.server.errors import ApiError, NotFound, error_message
@@ -63,6 +67,7 @@ from opentinker.server.openai_schemas import (
     check_tools,
     parse,
 )
+from opentinker.server.openai_stream import Feed, Live
 from opentinker.server.registry import SamplerNotLoaded
 from opentinker.server.state import Server
 
@@ -229,22 +234,40 @@ class OpenAIRoutes:
         params: types.SamplingParams,
         topk: int,
         prompt_topk: int | None = None,
+        sink: TokenSink | None = None,
     ) -> Started:
         """Sample through the Tinker ``asample`` path (see the module docstring); ``prompt_topk``
         not None: with the prompt's logprobs (and that many top logprobs), as its
-        ``prompt_logprobs`` / ``topk_prompt_logprobs``."""
+        ``prompt_logprobs`` / ``topk_prompt_logprobs``; ``sink``: the tokens also go there while
+        they decode (a stream's)."""
         ops, ticket = self.server.ops, 0
 
         def submit() -> Future:
             nonlocal ticket
-            fut = client.sample(
+            ids, want_prompt, k_prompt = (
                 types.ModelInput.from_ints(prompt),
-                n,
-                params,
-                include_prompt_logprobs=prompt_topk is not None,
-                topk_prompt_logprobs=prompt_topk or 0,
-                topk_sample_logprobs=topk,
-            ).future()
+                prompt_topk is not None,
+                prompt_topk or 0,
+            )
+            if sink is not None:
+                fut = client.sample_streamed(
+                    sink,
+                    ids,
+                    n,
+                    params,
+                    include_prompt_logprobs=want_prompt,
+                    topk_prompt_logprobs=k_prompt,
+                    topk_sample_logprobs=topk,
+                ).future()
+            else:
+                fut = client.sample(
+                    ids,
+                    n,
+                    params,
+                    include_prompt_logprobs=want_prompt,
+                    topk_prompt_logprobs=k_prompt,
+                    topk_sample_logprobs=topk,
+                ).future()
             ticket = client.last_ticket()  # this thread's request, just queued
             return fut
 
@@ -301,7 +324,9 @@ class OpenAIRoutes:
             prompt = fmt.render(messages, tools, req.chat_template_kwargs)
             params = self.params(req, req.limit(), prompt, client.base_model, "messages")
             k = (req.top_logprobs or 0) if req.logprobs else 0
-            started = [self.start(tenant, client, prompt, req.n, params, k)]
+            # tool calls are parsed from the whole text: such a stream follows the result
+            feed = Feed() if req.stream and not (tools and fmt.tool_format == "hermes") else None
+            started = [self.start(tenant, client, prompt, req.n, params, k, sink=feed and feed.sink(0))]
         except Exception as e:
             return self.error(e)
         notes = []
@@ -322,7 +347,8 @@ class OpenAIRoutes:
             )
 
         if req.stream:
-            return self._stream(request, started, answer, fmt.tok, req, chat=True)
+            top = (req.top_logprobs or 0) if req.logprobs else None
+            return self._stream(request, started, answer, fmt.tok, req, feed, top, chat=True)
         return await self._whole(request, started, answer, lambda a: R.chat_body(fmt.tok, a))
 
     async def completions(self, request: Request) -> Response:
@@ -335,10 +361,14 @@ class OpenAIRoutes:
             prompts = _prompts(tok, req.prompt, self.reg.base_info(client.base_model).vocab_size)
             limit = 1 if req.max_tokens == 0 else req.max_tokens  # 0: sample one, return none
             echo_k = (req.logprobs or 0) if req.echo else None
+            feed = Feed() if req.stream else None
             started = []
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 params = self.params(req, limit, prompt, client.base_model, "prompt")
-                started.append(self.start(tenant, client, prompt, req.n, params, req.logprobs or 0, echo_k))
+                sink = feed and feed.sink(i)
+                started.append(
+                    self.start(tenant, client, prompt, req.n, params, req.logprobs or 0, echo_k, sink)
+                )
         except Exception as e:
             if "started" in locals():
                 for s in started:
@@ -359,7 +389,7 @@ class OpenAIRoutes:
             )
 
         if req.stream:
-            return self._stream(request, started, answer, tok, req, chat=False)
+            return self._stream(request, started, answer, tok, req, feed, req.logprobs, chat=False)
         return await self._whole(request, started, answer, lambda a: R.completion_body(tok, a))
 
     @staticmethod
@@ -399,25 +429,41 @@ class OpenAIRoutes:
         answer: Callable[[list[types.SampleResponse]], R.Answer],
         tok: Any,
         req: Any,
+        feed: Feed | None,
+        logprobs: int | None,
         *,
         chat: bool,
     ) -> StreamingResponse:
+        """The answer as Server-Sent Events: token by token while the samples decode when ``feed``
+        brings their tokens (:mod:`openai_stream`), else one piece per token once they are done."""
+        stub = R.Answer(
+            new_id("chatcmpl" if chat else "cmpl"), req.model, [], usage(0, 0, 0), None, False, []
+        )
+        stub.logprobs, stub.as_ids = logprobs, bool(req.return_tokens_as_token_ids)
+        live = Live(tok, req, stub, req.n, chat=chat)
+
         async def events() -> AsyncIterator[str]:
-            sid, created = new_id("chatcmpl" if chat else "cmpl"), 0
             if chat:
-                first = R.Answer(sid, req.model, [], usage(0, 0, 0), None, False, [])
-                created = first.created
-                yield R.chat_first(sid, req.model, created, req.n)
+                yield R.chat_first(stub.id, req.model, stub.created, req.n)
+            results = asyncio.ensure_future(self.wait(request, started))
             try:
-                a = answer(await self.wait(request, started))
+                if feed is not None:
+                    async for event in live.follow(feed, results):
+                        yield event
+                a = answer(await results)
             except ClientGone:
                 return
             except Exception as e:
                 yield R.sse(self.as_error(e).body())
                 return
-            a.id, a.created = sid, created or a.created
-            stream = R.chat_events if chat else R.completion_events
-            for event in stream(tok, a, req.include_usage()):
+            finally:
+                results.cancel()  # the stream closed early: its samples are aborted (wait)
+            a.id, a.created = stub.id, stub.created
+            if feed is not None:
+                events = live.finish(a, req.include_usage())
+            else:
+                events = (R.chat_events if chat else R.completion_events)(tok, a, req.include_usage())
+            for event in events:
                 yield event
 
         return StreamingResponse(

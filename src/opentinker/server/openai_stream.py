@@ -1,0 +1,210 @@
+"""Streams of the OpenAI-compatible routes (:mod:`openai_routes`) sent token by token, while the
+samples decode.
+
+**Tokens in.** A streamed request is sampled with a
+:class:`~opentinker.sampling.types.TokenSink` (``SamplingClient.sample_streamed``): the rollout
+loop (or a rollout worker, through its pool) hands it each sample's new tokens after every decode
+step. :class:`Feed` carries them from that thread to the stream's event loop.
+
+**Text out: only what is stable.** Each choice's text so far is its tokens decoded whole
+(:class:`TextSoFar`), and a chunk sends only what no later token can change:
+
+* trailing ``U+FFFD``: an incomplete UTF-8 character (a byte-level token that splits one) waits
+  for the tokens that complete it;
+* text from a stop string on is never sent (OpenAI's rule), and a tail that may be the start of
+  a stop string waits until the next tokens show it is not one;
+* with a tokenizer that cleans up spaces before punctuation on decode, trailing whitespace waits.
+
+So what a stream has sent is always the start of the whole answer's text; when the samples end,
+each choice's rest (the whole text after what was sent) goes out with its ``finish_reason``, then
+the usage (``stream_options.include_usage``, counted from the result: exact). Tokens a choice
+received but has not sent text for yet have their logprobs in the next chunk of that choice.
+
+Where tokens do not come while decoding (the vLLM backend, sampling inside the scheduler's ticks),
+a choice's pieces, one per token, follow one another once the samples are done; so do they where
+the whole text is needed first (chat with tools in the Hermes format: tool calls are parsed from
+the whole text, :func:`~opentinker.server.openai_responses.chat_events`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from openai.types import Completion, CompletionChoice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
+from opentinker.client.sampling import Tokens, TokenSink
+from opentinker.server import openai_responses as R
+from opentinker.server.openai_format import Choice, completion_logprobs, pieces
+
+log = logging.getLogger(__name__)
+
+
+class Feed:
+    """Tokens from the rollout thread to this event loop's stream (make it on that loop)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Tokens]] = asyncio.Queue()
+
+    def sink(self, prompt: int) -> TokenSink:
+        """The sink of prompt ``prompt``'s sample request."""
+
+        def deliver(piece: Tokens) -> None:
+            with contextlib.suppress(RuntimeError):  # the stream's loop is closed: nobody reads
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (prompt, piece))
+
+        return TokenSink(deliver)
+
+
+class TextSoFar:
+    """One choice while it decodes: its tokens, and the text sent of them (module docstring)."""
+
+    def __init__(self, tok: Any, stops: list[str]) -> None:
+        self.tok, self.stops = tok, stops
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] | None = None
+        self.sent = ""  # the text sent so far
+        self.covered = 0  # tokens whose logprobs were sent
+        self.hold_spaces = bool(getattr(tok, "clean_up_tokenization_spaces", False))
+
+    def add(self, piece: Tokens) -> bool:
+        """Take the next tokens; a piece that does not follow on (a request run again after its
+        worker was lost sends from the start) is left out: the result settles what was sampled."""
+        if piece.start != len(self.tokens):
+            return False
+        self.tokens += piece.tokens
+        self.logprobs += piece.logprobs
+        if piece.topk is not None:
+            self.top = (self.top or []) + piece.topk
+        return True
+
+    def stable(self) -> str:
+        """The text of the tokens so far that no later token can change."""
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        cut = min((i for s in self.stops if (i := text.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            return text[:cut]
+        text = text.rstrip("\ufffd")
+        held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        text = text[: len(text) - held]
+        return text.rstrip() if self.hold_spaces else text
+
+    def new_text(self) -> str:
+        """The stable text not sent yet (now counted as sent)."""
+        text = self.stable()
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent) :], text
+        return new
+
+    def rest(self, final: Choice) -> str:
+        """The final text after what was sent."""
+        if final.text.startswith(self.sent):
+            return final.text[len(self.sent) :]
+        log.warning("a stream sent text that is not the start of its answer; the rest is left out")
+        return ""
+
+    def so_far(self) -> Choice:
+        return Choice(self.tokens, self.logprobs, self.top, self.sent, "stop")
+
+
+class Live:
+    """A stream's chunks while its samples decode, then their ends (module docstring)."""
+
+    def __init__(self, tok: Any, req: Any, stub: R.Answer, n: int, *, chat: bool) -> None:
+        self.tok, self.req, self.stub, self.n, self.chat = tok, req, stub, n, chat
+        self.choices: dict[int, TextSoFar] = {}
+
+    def choice(self, index: int) -> TextSoFar:
+        got = self.choices.get(index)
+        if got is None:
+            got = self.choices[index] = TextSoFar(self.tok, self.req.stops() or [])
+        return got
+
+    async def follow(self, feed: Feed, done: asyncio.Future) -> AsyncIterator[str]:
+        """Chunks of the tokens fed, until ``done`` (the samples' results) is."""
+        while not done.done():
+            get = asyncio.ensure_future(feed.queue.get())
+            await asyncio.wait({get, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return
+            items = [get.result()]
+            while not feed.queue.empty():
+                items.append(feed.queue.get_nowait())
+            touched: dict[int, None] = {}
+            for prompt, piece in items:
+                index = prompt * self.n + piece.sample
+                if self.choice(index).add(piece):
+                    touched[index] = None
+            for index in touched:
+                c = self.choices[index]
+                text = c.new_text()
+                if text:
+                    yield self._chunk(index, c, text, range(c.covered, len(c.tokens)), None)
+                    c.covered = len(c.tokens)
+
+    def finish(self, a: R.Answer, include_usage: bool) -> Iterator[str]:
+        """Each choice's rest and ``finish_reason``, the usage if asked, and the end."""
+        for i, final in enumerate(a.choices):
+            c = self.choice(i)
+            rest, span = c.rest(final), range(min(c.covered, len(final.tokens)), len(final.tokens))
+            if not c.tokens and final.tokens:  # none came while decoding: a piece per token now
+                parts = pieces(self.tok, final.tokens, final.text)
+                for t, piece in enumerate(parts[:-1]):
+                    yield self._chunk(i, final, piece, range(t, t + 1), None)
+                rest, span = parts[-1], range(len(parts) - 1, len(final.tokens))
+            if self.chat:
+                if rest or (a.logprobs is not None and span):
+                    yield self._chunk(i, final, rest, span, None)
+                end = ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=final.finish_reason)  # type: ignore[arg-type]
+                yield R.sse(R._chunk(a.id, a.model, a.created, [end]))
+            else:
+                yield self._chunk(
+                    i, final, rest, span, "length" if final.finish_reason == "length" else "stop"
+                )
+        if include_usage:
+            if self.chat:
+                yield R.sse(R._chunk(a.id, a.model, a.created, [], a.usage))
+            else:
+                yield R.sse(self._completion([], a.usage))
+        yield R.DONE
+
+    def _chunk(self, index: int, c: TextSoFar | Choice, text: str, span: range, reason: str | None) -> str:
+        """A chunk of choice ``index``: ``text``, with the logprobs of tokens ``span`` if asked."""
+        a = self.stub
+        whole = c.so_far() if isinstance(c, TextSoFar) else c
+        if self.chat:
+            lps = R._chunk_logprobs(self.tok, a, whole, span) if span else None
+            choice = ChunkChoice(index=index, delta=ChoiceDelta(content=text), logprobs=lps)
+            return R.sse(R._chunk(a.id, a.model, a.created, [choice]))
+        lp = None
+        if a.logprobs is not None and span:
+            top = whole.top[span.start : span.stop] if whole.top else None
+            one = Choice(
+                whole.tokens[span.start : span.stop],
+                whole.logprobs[span.start : span.stop],
+                top,
+                text,
+                "stop",
+            )
+            lp = completion_logprobs(self.tok, one, a.logprobs, a.as_ids)
+        # a piece before the last has no finish_reason yet (built unvalidated: the type wants one)
+        ch = CompletionChoice.model_construct(index=index, text=text, finish_reason=reason, logprobs=lp)
+        return R.sse(self._completion([ch]))
+
+    def _completion(self, choices: list[CompletionChoice], usage: Any = None) -> Completion:
+        a = self.stub
+        body = Completion(
+            id=a.id, object="text_completion", created=a.created, model=a.model, choices=choices
+        )
+        if usage is not None:
+            body.usage = usage
+        return body
