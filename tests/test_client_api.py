@@ -110,7 +110,7 @@ def test_sdk_program_runs_embedded(runtime: Runtime) -> None:
     # lineage: the checkpoint names the sampler version that produced its RL data
     ckpts = service.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
     assert [c.tinker_path for c in ckpts] == [path]
-    meta = runtime.store.record(opentinker.client.checkpoints.parse_tinker_path(path)).meta
+    meta = runtime.store.record(opentinker.service.checkpoints.parse_tinker_path(path)).meta
     assert meta["step"] == 4 and meta["sampler_versions"] == [sampler.policy]
 
 

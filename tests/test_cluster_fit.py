@@ -141,8 +141,8 @@ def test_placed_actors_and_an_unreadable_actor_table_do_not_wait(monkeypatch: py
 
 
 def test_the_placement_timeout_is_a_serve_option_and_must_be_positive(tmp_path: Any) -> None:
-    from opentinker.client.runtime import Runtime
     from opentinker.server.main import build_parser, config_from_args
+    from opentinker.service.runtime import Runtime
 
     args = ["--base-model", "opentinker/tiny", "--dev"]
     assert config_from_args(build_parser().parse_args(args)).placement_timeout_s == 60.0

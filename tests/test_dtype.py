@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from opentinker.client.runtime import Runtime
 from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import BaseModel, load_base_model
 from opentinker.models import dtype as dtypes
 from opentinker.rollout.worker import WorkerCore
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import (
     BF16_CROSS_DTYPE_ATOL,
@@ -203,7 +203,7 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             captured.update(kwargs)
 
-    import opentinker.client.scaleout as scaleout
+    import opentinker.service.scaleout as scaleout
 
     pool = scaleout.WorkerPool
     try:

@@ -52,17 +52,20 @@ ALLOWED: dict[str, frozenset[str]] = {
     "rollout": frozenset({"models", "lora", "engine", "sampling"}),
     "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
     "cluster": frozenset({"models", "lora", "engine", "sampling", "rollout", "scheduler"}),
-    "client": frozenset(CORE),
+    "service": frozenset(CORE),
+    "client": frozenset({"service", *CORE}),
     "opentinker": frozenset({"client"}),
     "console": frozenset(),  # the console's page and the readers of its data; the server serves them
-    "server": frozenset({"client", "console", *CORE}),  # the core only through SERVER_CORE_NAMES
+    "server": frozenset({"client", "service", "console", *CORE}),  # the core only through SERVER_CORE_NAMES
     "data": frozenset(CLIENT_API),
     "renderers": frozenset(CLIENT_API),
     "tracking": frozenset(CLIENT_API),
     "rl": frozenset({*CLIENT_API, *LIBRARY_BASE}),
     "sft": frozenset({*CLIENT_API, *LIBRARY_BASE}),
     "tasks": frozenset({*CLIENT_API, *LIBRARY_BASE, "rl", "sft"}),
-    "cli": frozenset({*CLIENT_API, *CORE, "console", "server", *LIBRARY_BASE, "rl", "sft", "tasks"}),
+    "cli": frozenset(
+        {*CLIENT_API, "service", *CORE, "console", "server", *LIBRARY_BASE, "rl", "sft", "tasks"}
+    ),
 }
 
 # What the server may take from the core: error types (to map them to HTTP answers) and plain

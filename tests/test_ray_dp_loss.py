@@ -25,16 +25,16 @@ import pytest
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine.checkpoint import read_manifest
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_trainer import WAIT, _client, _datum, _train, wait_restored
 from tests.tolerances import assert_scalar_close
 
 ray = pytest.importorskip("ray")
 
-from opentinker.client.checkpoints import parse_tinker_path  # noqa: E402
 from opentinker.cluster.trainer import WorkerLostError  # noqa: E402
+from opentinker.service.checkpoints import parse_tinker_path  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray, two trainer actors per runtime: ~1-2 min in all here
 

@@ -32,8 +32,8 @@ import torch
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine import EngineError
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_dp_loss import DATA, _router
 from tests.test_ray_trainer import WAIT, _client, _train

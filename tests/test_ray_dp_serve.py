@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 from tinker import types
 
-from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
-from opentinker.client.runtime import Runtime
 from opentinker.server.local import LocalServer
 from opentinker.server.main import serve
+from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_trainer import WAIT, _datum, _train
 from tests.tolerances import assert_greedy_equal, assert_scalar_close

@@ -30,7 +30,6 @@ ray = pytest.importorskip("ray")
 
 import opentinker  # noqa: E402
 from opentinker.cli import main as cli_main  # noqa: E402
-from opentinker.client.runtime import Runtime  # noqa: E402
 from opentinker.cluster.ray_env import NAMESPACE  # noqa: E402
 from opentinker.cluster.ray_rollout import RayTransport, RayWorker  # noqa: E402
 from opentinker.engine import Engine  # noqa: E402
@@ -41,6 +40,7 @@ from opentinker.rollout.wire import to_bytes  # noqa: E402
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams  # noqa: E402
 from opentinker.server.auth import create_key  # noqa: E402
 from opentinker.server.local import LocalServer, free_port  # noqa: E402
+from opentinker.service.runtime import Runtime  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 from tests.test_rollout_workers import Served as ProcessServed  # noqa: E402
 from tests.test_rollout_workers import _probe, _requests, _same, _same_up_to_near_ties, _wait  # noqa: E402
@@ -375,7 +375,7 @@ def test_plain_serve_and_the_embedded_mode_never_import_ray(tmp_path: Path) -> N
     (in process, and from one worker process) leave it unloaded."""
     probe = (
         "import sys\n"
-        "from opentinker.client.runtime import Runtime\n"
+        "from opentinker.service.runtime import Runtime\n"
         "from opentinker.server.app import create_app\n"
         "from opentinker.server.config import ServerConfig\n"
         "from opentinker.sampling import SampleRequest, SamplingParams\n"

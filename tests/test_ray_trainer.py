@@ -23,9 +23,9 @@ import tinker
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine import EngineError
 from opentinker.server.local import LocalServer
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.tolerances import TRAJECTORY_REL, assert_greedy_equal, assert_scalar_close
 

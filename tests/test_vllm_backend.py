@@ -19,8 +19,8 @@ import pytest
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
 

@@ -1,8 +1,11 @@
-"""In-process clients with the ``tinker`` SDK's names, arguments and types (the engine runs embedded)."""
+"""In-process clients with the ``tinker`` SDK's names, arguments and types (the engine runs embedded).
 
-from opentinker.client.runtime import Runtime, default_runtime
-from opentinker.client.sampling import SamplingClient
+``ServiceClient`` and ``RestClient`` live here; the per-model ``TrainingClient`` and per-policy
+``SamplingClient`` are the service layer's (:mod:`opentinker.service`), which the HTTP server
+serves through too.
+"""
+
 from opentinker.client.service import RestClient, ServiceClient
-from opentinker.client.training import TrainingClient
+from opentinker.service import Runtime, SamplingClient, TrainingClient, default_runtime
 
 __all__ = ["RestClient", "Runtime", "SamplingClient", "ServiceClient", "TrainingClient", "default_runtime"]

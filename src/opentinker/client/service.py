@@ -15,16 +15,16 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.checkpoints import CheckpointRecord, parse_tinker_path
-from opentinker.client.custom_loss import CustomLoss, trace_custom_loss
-from opentinker.client.futures import ready
-from opentinker.client.runtime import LOCAL_TENANT, Runtime, default_runtime
-from opentinker.client.sampling import SamplingClient
-from opentinker.client.training import TrainingClient
 from opentinker.engine import EngineError, UnknownPolicyError
-from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
 from opentinker.models import BUILTIN_MODELS
+from opentinker.service.checkpoints import CheckpointRecord, parse_tinker_path
+from opentinker.service.convert import optimizer_type
+from opentinker.service.custom_loss import CustomLoss, trace_custom_loss
+from opentinker.service.futures import ready
+from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
+from opentinker.service.sampling import SamplingClient
+from opentinker.service.training import TrainingClient
 
 __all__ = ["LOCAL_TENANT", "RestClient", "ServiceClient"]
 
@@ -201,16 +201,3 @@ def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
         tinker_path=rec.ref.tinker_path,
         size_bytes=rec.size_bytes,
     )
-
-
-def optimizer_type(optimizer: Any) -> str:
-    """The optimizer an ``optimizer=`` argument selects (``types.AdamOptimizerConfig``, the dict
-    the wire carries, any object with a ``type``; None = adamw), checked: raises ``EngineError``
-    naming an optimizer this engine does not run (see ``engine/optim.py``)."""
-    if optimizer is None or isinstance(optimizer, dict):
-        config = optimizer
-    elif hasattr(optimizer, "model_dump"):
-        config = dict(optimizer.model_dump(mode="json"))
-    else:
-        config = dict(vars(optimizer)) if hasattr(optimizer, "__dict__") else {"type": optimizer}
-    return check_optimizer_config(config)

@@ -61,7 +61,7 @@ learns the window's text without the task's prompt before it.
 **Reusing the sampler's keys and values** (``reuse_kv``, an option; off by default). After an
 update, a new snapshot has no cached prefix, so the next turn re-prefills the episode's whole
 text. With ``reuse_kv`` each episode's adapter is saved with ``kind="inflight"``
-(the SDK's contract; embedded: ``client/inflight.py``) and the episode samples all its later
+(the SDK's contract; embedded: ``service/inflight.py``) and the episode samples all its later
 turns through its first inflight session, whose KV-cache namespace outlives the saves: a turn
 prefills only the text new since the last turn (the environment's reply), attending to the keys
 and values of the earlier text as they were computed, under the adapter versions that sampled

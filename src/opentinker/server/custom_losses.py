@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import Field
 
-from opentinker.client.custom_loss import CustomLoss, compile_uploaded
 from opentinker.server.errors import UserError
 from opentinker.server.schemas import MAX_SEQ, _Wire
+from opentinker.service.custom_loss import CustomLoss, compile_uploaded
 
 
 class CreateCustomLossRequest(_Wire):

@@ -258,7 +258,7 @@ def _add_ray_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from opentinker.client.runtime import default_data_dir
+    from opentinker.service.runtime import default_data_dir
 
     return ServerConfig(
         data_dir=args.data_dir or default_data_dir(),

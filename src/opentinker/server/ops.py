@@ -19,9 +19,6 @@ from tinker import types
 from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 from tinker.types.optimizer import OptimParamsBase
 
-from opentinker.client import SamplingClient
-from opentinker.client.convert import check_prompt_extras
-from opentinker.client.service import optimizer_type
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
@@ -44,6 +41,8 @@ from opentinker.server.wire import (
     encode_forward_output,
     encode_sample_response,
 )
+from opentinker.service import SamplingClient
+from opentinker.service.convert import check_prompt_extras, optimizer_type
 
 Submit = Callable[[], Future]
 Encode = Callable[[Any], Any]

@@ -27,9 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.client import Runtime, SamplingClient, ServiceClient, TrainingClient
-from opentinker.client.checkpoints import CheckpointRef, parse_tinker_path
-from opentinker.client.runtime import BaseModelInfo, ModelRecord
+from opentinker.client import ServiceClient
 from opentinker.engine import EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError
 from opentinker.lora import LoRAConfig
@@ -38,6 +36,9 @@ from opentinker.server.checkpoints import expiry, external_row
 from opentinker.server.errors import Gone, NotFound, UserError
 from opentinker.server.ordering import Sequencer
 from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
+from opentinker.service import Runtime, SamplingClient, TrainingClient
+from opentinker.service.checkpoints import CheckpointRef, parse_tinker_path
+from opentinker.service.runtime import BaseModelInfo, ModelRecord
 
 log = logging.getLogger(__name__)
 GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights went (the newest)
@@ -479,7 +480,7 @@ class Registry:
         stale = None
         client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
         client.follow = snap.adapter_id
-        client.kv_namespace = f"sampler:{sampler_id}"  # its own KV-cache namespace (client/inflight.py)
+        client.kv_namespace = f"sampler:{sampler_id}"  # its own KV-cache namespace (service/inflight.py)
         with self._lock:
             target = self.inflight.get(snap.adapter_id)
             if target is None:

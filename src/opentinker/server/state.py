@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.client import Runtime
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
 from opentinker.server.config import ServerConfig
@@ -30,6 +29,7 @@ from opentinker.server.store import Store
 from opentinker.server.tokens import TokenSigner, load_secret
 from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
+from opentinker.service import Runtime
 
 
 class Server:

@@ -29,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
-from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
-from opentinker.client.scaleout import ScaleOut, ScaleOutMethods, data_parallel_of
 from opentinker.engine import Engine, EngineError, SnapshotInfo, Trainer, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
@@ -46,6 +43,9 @@ from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
+from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
+from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
+from opentinker.service.scaleout import ScaleOut, ScaleOutMethods, data_parallel_of
 
 if TYPE_CHECKING:
     import torch
@@ -144,7 +144,7 @@ class Runtime(ScaleOutMethods):
         :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``ray``, ``worker_cpus``,
         ``worker_gpus``, ``worker_startup_timeout``, ``placement_timeout``, ``trainer_workers``, ``trainer_options`` and
         ``auto_restore``: rollout workers as Ray actors, Ray trainer workers, data parallelism
-        and the restore of a lost worker's models (:class:`~opentinker.client.scaleout.ScaleOut`);
+        and the restore of a lost worker's models (:class:`~opentinker.service.scaleout.ScaleOut`);
         a setting the cluster cannot meet raises ``ValueError`` here."""
         self.dtype = dtype_name(resolve_dtype(dtype, device))  # a name: it travels to workers as is
         check_rollout_options(rollout_workers, sample_in_ticks, rollout_backend, rollout_options or {})

@@ -4,7 +4,7 @@ actors), and trainer workers on Ray with the auto-restore of a lost worker's mod
 :class:`ScaleOut` checks a runtime's scale-out settings once, at construction, so a Ray address
 that does not answer or workers the cluster cannot place fail there, naming why, before any model
 loads. Nothing of :mod:`opentinker.cluster` (nor Ray) is imported unless Ray is asked for.
-:class:`ScaleOutMethods` is the scale-out half of :class:`~opentinker.client.runtime.Runtime`
+:class:`ScaleOutMethods` is the scale-out half of :class:`~opentinker.service.runtime.Runtime`
 (mixed into it): the workers now, scaling them while it serves, data-parallel degrees, what
 auto-restore did.
 
@@ -32,8 +32,8 @@ from opentinker.sampling.rollout import RolloutService
 from opentinker.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from opentinker.client.checkpoints import CheckpointStore
     from opentinker.cluster.trainer_router import RoutedScheduler
+    from opentinker.service.checkpoints import CheckpointStore
 
 _log = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class ScaleOut:
     @staticmethod
     def scale(pools: Mapping[str, WorkerPool], workers: int) -> dict[str, int]:
         """Serve every base model's sampling from ``workers`` rollout workers, while serving (see
-        :meth:`Runtime.scale_rollout_workers <opentinker.client.runtime.Runtime.scale_rollout_workers>`)."""
+        :meth:`Runtime.scale_rollout_workers <opentinker.service.runtime.Runtime.scale_rollout_workers>`)."""
         ScaleOut.check_rollout_scale(pools, workers)
         return {name: pool.scale(workers) for name, pool in pools.items()}
 
@@ -419,7 +419,7 @@ class ScaleOut:
 
 
 class ScaleOutMethods:
-    """The scale-out half of :class:`~opentinker.client.runtime.Runtime` (module docstring)."""
+    """The scale-out half of :class:`~opentinker.service.runtime.Runtime` (module docstring)."""
 
     scaleout: ScaleOut
     rollout_workers: int

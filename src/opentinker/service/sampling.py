@@ -7,11 +7,11 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.convert import check_prompt_extras, sample_response
-from opentinker.client.convert import sampling_params as to_sampling_params
-from opentinker.client.futures import ReadyClient, mapped
-from opentinker.client.runtime import Runtime
 from opentinker.sampling import SampleRequest, SampleResult
+from opentinker.service.convert import check_prompt_extras, sample_response
+from opentinker.service.convert import sampling_params as to_sampling_params
+from opentinker.service.futures import ReadyClient, mapped
+from opentinker.service.runtime import Runtime
 
 
 class SamplingClient(ReadyClient):
@@ -27,7 +27,7 @@ class SamplingClient(ReadyClient):
         self.model_path = model_path
         self.follow: str | None = None  # an inflight sampler: the training model it follows
         # an inflight sampler's KV-cache namespace: its requests' prefix-cache entries are keyed by
-        # it, not by the weights, so they survive the weights it follows (client/inflight.py)
+        # it, not by the weights, so they survive the weights it follows (service/inflight.py)
         self.kv_namespace: str | None = None
 
     @classmethod
