@@ -208,10 +208,7 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
     pool = scaleout.WorkerPool
     try:
         scaleout.WorkerPool = Pool  # type: ignore[misc, assignment]
-        rt.scaleout.rollout_pool(
-            rt.backend(TEST_MODEL).engine, TEST_MODEL, 1, backend="native", device="cpu",
-            dtype=rt.dtype, max_rank=8, prefix_cache_bytes=0,
-        )  # fmt: skip
+        rt.scaleout.rollout_pool(rt.backend(TEST_MODEL).engine, TEST_MODEL)
     finally:
         scaleout.WorkerPool = pool  # type: ignore[misc]
     assert captured["dtype"] == "bfloat16"
@@ -241,8 +238,8 @@ def test_serve_refuses_an_invalid_dtype_at_start_up(capsys: pytest.CaptureFixtur
     assert exit_.value.code == 2
     assert "argument --dtype: invalid choice: 'float16'" in capsys.readouterr().err
     args = build_parser().parse_args(["--base-model", TEST_MODEL, "--dtype", "bfloat16"])
-    assert config_from_args(args).dtype == "bfloat16"
-    assert config_from_args(build_parser().parse_args(["--base-model", TEST_MODEL])).dtype == "auto"
+    assert config_from_args(args).runtime.dtype == "bfloat16"
+    assert config_from_args(build_parser().parse_args(["--base-model", TEST_MODEL])).runtime.dtype == "auto"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")

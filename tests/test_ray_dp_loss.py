@@ -50,7 +50,7 @@ def ray_up():
 
 
 def _dp_runtime(data_dir: Path, **kw: Any) -> Runtime:
-    return Runtime(data_dir, trainer_workers=2, trainer_options={"data_parallel": 2}, **kw)
+    return Runtime(data_dir, trainer_workers=2, data_parallel=2, **kw)
 
 
 def _router(rt: Runtime) -> Any:
@@ -110,7 +110,7 @@ def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path
 
         # a worker started after the loss: the pool holds degree 2 again, over the worker that
         # was there and the new one (each data-parallel model forms a process group of its own)
-        rt.scale_trainer_workers(2)
+        rt.scaleout.scale_trainer_workers(2)
         again2 = service.create_training_client_from_state_with_optimizer(path)
         rec = rt.models[again2.model_id]
         assert rec.data_parallel == 2 and rec.note is None
@@ -149,7 +149,7 @@ def test_auto_restore_brings_a_data_parallel_model_back_on_one_worker(tmp_path: 
 
 
 def test_auto_restore_keeps_the_degree_where_the_workers_that_are_left_hold_it(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path, trainer_workers=3, trainer_options={"data_parallel": 2}, auto_restore=True)
+    rt = Runtime(tmp_path, trainer_workers=3, data_parallel=2, auto_restore=True)
     try:
         tc = _client(opentinker.ServiceClient(runtime=rt), 7)
         router = _router(rt)
@@ -175,18 +175,18 @@ def test_a_combined_scale_that_fits_only_kind_by_kind_is_refused(tmp_path: Path)
     rt = Runtime(tmp_path, ray="local", rollout_workers=1, worker_cpus=1, trainer_workers=1)
     try:
         rt.backend(TEST_MODEL)  # one rollout actor and one trainer actor: 1 of 3 CPUs left
-        before = rt.rollout_workers_info()
-        rt.check_scale(2, None)  # each kind alone fits
-        rt.check_scale(None, 2)
+        before = rt.scaleout.rollout_workers_info()
+        rt.scaleout.check_scale(2, None)  # each kind alone fits
+        rt.scaleout.check_scale(None, 2)
         with pytest.raises(
             ValueError,
             match=r"1 more rollout worker × 1 CPU \+ 1 more trainer worker × 1 CPU = 2 CPUs asked, but the "
             r"cluster has 1 CPUs free \(3 in all; each kind alone would fit\)",
         ):
-            rt.check_scale(2, 2)
+            rt.scaleout.check_scale(2, 2)
         with pytest.raises(ValueError, match="trainer workers cannot be scaled below one"):
-            rt.check_scale(2, 0)
-        after = rt.rollout_workers_info()
+            rt.scaleout.check_scale(2, 0)
+        after = rt.scaleout.rollout_workers_info()
         assert (
             after["base_models"][TEST_MODEL]["workers"] == before["base_models"][TEST_MODEL]["workers"] == 1
         )

@@ -180,9 +180,9 @@ def test_a_default_degree_the_workers_cannot_serve_is_refused_before_ray_starts(
 ) -> None:
     was_up = ray.is_initialized()
     with pytest.raises(ValueError, match=r"data_parallel 3 is above the number of trainer workers \(2\)"):
-        Runtime(tmp_path, trainer_workers=2, trainer_options={"data_parallel": 3})
+        Runtime(tmp_path, trainer_workers=2, data_parallel=3)
     with pytest.raises(ValueError, match=r"above the number of trainer workers \(0\); serve with --ray"):
-        Runtime(tmp_path, trainer_options={"data_parallel": 2})
+        Runtime(tmp_path, data_parallel=2)
     argv = ["--dev", "--base-model", TEST_MODEL, "--data-dir", str(tmp_path / "srv")]
     argv += ["--trainer-workers", "2", "--data-parallel", "3"]
     assert serve(argv) == 2

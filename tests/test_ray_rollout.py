@@ -148,7 +148,7 @@ class TestPoolOnRay:
         with pool._lock:
             draining, running = pool._slots[1].handle, [r.future for r in pool._slots[1].inflight.values()]
         assert not any(f.done() for f in running)
-        assert served.runtime.scale_rollout_workers(1) == {TEST_MODEL: 1}  # returns once drained
+        assert served.runtime.scaleout.scale_rollout_workers(1) == {TEST_MODEL: 1}  # returns once drained
         assert pool.worker_states()[1] == "removed" and all(f.done() for f in running)
         for f, r in zip(futs, reqs, strict=True):
             _same_up_to_near_ties(f.result(), r, served.reference)
@@ -156,7 +156,7 @@ class TestPoolOnRay:
         assert isinstance(draining, RayWorker)
         _wait(lambda: draining.name not in _actors())  # then it was stopped
         # scale back: a new actor, holding nothing, serves the snapshots published before it came
-        assert served.runtime.scale_rollout_workers(2) == {TEST_MODEL: 2}
+        assert served.runtime.scaleout.scale_rollout_workers(2) == {TEST_MODEL: 2}
         new = len(pool.worker_states()) - 1
         assert pool.worker_snapshots(new) == set()
         for _ in range(3):
@@ -164,7 +164,7 @@ class TestPoolOnRay:
             for g, r in zip(served.sample(more), more, strict=True):
                 _same(g, served.reference.generate([r])[0])
         assert pool.stats.served[new] > 0 and pool.worker_snapshots(new)
-        info = served.runtime.rollout_workers_info()["base_models"][TEST_MODEL]
+        info = served.runtime.scaleout.rollout_workers_info()["base_models"][TEST_MODEL]
         assert info["workers"] == 2 and info["transport"] == "ray"
 
     def test_ray_kill_mid_decode_reruns_its_requests_and_the_actor_is_restarted(
@@ -203,11 +203,11 @@ class TestPoolOnRay:
         states, actors = served.pool.worker_states(), _actors()
         for k in (0, -1):
             with pytest.raises(ValueError, match="below one"):
-                served.runtime.scale_rollout_workers(k)
+                served.runtime.scaleout.scale_rollout_workers(k)
         with pytest.raises(
             ValueError, match=r"more rollout workers × 0.5 CPUs = .* CPUs asked, but the cluster has"
         ):
-            served.runtime.scale_rollout_workers(40)
+            served.runtime.scaleout.scale_rollout_workers(40)
         with pytest.raises(ValueError, match="asks for 64 CPUs but the largest Ray node has 2"):
             Runtime(tmp_path, rollout_workers=1, ray="local", worker_cpus=64)
         with pytest.raises(ValueError, match="asks for 1 GPUs but the largest Ray node has 0"):

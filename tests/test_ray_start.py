@@ -99,8 +99,8 @@ def test_a_runtime_refuses_the_same_start_before_any_actor_exists(two_cpus: None
     rt = Runtime(tmp_path, ray="local", rollout_workers=1, trainer_workers=1)
     try:
         with pytest.raises(ValueError, match=r"^2 rollout workers × 1 CPU \+ 2 trainer workers × 1 CPU = 4"):
-            rt.check_start([TEST_MODEL, "opentinker/another-model"])
-        rt.check_start([TEST_MODEL])
+            rt.scaleout.check_start([TEST_MODEL, "opentinker/another-model"])
+        rt.scaleout.check_start([TEST_MODEL])
         assert not rt.loaded_base_models() and not _actors()
     finally:
         rt.shutdown()

@@ -197,7 +197,7 @@ class Operations:
         if value is None:
             return None
         try:
-            return self.reg.runtime.check_data_parallel(value)
+            return self.reg.runtime.scaleout.check_data_parallel(value)
         except ValueError as e:
             raise BadRequest(str(e)) from None
 

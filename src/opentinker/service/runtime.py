@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from opentinker.engine import Engine, EngineError, SnapshotInfo, Trainer, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
@@ -39,16 +39,13 @@ from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
 from opentinker.sampling import NativeBackend, RolloutBackend
 from opentinker.sampling.decoder import Decoder
-from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
+from opentinker.service.config import RuntimeConfig, runtime_config
 from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
-from opentinker.service.scaleout import ScaleOut, ScaleOutMethods, data_parallel_of
-
-if TYPE_CHECKING:
-    import torch
+from opentinker.service.scaleout import ScaleOut, data_parallel_of
 
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -108,56 +105,20 @@ def default_data_dir() -> Path:
     return Path(env) if env else cache_dir() / "data"
 
 
-class Runtime(ScaleOutMethods):
+class Runtime:
     def __init__(
-        self,
-        data_dir: str | Path | None = None,
-        *,
-        max_rank: int = 128,
-        device: str = "cpu",
-        dtype: str | torch.dtype | None = "auto",
-        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-        sample_in_ticks: bool = False,
-        rollout_workers: int = 0,
-        rollout_backend: str = "native",
-        rollout_options: dict[str, Any] | None = None,
-        ray: str | None = None,
-        worker_cpus: float = 1.0,
-        worker_gpus: float = 0.0,
-        worker_startup_timeout: float = 300.0,
-        placement_timeout: float = 60.0,
-        trainer_workers: int = 0,
-        trainer_options: dict[str, Any] | None = None,
-        auto_restore: bool = False,
+        self, data_dir: str | Path | None = None, config: RuntimeConfig | None = None, **settings: Any
     ) -> None:
-        """``dtype``: the frozen base models' dtype, ``float32``, ``bfloat16`` or ``auto`` (the
-        device's default, :mod:`opentinker.models.dtype`); LoRA weights, gradients and optimizer
-        state are fp32 whatever it is, rollout workers load their base copy at the same dtype, and
-        an invalid value (or bf16 on a GPU without it) raises ``ValueError`` here.
-        ``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
-        a time (the serialized reference), instead of on its own rollout loop (the default).
-        ``rollout_workers``: serve sampling from that many worker processes per base model, each
-        with its own copy of the base model (:mod:`opentinker.rollout.pool`); 0 (the default)
-        keeps the rollout loop on a thread of this process. ``rollout_backend``: what samples,
-        ``native`` (the default: the engine's own KV-cache decoder) or ``vllm`` (vLLM's engine with
-        runtime LoRA, in-process loop only; ``rollout_options`` are passed to
-        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``ray``, ``worker_cpus``,
-        ``worker_gpus``, ``worker_startup_timeout``, ``placement_timeout``, ``trainer_workers``, ``trainer_options`` and
-        ``auto_restore``: rollout workers as Ray actors, Ray trainer workers, data parallelism
-        and the restore of a lost worker's models (:class:`~opentinker.service.scaleout.ScaleOut`);
-        a setting the cluster cannot meet raises ``ValueError`` here."""
-        self.dtype = dtype_name(resolve_dtype(dtype, device))  # a name: it travels to workers as is
-        check_rollout_options(rollout_workers, sample_in_ticks, rollout_backend, rollout_options or {})
-        self.scaleout = ScaleOut(
-            rollout_workers=rollout_workers,
-            ray=ray,
-            worker_cpus=worker_cpus,
-            worker_gpus=worker_gpus,
-            worker_startup_timeout=worker_startup_timeout,
-            placement_timeout=placement_timeout,
-            trainer_workers=trainer_workers,
-            trainer_options=trainer_options,
-            auto_restore=auto_restore,
+        """A runtime over ``data_dir`` (default :func:`default_data_dir`) with ``config`` (default:
+        every :class:`~opentinker.service.config.RuntimeConfig` default), its fields named in
+        ``settings`` replaced: ``Runtime(dir, trainer_workers=2, data_parallel=2)``. An unknown
+        setting raises ``TypeError``; settings that cannot work together, a ``dtype`` the device
+        has not, or workers the cluster cannot meet raise ``ValueError`` here
+        (:class:`~opentinker.service.scaleout.ScaleOut`)."""
+        cfg = self.config = runtime_config(config, settings)
+        self.dtype = dtype_name(resolve_dtype(cfg.dtype, cfg.device))  # a name: it travels to workers as is
+        check_rollout_options(
+            cfg.rollout_workers, cfg.sample_in_ticks, cfg.rollout_backend, self._vllm_options()
         )
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -165,19 +126,28 @@ class Runtime(ScaleOutMethods):
         self.external = ExternalStore(self.data_dir)
         # tinker path -> readable by every tenant (published); the server sets it from its store
         self.is_public: Callable[[str], bool] = lambda path: False
-        self.max_rank = max_rank
-        self.device = device
-        self.prefix_cache_bytes = prefix_cache_bytes  # per base model's sampler
-        self.sample_in_ticks = sample_in_ticks
-        self.rollout_workers = rollout_workers
-        self.rollout_backend = rollout_backend
-        self.rollout_options = dict(rollout_options or {})
         self.models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._model_seq = itertools.count(1)
         # (base model, tinker path) -> (manifest digests, snapshot id): see _weights_source
         self._weight_sources: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
+        self.scaleout = ScaleOut(
+            cfg, dtype=self.dtype, data_dir=self.data_dir, store=self.store, models=self.models,
+            backends=self._loaded,
+        )  # fmt: skip
+
+    def _loaded(self) -> dict[str, Backend]:
+        with self._lock:
+            return dict(self._backends)
+
+    def _vllm_options(self) -> dict[str, Any]:
+        """The keywords of the vLLM backend: ``vllm_max_lora_rank`` and ``rollout_options``."""
+        if "max_lora_rank" in self.config.rollout_options:
+            raise ValueError("set vllm_max_lora_rank, not rollout_options['max_lora_rank']")
+        if self.config.rollout_backend != "vllm":
+            return dict(self.config.rollout_options)
+        return {"max_lora_rank": self.config.vllm_max_lora_rank, **self.config.rollout_options}
 
     def backend(self, base_model: str) -> Backend:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
@@ -186,25 +156,26 @@ class Runtime(ScaleOutMethods):
         with self._lock:
             b = self._backends.get(name)
             if b is None:
-                base = load_base_model(name, dtype=self.dtype, device=self.device)
-                engine = Engine(base, max_rank=self.max_rank, device=self.device)
+                base = load_base_model(name, dtype=self.dtype, device=self.config.device)
+                engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
                 sampler, decoder = self._sampler(engine)
                 # sampling on its own thread, continuous batching (None: in the scheduler's ticks)
                 loop: Callable[[], RolloutService] | None = (
-                    None if self.sample_in_ticks else lambda: RolloutLoop(RolloutCore(decoder(), sampler))
+                    None
+                    if self.config.sample_in_ticks
+                    else lambda: RolloutLoop(RolloutCore(decoder(), sampler))
                 )
-                b = Backend(engine, sampler, self._scheduler_for(name, engine, sampler, loop))
+                b = Backend(engine, sampler, self.scaleout.scheduler_for(name, engine, sampler, loop))
                 self._backends[name] = b
             return b
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
-        if self.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
-            rb = RoutedBackend.for_engine(
-                engine, prefix_cache_bytes=self.prefix_cache_bytes, **self.rollout_options
-            )
+        cache = self.config.prefix_cache_bytes  # per base model's sampler
+        if self.config.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
+            rb = RoutedBackend.for_engine(engine, prefix_cache_bytes=cache, **self._vllm_options())
             return rb, rb.decoder
-        nb = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
+        nb = NativeBackend(engine, prefix_cache_bytes=cache)
         return nb, lambda: nb.decoder(snapshots_only=True)
 
     def loaded_base_models(self) -> list[str]:
@@ -260,7 +231,7 @@ class Runtime(ScaleOutMethods):
         ``on_created`` runs on the scheduler thread right after the model is registered, before
         any later request for it can run (the server records it durably there)."""
         check_optimizer_config({"type": optimizer_type})
-        degree = self.check_data_parallel(data_parallel)
+        degree = self.scaleout.check_data_parallel(data_parallel)
         self._check_new(model_id)
         backend = self.backend(base_model)
 
@@ -286,7 +257,7 @@ class Runtime(ScaleOutMethods):
         state if ``optimizer``), on the base model it was trained on (queued); data-parallel over
         ``data_parallel`` trainer workers, by default the degree the checkpoint records where the
         workers can hold it (else one, the record's ``note`` says why: ``ScaleOut.checkpoint_degree``)."""
-        asked = None if data_parallel is None else self.check_data_parallel(data_parallel)
+        asked = None if data_parallel is None else self.scaleout.check_data_parallel(data_parallel)
         ref, meta = self.checkpoint(path, tenant)
         ckpt_base = str(meta.get("base_model", ""))
         if base_model is not None and canonical_name(base_model) != ckpt_base:
@@ -543,7 +514,7 @@ class Runtime(ScaleOutMethods):
                 ]
                 out[-1]["base_served_by"] = b.sampler.base_served_by()
             if trainers:
-                out[-1].update(self.trainer_stats(name, self.models))  # trained on Ray trainer workers
+                out[-1].update(self.scaleout.trainer_stats(name))  # trained on Ray trainer workers
         return out
 
     def snapshot_ids(self, base_model: str) -> list[str]:
