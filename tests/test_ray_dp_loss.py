@@ -11,6 +11,9 @@ kind beside two).
   k = 2 model over the surviving worker and the new one, training as the plain resume does;
   ``auto_restore`` puts the same model id back, reporting the degree and the steps lost: on one
   worker when one is left, at degree 2 over the two left of three trainer workers.
+- Embedded as over HTTP: a model's ``user_metadata`` ``{"data_parallel": "k"}`` sets its degree
+  (a k = 2 model trains as a k = 1 one of the same seed), a degree the runtime cannot serve is
+  refused with the HTTP 400's message (``test_ray_dp_serve.py``) and makes nothing.
 - A scale of rollout and trainer workers whose kinds each fit the free CPUs but not together is
   refused at once, naming both, and changes nothing.
 """
@@ -28,6 +31,7 @@ import opentinker
 from opentinker.engine.checkpoint import read_manifest
 from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
+from tests.test_ray_dp_serve import BAD_DEGREES
 from tests.test_ray_trainer import WAIT, _client, _datum, _train, wait_restored
 from tests.tolerances import assert_scalar_close
 
@@ -191,5 +195,35 @@ def test_a_combined_scale_that_fits_only_kind_by_kind_is_refused(tmp_path: Path)
             after["base_models"][TEST_MODEL]["workers"] == before["base_models"][TEST_MODEL]["workers"] == 1
         )
         assert [w["worker_id"] for w in after["trainers"][TEST_MODEL]] == ["trainer-0"]
+    finally:
+        rt.shutdown()
+
+
+def test_user_metadata_sets_the_degree_embedded_as_over_http(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, trainer_workers=2)  # the default degree: 1
+    try:
+        service = opentinker.ServiceClient(runtime=rt)
+        for value, message in BAD_DEGREES.items():
+            with pytest.raises(ValueError, match=message):
+                service.create_lora_training_client(
+                    base_model=TEST_MODEL, rank=4, seed=5, user_metadata={"data_parallel": value}
+                )
+        assert not rt.models  # refused before anything was made
+        meta = {"data_parallel": "2", "run": "a"}
+        dp = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=5, user_metadata=meta)
+        one = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=5)
+        router = _router(rt)
+        assert rt.models[dp.model_id].data_parallel == 2 and router.dp[dp.model_id].degree == 2
+        assert rt.models[dp.model_id].user_metadata == meta
+        assert rt.models[one.model_id].data_parallel == 1 and one.model_id not in router.dp
+        got, want = _train(dp, DATA, 2), _train(one, DATA, 2)
+        for g, w in zip(got, want, strict=True):
+            assert_scalar_close(g, w, rel=1e-5)
+        assert abs(got[-1] - got[0]) > 1e-3 * abs(got[0])  # the steps moved the weights, far past rel
+        path = dp.save_state("dp").result(timeout=WAIT).path
+        plain = service.create_training_client_from_state_with_optimizer(
+            path, user_metadata={"data_parallel": "1"}
+        )  # the checkpoint records 2; the metadata asks for 1
+        assert rt.models[plain.model_id].data_parallel == 1 and plain.model_id not in router.dp
     finally:
         rt.shutdown()

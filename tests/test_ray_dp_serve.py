@@ -38,6 +38,15 @@ KEY = "tml-dp-serve-probe-0001"
 SEED = 11
 STEPS = 3
 REL = 1e-5  # losses: token sums over the same weights, shards summed in another order (fp32)
+# user_metadata {"data_parallel": value} on two trainer workers -> the refusal (HTTP 400 here, the
+# same ValueError embedded: test_ray_dp_loss.py)
+BAD_DEGREES = {
+    "3": r"data_parallel 3 is above the number of trainer workers \(2\)",
+    "0": r"data_parallel must be an integer >= 1, got '0'",
+    "-1": r"data_parallel must be an integer >= 1, got '-1'",
+    "two": r"data_parallel must be an integer >= 1, got 'two'",
+    "1.5": r"data_parallel must be an integer >= 1, got '1.5'",
+}
 
 
 def _data() -> list[types.Datum]:
@@ -96,15 +105,8 @@ def service(server: LocalServer):
 def test_a_degree_the_server_cannot_serve_is_a_400_creating_nothing(
     server: LocalServer, service: Any
 ) -> None:
-    bad = {
-        "3": r"data_parallel 3 is above the number of trainer workers \(2\)",
-        "0": r"data_parallel must be an integer >= 1, got '0'",
-        "-1": r"data_parallel must be an integer >= 1, got '-1'",
-        "two": r"data_parallel must be an integer >= 1, got 'two'",
-        "1.5": r"data_parallel must be an integer >= 1, got '1.5'",
-    }
     before = _models_per_worker(server.base_url)
-    for value, message in bad.items():
+    for value, message in BAD_DEGREES.items():
         with pytest.raises(tinker.BadRequestError, match=message):
             service.create_lora_training_client(
                 base_model=TEST_MODEL, rank=4, seed=SEED, user_metadata={"data_parallel": value}

@@ -63,29 +63,44 @@ class ServiceClient:
         user_metadata: dict[str, str] | None = None,
         optimizer: Any = None,
     ) -> TrainingClient:
+        """A fresh model; ``user_metadata`` stays on its record, and its ``{"data_parallel": "k"}``
+        makes it data-parallel over k trainer workers, as over HTTP (``ValueError`` for a degree
+        the runtime cannot serve, nothing made)."""
         config = LoRAConfig(
             rank=rank, seed=seed, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
         )
         model_id = self.runtime.new_model_id(self.session_id)
         self.runtime.create_model(
-            model_id, base_model, config, tenant=self.tenant, optimizer_type=optimizer_type(optimizer)
+            model_id,
+            base_model,
+            config,
+            tenant=self.tenant,
+            optimizer_type=optimizer_type(optimizer),
+            user_metadata=user_metadata,
         ).result()
         return TrainingClient(self.runtime, model_id)
 
     def create_training_client_from_state(
         self, path: str, base_model: str | None = None, user_metadata: Any = None, **_: Any
     ) -> TrainingClient:
-        return self._from_state(path, base_model, optimizer=False)
+        return self._from_state(path, base_model, user_metadata, optimizer=False)
 
     def create_training_client_from_state_with_optimizer(
         self, path: str, base_model: str | None = None, user_metadata: Any = None, **_: Any
     ) -> TrainingClient:
-        return self._from_state(path, base_model, optimizer=True)
+        return self._from_state(path, base_model, user_metadata, optimizer=True)
 
-    def _from_state(self, path: str, base_model: str | None, *, optimizer: bool) -> TrainingClient:
+    def _from_state(
+        self, path: str, base_model: str | None, user_metadata: Any, *, optimizer: bool
+    ) -> TrainingClient:
         model_id = self.runtime.new_model_id(self.session_id)
         self.runtime.create_model_from_checkpoint(
-            model_id, path, tenant=self.tenant, optimizer=optimizer, base_model=base_model
+            model_id,
+            path,
+            tenant=self.tenant,
+            optimizer=optimizer,
+            base_model=base_model,
+            user_metadata=user_metadata,
         ).result()
         return TrainingClient(self.runtime, model_id)
 
@@ -138,7 +153,12 @@ class ServiceClient:
         concurrent calls are made in one tick)."""
         model_id = self.runtime.new_model_id(self.session_id)
         fut = self.runtime.create_model_from_checkpoint(
-            model_id, path, tenant=self.tenant, optimizer=False, base_model=base_model
+            model_id,
+            path,
+            tenant=self.tenant,
+            optimizer=False,
+            base_model=base_model,
+            user_metadata=user_metadata,
         )
         await asyncio.wrap_future(fut)
         return TrainingClient(self.runtime, model_id)

@@ -158,7 +158,7 @@ class Operations:
     def create_model(self, tenant: str, req: S.CreateModelRequest) -> str:
         sess = self.reg.session(tenant, req.session_id)
         digest = digest_json("create_model", req.model_dump(mode="json"))
-        degree = self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400, nothing made
+        self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400 at once, nothing made
 
         def make() -> str:
             def submit() -> Future:
@@ -178,7 +178,6 @@ class Operations:
                     config=config,
                     optimizer_type=optimizer_type(req.optimizer_config),
                     user_metadata=req.user_metadata,
-                    data_parallel=degree,
                 )
 
             trace = (sess.id, "create_model", sess.id, req.base_model, req.model_seq_id)
@@ -193,11 +192,8 @@ class Operations:
     def _data_parallel(self, user_metadata: dict[str, Any] | None) -> int | None:
         """The data-parallel degree a new model's ``user_metadata`` asks for (``"data_parallel"``;
         None: the server's ``--data-parallel``), or 400 naming the value and the trainer workers."""
-        value = (user_metadata or {}).get("data_parallel")
-        if value is None:
-            return None
         try:
-            return self.reg.runtime.scaleout.check_data_parallel(value)
+            return self.reg.runtime.asked_data_parallel(user_metadata)
         except ValueError as e:
             raise BadRequest(str(e)) from None
 
@@ -213,7 +209,7 @@ class Operations:
         if req.session_id is not None and req.model_seq_id is not None:  # create-from-state
             sess = self.reg.session(tenant, req.session_id)
             ref, meta = self.reg.checkpoint(tenant, req.path)
-            degree = self._data_parallel(req.user_metadata)  # None: the checkpoint's own degree
+            self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400 at once
 
             def make() -> str:
                 def submit() -> Future:
@@ -230,7 +226,6 @@ class Operations:
                         checkpoint=ref.tinker_path,
                         optimizer=req.optimizer,
                         user_metadata=req.user_metadata,
-                        data_parallel=degree,
                     )
 
                 def done(

@@ -341,11 +341,11 @@ class Registry:
         checkpoint: str | None = None,
         optimizer: bool = False,
         user_metadata: dict[str, Any] | None = None,
-        data_parallel: int | None = None,
     ) -> Future[ModelRecord]:
-        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``, data-parallel over
-        ``data_parallel`` trainer workers or the server's default) or from the
-        tinker path ``checkpoint`` (with its optimizer state if ``optimizer``).
+        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``) or from the
+        tinker path ``checkpoint`` (with its optimizer state if ``optimizer``), through the same
+        runtime methods as the embedded client: ``user_metadata`` is kept on the model and its
+        ``{"data_parallel": "k"}`` picks the degree (default: the server's ``--data-parallel``).
 
         The runtime makes the model; here it is recorded durably, on the scheduler thread right
         after the engine made its adapter (before any later request for it can run).
@@ -365,7 +365,7 @@ class Registry:
                 rec.parent,
                 now,
                 now,
-                _str_dict(user_metadata),
+                rec.user_metadata,
             )
             self.store.add_model(row)
             with self._lock:
@@ -380,7 +380,7 @@ class Registry:
                 optimizer=optimizer,
                 base_model=base_model,
                 on_created=created,
-                data_parallel=data_parallel,
+                user_metadata=user_metadata,
             )
         assert config is not None
         return self.runtime.create_model(
@@ -390,7 +390,7 @@ class Registry:
             tenant=sess.tenant,
             optimizer_type=optimizer_type,
             on_created=created,
-            data_parallel=data_parallel,
+            user_metadata=user_metadata,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -538,7 +538,3 @@ class SamplerNotLoaded(NotFound):
     def __init__(self, row: SamplerRow) -> None:
         super().__init__(f"sampler {row.id!r} is not loaded (its weights are at {row.model_path})")
         self.row = row
-
-
-def _str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
-    return None if d is None else {str(k): str(v) for k, v in d.items()}

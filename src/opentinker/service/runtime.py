@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +67,7 @@ class ModelRecord:
     parent: str | None = None  # tinker path of the checkpoint it was created from
     data_parallel: int = 1  # trainer workers it is replicated over (opentinker.cluster.dp)
     note: str | None = None  # why it is not at the degree its checkpoint records, if it is not
+    user_metadata: dict[str, str] | None = None  # what its creator attached (SDK user_metadata)
     sampled_versions: set[str] = field(default_factory=set)  # its snapshots sampled since last save
     deleted: bool = False
 
@@ -98,6 +99,10 @@ def _content_id(folder: Path) -> str:
     """A short id of a checkpoint's content: the digest of its manifest's file checksums."""
     files = read_manifest(folder)["files"]
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _str_dict(d: Mapping[str, Any] | None) -> dict[str, str] | None:
+    return None if d is None else {str(k): str(v) for k, v in d.items()}
 
 
 def default_data_dir() -> Path:
@@ -222,22 +227,26 @@ class Runtime:
         tenant: str,
         optimizer_type: str = "adamw",
         on_created: Callable[[ModelRecord], None] | None = None,
-        data_parallel: int | str | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
     ) -> Future[ModelRecord]:
-        """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued);
-        data-parallel over ``data_parallel`` trainer workers (default: the runtime's
-        ``trainer_options["data_parallel"]``, 1), a degree it cannot serve refused here.
+        """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued), with the
+        SDK's ``user_metadata`` on its record; data-parallel over the trainer workers its
+        ``{"data_parallel": "k"}`` asks for (default: the runtime's ``data_parallel``), a degree
+        it cannot serve refused here (``ValueError``, nothing queued).
 
         ``on_created`` runs on the scheduler thread right after the model is registered, before
         any later request for it can run (the server records it durably there)."""
         check_optimizer_config({"type": optimizer_type})
-        degree = self.scaleout.check_data_parallel(data_parallel)
+        degree = self.scaleout.check_data_parallel(self.asked_data_parallel(user_metadata))
+        meta = _str_dict(user_metadata)
         self._check_new(model_id)
         backend = self.backend(base_model)
 
         def make(eng: Trainer) -> ModelRecord:
             self.scaleout.create_adapter(eng, config, model_id, degree)
-            rec = ModelRecord(model_id, eng.base.name, config, tenant, data_parallel=degree)
+            rec = ModelRecord(
+                model_id, eng.base.name, config, tenant, data_parallel=degree, user_metadata=meta
+            )
             return self._register(rec, on_created)
 
         return backend.scheduler.submit_call(model_id, make)
@@ -251,13 +260,15 @@ class Runtime:
         optimizer: bool,
         base_model: str | None = None,
         on_created: Callable[[ModelRecord], None] | None = None,
-        data_parallel: int | str | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
     ) -> Future[ModelRecord]:
         """A model ``model_id`` loaded from ``tenant``'s checkpoint at ``path`` (with its optimizer
-        state if ``optimizer``), on the base model it was trained on (queued); data-parallel over
-        ``data_parallel`` trainer workers, by default the degree the checkpoint records where the
+        state if ``optimizer``), on the base model it was trained on (queued), with
+        ``user_metadata`` on its record; data-parallel over the trainer workers its
+        ``{"data_parallel": "k"}`` asks for, by default the degree the checkpoint records where the
         workers can hold it (else one, the record's ``note`` says why: ``ScaleOut.checkpoint_degree``)."""
-        asked = None if data_parallel is None else self.scaleout.check_data_parallel(data_parallel)
+        asked = self.asked_data_parallel(user_metadata)
+        meta_in = _str_dict(user_metadata)
         ref, meta = self.checkpoint(path, tenant)
         ckpt_base = str(meta.get("base_model", ""))
         if base_model is not None and canonical_name(base_model) != ckpt_base:
@@ -276,11 +287,19 @@ class Runtime:
                 eng.fork_adapter(self._weights_source(eng, ref), model_id, parent=str(folder))
             config = eng.adapter_config(model_id)
             rec = ModelRecord(
-                model_id, eng.base.name, config, tenant, ref.tinker_path, data_parallel=degree, note=note
-            )
+                model_id, eng.base.name, config, tenant, ref.tinker_path, data_parallel=degree, note=note,
+                user_metadata=meta_in,
+            )  # fmt: skip
             return self._register(rec, on_created)
 
         return backend.scheduler.submit_call(model_id, make)
+
+    def asked_data_parallel(self, user_metadata: Mapping[str, Any] | None) -> int | None:
+        """The data-parallel degree a new model's ``user_metadata`` asks for (its
+        ``"data_parallel"``, an integer or its text; None: it asks for none), checked against the
+        trainer workers: ``ValueError`` naming the value and the workers."""
+        value = (user_metadata or {}).get("data_parallel")
+        return None if value is None else self.scaleout.data_parallel_degree(value)
 
     def load_checkpoint_into(self, model_id: str, path: str, *, optimizer: bool) -> Future[None]:
         """Replace live model ``model_id``'s weights (and optimizer state) with those of a
