@@ -15,18 +15,16 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.engine import EngineError, UnknownPolicyError
-from opentinker.lora import LoRAConfig
-from opentinker.models import BUILTIN_MODELS
+from opentinker.service import LoRAConfig, UnknownPolicyError
 from opentinker.service.checkpoints import CheckpointRecord, parse_tinker_path
 from opentinker.service.convert import optimizer_type
 from opentinker.service.custom_loss import CustomLoss, trace_custom_loss
 from opentinker.service.futures import ready
 from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
-from opentinker.service.sampling import SamplingClient
+from opentinker.service.sampling import SamplingClient, sampling_client
 from opentinker.service.training import TrainingClient
 
-__all__ = ["LOCAL_TENANT", "RestClient", "ServiceClient"]
+__all__ = ["LOCAL_TENANT", "RestClient", "ServiceClient", "reuses_adapters"]
 
 
 class ServiceClient:
@@ -119,15 +117,11 @@ class ServiceClient:
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, **_: Any
     ) -> SamplingClient:
-        if model_path is not None:
-            return SamplingClient.for_checkpoint(self.runtime, model_path, tenant=self.tenant)
-        if base_model is None:
-            raise EngineError("create_sampling_client needs model_path or base_model")
-        return SamplingClient(self.runtime, base_model, None)
+        return sampling_client(self.runtime, self.tenant, model_path=model_path, base_model=base_model)
 
     # ---------------------------------------------------------------- misc
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
-        names = dict.fromkeys([*self.runtime.loaded_base_models(), *BUILTIN_MODELS])
+        names = self.runtime.supported_models()
         models = [types.SupportedModel(model_name=n, trainable=True, sampleable=True) for n in names]
         return types.GetServerCapabilitiesResponse(supported_models=models)
 
@@ -221,3 +215,11 @@ def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
         tinker_path=rec.ref.tinker_path,
         size_bytes=rec.size_bytes,
     )
+
+
+def reuses_adapters(service: Any) -> bool:
+    """Whether ``service`` can reset a training model in place and then drop it: the embedded
+    ``ServiceClient`` can (``TrainingClient.load_state``, ``delete_model``); the ``tinker`` SDK's
+    client deprecates ``load_state`` and has no ``delete_model``, so a library that pools
+    adapters (test-time training) asks this instead of which client it holds."""
+    return isinstance(service, ServiceClient)

@@ -28,7 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from opentinker.engine import EngineError
 from opentinker.server.admin_routes import add_admin_routes
 from opentinker.server.cluster import add_cluster_routes
 from opentinker.server.config import ServerConfig
@@ -42,7 +41,7 @@ from opentinker.server.refusals import note_refused
 from opentinker.server.rest_routes import add_rest_routes
 from opentinker.server.routes import add_routes
 from opentinker.server.state import Server
-from opentinker.service import Runtime
+from opentinker.service import EngineError, Runtime
 
 log = logging.getLogger(__name__)
 

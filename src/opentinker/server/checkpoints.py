@@ -31,9 +31,9 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from opentinker.engine import EngineError
 from opentinker.server.errors import BadRequest, NotFound, UserError
 from opentinker.server.store import CheckpointRow, ModelRow, Store
+from opentinker.service import EngineError
 from opentinker.service.checkpoints import KINDS, CheckpointStore, checkpoint_ref
 from opentinker.service.external import KIND as EXTERNAL
 from opentinker.service.external import ExternalRecord, ExternalStore

@@ -19,8 +19,6 @@ from tinker import types
 from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 from tinker.types.optimizer import OptimParamsBase
 
-from opentinker.engine import EngineError
-from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.admission import Admission
 from opentinker.server.checkpoints import check_ttl
@@ -32,7 +30,6 @@ from opentinker.server.futures import FutureStore, QueueState, chain, fail
 from opentinker.server.history import History
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
-from opentinker.server.stability import StabilityRecords
 from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
 from opentinker.server.wire import (
@@ -41,8 +38,10 @@ from opentinker.server.wire import (
     encode_forward_output,
     encode_sample_response,
 )
-from opentinker.service import SamplingClient
+from opentinker.service import EngineError, LoRAConfig, SamplingClient
 from opentinker.service.convert import check_prompt_extras, optimizer_type
+from opentinker.service.sampling import sampling_client
+from opentinker.service.stability import StabilityRecords
 
 Submit = Callable[[], Future]
 Encode = Callable[[Any], Any]
@@ -414,6 +413,7 @@ class Operations:
             ("sampler", sampler_id), digest, f"sampling_session_seq_id {req.sampling_session_seq_id}"
         ):
             return lambda: sampler_id
+        base = None
         if req.model_path is not None:
             _, meta = self.reg.checkpoint(tenant, req.model_path)
             self.reg.base_model(str(meta.get("base_model", "")))  # never load an unserved base model
@@ -423,10 +423,9 @@ class Operations:
             base = self.reg.base_model(req.base_model)
 
         def make() -> str:
-            if req.model_path is not None:
-                client = sess.service.create_sampling_client(model_path=req.model_path)
-            else:
-                client = sess.service.create_sampling_client(base_model=base)
+            client = sampling_client(
+                self.reg.runtime, sess.tenant, model_path=req.model_path, base_model=base
+            )
             self.reg.add_sampler(sess, sampler_id, client)
             self.once.remember(("sampler", sampler_id), digest, sampler_id)
             return sampler_id
@@ -523,7 +522,7 @@ class Operations:
     def _recording(
         self, tenant: str, sampler_id: str, ids: list[str], req: S.SampleRequest, client: Any, encode: Encode
     ) -> Encode:
-        """``encode``, recording each returned sequence first (``server/stability.py``)."""
+        """``encode``, recording each returned sequence first (``service/stability.py``)."""
         session = sampler_id.split(":sample:", 1)[0]
         weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
         policy = f"{sampler_id} ({weights})"

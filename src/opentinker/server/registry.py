@@ -1,9 +1,8 @@
 """What the server holds live, per tenant: sessions, training models, sampler sessions.
 
-Each SDK session gets one embedded ``ServiceClient(runtime=shared, tenant=<its key's tenant>)``;
-its models are embedded ``TrainingClient``s and its sampler sessions embedded ``SamplingClient``s,
-all over the one shared :class:`~opentinker.client.Runtime` (one engine and one scheduler per base
-model). This module resolves the ids the SDK sends to those objects — refusing with 404 any id
+Each SDK session's models are the service's ``TrainingClient``s and its sampler sessions the
+service's ``SamplingClient``s (what the embedded client hands out too), all over the one shared
+:class:`~opentinker.service.Runtime` (one engine and one scheduler per base model). This module resolves the ids the SDK sends to those objects — refusing with 404 any id
 that is unknown *or another tenant's* — and records them in the store.
 
 A session that goes quiet — no heartbeat and no request for ``session_inactive_s`` — is inactive,
@@ -27,16 +26,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.client import ServiceClient
-from opentinker.engine import EngineError, SnapshotInfo, UnknownPolicyError
-from opentinker.engine.checkpoint import CheckpointError
-from opentinker.lora import LoRAConfig
-from opentinker.models.registry import canonical_name
 from opentinker.server.checkpoints import expiry, external_row
 from opentinker.server.errors import Gone, NotFound, UserError
 from opentinker.server.ordering import Sequencer
 from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
-from opentinker.service import Runtime, SamplingClient, TrainingClient
+from opentinker.service import (
+    CheckpointError,
+    EngineError,
+    LoRAConfig,
+    Runtime,
+    SamplingClient,
+    SnapshotInfo,
+    TrainingClient,
+    UnknownPolicyError,
+    canonical_name,
+)
 from opentinker.service.checkpoints import CheckpointRef, parse_tinker_path
 from opentinker.service.runtime import BaseModelInfo, ModelRecord
 
@@ -48,7 +52,6 @@ GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights w
 class Session:
     id: str
     tenant: str
-    service: ServiceClient
     models: set[str] = field(default_factory=set)
     samplers: set[str] = field(default_factory=set)
     finished: bool = False
@@ -115,7 +118,7 @@ class Registry:
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, tenant: str, meta: dict[str, Any]) -> Session:
-        sess = Session(self.runtime.new_session(), tenant, ServiceClient(runtime=self.runtime, tenant=tenant))
+        sess = Session(self.runtime.new_session(), tenant)
         self.store.add_session(sess.id, tenant, meta)
         with self._lock:
             self.sessions[sess.id] = sess
@@ -130,12 +133,7 @@ class Registry:
             if row is None or row.tenant != tenant:
                 raise NotFound(f"unknown session {session_id!r}")
             # a session of an earlier server process: usable for new models and samplers
-            sess = Session(
-                row.id,
-                tenant,
-                ServiceClient(runtime=self.runtime, tenant=tenant),
-                finished=row.finished is not None,
-            )
+            sess = Session(row.id, tenant, finished=row.finished is not None)
             with self._lock:
                 sess = self.sessions.setdefault(session_id, sess)
         if sess.tenant != tenant:

@@ -33,7 +33,7 @@ from opentinker.engine import Engine, EngineError, SnapshotInfo, Trainer, Unknow
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
-from opentinker.models import load_base_model
+from opentinker.models import BUILTIN_MODELS, load_base_model
 from opentinker.models.dtype import dtype_name, resolve_dtype
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
@@ -156,7 +156,7 @@ class Runtime:
 
     def backend(self, base_model: str) -> Backend:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
-        queue their work on its scheduler; callers above the client layer use the accessors below."""
+        queue their work on its scheduler; callers above the service layer use the accessors below."""
         name = canonical_name(base_model)
         with self._lock:
             b = self._backends.get(name)
@@ -185,6 +185,10 @@ class Runtime:
 
     def loaded_base_models(self) -> list[str]:
         return list(self._backends)
+
+    def supported_models(self) -> list[str]:
+        """The base models it can serve: those loaded, then the built-in names."""
+        return list(dict.fromkeys([*self.loaded_base_models(), *BUILTIN_MODELS]))
 
     def base_model_info(self, base_model: str) -> BaseModelInfo:
         """Name, folder, architecture and limits of ``base_model`` (loaded on first use)."""
