@@ -77,6 +77,7 @@ class RuntimeConfig:
         name="--prefix-cache-mb",
         scale=1 << 20,
         type=non_negative,
+        metavar="MIB",
     )
     # sampling inside the training scheduler's ticks (the serialized reference), not on its loop
     sample_in_ticks: bool = setting(False)
