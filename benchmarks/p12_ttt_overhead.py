@@ -31,10 +31,10 @@ from pathlib import Path
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.renderers import get_renderer
 from opentinker.rl.rollout import rollout_group
 from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_rollout_group
+from opentinker.service.runtime import Runtime
 from opentinker.tasks.guess_number_long import LongGuessGroup, held_out_secrets
 
 

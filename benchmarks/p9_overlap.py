@@ -32,9 +32,9 @@ import torch
 from timing import write_json
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.renderers import ChatMLRenderer
 from opentinker.rl import RLConfig, run_rl
+from opentinker.service.runtime import Runtime
 from opentinker.tasks.arithmetic import AdditionDataset
 
 

@@ -18,10 +18,10 @@ import tempfile
 from pathlib import Path
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.renderers import get_renderer
 from opentinker.rl.loop import RLConfig, run_rl
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
+from opentinker.service.runtime import Runtime
 from opentinker.tasks.registry import get_task
 
 

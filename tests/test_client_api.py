@@ -110,7 +110,7 @@ def test_sdk_program_runs_embedded(runtime: Runtime) -> None:
     # lineage: the checkpoint names the sampler version that produced its RL data
     ckpts = service.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
     assert [c.tinker_path for c in ckpts] == [path]
-    meta = runtime.store.record(opentinker.client.checkpoints.parse_tinker_path(path)).meta
+    meta = runtime.store.record(opentinker.service.checkpoints.parse_tinker_path(path)).meta
     assert meta["step"] == 4 and meta["sampler_versions"] == [sampler.policy]
 
 
@@ -350,3 +350,22 @@ def test_a_sampler_for_an_overwritten_checkpoint_serves_the_new_weights(runtime:
     assert logprobs(second) == pytest.approx(live, abs=1e-5)
     assert logprobs(second) != pytest.approx(before, abs=1e-3)  # the step moved these logprobs
     assert logprobs(first) == before  # the earlier client stays on the weights it was made for
+
+
+def test_user_metadata_is_kept_and_its_degree_checked_embedded(runtime: Runtime) -> None:
+    """``user_metadata`` reaches the model's record, as the server stores it; its
+    ``{"data_parallel": "k"}`` is checked as over HTTP: here (no trainer workers) k = 2 is refused
+    naming why, before anything is made (test_ray_dp_loss.py: k = 2 on trainer workers)."""
+    service = opentinker.ServiceClient(runtime=runtime)
+    above = r"data_parallel 2 is above the number of trainer workers \(0\); serve with --ray"
+    with pytest.raises(ValueError, match=above):
+        service.create_lora_training_client(TEST_MODEL, rank=4, user_metadata={"data_parallel": "2"})
+    assert not runtime.models
+    tc = service.create_lora_training_client(TEST_MODEL, rank=4, user_metadata={"data_parallel": "1", "n": 7})
+    rec = runtime.models[tc.model_id]
+    assert rec.user_metadata == {"data_parallel": "1", "n": "7"} and rec.data_parallel == 1
+    path = tc.save_state("s").result().path
+    with pytest.raises(ValueError, match=above):
+        service.create_training_client_from_state(path, user_metadata={"data_parallel": "2"})
+    again = service.create_training_client_from_state(path, user_metadata={"from": "s"})
+    assert runtime.models[again.model_id].user_metadata == {"from": "s"}

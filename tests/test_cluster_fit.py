@@ -141,13 +141,13 @@ def test_placed_actors_and_an_unreadable_actor_table_do_not_wait(monkeypatch: py
 
 
 def test_the_placement_timeout_is_a_serve_option_and_must_be_positive(tmp_path: Any) -> None:
-    from opentinker.client.runtime import Runtime
     from opentinker.server.main import build_parser, config_from_args
+    from opentinker.service.runtime import Runtime
 
     args = ["--base-model", "opentinker/tiny", "--dev"]
-    assert config_from_args(build_parser().parse_args(args)).placement_timeout_s == 60.0
+    assert config_from_args(build_parser().parse_args(args)).runtime.placement_timeout == 60.0
     cfg = config_from_args(build_parser().parse_args([*args, "--placement-timeout", "5"]))
-    assert cfg.placement_timeout_s == 5.0
+    assert cfg.runtime.placement_timeout == 5.0
     with pytest.raises(SystemExit):
         build_parser().parse_args([*args, "--placement-timeout", "0"])
     with pytest.raises(ValueError, match="placement_timeout must be > 0 seconds, got 0"):

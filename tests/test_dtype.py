@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from opentinker.client.runtime import Runtime
 from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import BaseModel, load_base_model
 from opentinker.models import dtype as dtypes
 from opentinker.rollout.worker import WorkerCore
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import (
     BF16_CROSS_DTYPE_ATOL,
@@ -203,15 +203,12 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             captured.update(kwargs)
 
-    import opentinker.client.scaleout as scaleout
+    import opentinker.service.scaleout as scaleout
 
     pool = scaleout.WorkerPool
     try:
         scaleout.WorkerPool = Pool  # type: ignore[misc, assignment]
-        rt.scaleout.rollout_pool(
-            rt.backend(TEST_MODEL).engine, TEST_MODEL, 1, backend="native", device="cpu",
-            dtype=rt.dtype, max_rank=8, prefix_cache_bytes=0,
-        )  # fmt: skip
+        rt.scaleout.rollout_pool(rt.backend(TEST_MODEL).engine, TEST_MODEL)
     finally:
         scaleout.WorkerPool = pool  # type: ignore[misc]
     assert captured["dtype"] == "bfloat16"
@@ -241,8 +238,8 @@ def test_serve_refuses_an_invalid_dtype_at_start_up(capsys: pytest.CaptureFixtur
     assert exit_.value.code == 2
     assert "argument --dtype: invalid choice: 'float16'" in capsys.readouterr().err
     args = build_parser().parse_args(["--base-model", TEST_MODEL, "--dtype", "bfloat16"])
-    assert config_from_args(args).dtype == "bfloat16"
-    assert config_from_args(build_parser().parse_args(["--base-model", TEST_MODEL])).dtype == "auto"
+    assert config_from_args(args).runtime.dtype == "bfloat16"
+    assert config_from_args(build_parser().parse_args(["--base-model", TEST_MODEL])).runtime.dtype == "auto"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")

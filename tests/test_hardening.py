@@ -30,7 +30,6 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from opentinker.client import Runtime, ServiceClient
-from opentinker.client.checkpoints import MAX_ID_CHARS, check_name, parse_tinker_path
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.engine.checkpoint import clean_partial_writes, read_checkpoint, write_checkpoint
 from opentinker.lora import LoRAConfig
@@ -40,6 +39,7 @@ from opentinker.server.local import LocalServer
 from opentinker.server.ordering import MAX_AHEAD, Sequencer
 from opentinker.server.store import Store
 from opentinker.server.wire import decompress
+from opentinker.service.checkpoints import MAX_ID_CHARS, check_name, parse_tinker_path
 from tests.conftest import TEST_MODEL, local_server, make_examples
 
 DEV_KEY = "tml-hardening-dev-key"

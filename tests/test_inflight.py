@@ -32,13 +32,13 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from opentinker.client import Runtime
-from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.rollout import Done, Follow, RolloutCore, Sample
 from opentinker.server.app import create_app
 from opentinker.server.config import ServerConfig
+from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
 from tests.conftest import TEST_MODEL, local_server, make_examples
 from tests.tolerances import LOGPROB_ATOL, assert_logprobs_close
 

@@ -3,8 +3,10 @@
 The layers (docs/DESIGN.md, "Layers"), bottom-up: ``models`` → ``lora`` → ``engine`` → ``sampling`` →
 ``rollout`` (rollout worker processes and the pool serving from them: the sampler as a service,
 beside the backends it runs) → ``scheduler`` (the core: pure compute and state) → ``cluster`` (the Ray
-transport and Ray's set-up: the only layer that imports ``ray``, and only when Ray is asked for) → ``client`` (the embedded, SDK-shaped clients and
-the ``Runtime`` that owns model lifecycle and tenancy) → ``server``. The library (``data``,
+transport and Ray's set-up: the only layer that imports ``ray``, and only when Ray is asked for) → ``service`` (the
+``Runtime`` that owns model lifecycle, tenancy, checkpoints and scale-out, and the per-model and
+per-policy operations) → the two front-ends, ``client`` (the embedded, SDK-shaped entry point) and
+``server`` (the Tinker HTTP protocol), each over the service alone. The library (``data``,
 ``renderers``, ``tracking`` → ``rl``, ``sft`` → ``tasks``) uses only the client API; ``cli`` sits
 on top of everything. ``console`` (the web console's static page and the readers of its data:
 local run folders, downsampling) imports nothing of the package and no web framework; the server
@@ -13,10 +15,13 @@ serves it, at ``/`` of ``opentinker serve`` and for ``opentinker console --runs 
 breaks the layering is caught too.
 
 Beyond the table:
-- the server takes from the core only the error and value types in :data:`SERVER_CORE_NAMES`;
-  everything else goes through the client layer's ``Runtime``;
-- the server, the library and the CLI never reach through attributes into the runtime's engines
-  (``.engine``, ``.scheduler``, ``.backend(...)``);
+- the front-ends (``server/`` and the embedded ``client/``) import only ``service/`` (and the server
+  the ``console``'s page and readers, which import nothing of the package): no engine, cluster,
+  sampling, rollout or scheduler module, not even a leaf type: the service exports the types of its
+  interface (its errors, ``LoRAConfig``, ``SnapshotInfo``, ``canonical_name``), so
+  :data:`FRONT_END_LEAVES` (core names a front-end may still import) is empty;
+- the front-ends, the library and the CLI never reach through attributes into the runtime's
+  engines (``.engine``, ``.scheduler``, ``.backend(...)``);
 - the core imports none of ``tinker``, ``fastapi``, ``uvicorn`` (a GPU machine may have none of
   them), and the core packages import with those blocked;
 - the module import graph has no cycles (its strongly connected components are single modules).
@@ -52,32 +57,31 @@ ALLOWED: dict[str, frozenset[str]] = {
     "rollout": frozenset({"models", "lora", "engine", "sampling"}),
     "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
     "cluster": frozenset({"models", "lora", "engine", "sampling", "rollout", "scheduler"}),
-    "client": frozenset(CORE),
+    "service": frozenset(CORE),
+    "client": frozenset({"service"}),
     "opentinker": frozenset({"client"}),
     "console": frozenset(),  # the console's page and the readers of its data; the server serves them
-    "server": frozenset({"client", "console", *CORE}),  # the core only through SERVER_CORE_NAMES
+    "server": frozenset({"service", "console"}),
     "data": frozenset(CLIENT_API),
     "renderers": frozenset(CLIENT_API),
     "tracking": frozenset(CLIENT_API),
     "rl": frozenset({*CLIENT_API, *LIBRARY_BASE}),
     "sft": frozenset({*CLIENT_API, *LIBRARY_BASE}),
     "tasks": frozenset({*CLIENT_API, *LIBRARY_BASE, "rl", "sft"}),
-    "cli": frozenset({*CLIENT_API, *CORE, "console", "server", *LIBRARY_BASE, "rl", "sft", "tasks"}),
+    "cli": frozenset(
+        {*CLIENT_API, "service", *CORE, "console", "server", *LIBRARY_BASE, "rl", "sft", "tasks"}
+    ),
 }
 
-# What the server may take from the core: error types (to map them to HTTP answers) and plain
-# values. Engines, schedulers, samplers and checkpoint files are the Runtime's business.
-SERVER_CORE_NAMES: dict[str, frozenset[str]] = {
-    "opentinker.engine": frozenset({"EngineError", "UnknownPolicyError", "SnapshotInfo"}),
-    "opentinker.engine.checkpoint": frozenset({"CheckpointError"}),
-    "opentinker.lora": frozenset({"LoRAConfig"}),
-    "opentinker.models.registry": frozenset({"canonical_name"}),
-    "opentinker.sampling": frozenset({"SampleCancelled"}),  # a cancelled sample: the canceller answers
-}
+FRONT_ENDS = ("client", "server")
+# Core modules and names a front-end may import although they sit below the service. Empty: the
+# service re-exports the types of its interface (opentinker.service); add an entry only for a
+# plain value or error type no service method can hand over, and say why here.
+FRONT_END_LEAVES: dict[str, frozenset[str]] = {}
 
 # Attributes that reach into the Runtime's per-base-model engines and queues.
 INTERNAL_ATTRS = frozenset({"engine", "scheduler", "backend", "_backend", "_backends"})
-NO_INTERNAL_ATTRS = frozenset({"server", "cli", *LIBRARY_BASE, "rl", "sft", "tasks"})
+NO_INTERNAL_ATTRS = frozenset({*FRONT_ENDS, "cli", *LIBRARY_BASE, "rl", "sft", "tasks"})
 
 CORE_NEVER_IMPORTS = ("tinker", "fastapi", "uvicorn")
 ONLY_SERVER_AND_CLI_IMPORT = ("fastapi", "uvicorn")
@@ -170,21 +174,13 @@ def layering_violations(pkg: Package, root: str = ROOT) -> list[str]:
                 out.append(f"{where}: {src_layer!r} imports {imp.target!r} (only cluster may)")
             continue
         dst_layer = layer(imp.target)
-        if dst_layer != src_layer and dst_layer not in ALLOWED[src_layer]:
+        leaf = set(imp.names) <= FRONT_END_LEAVES.get(imp.target, frozenset()) and bool(imp.names)
+        if dst_layer != src_layer and dst_layer not in ALLOWED[src_layer] and not leaf:
             allowed = ", ".join(sorted(ALLOWED[src_layer])) or "nothing"
             out.append(
                 f"{where}: {src_layer!r} imports {imp.target!r} (layer {dst_layer!r}); "
                 f"{src_layer!r} may import: {allowed}"
             )
-        elif src_layer == "server" and dst_layer in CORE:
-            ok = SERVER_CORE_NAMES.get(imp.target, frozenset())
-            extra = [n for n in imp.names if n not in ok] if imp.names else [f"the module {imp.target}"]
-            if extra:
-                out.append(
-                    f"{where}: the server takes {', '.join(extra)} from {imp.target!r}; "
-                    "go through the client layer's Runtime (or add a plain error/value type "
-                    "to SERVER_CORE_NAMES)"
-                )
     for module, attr, file, line in pkg.attrs:
         if attr in INTERNAL_ATTRS and layer(module) in NO_INTERNAL_ATTRS:
             out.append(
@@ -249,12 +245,46 @@ def test_every_package_has_a_layer() -> None:
     pkg = scan(SRC)
     layers = {layer(m) for m in pkg.modules}
     assert layers <= set(ALLOWED), f"not in the layering table: {sorted(layers - set(ALLOWED))}"
-    assert {*CORE, "client", "server", *LIBRARY_BASE, "rl", "sft", "tasks", "cli"} <= layers
+    assert {*CORE, "service", *FRONT_ENDS, *LIBRARY_BASE, "rl", "sft", "tasks", "cli"} <= layers
 
 
 def test_lower_layers_never_import_upper_ones() -> None:
     violations = layering_violations(scan(SRC))
     assert not violations, "\n".join(violations)
+
+
+def front_end_imports(pkg: Package) -> list[str]:
+    """Every import of a package module by a front-end that is neither its own layer, the
+    service, nor (for the server) the console, nor a :data:`FRONT_END_LEAVES` name."""
+    out = []
+    for imp in pkg.imports:
+        src_layer = layer(imp.source)
+        if src_layer not in FRONT_ENDS or imp.target.split(".")[0] != ROOT:
+            continue
+        ok = {src_layer, "service", *(("console",) if src_layer == "server" else ())}
+        leaf = bool(imp.names) and set(imp.names) <= FRONT_END_LEAVES.get(imp.target, frozenset())
+        if layer(imp.target) not in ok and not leaf:
+            out.append(f"{imp.file}:{imp.line}: {imp.target} {list(imp.names)}")
+    return out
+
+
+def test_the_front_ends_import_only_the_service() -> None:
+    """``server/`` and the embedded ``client/`` go through ``service/`` for everything: no engine,
+    cluster, sampling, rollout, scheduler (nor models, lora) import, at any depth; the server
+    never imports the embedded clients either."""
+    pkg = scan(SRC)
+    found = front_end_imports(pkg)
+    assert not found, "front-ends importing below the service:\n" + "\n".join(found)
+    assert not FRONT_END_LEAVES
+    reached = {
+        layer(i.target)
+        for i in pkg.imports
+        if layer(i.source) in FRONT_ENDS and i.target.startswith(f"{ROOT}.")
+    }
+    assert reached == {"service", "console", *FRONT_ENDS}, (
+        reached
+    )  # the server and the client use the service
+    assert not any(layer(i.source) == "server" and layer(i.target) == "client" for i in pkg.imports)
 
 
 def test_no_import_cycles() -> None:
@@ -298,12 +328,12 @@ CLEAN = {
     "opentinker/__init__.py": "",
     "opentinker/engine/__init__.py": "from opentinker.engine.types import EngineError\n",
     "opentinker/engine/types.py": "class EngineError(ValueError): ...\n",
-    "opentinker/client/__init__.py": "from .runtime import Runtime\n",
-    "opentinker/client/runtime.py": "from opentinker.engine import EngineError\nclass Runtime: ...\n",
+    "opentinker/service/__init__.py": "from .runtime import Runtime\nfrom opentinker.engine import EngineError\n",
+    "opentinker/service/runtime.py": "from opentinker.engine import EngineError\nclass Runtime: ...\n",
+    "opentinker/client/__init__.py": "from opentinker.service import Runtime\n",
     "opentinker/server/__init__.py": "",
     "opentinker/server/app.py": (
-        "from opentinker.client import Runtime\nfrom opentinker.engine import EngineError\n"
-        "def tok(rt):\n    return rt.tokenizer('m')\n"
+        "from opentinker.service import EngineError, Runtime\ndef tok(rt):\n    return rt.tokenizer('m')\n"
     ),
     "opentinker/rl/__init__.py": "import opentinker\n",
 }
@@ -324,6 +354,9 @@ def test_the_checker_catches_violations(tmp_path: Path) -> None:
         # a cycle through a relative import
         "opentinker/client/a.py": "from opentinker.client import b\n",
         "opentinker/client/b.py": "from . import a\n",
+        # a front-end importing below the service: a core error type; the server, the embedded client
+        "opentinker/client/leak.py": "from opentinker.engine.types import EngineError\n",
+        "opentinker/server/embedded.py": "from opentinker.client import Runtime\n",
         # the server taking an engine internal, and reaching through the runtime
         "opentinker/server/ops.py": (
             "from opentinker.engine.engine import Engine\n"
@@ -342,7 +375,14 @@ def test_the_checker_catches_violations(tmp_path: Path) -> None:
     pkg = scan(tmp_path)
     found = "\n".join(layering_violations(pkg))
     assert "opentinker/engine/lazy.py:2: 'engine' imports 'opentinker.client'" in found
-    assert "opentinker/server/ops.py:1: the server takes Engine from 'opentinker.engine.engine'" in found
+    assert "opentinker/server/ops.py:1: 'server' imports 'opentinker.engine.engine' (layer 'engine')" in found
+    assert "opentinker/client/leak.py:1: 'client' imports 'opentinker.engine.types'" in found
+    assert "opentinker/server/embedded.py:1: 'server' imports 'opentinker.client'" in found
+    assert front_end_imports(pkg) == [
+        "opentinker/client/leak.py:1: opentinker.engine.types ['EngineError']",
+        "opentinker/server/embedded.py:1: opentinker.client ['Runtime']",
+        "opentinker/server/ops.py:1: opentinker.engine.engine ['Engine']",
+    ]
     assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.backend)" in found
     assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.engine)" in found
     assert "opentinker/engine/wire.py:1: the core layer 'engine' imports 'tinker'" in found

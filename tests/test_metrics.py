@@ -25,6 +25,7 @@ from opentinker.server.config import ServerConfig
 from opentinker.server.local import LocalServer
 from opentinker.server.metrics import snapshot_owner
 from opentinker.server.state import Server
+from opentinker.service.config import RuntimeConfig
 from tests.conftest import SDK_ENV, TEST_MODEL
 
 USER = "tml-metrics-user"  # a --dev key: its own tenant, dev-<hash prefix>
@@ -204,7 +205,9 @@ def test_no_label_shows_a_server_path(tmp_path: Path) -> None:
 
 def test_rollout_worker_processes_are_counted(tmp_path: Path) -> None:
     """Without Ray, the rollout workers are processes: counted by state, with their restarts."""
-    config = ServerConfig(data_dir=tmp_path / "data", base_models=(TEST_MODEL,), rollout_workers=1)
+    config = ServerConfig(
+        data_dir=tmp_path / "data", base_models=(TEST_MODEL,), runtime=RuntimeConfig(rollout_workers=1)
+    )
     server = Server(config)
     try:
         samples = parse(server.metrics.exposition().decode())

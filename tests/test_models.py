@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from opentinker import ServiceClient
-from opentinker.client.runtime import Runtime
 from opentinker.engine import Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model, resolve_model_path
 from opentinker.models.loader import ModelLoadError
 from opentinker.models.registry import TINY, tiny_model_dir
+from opentinker.service.runtime import Runtime
 from tests.conftest import make_examples, other_family_model
 
 

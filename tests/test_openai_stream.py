@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from opentinker.client.runtime import Runtime
 from opentinker.engine import Engine
 from opentinker.models.registry import tiny_model_dir
 from opentinker.rollout.pool import WorkerPool
@@ -33,6 +32,7 @@ from opentinker.sampling.rollout import RolloutCore, RolloutLoop, SampleCancelle
 from opentinker.sampling.types import Tokens, TokenSink
 from opentinker.server.openai_format import Choice
 from opentinker.server.openai_stream import TextSoFar
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 
 SEEDED = SamplingParams(max_tokens=40, temperature=1.0, seed=11, stop=[])

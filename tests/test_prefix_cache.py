@@ -197,7 +197,7 @@ def test_prefix_cache_entries_budget_and_bad_input() -> None:
 
 def test_runtime_passes_its_budget_to_the_sampler(tmp_path) -> None:
     pytest.importorskip("tinker")  # the client layer needs the SDK (a bare device machine lacks it)
-    from opentinker.client.runtime import Runtime
+    from opentinker.service.runtime import Runtime
 
     rt = Runtime(tmp_path, prefix_cache_bytes=0)
     try:

@@ -11,6 +11,9 @@ kind beside two).
   k = 2 model over the surviving worker and the new one, training as the plain resume does;
   ``auto_restore`` puts the same model id back, reporting the degree and the steps lost: on one
   worker when one is left, at degree 2 over the two left of three trainer workers.
+- Embedded as over HTTP: a model's ``user_metadata`` ``{"data_parallel": "k"}`` sets its degree
+  (a k = 2 model trains as a k = 1 one of the same seed), a degree the runtime cannot serve is
+  refused with the HTTP 400's message (``test_ray_dp_serve.py``) and makes nothing.
 - A scale of rollout and trainer workers whose kinds each fit the free CPUs but not together is
   refused at once, naming both, and changes nothing.
 """
@@ -25,16 +28,17 @@ import pytest
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine.checkpoint import read_manifest
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
+from tests.test_ray_dp_serve import BAD_DEGREES
 from tests.test_ray_trainer import WAIT, _client, _datum, _train, wait_restored
 from tests.tolerances import assert_scalar_close
 
 ray = pytest.importorskip("ray")
 
-from opentinker.client.checkpoints import parse_tinker_path  # noqa: E402
 from opentinker.cluster.trainer import WorkerLostError  # noqa: E402
+from opentinker.service.checkpoints import parse_tinker_path  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray, two trainer actors per runtime: ~1-2 min in all here
 
@@ -50,7 +54,7 @@ def ray_up():
 
 
 def _dp_runtime(data_dir: Path, **kw: Any) -> Runtime:
-    return Runtime(data_dir, trainer_workers=2, trainer_options={"data_parallel": 2}, **kw)
+    return Runtime(data_dir, trainer_workers=2, data_parallel=2, **kw)
 
 
 def _router(rt: Runtime) -> Any:
@@ -110,7 +114,7 @@ def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path
 
         # a worker started after the loss: the pool holds degree 2 again, over the worker that
         # was there and the new one (each data-parallel model forms a process group of its own)
-        rt.scale_trainer_workers(2)
+        rt.scaleout.scale_trainer_workers(2)
         again2 = service.create_training_client_from_state_with_optimizer(path)
         rec = rt.models[again2.model_id]
         assert rec.data_parallel == 2 and rec.note is None
@@ -149,7 +153,7 @@ def test_auto_restore_brings_a_data_parallel_model_back_on_one_worker(tmp_path: 
 
 
 def test_auto_restore_keeps_the_degree_where_the_workers_that_are_left_hold_it(tmp_path: Path) -> None:
-    rt = Runtime(tmp_path, trainer_workers=3, trainer_options={"data_parallel": 2}, auto_restore=True)
+    rt = Runtime(tmp_path, trainer_workers=3, data_parallel=2, auto_restore=True)
     try:
         tc = _client(opentinker.ServiceClient(runtime=rt), 7)
         router = _router(rt)
@@ -175,21 +179,51 @@ def test_a_combined_scale_that_fits_only_kind_by_kind_is_refused(tmp_path: Path)
     rt = Runtime(tmp_path, ray="local", rollout_workers=1, worker_cpus=1, trainer_workers=1)
     try:
         rt.backend(TEST_MODEL)  # one rollout actor and one trainer actor: 1 of 3 CPUs left
-        before = rt.rollout_workers_info()
-        rt.check_scale(2, None)  # each kind alone fits
-        rt.check_scale(None, 2)
+        before = rt.scaleout.rollout_workers_info()
+        rt.scaleout.check_scale(2, None)  # each kind alone fits
+        rt.scaleout.check_scale(None, 2)
         with pytest.raises(
             ValueError,
             match=r"1 more rollout worker × 1 CPU \+ 1 more trainer worker × 1 CPU = 2 CPUs asked, but the "
             r"cluster has 1 CPUs free \(3 in all; each kind alone would fit\)",
         ):
-            rt.check_scale(2, 2)
+            rt.scaleout.check_scale(2, 2)
         with pytest.raises(ValueError, match="trainer workers cannot be scaled below one"):
-            rt.check_scale(2, 0)
-        after = rt.rollout_workers_info()
+            rt.scaleout.check_scale(2, 0)
+        after = rt.scaleout.rollout_workers_info()
         assert (
             after["base_models"][TEST_MODEL]["workers"] == before["base_models"][TEST_MODEL]["workers"] == 1
         )
         assert [w["worker_id"] for w in after["trainers"][TEST_MODEL]] == ["trainer-0"]
+    finally:
+        rt.shutdown()
+
+
+def test_user_metadata_sets_the_degree_embedded_as_over_http(tmp_path: Path) -> None:
+    rt = Runtime(tmp_path, trainer_workers=2)  # the default degree: 1
+    try:
+        service = opentinker.ServiceClient(runtime=rt)
+        for value, message in BAD_DEGREES.items():
+            with pytest.raises(ValueError, match=message):
+                service.create_lora_training_client(
+                    base_model=TEST_MODEL, rank=4, seed=5, user_metadata={"data_parallel": value}
+                )
+        assert not rt.models  # refused before anything was made
+        meta = {"data_parallel": "2", "run": "a"}
+        dp = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=5, user_metadata=meta)
+        one = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=5)
+        router = _router(rt)
+        assert rt.models[dp.model_id].data_parallel == 2 and router.dp[dp.model_id].degree == 2
+        assert rt.models[dp.model_id].user_metadata == meta
+        assert rt.models[one.model_id].data_parallel == 1 and one.model_id not in router.dp
+        got, want = _train(dp, DATA, 2), _train(one, DATA, 2)
+        for g, w in zip(got, want, strict=True):
+            assert_scalar_close(g, w, rel=1e-5)
+        assert abs(got[-1] - got[0]) > 1e-3 * abs(got[0])  # the steps moved the weights, far past rel
+        path = dp.save_state("dp").result(timeout=WAIT).path
+        plain = service.create_training_client_from_state_with_optimizer(
+            path, user_metadata={"data_parallel": "1"}
+        )  # the checkpoint records 2; the metadata asks for 1
+        assert rt.models[plain.model_id].data_parallel == 1 and plain.model_id not in router.dp
     finally:
         rt.shutdown()

@@ -32,8 +32,8 @@ import torch
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine import EngineError
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_dp_loss import DATA, _router
 from tests.test_ray_trainer import WAIT, _client, _train
@@ -117,7 +117,7 @@ def _failed_handover(rt: Runtime, model_id: str, monkeypatch: pytest.MonkeyPatch
     with monkeypatch.context() as mp:
         mp.setattr(trainer_router, "DataParallelModel", Refused)
         with pytest.raises(RuntimeError) as info:
-            rt.scale_trainer_workers(2)
+            rt.scaleout.scale_trainer_workers(2)
     text = str(info.value)
     assert text.startswith(f"trainer workers kept, models not handed over: {model_id!r} on trainer-2"), text
     assert "injected: no room" in text and "it stays on trainer-2, trainer-0" in text
@@ -128,7 +128,7 @@ def _failed_handover(rt: Runtime, model_id: str, monkeypatch: pytest.MonkeyPatch
 def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rt = Runtime(tmp_path, trainer_workers=3, trainer_options={"data_parallel": 2})
+    rt = Runtime(tmp_path, trainer_workers=3, data_parallel=2)
     try:
         service = opentinker.ServiceClient(runtime=rt)
         twin, main = _client(service, 5), _client(service, 5)
@@ -140,7 +140,7 @@ def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit
         before = {m: _replicas(router, m) for m in router.dp}
         t0 = time.monotonic()
         with pytest.raises(ValueError) as info:
-            rt.scale_trainer_workers(1)
+            rt.scaleout.scale_trainer_workers(1)
         for m in (twin.model_id, main.model_id):
             assert f"data-parallel model {m!r}: degree 2 needs 2 trainer workers, 1 would be left" in str(
                 info.value
@@ -154,7 +154,7 @@ def test_a_removed_replica_holder_hands_its_data_parallel_model_over_bit_for_bit
         got, got_snaps, report = _run(
             rt,
             main,
-            lambda: rt.scale_trainer_workers(2),
+            lambda: rt.scaleout.scale_trainer_workers(2),
             first=lambda: _failed_handover(rt, main.model_id, monkeypatch),
         )
         moved = report[TEST_MODEL]

@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 from tinker import types
 
-from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
-from opentinker.client.runtime import Runtime
 from opentinker.server.local import LocalServer
 from opentinker.server.main import serve
+from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_trainer import WAIT, _datum, _train
 from tests.tolerances import assert_greedy_equal, assert_scalar_close
@@ -38,6 +38,15 @@ KEY = "tml-dp-serve-probe-0001"
 SEED = 11
 STEPS = 3
 REL = 1e-5  # losses: token sums over the same weights, shards summed in another order (fp32)
+# user_metadata {"data_parallel": value} on two trainer workers -> the refusal (HTTP 400 here, the
+# same ValueError embedded: test_ray_dp_loss.py)
+BAD_DEGREES = {
+    "3": r"data_parallel 3 is above the number of trainer workers \(2\)",
+    "0": r"data_parallel must be an integer >= 1, got '0'",
+    "-1": r"data_parallel must be an integer >= 1, got '-1'",
+    "two": r"data_parallel must be an integer >= 1, got 'two'",
+    "1.5": r"data_parallel must be an integer >= 1, got '1.5'",
+}
 
 
 def _data() -> list[types.Datum]:
@@ -96,15 +105,8 @@ def service(server: LocalServer):
 def test_a_degree_the_server_cannot_serve_is_a_400_creating_nothing(
     server: LocalServer, service: Any
 ) -> None:
-    bad = {
-        "3": r"data_parallel 3 is above the number of trainer workers \(2\)",
-        "0": r"data_parallel must be an integer >= 1, got '0'",
-        "-1": r"data_parallel must be an integer >= 1, got '-1'",
-        "two": r"data_parallel must be an integer >= 1, got 'two'",
-        "1.5": r"data_parallel must be an integer >= 1, got '1.5'",
-    }
     before = _models_per_worker(server.base_url)
-    for value, message in bad.items():
+    for value, message in BAD_DEGREES.items():
         with pytest.raises(tinker.BadRequestError, match=message):
             service.create_lora_training_client(
                 base_model=TEST_MODEL, rank=4, seed=SEED, user_metadata={"data_parallel": value}
@@ -180,9 +182,9 @@ def test_a_default_degree_the_workers_cannot_serve_is_refused_before_ray_starts(
 ) -> None:
     was_up = ray.is_initialized()
     with pytest.raises(ValueError, match=r"data_parallel 3 is above the number of trainer workers \(2\)"):
-        Runtime(tmp_path, trainer_workers=2, trainer_options={"data_parallel": 3})
+        Runtime(tmp_path, trainer_workers=2, data_parallel=3)
     with pytest.raises(ValueError, match=r"above the number of trainer workers \(0\); serve with --ray"):
-        Runtime(tmp_path, trainer_options={"data_parallel": 2})
+        Runtime(tmp_path, data_parallel=2)
     argv = ["--dev", "--base-model", TEST_MODEL, "--data-dir", str(tmp_path / "srv")]
     argv += ["--trainer-workers", "2", "--data-parallel", "3"]
     assert serve(argv) == 2

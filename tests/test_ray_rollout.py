@@ -30,7 +30,6 @@ ray = pytest.importorskip("ray")
 
 import opentinker  # noqa: E402
 from opentinker.cli import main as cli_main  # noqa: E402
-from opentinker.client.runtime import Runtime  # noqa: E402
 from opentinker.cluster.ray_env import NAMESPACE  # noqa: E402
 from opentinker.cluster.ray_rollout import RayTransport, RayWorker  # noqa: E402
 from opentinker.engine import Engine  # noqa: E402
@@ -43,6 +42,7 @@ from opentinker.sampling.rollout import SampleCancelled  # noqa: E402
 from opentinker.sampling.types import TokenSink  # noqa: E402
 from opentinker.server.auth import create_key  # noqa: E402
 from opentinker.server.local import LocalServer, free_port  # noqa: E402
+from opentinker.service.runtime import Runtime  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 from tests.test_rollout_workers import Served as ProcessServed  # noqa: E402
 from tests.test_rollout_workers import _probe, _requests, _same, _same_up_to_near_ties, _wait  # noqa: E402
@@ -174,7 +174,7 @@ class TestPoolOnRay:
         with pool._lock:
             draining, running = pool._slots[1].handle, [r.future for r in pool._slots[1].inflight.values()]
         assert not any(f.done() for f in running)
-        assert served.runtime.scale_rollout_workers(1) == {TEST_MODEL: 1}  # returns once drained
+        assert served.runtime.scaleout.scale_rollout_workers(1) == {TEST_MODEL: 1}  # returns once drained
         assert pool.worker_states()[1] == "removed" and all(f.done() for f in running)
         for f, r in zip(futs, reqs, strict=True):
             _same_up_to_near_ties(f.result(), r, served.reference)
@@ -182,7 +182,7 @@ class TestPoolOnRay:
         assert isinstance(draining, RayWorker)
         _wait(lambda: draining.name not in _actors())  # then it was stopped
         # scale back: a new actor, holding nothing, serves the snapshots published before it came
-        assert served.runtime.scale_rollout_workers(2) == {TEST_MODEL: 2}
+        assert served.runtime.scaleout.scale_rollout_workers(2) == {TEST_MODEL: 2}
         new = len(pool.worker_states()) - 1
         assert pool.worker_snapshots(new) == set()
         for _ in range(3):
@@ -190,7 +190,7 @@ class TestPoolOnRay:
             for g, r in zip(served.sample(more), more, strict=True):
                 _same(g, served.reference.generate([r])[0])
         assert pool.stats.served[new] > 0 and pool.worker_snapshots(new)
-        info = served.runtime.rollout_workers_info()["base_models"][TEST_MODEL]
+        info = served.runtime.scaleout.rollout_workers_info()["base_models"][TEST_MODEL]
         assert info["workers"] == 2 and info["transport"] == "ray"
 
     def test_ray_kill_mid_decode_reruns_its_requests_and_the_actor_is_restarted(
@@ -229,11 +229,11 @@ class TestPoolOnRay:
         states, actors = served.pool.worker_states(), _actors()
         for k in (0, -1):
             with pytest.raises(ValueError, match="below one"):
-                served.runtime.scale_rollout_workers(k)
+                served.runtime.scaleout.scale_rollout_workers(k)
         with pytest.raises(
             ValueError, match=r"more rollout workers × 0.5 CPUs = .* CPUs asked, but the cluster has"
         ):
-            served.runtime.scale_rollout_workers(40)
+            served.runtime.scaleout.scale_rollout_workers(40)
         with pytest.raises(ValueError, match="asks for 64 CPUs but the largest Ray node has 2"):
             Runtime(tmp_path, rollout_workers=1, ray="local", worker_cpus=64)
         with pytest.raises(ValueError, match="asks for 1 GPUs but the largest Ray node has 0"):
@@ -401,7 +401,7 @@ def test_plain_serve_and_the_embedded_mode_never_import_ray(tmp_path: Path) -> N
     (in process, and from one worker process) leave it unloaded."""
     probe = (
         "import sys\n"
-        "from opentinker.client.runtime import Runtime\n"
+        "from opentinker.service.runtime import Runtime\n"
         "from opentinker.server.app import create_app\n"
         "from opentinker.server.config import ServerConfig\n"
         "from opentinker.sampling import SampleRequest, SamplingParams\n"

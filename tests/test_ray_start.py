@@ -28,7 +28,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from opentinker.client.runtime import Runtime  # noqa: E402
 from opentinker.cluster import trainer as trainer_mod  # noqa: E402
 from opentinker.cluster.ray_env import NAMESPACE  # noqa: E402
 from opentinker.cluster.ray_rollout import RayTransport  # noqa: E402
@@ -38,6 +37,7 @@ from opentinker.rollout.pool import WorkerPool  # noqa: E402
 from opentinker.rollout.process import WorkerStartError  # noqa: E402
 from opentinker.sampling import NativeBackend  # noqa: E402
 from opentinker.server.local import free_port  # noqa: E402
+from opentinker.service.runtime import Runtime  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray instances, a serve process, actors loading the base model
@@ -99,8 +99,8 @@ def test_a_runtime_refuses_the_same_start_before_any_actor_exists(two_cpus: None
     rt = Runtime(tmp_path, ray="local", rollout_workers=1, trainer_workers=1)
     try:
         with pytest.raises(ValueError, match=r"^2 rollout workers × 1 CPU \+ 2 trainer workers × 1 CPU = 4"):
-            rt.check_start([TEST_MODEL, "opentinker/another-model"])
-        rt.check_start([TEST_MODEL])
+            rt.scaleout.check_start([TEST_MODEL, "opentinker/another-model"])
+        rt.scaleout.check_start([TEST_MODEL])
         assert not rt.loaded_base_models() and not _actors()
     finally:
         rt.shutdown()

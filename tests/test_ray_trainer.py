@@ -23,9 +23,9 @@ import tinker
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine import EngineError
 from opentinker.server.local import LocalServer
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.tolerances import TRAJECTORY_REL, assert_greedy_equal, assert_scalar_close
 
@@ -177,10 +177,10 @@ def wait_restored(rt: Runtime, model_id: str) -> dict[str, Any]:
     """Auto-restore's report on ``model_id`` once it is back (the restore runs in the background)."""
     pause = threading.Event()
     for _ in range(WAIT * 10):
-        if rt.restored.get(model_id, {}).get("restored"):
+        if rt.scaleout.restored.get(model_id, {}).get("restored"):
             break
         pause.wait(0.1)
-    return rt.restored[model_id]
+    return rt.scaleout.restored[model_id]
 
 
 def test_auto_restore_puts_the_model_back_and_reports_the_lost_steps(ray_up: None, tmp_path: Path) -> None:
@@ -222,7 +222,7 @@ def test_bad_trainer_configurations_are_refused_at_once(ray_up: None, tmp_path: 
     ):
         Runtime(tmp_path, trainer_workers=3)
     with pytest.raises(ValueError, match="a trainer worker asks for 2 GPUs but the largest Ray node has 0"):
-        Runtime(tmp_path, trainer_workers=1, trainer_options={"worker_gpus": 2})
+        Runtime(tmp_path, trainer_workers=1, trainer_gpus=2)
     with pytest.raises(ValueError, match="trainer_workers must be an integer >= 0"):
         Runtime(tmp_path, trainer_workers=-1)
     assert not ray.util.list_named_actors(all_namespaces=True)  # nothing was started

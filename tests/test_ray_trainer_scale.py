@@ -25,11 +25,11 @@ from tinker import types
 
 import opentinker
 from opentinker.cli.main import main as cli_main
-from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
-from opentinker.client.runtime import Runtime
 from opentinker.engine.checkpoint import read_checkpoint
 from opentinker.server.auth import create_key
 from opentinker.server.local import LocalServer
+from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.tolerances import assert_scalar_close
 

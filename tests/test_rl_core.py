@@ -16,7 +16,6 @@ import torch
 from tinker import types
 
 from opentinker.client import ServiceClient
-from opentinker.client.runtime import Runtime
 from opentinker.renderers import ChatMLRenderer, Renderer
 from opentinker.rl import (
     Env,
@@ -35,6 +34,7 @@ from opentinker.rl import (
     run_rl_many,
     trajectory_segments,
 )
+from opentinker.service.runtime import Runtime
 from opentinker.tasks import get_task
 from opentinker.tracking import read_metrics
 from tests.conftest import TEST_MODEL, SlowSampler

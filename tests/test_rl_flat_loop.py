@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from opentinker.client import ServiceClient
-from opentinker.client.runtime import Runtime
 from opentinker.renderers import ChatMLRenderer
 from opentinker.rl import RLConfig, run_rl
+from opentinker.service.runtime import Runtime
 from opentinker.tasks.arithmetic import AdditionDataset, make_evaluator
 from tests.conftest import TEST_MODEL
 

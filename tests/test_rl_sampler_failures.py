@@ -14,7 +14,6 @@ import pytest
 from tinker import types
 
 from opentinker.client import ServiceClient
-from opentinker.client.runtime import Runtime
 from opentinker.renderers import ChatMLRenderer, Renderer
 from opentinker.rl import (
     Env,
@@ -28,6 +27,7 @@ from opentinker.rl import (
 )
 from opentinker.rl.multiagent import play_group
 from opentinker.rl.types import GameGroupBuilder, MultiAgentEnv
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 
 

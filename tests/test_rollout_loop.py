@@ -18,11 +18,11 @@ import pytest
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.rollout import Publish, Retire, RolloutCore, RolloutLoop
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import assert_greedy_equal, assert_logprobs_close
 

@@ -23,7 +23,6 @@ import tinker
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
 from opentinker.rollout.pool import WorkerPool
@@ -33,6 +32,7 @@ from opentinker.rollout.worker import WorkerCore
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.rollout import Done, SampleCancelled
 from opentinker.server.local import LocalServer
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
 

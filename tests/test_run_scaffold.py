@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from opentinker.client import ServiceClient
-from opentinker.client.runtime import Runtime
 from opentinker.renderers import ChatMLRenderer
 from opentinker.rl.loop import RLConfig, run_rl
+from opentinker.service.runtime import Runtime
 from opentinker.sft.data import ChatExample, render_examples
 from opentinker.sft.dpo import DPOConfig, PreferencePair, render_pairs, run_dpo
 from opentinker.sft.loop import SFTConfig, run_sft

@@ -4,6 +4,7 @@ converters), the seq_id reorder buffer, the futures store, the body limit, keys 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from concurrent.futures import Future
 from typing import Any
@@ -17,6 +18,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
 from opentinker.server.auth import Authenticator, create_key, hash_key, keys_main
+from opentinker.server.config import ServerConfig
 from opentinker.server.errors import BadRequest, TooManyPending, Unauthorized, error_category
 from opentinker.server.futures import FutureStore, chain
 from opentinker.server.limits import BodyLimit
@@ -302,18 +304,63 @@ def test_serve_flags_reach_the_config(tmp_path: Any, capsys: Any) -> None:
     from opentinker.server.main import build_parser, config_from_args
 
     args = ["--base-model", "opentinker/tiny", "--data-dir", str(tmp_path)]
-    assert config_from_args(build_parser().parse_args(args)).prefix_cache_bytes == 512 << 20
+    assert config_from_args(build_parser().parse_args(args)).runtime.prefix_cache_bytes == 512 << 20
     cfg = config_from_args(build_parser().parse_args([*args, "--prefix-cache-mb", "64"]))
-    assert cfg.prefix_cache_bytes == 64 << 20
+    assert cfg.runtime.prefix_cache_bytes == 64 << 20
     assert (
-        config_from_args(build_parser().parse_args([*args, "--prefix-cache-mb", "0"])).prefix_cache_bytes == 0
+        config_from_args(
+            build_parser().parse_args([*args, "--prefix-cache-mb", "0"])
+        ).runtime.prefix_cache_bytes
+        == 0
     )
     with pytest.raises(SystemExit):
         build_parser().parse_args([*args, "--prefix-cache-mb", "-1"])
     assert "--prefix-cache-mb" in capsys.readouterr().err
     # --data-parallel K: every new model's degree (1 by default); below 1 refused, naming the flag
-    assert config_from_args(build_parser().parse_args(args)).data_parallel == 1
-    assert config_from_args(build_parser().parse_args([*args, "--data-parallel", "2"])).data_parallel == 2
+    assert config_from_args(build_parser().parse_args(args)).runtime.data_parallel == 1
+    assert (
+        config_from_args(build_parser().parse_args([*args, "--data-parallel", "2"])).runtime.data_parallel
+        == 2
+    )
     with pytest.raises(SystemExit):
         build_parser().parse_args([*args, "--data-parallel", "0"])
     assert "--data-parallel" in capsys.readouterr().err
+
+
+def test_every_runtime_setting_has_one_name_from_flag_to_runtime(tmp_path: Any) -> None:
+    """Each ``RuntimeConfig`` field with a flag is the flag of its own name (the one unit-named
+    exception: ``--prefix-cache-mb`` sets ``prefix_cache_bytes``); the flags' values reach the
+    server's config as that one dataclass, which the Runtime and its scale-out read as is; the
+    server's own settings repeat none of its names; an unknown or old setting name is refused."""
+    from opentinker.server.main import build_parser, config_from_args
+    from opentinker.service.config import RuntimeConfig
+    from opentinker.service.runtime import Runtime
+
+    flags = {a.dest: a.option_strings for a in build_parser()._actions}
+    flagged = [f.name for f in dataclasses.fields(RuntimeConfig) if f.metadata.get("help")]
+    assert len(flagged) == 15
+    for name in flagged:
+        want = "--prefix-cache-mb" if name == "prefix_cache_bytes" else "--" + name.replace("_", "-")
+        assert flags[name] == [want], name
+    server_names = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert not server_names & {f.name for f in dataclasses.fields(RuntimeConfig)}
+    argv = ["--base-model", "opentinker/tiny", "--device", "cpu", "--dtype", "float32"]
+    argv += ["--prefix-cache-mb", "8", "--rollout-workers", "3", "--rollout-backend", "native"]
+    argv += ["--vllm-max-lora-rank", "8", "--ray", "--worker-cpus", "2", "--worker-gpus", "0.5"]
+    argv += ["--trainer-workers", "2", "--data-parallel", "2", "--trainer-cpus", "0.5"]
+    argv += ["--trainer-gpus", "0.25", "--placement-timeout", "7", "--auto-restore"]
+    got = config_from_args(build_parser().parse_args(argv)).runtime
+    assert got == RuntimeConfig(
+        device="cpu", dtype="float32", prefix_cache_bytes=8 << 20, rollout_workers=3,
+        rollout_backend="native", vllm_max_lora_rank=8, ray="local", worker_cpus=2.0, worker_gpus=0.5,
+        trainer_workers=2, data_parallel=2, trainer_cpus=0.5, trainer_gpus=0.25, placement_timeout=7.0,
+        auto_restore=True,
+    )  # fmt: skip
+    defaults = config_from_args(build_parser().parse_args(argv[:2])).runtime
+    assert defaults == RuntimeConfig()
+    rt = Runtime(tmp_path, RuntimeConfig(prefix_cache_bytes=0), trainer_cpus=0.5)  # no workers: no Ray
+    assert rt.config == RuntimeConfig(prefix_cache_bytes=0, trainer_cpus=0.5)
+    assert rt.scaleout.config is rt.config
+    with pytest.raises(TypeError, match="unknown runtime setting.*trainer_options"):
+        Runtime(tmp_path, trainer_options={"worker_cpus": 1.0})
+    rt.shutdown()

@@ -21,9 +21,9 @@ import pytest
 import tinker
 from tinker import types
 
-from opentinker.server.errors import UserError
 from opentinker.server.local import LocalServer
-from opentinker.server.stability import StabilityRecords
+from opentinker.service import EngineError
+from opentinker.service.stability import StabilityRecords
 from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import assert_scalar_close
 
@@ -223,5 +223,5 @@ def test_records_expire_after_their_lifetime_and_each_use_restarts_it() -> None:
     time.sleep(0.3)
     assert records.get("t", "s", "id") is not None  # 0.6 s after sampling, 0.3 s after use
     time.sleep(0.6)
-    with pytest.raises(UserError, match="no record of"):
+    with pytest.raises(EngineError, match="no record of"):
         records.resolve("t", "s", [datum])

@@ -14,7 +14,6 @@ from tinker import types
 
 import opentinker
 from opentinker.client import Runtime
-from opentinker.client.convert import datum_to_example
 from opentinker.engine import Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.renderers import get_renderer
@@ -32,6 +31,7 @@ from opentinker.rl.datums import build_datums, per_call_segments
 from opentinker.rl.multiagent import move_token_advantages
 from opentinker.rl.timeline import OBSERVATION, per_call_tokens, timeline_tokens
 from opentinker.rl.types import EnvGroupBuilder
+from opentinker.service.convert import datum_to_example
 from opentinker.tasks.planner_solver import PlannerSolverEnv, build
 from tests.conftest import TEST_MODEL
 from tests.tolerances import assert_rel_close, assert_scalar_close

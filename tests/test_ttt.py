@@ -14,7 +14,6 @@ import torch
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.data.datum import datum_from_tokens
 from opentinker.renderers import get_renderer
 from opentinker.rl.loop import RLConfig, run_rl
@@ -28,6 +27,7 @@ from opentinker.rl.ttt import (
     ttt_datum,
     ttt_rollout_group,
 )
+from opentinker.service.runtime import Runtime
 from opentinker.tasks.guess_number_long import LongGuessDataset, LongGuessGroup
 from tests.conftest import TEST_MODEL
 from tests.tolerances import TRAJECTORY_LOGIT_ATOL, assert_logprobs_close, assert_scalar_close

@@ -1,5 +1,5 @@
 """TTT's cost options (rl/ttt.py): the update window's exact tokens, the embedded inflight
-sessions whose KV-cache namespace outlives the saves (client/inflight.py), an update still
+sessions whose KV-cache namespace outlives the saves (service/inflight.py), an update still
 changing only its own episode's adapter with both options on, server = embedded, bad configs."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import pytest
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.data.datum import datum_from_tokens
 from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ngram_weights, window_datum
 from opentinker.sampling.native import NativeBackend
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ttt import _opt, _same, _tensors
 

@@ -15,7 +15,7 @@ import torch
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
+from opentinker.service.runtime import Runtime
 from tests.tolerances import assert_logprobs_close
 from tests.vision import SPECIAL, png, vl_model
 

@@ -17,10 +17,10 @@ import torch
 from PIL import Image as PILImage
 from tinker import types
 
-from opentinker.client.convert import datum_to_example, model_input_parts
 from opentinker.engine import EngineError
 from opentinker.models.loader import ModelLoadError, load_base_model
 from opentinker.models.vision import MAX_IMAGE_PIXELS, ImageError, Vision, decode_image
+from opentinker.service.convert import datum_to_example, model_input_parts
 from tests.vision import jpeg, png, vl_model
 
 

@@ -19,8 +19,8 @@ import pytest
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
 
@@ -108,7 +108,7 @@ def test_a_max_lora_rank_vllm_cannot_serve_fails_at_start(
     from opentinker.server.main import serve
 
     with pytest.raises(EngineError, match=r"max_lora_rank must be one of 1, 8, 16, 32, .*got 12"):
-        Runtime(tmp_path / "rt", rollout_backend="vllm", rollout_options={"max_lora_rank": 12})
+        Runtime(tmp_path / "rt", rollout_backend="vllm", vllm_max_lora_rank=12)
     argv = ["--dev", "--base-model", TEST_MODEL, "--data-dir", str(tmp_path / "srv")]
     assert serve([*argv, "--rollout-backend", "vllm", "--vllm-max-lora-rank", "12"]) == 2
     err = capsys.readouterr().err

@@ -23,8 +23,8 @@ import tinker
 from tinker import types
 
 import opentinker
-from opentinker.client.runtime import Runtime
 from opentinker.server.local import LocalServer
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
 

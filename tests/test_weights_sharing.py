@@ -32,13 +32,13 @@ import tinker
 import torch
 from tinker import types
 
-from opentinker.client.checkpoints import CheckpointStore
-from opentinker.client.external import ExternalStore
 from opentinker.server.checkpoints import MAX_TTL_S, MIN_TTL_S, check_ttl, reconcile
 from opentinker.server.errors import UserError
 from opentinker.server.local import LocalServer
 from opentinker.server.signing import SECRET_FILE, UrlSigner, load_secret
 from opentinker.server.store import Store
+from opentinker.service.checkpoints import CheckpointStore
+from opentinker.service.external import ExternalStore
 from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import assert_logprobs_close
 

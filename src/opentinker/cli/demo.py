@@ -101,9 +101,9 @@ def run_demo(
 ) -> int:
     """Train one adapter per target at once, print progress and the held-out result. Returns 0."""
     import opentinker
-    from opentinker.client.runtime import Runtime
     from opentinker.renderers import get_renderer
     from opentinker.rl.loop import RLConfig, run_rl_many
+    from opentinker.service.runtime import Runtime
     from opentinker.tasks import reply_length
 
     targets = list(targets or TARGETS)

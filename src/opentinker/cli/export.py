@@ -18,10 +18,10 @@ import sys
 import uuid
 from pathlib import Path
 
-from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
-from opentinker.client.external import KIND as EXTERNAL
 from opentinker.engine import Engine, EngineError
 from opentinker.engine.checkpoint import read_manifest
+from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
+from opentinker.service.external import KIND as EXTERNAL
 
 
 class ExportError(Exception):
@@ -73,7 +73,7 @@ def export_checkpoint(tinker_path: str, out_dir: str | Path, *, merged: bool, da
 
 
 def main(argv: list[str] | None = None) -> int:
-    from opentinker.client.runtime import default_data_dir
+    from opentinker.service.runtime import default_data_dir
 
     p = argparse.ArgumentParser(
         prog="opentinker export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

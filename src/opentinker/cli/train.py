@@ -214,7 +214,7 @@ def make_service(args: argparse.Namespace) -> tuple[Any, bool]:
             raise UsageError("--server needs an API key: pass --api-key or set TINKER_API_KEY")
         return opentinker.ServiceClient(base_url=args.server, api_key=key), True
     if args.data_dir or args.dtype is not None:
-        from opentinker.client.runtime import Runtime
+        from opentinker.service.runtime import Runtime
 
         try:
             runtime = Runtime(args.data_dir, dtype=args.dtype or "auto")

@@ -1,8 +1,19 @@
-"""In-process clients with the ``tinker`` SDK's names, arguments and types (the engine runs embedded)."""
+"""In-process clients with the ``tinker`` SDK's names, arguments and types (the engine runs embedded).
 
-from opentinker.client.runtime import Runtime, default_runtime
-from opentinker.client.sampling import SamplingClient
-from opentinker.client.service import RestClient, ServiceClient
-from opentinker.client.training import TrainingClient
+``ServiceClient`` and ``RestClient`` live here; the per-model ``TrainingClient`` and per-policy
+``SamplingClient`` are the service layer's (:mod:`opentinker.service`), which the HTTP server
+serves through too.
+"""
 
-__all__ = ["RestClient", "Runtime", "SamplingClient", "ServiceClient", "TrainingClient", "default_runtime"]
+from opentinker.client.service import RestClient, ServiceClient, reuses_adapters
+from opentinker.service import Runtime, SamplingClient, TrainingClient, default_runtime
+
+__all__ = [
+    "RestClient",
+    "Runtime",
+    "SamplingClient",
+    "ServiceClient",
+    "TrainingClient",
+    "default_runtime",
+    "reuses_adapters",
+]

@@ -15,18 +15,16 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.checkpoints import CheckpointRecord, parse_tinker_path
-from opentinker.client.custom_loss import CustomLoss, trace_custom_loss
-from opentinker.client.futures import ready
-from opentinker.client.runtime import LOCAL_TENANT, Runtime, default_runtime
-from opentinker.client.sampling import SamplingClient
-from opentinker.client.training import TrainingClient
-from opentinker.engine import EngineError, UnknownPolicyError
-from opentinker.engine.optim import check_optimizer_config
-from opentinker.lora import LoRAConfig
-from opentinker.models import BUILTIN_MODELS
+from opentinker.service import LoRAConfig, UnknownPolicyError
+from opentinker.service.checkpoints import CheckpointRecord, parse_tinker_path
+from opentinker.service.convert import optimizer_type
+from opentinker.service.custom_loss import CustomLoss, trace_custom_loss
+from opentinker.service.futures import ready
+from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
+from opentinker.service.sampling import SamplingClient, sampling_client
+from opentinker.service.training import TrainingClient
 
-__all__ = ["LOCAL_TENANT", "RestClient", "ServiceClient"]
+__all__ = ["LOCAL_TENANT", "RestClient", "ServiceClient", "reuses_adapters"]
 
 
 class ServiceClient:
@@ -63,29 +61,44 @@ class ServiceClient:
         user_metadata: dict[str, str] | None = None,
         optimizer: Any = None,
     ) -> TrainingClient:
+        """A fresh model; ``user_metadata`` stays on its record, and its ``{"data_parallel": "k"}``
+        makes it data-parallel over k trainer workers, as over HTTP (``ValueError`` for a degree
+        the runtime cannot serve, nothing made)."""
         config = LoRAConfig(
             rank=rank, seed=seed, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
         )
         model_id = self.runtime.new_model_id(self.session_id)
         self.runtime.create_model(
-            model_id, base_model, config, tenant=self.tenant, optimizer_type=optimizer_type(optimizer)
+            model_id,
+            base_model,
+            config,
+            tenant=self.tenant,
+            optimizer_type=optimizer_type(optimizer),
+            user_metadata=user_metadata,
         ).result()
         return TrainingClient(self.runtime, model_id)
 
     def create_training_client_from_state(
         self, path: str, base_model: str | None = None, user_metadata: Any = None, **_: Any
     ) -> TrainingClient:
-        return self._from_state(path, base_model, optimizer=False)
+        return self._from_state(path, base_model, user_metadata, optimizer=False)
 
     def create_training_client_from_state_with_optimizer(
         self, path: str, base_model: str | None = None, user_metadata: Any = None, **_: Any
     ) -> TrainingClient:
-        return self._from_state(path, base_model, optimizer=True)
+        return self._from_state(path, base_model, user_metadata, optimizer=True)
 
-    def _from_state(self, path: str, base_model: str | None, *, optimizer: bool) -> TrainingClient:
+    def _from_state(
+        self, path: str, base_model: str | None, user_metadata: Any, *, optimizer: bool
+    ) -> TrainingClient:
         model_id = self.runtime.new_model_id(self.session_id)
         self.runtime.create_model_from_checkpoint(
-            model_id, path, tenant=self.tenant, optimizer=optimizer, base_model=base_model
+            model_id,
+            path,
+            tenant=self.tenant,
+            optimizer=optimizer,
+            base_model=base_model,
+            user_metadata=user_metadata,
         ).result()
         return TrainingClient(self.runtime, model_id)
 
@@ -104,15 +117,11 @@ class ServiceClient:
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, **_: Any
     ) -> SamplingClient:
-        if model_path is not None:
-            return SamplingClient.for_checkpoint(self.runtime, model_path, tenant=self.tenant)
-        if base_model is None:
-            raise EngineError("create_sampling_client needs model_path or base_model")
-        return SamplingClient(self.runtime, base_model, None)
+        return sampling_client(self.runtime, self.tenant, model_path=model_path, base_model=base_model)
 
     # ---------------------------------------------------------------- misc
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
-        names = dict.fromkeys([*self.runtime.loaded_base_models(), *BUILTIN_MODELS])
+        names = self.runtime.supported_models()
         models = [types.SupportedModel(model_name=n, trainable=True, sampleable=True) for n in names]
         return types.GetServerCapabilitiesResponse(supported_models=models)
 
@@ -138,7 +147,12 @@ class ServiceClient:
         concurrent calls are made in one tick)."""
         model_id = self.runtime.new_model_id(self.session_id)
         fut = self.runtime.create_model_from_checkpoint(
-            model_id, path, tenant=self.tenant, optimizer=False, base_model=base_model
+            model_id,
+            path,
+            tenant=self.tenant,
+            optimizer=False,
+            base_model=base_model,
+            user_metadata=user_metadata,
         )
         await asyncio.wrap_future(fut)
         return TrainingClient(self.runtime, model_id)
@@ -203,14 +217,9 @@ def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
     )
 
 
-def optimizer_type(optimizer: Any) -> str:
-    """The optimizer an ``optimizer=`` argument selects (``types.AdamOptimizerConfig``, the dict
-    the wire carries, any object with a ``type``; None = adamw), checked: raises ``EngineError``
-    naming an optimizer this engine does not run (see ``engine/optim.py``)."""
-    if optimizer is None or isinstance(optimizer, dict):
-        config = optimizer
-    elif hasattr(optimizer, "model_dump"):
-        config = dict(optimizer.model_dump(mode="json"))
-    else:
-        config = dict(vars(optimizer)) if hasattr(optimizer, "__dict__") else {"type": optimizer}
-    return check_optimizer_config(config)
+def reuses_adapters(service: Any) -> bool:
+    """Whether ``service`` can reset a training model in place and then drop it: the embedded
+    ``ServiceClient`` can (``TrainingClient.load_state``, ``delete_model``); the ``tinker`` SDK's
+    client deprecates ``load_state`` and has no ``delete_model``, so a library that pools
+    adapters (test-time training) asks this instead of which client it holds."""
+    return isinstance(service, ServiceClient)

@@ -19,7 +19,7 @@ Each function returns the elementwise loss [T]; the engine sums it. ``lo``/``hi`
 ``stable_reinforce`` — Tinker names this loss but does not publish its objective, so the numerics
 here are OpenTinker's own: a REINFORCE whose importance weight is truncated and taken per sampled
 *sequence*. Its inputs come from the server, which resolves a datum's provenance spans against
-what the sampler recorded (``server/stability.py``), never from the client's own claims:
+what the sampler recorded (``service/stability.py``), never from the client's own claims:
 ``stability_logprobs`` q (the logprob the sampler gave each sampled token), ``stability_mask`` m
 (1 where the target is a sampled token, 0 on prompt/observation tokens) and
 ``stability_sequence`` (which recorded sequence each position came from; -1 where none). For each
@@ -117,7 +117,7 @@ def stable_reinforce(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, fl
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _CLIP_INPUTS = ("clip_low_threshold", "clip_high_threshold")
 _RL = ("target_tokens", "logprobs", "advantages")
-# what the server resolves from provenance spans and its sampling records (server/stability.py)
+# what the server resolves from provenance spans and its sampling records (service/stability.py)
 STABILITY_INPUTS = ("stability_logprobs", "stability_mask", "stability_sequence")
 
 LOSSES: dict[str, LossSpec] = {

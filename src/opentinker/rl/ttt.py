@@ -10,7 +10,8 @@ sampled from a snapshot of the updated adapter. When an episode ends, its adapte
 a pool (or, with ``keep``, its training client is kept for analysis: ``TTTStats.kept``); the next
 episode that needs a fork resets a pooled one with ``load_state(fork path)`` (weights only and a
 fresh optimizer, as a new fork) instead of creating a model; :meth:`TTTUpdates.close` drops the
-pool (``delete_model``). That is embedded only: the Tinker SDK deprecates
+pool (``delete_model``). That is where the client can (``opentinker.client.reuses_adapters``:
+embedded): the Tinker SDK deprecates
 ``TrainingClient.load_state``, so against a server every episode's adapter is a new training
 client from the fork path, freed with the server session. Only the client API is used, so this
 runs embedded or against any Tinker server.
@@ -61,7 +62,7 @@ learns the window's text without the task's prompt before it.
 **Reusing the sampler's keys and values** (``reuse_kv``, an option; off by default). After an
 update, a new snapshot has no cached prefix, so the next turn re-prefills the episode's whole
 text. With ``reuse_kv`` each episode's adapter is saved with ``kind="inflight"``
-(the SDK's contract; embedded: ``client/inflight.py``) and the episode samples all its later
+(the SDK's contract; embedded: ``service/inflight.py``) and the episode samples all its later
 turns through its first inflight session, whose KV-cache namespace outlives the saves: a turn
 prefills only the text new since the last turn (the environment's reply), attending to the keys
 and values of the earlier text as they were computed, under the adapter versions that sampled
@@ -218,12 +219,6 @@ class TTTStats:
         }
 
 
-def _embedded(service: Any) -> bool:
-    from opentinker.client.service import ServiceClient  # the package root imports it lazily
-
-    return isinstance(service, ServiceClient)
-
-
 class TTTUpdates:
     """The live TTT episodes of one or more rollouts: the gate that releases their updates
     together, and the pool of ended episodes' adapters to reuse. One per rollout by default; the
@@ -237,8 +232,10 @@ class TTTUpdates:
         self._check: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._free: list[Any] = []  # training clients of ended episodes
+        from opentinker.client import reuses_adapters  # the package root imports the client lazily
+
         # the SDK deprecates TrainingClient.load_state: against a server each episode forks anew
-        self._pooled = _embedded(service)
+        self._pooled = reuses_adapters(service)
 
     def episode(self, fork_path: str, prompt_len: int, policy: Any, stats: TTTStats) -> TTTEpisode:
         ep = TTTEpisode(self, fork_path, prompt_len, policy, stats)

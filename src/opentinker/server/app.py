@@ -28,8 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from opentinker.client import Runtime
-from opentinker.engine import EngineError
 from opentinker.server.admin_routes import add_admin_routes
 from opentinker.server.cluster import add_cluster_routes
 from opentinker.server.config import ServerConfig
@@ -43,6 +41,7 @@ from opentinker.server.refusals import note_refused
 from opentinker.server.rest_routes import add_rest_routes
 from opentinker.server.routes import add_routes
 from opentinker.server.state import Server
+from opentinker.service import EngineError, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ def embedded_app(
     tenant). E.g. ``openai.AsyncOpenAI(base_url="http://embedded/v1", api_key="tml-me",
     http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app)))``. Its state lives in
     ``data_dir`` (default: the runtime's); ``app.state.server.close()`` ends it."""
-    from opentinker.client.runtime import default_data_dir
+    from opentinker.service.runtime import default_data_dir
 
     folder = data_dir or (runtime.data_dir if runtime is not None else default_data_dir())
     config = ServerConfig(

@@ -31,13 +31,13 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from opentinker.client.checkpoints import KINDS, CheckpointStore, checkpoint_ref
-from opentinker.client.external import KIND as EXTERNAL
-from opentinker.client.external import ExternalRecord, ExternalStore
-from opentinker.client.runtime import checkpoint_owner
-from opentinker.engine import EngineError
 from opentinker.server.errors import BadRequest, NotFound, UserError
 from opentinker.server.store import CheckpointRow, ModelRow, Store
+from opentinker.service import EngineError
+from opentinker.service.checkpoints import KINDS, CheckpointStore, checkpoint_ref
+from opentinker.service.external import KIND as EXTERNAL
+from opentinker.service.external import ExternalRecord, ExternalStore
+from opentinker.service.runtime import checkpoint_owner
 
 log = logging.getLogger(__name__)
 MIN_TTL_S = 3600  # 1 hour, the SDK's documented lower bound

@@ -52,7 +52,7 @@ def add_cluster_routes(app: FastAPI, server: Any) -> None:
 
     @app.get(api, tags=["admin"])
     async def cluster_info(_: Operator) -> dict[str, Any]:
-        return await asyncio.to_thread(server.runtime.rollout_workers_info)
+        return await asyncio.to_thread(server.runtime.scaleout.rollout_workers_info)
 
     @app.post(f"{api}/scale", tags=["admin"])
     async def cluster_scale(body: ScaleRequest, _: Operator) -> dict[str, Any]:
@@ -62,15 +62,21 @@ def add_cluster_routes(app: FastAPI, server: Any) -> None:
         runtime = server.runtime
         out: dict[str, Any] = {}
         try:
-            await asyncio.to_thread(runtime.check_scale, rollout, trainer)  # both, before either acts
+            await asyncio.to_thread(
+                runtime.scaleout.check_scale, rollout, trainer
+            )  # both, before either acts
             if rollout is not None:
-                out["rollout_workers"] = await asyncio.to_thread(runtime.scale_rollout_workers, rollout)
+                out["rollout_workers"] = await asyncio.to_thread(
+                    runtime.scaleout.scale_rollout_workers, rollout
+                )
             if trainer is not None:
-                out["trainer_scale"] = await asyncio.to_thread(runtime.scale_trainer_workers, trainer)
+                out["trainer_scale"] = await asyncio.to_thread(
+                    runtime.scaleout.scale_trainer_workers, trainer
+                )
         except ValueError as e:
             raise ApiError(server.redact(str(e)), 400) from None
         except TimeoutError as e:
             raise ApiError(server.redact(str(e)), 504) from None
         except RuntimeError as e:  # a worker could not start, a model not handed over: named
             raise ApiError(server.redact(str(e)), 503) from None
-        return {**out, **(await asyncio.to_thread(runtime.rollout_workers_info))}
+        return {**out, **(await asyncio.to_thread(runtime.scaleout.rollout_workers_info))}

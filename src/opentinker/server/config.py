@@ -1,9 +1,12 @@
-"""Server settings: what ``opentinker serve`` is started with (one frozen object, passed down)."""
+"""Server settings: what ``opentinker serve`` is started with (one frozen object, passed down);
+the runtime's own settings are its ``runtime`` field, a :class:`~opentinker.service.config.RuntimeConfig`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from opentinker.service.config import RuntimeConfig
 
 
 @dataclass(frozen=True)
@@ -12,10 +15,6 @@ class ServerConfig:
     base_models: tuple[str, ...] = ()
     # any key the SDK accepts (``tml-…``) is accepted; its tenant is derived from the key's hash
     dev: bool = False
-    device: str = "cpu"
-    # the frozen base models' dtype: "auto" (bf16 on a CUDA GPU that has it, else fp32: see
-    # models/dtype.py), "float32" or "bfloat16"; LoRA weights and optimizer state are fp32 always
-    dtype: str = "auto"
     max_body_bytes: int = 64 << 20
     max_pending_per_tenant: int = 2048
     # of those, queued on the engines at once; the rest wait in the server (admission.py) and their
@@ -41,32 +40,6 @@ class ServerConfig:
     batch_polling: bool = False
     # expired checkpoints are deleted at start-up and then this often
     checkpoint_sweep_s: float = 60.0
-    # keys and values of finished sequences the sampler keeps for the next turn (0 = none)
-    prefix_cache_bytes: int = 512 << 20
-    # sampling served by this many worker processes per base model (0: a thread of this process)
-    rollout_workers: int = 0
-    # what samples: "native" (the engine's own decoder) or "vllm" (vLLM's engine, runtime LoRA)
-    rollout_backend: str = "native"
-    # with the vllm backend: the largest LoRA rank it serves (vLLM computes every adapter at this
-    # rank; an adapter above it is refused, naming it)
-    vllm_max_lora_rank: int = 32
-    # rollout workers as Ray actors: None (processes), "local" (a Ray instance started here),
-    # "auto" / "ray://HOST:PORT" / "HOST:PORT" (a cluster joined); each worker's CPUs and GPUs
-    ray: str | None = None
-    worker_cpus: float = 1.0
-    worker_gpus: float = 0.0
-    # train on this many Ray trainer workers per base model (0: in this process); each worker's
-    # CPUs and GPUs; put the models of a lost worker back from their newest checkpoints
-    trainer_workers: int = 0
-    # every new model data-parallel over this many trainer workers (a model's user_metadata
-    # {"data_parallel": "k"} overrides it)
-    data_parallel: int = 1
-    trainer_cpus: float = 1.0
-    trainer_gpus: float = 0.0
-    auto_restore: bool = False
-    # a Ray worker (rollout or trainer) not placed on a node within this many seconds fails the
-    # start (or the scale) that asked for it, naming it, instead of waiting for resources forever
-    placement_timeout_s: float = 60.0
     # lifetime of the signed tokens /auth/token gives for a key (the SDK refreshes at half of it);
     # 0 turns tokens off: /client/config then tells the SDK to send its key on every request
     token_ttl_s: float = 900.0
@@ -77,3 +50,6 @@ class ServerConfig:
     chat_template: str | None = None
     # tenants whose keys see every tenant's sessions, runs and checkpoints in the console (read-only)
     operator_tenants: tuple[str, ...] = ()
+    # the runtime's settings (device, dtype, workers, Ray, data parallelism, ...): their flags are
+    # generated from it (service/config.py), under the same names
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

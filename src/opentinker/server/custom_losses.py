@@ -2,7 +2,7 @@
 
 The SDK (with ``custom_loss_server_side`` advertised by ``/client/config``) uploads a traced loss
 as JSON (``CreateCustomLossRequest``: name, declared inputs, the torch.fx nodes); it is compiled
-by the engine's restricted interpreter (``engine/custom_loss.py``, through the client layer) (allow-listed ops only, nothing executed)
+by the engine's restricted interpreter (``engine/custom_loss.py``, through the service layer) (allow-listed ops only, nothing executed)
 and kept under the id ``<session>:loss:<custom_loss_seq_id>``. ``forward_backward`` with
 ``loss_fn="custom"`` and ``loss_fn_config={"loss_id": id}`` then runs it on the server.
 
@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import Field
 
-from opentinker.client.custom_loss import CustomLoss, compile_uploaded
 from opentinker.server.errors import UserError
 from opentinker.server.schemas import MAX_SEQ, _Wire
+from opentinker.service.custom_loss import CustomLoss, compile_uploaded
 
 
 class CreateCustomLossRequest(_Wire):

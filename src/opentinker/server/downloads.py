@@ -21,14 +21,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from opentinker.client.external import KIND as EXTERNAL
-from opentinker.client.external import ExternalStore
 from opentinker.server.checkpoints import CheckpointApi
 from opentinker.server.errors import BadRequest, Forbidden, NotFound
 from opentinker.server.signing import UrlSigner
 from opentinker.server.store import Store
 from opentinker.server.traces import KIND as TRACES
 from opentinker.server.traces import SessionTraces
+from opentinker.service.external import KIND as EXTERNAL
+from opentinker.service.external import ExternalStore
 
 
 class Downloads:

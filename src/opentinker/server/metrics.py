@@ -200,7 +200,7 @@ class StateCollector(Collector):
         restarts = _counter("rollout_worker_restarts", "Rollout workers restarted after a loss", lb)
         rerun = _counter("rollout_requests_rerun", "Requests re-run after their worker was lost", lb)
         trainers = _gauge("trainer_workers", "Ray trainer workers: alive, lost", ["base_model", "state"])
-        for name, info in sorted(self.server.runtime.worker_counts().items()):
+        for name, info in sorted(self.server.runtime.scaleout.worker_counts().items()):
             base = self._label(name)
             if "rollout" in info:
                 r = info["rollout"]

@@ -42,9 +42,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
 from tinker import types
 
-from opentinker.client import SamplingClient
-from opentinker.client.sampling import TokenSink
-from opentinker.engine import EngineError
 from opentinker.server import openai_responses as R
 from opentinker.server.errors import ApiError, NotFound, error_message
 from opentinker.server.futures import fail
@@ -70,6 +67,8 @@ from opentinker.server.openai_schemas import (
 from opentinker.server.openai_stream import Feed, Live
 from opentinker.server.registry import SamplerNotLoaded
 from opentinker.server.state import Server
+from opentinker.service import EngineError, SamplingClient
+from opentinker.service.sampling import TokenSink
 
 log = logging.getLogger(__name__)
 CACHED_CLIENTS = 1024  # checkpoint samplers kept loaded for the OpenAI routes (least recently used go)

@@ -38,9 +38,9 @@ from openai.types import Completion, CompletionChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
-from opentinker.client.sampling import Tokens, TokenSink
 from opentinker.server import openai_responses as R
 from opentinker.server.openai_format import Choice, completion_logprobs, pieces
+from opentinker.service.sampling import Tokens, TokenSink
 
 log = logging.getLogger(__name__)
 

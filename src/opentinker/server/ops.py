@@ -19,11 +19,6 @@ from tinker import types
 from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 from tinker.types.optimizer import OptimParamsBase
 
-from opentinker.client import SamplingClient
-from opentinker.client.convert import check_images, check_prompt_extras, model_input_length
-from opentinker.client.service import optimizer_type
-from opentinker.engine import EngineError
-from opentinker.lora import LoRAConfig
 from opentinker.server import schemas as S
 from opentinker.server.admission import Admission
 from opentinker.server.checkpoints import check_ttl
@@ -35,7 +30,6 @@ from opentinker.server.futures import FutureStore, QueueState, chain, fail
 from opentinker.server.history import History
 from opentinker.server.ordering import Idempotency, Sequencer
 from opentinker.server.registry import Registry, SamplerNotLoaded, Session
-from opentinker.server.stability import StabilityRecords
 from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
 from opentinker.server.wire import (
@@ -44,6 +38,10 @@ from opentinker.server.wire import (
     encode_forward_output,
     encode_sample_response,
 )
+from opentinker.service import EngineError, LoRAConfig, SamplingClient
+from opentinker.service.convert import check_images, check_prompt_extras, model_input_length, optimizer_type
+from opentinker.service.sampling import sampling_client
+from opentinker.service.stability import StabilityRecords
 
 Submit = Callable[[], Future]
 Encode = Callable[[Any], Any]
@@ -159,7 +157,7 @@ class Operations:
     def create_model(self, tenant: str, req: S.CreateModelRequest) -> str:
         sess = self.reg.session(tenant, req.session_id)
         digest = digest_json("create_model", req.model_dump(mode="json"))
-        degree = self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400, nothing made
+        self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400 at once, nothing made
 
         def make() -> str:
             def submit() -> Future:
@@ -179,7 +177,6 @@ class Operations:
                     config=config,
                     optimizer_type=optimizer_type(req.optimizer_config),
                     user_metadata=req.user_metadata,
-                    data_parallel=degree,
                 )
 
             trace = (sess.id, "create_model", sess.id, req.base_model, req.model_seq_id)
@@ -194,11 +191,8 @@ class Operations:
     def _data_parallel(self, user_metadata: dict[str, Any] | None) -> int | None:
         """The data-parallel degree a new model's ``user_metadata`` asks for (``"data_parallel"``;
         None: the server's ``--data-parallel``), or 400 naming the value and the trainer workers."""
-        value = (user_metadata or {}).get("data_parallel")
-        if value is None:
-            return None
         try:
-            return self.reg.runtime.check_data_parallel(value)
+            return self.reg.runtime.asked_data_parallel(user_metadata)
         except ValueError as e:
             raise BadRequest(str(e)) from None
 
@@ -214,7 +208,7 @@ class Operations:
         if req.session_id is not None and req.model_seq_id is not None:  # create-from-state
             sess = self.reg.session(tenant, req.session_id)
             ref, meta = self.reg.checkpoint(tenant, req.path)
-            degree = self._data_parallel(req.user_metadata)  # None: the checkpoint's own degree
+            self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400 at once
 
             def make() -> str:
                 def submit() -> Future:
@@ -231,7 +225,6 @@ class Operations:
                         checkpoint=ref.tinker_path,
                         optimizer=req.optimizer,
                         user_metadata=req.user_metadata,
-                        data_parallel=degree,
                     )
 
                 def done(
@@ -420,6 +413,7 @@ class Operations:
             ("sampler", sampler_id), digest, f"sampling_session_seq_id {req.sampling_session_seq_id}"
         ):
             return lambda: sampler_id
+        base = None
         if req.model_path is not None:
             _, meta = self.reg.checkpoint(tenant, req.model_path)
             self.reg.base_model(str(meta.get("base_model", "")))  # never load an unserved base model
@@ -429,10 +423,9 @@ class Operations:
             base = self.reg.base_model(req.base_model)
 
         def make() -> str:
-            if req.model_path is not None:
-                client = sess.service.create_sampling_client(model_path=req.model_path)
-            else:
-                client = sess.service.create_sampling_client(base_model=base)
+            client = sampling_client(
+                self.reg.runtime, sess.tenant, model_path=req.model_path, base_model=base
+            )
             self.reg.add_sampler(sess, sampler_id, client)
             self.once.remember(("sampler", sampler_id), digest, sampler_id)
             return sampler_id
@@ -533,7 +526,7 @@ class Operations:
     def _recording(
         self, tenant: str, sampler_id: str, ids: list[str], req: S.SampleRequest, client: Any, encode: Encode
     ) -> Encode:
-        """``encode``, recording each returned sequence first (``server/stability.py``)."""
+        """``encode``, recording each returned sequence first (``service/stability.py``)."""
         session = sampler_id.split(":sample:", 1)[0]
         weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
         policy = f"{sampler_id} ({weights})"

@@ -23,12 +23,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opentinker.client.checkpoints import CheckpointRef
 from opentinker.server.checkpoints import MAX_TTL_S, MIN_TTL_S
 from opentinker.server.errors import BadRequest, NotFound
 from opentinker.server.registry import Registry
 from opentinker.server.schemas import MAX_SEQ
 from opentinker.server.store import ModelRow
+from opentinker.service.checkpoints import CheckpointRef
 
 PROJECT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 

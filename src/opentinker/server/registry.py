@@ -1,9 +1,8 @@
 """What the server holds live, per tenant: sessions, training models, sampler sessions.
 
-Each SDK session gets one embedded ``ServiceClient(runtime=shared, tenant=<its key's tenant>)``;
-its models are embedded ``TrainingClient``s and its sampler sessions embedded ``SamplingClient``s,
-all over the one shared :class:`~opentinker.client.Runtime` (one engine and one scheduler per base
-model). This module resolves the ids the SDK sends to those objects — refusing with 404 any id
+Each SDK session's models are the service's ``TrainingClient``s and its sampler sessions the
+service's ``SamplingClient``s (what the embedded client hands out too), all over the one shared
+:class:`~opentinker.service.Runtime` (one engine and one scheduler per base model). This module resolves the ids the SDK sends to those objects — refusing with 404 any id
 that is unknown *or another tenant's* — and records them in the store.
 
 A session that goes quiet — no heartbeat and no request for ``session_inactive_s`` — is inactive,
@@ -27,17 +26,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.client import Runtime, SamplingClient, ServiceClient, TrainingClient
-from opentinker.client.checkpoints import CheckpointRef, parse_tinker_path
-from opentinker.client.runtime import BaseModelInfo, ModelRecord
-from opentinker.engine import EngineError, SnapshotInfo, UnknownPolicyError
-from opentinker.engine.checkpoint import CheckpointError
-from opentinker.lora import LoRAConfig
-from opentinker.models.registry import canonical_name
 from opentinker.server.checkpoints import expiry, external_row
 from opentinker.server.errors import Gone, NotFound, UserError
 from opentinker.server.ordering import Sequencer
 from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
+from opentinker.service import (
+    CheckpointError,
+    EngineError,
+    LoRAConfig,
+    Runtime,
+    SamplingClient,
+    SnapshotInfo,
+    TrainingClient,
+    UnknownPolicyError,
+    canonical_name,
+)
+from opentinker.service.checkpoints import CheckpointRef, parse_tinker_path
+from opentinker.service.runtime import BaseModelInfo, ModelRecord
 
 log = logging.getLogger(__name__)
 GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights went (the newest)
@@ -47,7 +52,6 @@ GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights w
 class Session:
     id: str
     tenant: str
-    service: ServiceClient
     models: set[str] = field(default_factory=set)
     samplers: set[str] = field(default_factory=set)
     finished: bool = False
@@ -114,7 +118,7 @@ class Registry:
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, tenant: str, meta: dict[str, Any]) -> Session:
-        sess = Session(self.runtime.new_session(), tenant, ServiceClient(runtime=self.runtime, tenant=tenant))
+        sess = Session(self.runtime.new_session(), tenant)
         self.store.add_session(sess.id, tenant, meta)
         with self._lock:
             self.sessions[sess.id] = sess
@@ -129,12 +133,7 @@ class Registry:
             if row is None or row.tenant != tenant:
                 raise NotFound(f"unknown session {session_id!r}")
             # a session of an earlier server process: usable for new models and samplers
-            sess = Session(
-                row.id,
-                tenant,
-                ServiceClient(runtime=self.runtime, tenant=tenant),
-                finished=row.finished is not None,
-            )
+            sess = Session(row.id, tenant, finished=row.finished is not None)
             with self._lock:
                 sess = self.sessions.setdefault(session_id, sess)
         if sess.tenant != tenant:
@@ -340,11 +339,11 @@ class Registry:
         checkpoint: str | None = None,
         optimizer: bool = False,
         user_metadata: dict[str, Any] | None = None,
-        data_parallel: int | None = None,
     ) -> Future[ModelRecord]:
-        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``, data-parallel over
-        ``data_parallel`` trainer workers or the server's default) or from the
-        tinker path ``checkpoint`` (with its optimizer state if ``optimizer``).
+        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``) or from the
+        tinker path ``checkpoint`` (with its optimizer state if ``optimizer``), through the same
+        runtime methods as the embedded client: ``user_metadata`` is kept on the model and its
+        ``{"data_parallel": "k"}`` picks the degree (default: the server's ``--data-parallel``).
 
         The runtime makes the model; here it is recorded durably, on the scheduler thread right
         after the engine made its adapter (before any later request for it can run).
@@ -364,7 +363,7 @@ class Registry:
                 rec.parent,
                 now,
                 now,
-                _str_dict(user_metadata),
+                rec.user_metadata,
             )
             self.store.add_model(row)
             with self._lock:
@@ -379,7 +378,7 @@ class Registry:
                 optimizer=optimizer,
                 base_model=base_model,
                 on_created=created,
-                data_parallel=data_parallel,
+                user_metadata=user_metadata,
             )
         assert config is not None
         return self.runtime.create_model(
@@ -389,7 +388,7 @@ class Registry:
             tenant=sess.tenant,
             optimizer_type=optimizer_type,
             on_created=created,
-            data_parallel=data_parallel,
+            user_metadata=user_metadata,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -479,7 +478,7 @@ class Registry:
         stale = None
         client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
         client.follow = snap.adapter_id
-        client.kv_namespace = f"sampler:{sampler_id}"  # its own KV-cache namespace (client/inflight.py)
+        client.kv_namespace = f"sampler:{sampler_id}"  # its own KV-cache namespace (service/inflight.py)
         with self._lock:
             target = self.inflight.get(snap.adapter_id)
             if target is None:
@@ -537,7 +536,3 @@ class SamplerNotLoaded(NotFound):
     def __init__(self, row: SamplerRow) -> None:
         super().__init__(f"sampler {row.id!r} is not loaded (its weights are at {row.model_path})")
         self.row = row
-
-
-def _str_dict(d: dict[str, Any] | None) -> dict[str, str] | None:
-    return None if d is None else {str(k): str(v) for k, v in d.items()}

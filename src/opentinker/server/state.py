@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.client import Runtime
 from opentinker.server.auth import Authenticator
 from opentinker.server.checkpoints import CheckpointApi, reconcile
 from opentinker.server.config import ServerConfig
@@ -30,6 +29,7 @@ from opentinker.server.store import Store
 from opentinker.server.tokens import TokenSigner, load_secret
 from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
+from opentinker.service import Runtime
 
 
 class Server:
@@ -37,28 +37,7 @@ class Server:
 
     def __init__(self, config: ServerConfig, runtime: Runtime | None = None) -> None:
         self.config = config
-        self.runtime = runtime or Runtime(
-            config.data_dir,
-            device=config.device,
-            dtype=config.dtype,
-            prefix_cache_bytes=config.prefix_cache_bytes,
-            rollout_workers=config.rollout_workers,
-            rollout_backend=config.rollout_backend,
-            rollout_options=(
-                {"max_lora_rank": config.vllm_max_lora_rank} if config.rollout_backend == "vllm" else None
-            ),
-            ray=config.ray,
-            worker_cpus=config.worker_cpus,
-            worker_gpus=config.worker_gpus,
-            placement_timeout=config.placement_timeout_s,
-            trainer_workers=config.trainer_workers,
-            trainer_options={
-                "worker_cpus": config.trainer_cpus,
-                "worker_gpus": config.trainer_gpus,
-                "data_parallel": config.data_parallel,
-            },
-            auto_restore=config.auto_restore,
-        )
+        self.runtime = runtime or Runtime(config.data_dir, config.runtime)
         self.store = Store(config.data_dir)
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client
         signer = (
@@ -70,7 +49,7 @@ class Server:
         )
         self.sequencer = Sequencer()
         # every base model's Ray workers, all kinds together, before the first is placed
-        self.runtime.check_start(list(config.base_models))
+        self.runtime.scaleout.check_start(list(config.base_models))
         self.registry = Registry(self.runtime, self.store, self.sequencer, list(config.base_models))
         self.usage = Ledger(self.store.path, self.runtime.store)  # audit log and usage counters
         self.traces = SessionTraces(config.data_dir, self.runtime.tick_record)

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from opentinker.client.runtime import TickRecord
 from opentinker.server.errors import NotFound
 from opentinker.server.signing import UrlSigner
+from opentinker.service.runtime import TickRecord
 
 MAX_SPANS = 20_000  # per session, newest kept
 MAX_SESSIONS = 1_000  # sessions with spans in memory, least recently used dropped

@@ -36,11 +36,11 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from opentinker.client.checkpoints import CheckpointStore, parse_tinker_path
-from opentinker.engine import EngineError
 from opentinker.server.errors import BadRequest
 from opentinker.server.projects import check_project
 from opentinker.server.store import DEFAULT_PROJECT
+from opentinker.service import EngineError
+from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_events (

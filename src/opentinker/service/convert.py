@@ -7,12 +7,14 @@ rounding it: the engine's own checks (``engine/validate.py``) see only what the 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
 from tinker import types
 
 from opentinker.engine import EngineError, Example, ForwardResult
+from opentinker.engine.optim import check_optimizer_config
 from opentinker.models.vision import Image, ImageError, Vision
 from opentinker.sampling import SampleResult, SamplingParams
 
@@ -232,3 +234,16 @@ def sample_response(
         prompt_cache_hit_tokens=res.prompt_cache_hit_tokens,
         prompt_alt_tokens=alt,
     )
+
+
+def optimizer_type(optimizer: Any) -> str:
+    """The optimizer an ``optimizer=`` argument selects (``types.AdamOptimizerConfig``, the dict
+    the wire carries, any object with a ``type``; None = adamw), checked: raises ``EngineError``
+    naming an optimizer this engine does not run (see ``engine/optim.py``)."""
+    if optimizer is None or isinstance(optimizer, dict):
+        config = optimizer
+    elif hasattr(optimizer, "model_dump"):
+        config = dict(optimizer.model_dump(mode="json"))
+    else:
+        config = dict(vars(optimizer)) if hasattr(optimizer, "__dict__") else {"type": optimizer}
+    return check_optimizer_config(config)

@@ -23,33 +23,30 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from opentinker.client.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
-from opentinker.client.external import ExternalRecord, ExternalStore, parse_recipients
-from opentinker.client.scaleout import ScaleOut, ScaleOutMethods, data_parallel_of
 from opentinker.engine import Engine, EngineError, SnapshotInfo, Trainer, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
-from opentinker.models import load_base_model
+from opentinker.models import BUILTIN_MODELS, load_base_model
 from opentinker.models.dtype import dtype_name, resolve_dtype
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
 from opentinker.models.vision import Vision
 from opentinker.sampling import NativeBackend, RolloutBackend
 from opentinker.sampling.decoder import Decoder
-from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
-
-if TYPE_CHECKING:
-    import torch
+from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
+from opentinker.service.config import RuntimeConfig, runtime_config
+from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
+from opentinker.service.scaleout import ScaleOut, data_parallel_of
 
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -71,6 +68,7 @@ class ModelRecord:
     parent: str | None = None  # tinker path of the checkpoint it was created from
     data_parallel: int = 1  # trainer workers it is replicated over (opentinker.cluster.dp)
     note: str | None = None  # why it is not at the degree its checkpoint records, if it is not
+    user_metadata: dict[str, str] | None = None  # what its creator attached (SDK user_metadata)
     sampled_versions: set[str] = field(default_factory=set)  # its snapshots sampled since last save
     deleted: bool = False
 
@@ -104,61 +102,29 @@ def _content_id(folder: Path) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _str_dict(d: Mapping[str, Any] | None) -> dict[str, str] | None:
+    return None if d is None else {str(k): str(v) for k, v in d.items()}
+
+
 def default_data_dir() -> Path:
     env = os.environ.get("OPENTINKER_HOME")
     return Path(env) if env else cache_dir() / "data"
 
 
-class Runtime(ScaleOutMethods):
+class Runtime:
     def __init__(
-        self,
-        data_dir: str | Path | None = None,
-        *,
-        max_rank: int = 128,
-        device: str = "cpu",
-        dtype: str | torch.dtype | None = "auto",
-        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-        sample_in_ticks: bool = False,
-        rollout_workers: int = 0,
-        rollout_backend: str = "native",
-        rollout_options: dict[str, Any] | None = None,
-        ray: str | None = None,
-        worker_cpus: float = 1.0,
-        worker_gpus: float = 0.0,
-        worker_startup_timeout: float = 300.0,
-        placement_timeout: float = 60.0,
-        trainer_workers: int = 0,
-        trainer_options: dict[str, Any] | None = None,
-        auto_restore: bool = False,
+        self, data_dir: str | Path | None = None, config: RuntimeConfig | None = None, **settings: Any
     ) -> None:
-        """``dtype``: the frozen base models' dtype, ``float32``, ``bfloat16`` or ``auto`` (the
-        device's default, :mod:`opentinker.models.dtype`); LoRA weights, gradients and optimizer
-        state are fp32 whatever it is, rollout workers load their base copy at the same dtype, and
-        an invalid value (or bf16 on a GPU without it) raises ``ValueError`` here.
-        ``sample_in_ticks``: serve sampling inside the training scheduler's ticks, one batch at
-        a time (the serialized reference), instead of on its own rollout loop (the default).
-        ``rollout_workers``: serve sampling from that many worker processes per base model, each
-        with its own copy of the base model (:mod:`opentinker.rollout.pool`); 0 (the default)
-        keeps the rollout loop on a thread of this process. ``rollout_backend``: what samples,
-        ``native`` (the default: the engine's own KV-cache decoder) or ``vllm`` (vLLM's engine with
-        runtime LoRA, in-process loop only; ``rollout_options`` are passed to
-        :class:`~opentinker.sampling.vllm_backend.VLLMBackend`). ``ray``, ``worker_cpus``,
-        ``worker_gpus``, ``worker_startup_timeout``, ``placement_timeout``, ``trainer_workers``, ``trainer_options`` and
-        ``auto_restore``: rollout workers as Ray actors, Ray trainer workers, data parallelism
-        and the restore of a lost worker's models (:class:`~opentinker.client.scaleout.ScaleOut`);
-        a setting the cluster cannot meet raises ``ValueError`` here."""
-        self.dtype = dtype_name(resolve_dtype(dtype, device))  # a name: it travels to workers as is
-        check_rollout_options(rollout_workers, sample_in_ticks, rollout_backend, rollout_options or {})
-        self.scaleout = ScaleOut(
-            rollout_workers=rollout_workers,
-            ray=ray,
-            worker_cpus=worker_cpus,
-            worker_gpus=worker_gpus,
-            worker_startup_timeout=worker_startup_timeout,
-            placement_timeout=placement_timeout,
-            trainer_workers=trainer_workers,
-            trainer_options=trainer_options,
-            auto_restore=auto_restore,
+        """A runtime over ``data_dir`` (default :func:`default_data_dir`) with ``config`` (default:
+        every :class:`~opentinker.service.config.RuntimeConfig` default), its fields named in
+        ``settings`` replaced: ``Runtime(dir, trainer_workers=2, data_parallel=2)``. An unknown
+        setting raises ``TypeError``; settings that cannot work together, a ``dtype`` the device
+        has not, or workers the cluster cannot meet raise ``ValueError`` here
+        (:class:`~opentinker.service.scaleout.ScaleOut`)."""
+        cfg = self.config = runtime_config(config, settings)
+        self.dtype = dtype_name(resolve_dtype(cfg.dtype, cfg.device))  # a name: it travels to workers as is
+        check_rollout_options(
+            cfg.rollout_workers, cfg.sample_in_ticks, cfg.rollout_backend, self._vllm_options()
         )
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -166,50 +132,64 @@ class Runtime(ScaleOutMethods):
         self.external = ExternalStore(self.data_dir)
         # tinker path -> readable by every tenant (published); the server sets it from its store
         self.is_public: Callable[[str], bool] = lambda path: False
-        self.max_rank = max_rank
-        self.device = device
-        self.prefix_cache_bytes = prefix_cache_bytes  # per base model's sampler
-        self.sample_in_ticks = sample_in_ticks
-        self.rollout_workers = rollout_workers
-        self.rollout_backend = rollout_backend
-        self.rollout_options = dict(rollout_options or {})
         self.models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._model_seq = itertools.count(1)
         # (base model, tinker path) -> (manifest digests, snapshot id): see _weights_source
         self._weight_sources: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
+        self.scaleout = ScaleOut(
+            cfg, dtype=self.dtype, data_dir=self.data_dir, store=self.store, models=self.models,
+            backends=self._loaded,
+        )  # fmt: skip
+
+    def _loaded(self) -> dict[str, Backend]:
+        with self._lock:
+            return dict(self._backends)
+
+    def _vllm_options(self) -> dict[str, Any]:
+        """The keywords of the vLLM backend: ``vllm_max_lora_rank`` and ``rollout_options``."""
+        if "max_lora_rank" in self.config.rollout_options:
+            raise ValueError("set vllm_max_lora_rank, not rollout_options['max_lora_rank']")
+        if self.config.rollout_backend != "vllm":
+            return dict(self.config.rollout_options)
+        return {"max_lora_rank": self.config.vllm_max_lora_rank, **self.config.rollout_options}
 
     def backend(self, base_model: str) -> Backend:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
-        queue their work on its scheduler; callers above the client layer use the accessors below."""
+        queue their work on its scheduler; callers above the service layer use the accessors below."""
         name = canonical_name(base_model)
         with self._lock:
             b = self._backends.get(name)
             if b is None:
-                base = load_base_model(name, dtype=self.dtype, device=self.device)
-                engine = Engine(base, max_rank=self.max_rank, device=self.device)
+                base = load_base_model(name, dtype=self.dtype, device=self.config.device)
+                engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
                 sampler, decoder = self._sampler(engine)
                 # sampling on its own thread, continuous batching (None: in the scheduler's ticks)
                 loop: Callable[[], RolloutService] | None = (
-                    None if self.sample_in_ticks else lambda: RolloutLoop(RolloutCore(decoder(), sampler))
+                    None
+                    if self.config.sample_in_ticks
+                    else lambda: RolloutLoop(RolloutCore(decoder(), sampler))
                 )
-                b = Backend(engine, sampler, self._scheduler_for(name, engine, sampler, loop))
+                b = Backend(engine, sampler, self.scaleout.scheduler_for(name, engine, sampler, loop))
                 self._backends[name] = b
             return b
 
     def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
-        if self.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
-            rb = RoutedBackend.for_engine(
-                engine, prefix_cache_bytes=self.prefix_cache_bytes, **self.rollout_options
-            )
+        cache = self.config.prefix_cache_bytes  # per base model's sampler
+        if self.config.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
+            rb = RoutedBackend.for_engine(engine, prefix_cache_bytes=cache, **self._vllm_options())
             return rb, rb.decoder
-        nb = NativeBackend(engine, prefix_cache_bytes=self.prefix_cache_bytes)
+        nb = NativeBackend(engine, prefix_cache_bytes=cache)
         return nb, lambda: nb.decoder(snapshots_only=True)
 
     def loaded_base_models(self) -> list[str]:
         return list(self._backends)
+
+    def supported_models(self) -> list[str]:
+        """The base models it can serve: those loaded, then the built-in names."""
+        return list(dict.fromkeys([*self.loaded_base_models(), *BUILTIN_MODELS]))
 
     def base_model_info(self, base_model: str) -> BaseModelInfo:
         """Name, folder, architecture and limits of ``base_model`` (loaded on first use)."""
@@ -256,22 +236,26 @@ class Runtime(ScaleOutMethods):
         tenant: str,
         optimizer_type: str = "adamw",
         on_created: Callable[[ModelRecord], None] | None = None,
-        data_parallel: int | str | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
     ) -> Future[ModelRecord]:
-        """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued);
-        data-parallel over ``data_parallel`` trainer workers (default: the runtime's
-        ``trainer_options["data_parallel"]``, 1), a degree it cannot serve refused here.
+        """A fresh adapter ``model_id`` on ``base_model``, owned by ``tenant`` (queued), with the
+        SDK's ``user_metadata`` on its record; data-parallel over the trainer workers its
+        ``{"data_parallel": "k"}`` asks for (default: the runtime's ``data_parallel``), a degree
+        it cannot serve refused here (``ValueError``, nothing queued).
 
         ``on_created`` runs on the scheduler thread right after the model is registered, before
         any later request for it can run (the server records it durably there)."""
         check_optimizer_config({"type": optimizer_type})
-        degree = self.check_data_parallel(data_parallel)
+        degree = self.scaleout.check_data_parallel(self.asked_data_parallel(user_metadata))
+        meta = _str_dict(user_metadata)
         self._check_new(model_id)
         backend = self.backend(base_model)
 
         def make(eng: Trainer) -> ModelRecord:
             self.scaleout.create_adapter(eng, config, model_id, degree)
-            rec = ModelRecord(model_id, eng.base.name, config, tenant, data_parallel=degree)
+            rec = ModelRecord(
+                model_id, eng.base.name, config, tenant, data_parallel=degree, user_metadata=meta
+            )
             return self._register(rec, on_created)
 
         return backend.scheduler.submit_call(model_id, make)
@@ -285,13 +269,15 @@ class Runtime(ScaleOutMethods):
         optimizer: bool,
         base_model: str | None = None,
         on_created: Callable[[ModelRecord], None] | None = None,
-        data_parallel: int | str | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
     ) -> Future[ModelRecord]:
         """A model ``model_id`` loaded from ``tenant``'s checkpoint at ``path`` (with its optimizer
-        state if ``optimizer``), on the base model it was trained on (queued); data-parallel over
-        ``data_parallel`` trainer workers, by default the degree the checkpoint records where the
+        state if ``optimizer``), on the base model it was trained on (queued), with
+        ``user_metadata`` on its record; data-parallel over the trainer workers its
+        ``{"data_parallel": "k"}`` asks for, by default the degree the checkpoint records where the
         workers can hold it (else one, the record's ``note`` says why: ``ScaleOut.checkpoint_degree``)."""
-        asked = None if data_parallel is None else self.check_data_parallel(data_parallel)
+        asked = self.asked_data_parallel(user_metadata)
+        meta_in = _str_dict(user_metadata)
         ref, meta = self.checkpoint(path, tenant)
         ckpt_base = str(meta.get("base_model", ""))
         if base_model is not None and canonical_name(base_model) != ckpt_base:
@@ -310,11 +296,19 @@ class Runtime(ScaleOutMethods):
                 eng.fork_adapter(self._weights_source(eng, ref), model_id, parent=str(folder))
             config = eng.adapter_config(model_id)
             rec = ModelRecord(
-                model_id, eng.base.name, config, tenant, ref.tinker_path, data_parallel=degree, note=note
-            )
+                model_id, eng.base.name, config, tenant, ref.tinker_path, data_parallel=degree, note=note,
+                user_metadata=meta_in,
+            )  # fmt: skip
             return self._register(rec, on_created)
 
         return backend.scheduler.submit_call(model_id, make)
+
+    def asked_data_parallel(self, user_metadata: Mapping[str, Any] | None) -> int | None:
+        """The data-parallel degree a new model's ``user_metadata`` asks for (its
+        ``"data_parallel"``, an integer or its text; None: it asks for none), checked against the
+        trainer workers: ``ValueError`` naming the value and the workers."""
+        value = (user_metadata or {}).get("data_parallel")
+        return None if value is None else self.scaleout.data_parallel_degree(value)
 
     def load_checkpoint_into(self, model_id: str, path: str, *, optimizer: bool) -> Future[None]:
         """Replace live model ``model_id``'s weights (and optimizer state) with those of a
@@ -548,7 +542,7 @@ class Runtime(ScaleOutMethods):
                 ]
                 out[-1]["base_served_by"] = b.sampler.base_served_by()
             if trainers:
-                out[-1].update(self.trainer_stats(name, self.models))  # trained on Ray trainer workers
+                out[-1].update(self.scaleout.trainer_stats(name))  # trained on Ray trainer workers
         return out
 
     def snapshot_ids(self, base_model: str) -> list[str]:

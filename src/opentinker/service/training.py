@@ -14,16 +14,16 @@ import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.checkpoints import CheckpointRef, check_name
-from opentinker.client.convert import datum_to_example, forward_output
-from opentinker.client.futures import ClientFuture, ReadyClient, client_future, mapped
-from opentinker.client.inflight import inflight_client
-from opentinker.client.runtime import ModelRecord, Runtime
-from opentinker.client.sampling import SamplingClient
 from opentinker.engine import AdamParams, EngineError, ForwardRequest, ForwardResult, SnapshotInfo, Trainer
 from opentinker.engine.checkpoint import CheckpointError
 from opentinker.engine.custom_loss import CustomLoss as CustomLossGraph
 from opentinker.engine.optim import check_step_params
+from opentinker.service.checkpoints import CheckpointRef, check_name
+from opentinker.service.convert import datum_to_example, forward_output
+from opentinker.service.futures import ClientFuture, ReadyClient, client_future, mapped
+from opentinker.service.inflight import inflight_client
+from opentinker.service.runtime import ModelRecord, Runtime
+from opentinker.service.sampling import SamplingClient
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -173,7 +173,7 @@ class TrainingClient(ReadyClient):
         age_encryption_recipients: list[str] | None = None,
     ) -> AwaitableConcurrentFuture[types.SaveWeightsExternalResponse]:
         """The adapter in PEFT format at ``tinker://<model_id>/external_weights/<name>`` (see
-        :mod:`opentinker.client.external`)."""
+        :mod:`opentinker.service.external`)."""
         fut = self._runtime.save_external(
             self.model_id, check_name(name), recipients=age_encryption_recipients
         )
@@ -195,7 +195,7 @@ class TrainingClient(ReadyClient):
     ) -> ClientFuture[SamplingClient]:
         # a future of the client, as in the SDK 0.38: awaiting it leaves the event loop free
         # (other runs of ``run_rl_many`` keep going) while the scheduler takes the snapshot.
-        # ``kind="inflight"``: the model's shared inflight target (client/inflight.py)
+        # ``kind="inflight"``: the model's shared inflight target (service/inflight.py)
         if kind not in ("snapshot", "inflight"):
             raise ValueError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
         make = self._inflight_client if kind == "inflight" else self._sampling_client

@@ -7,12 +7,13 @@ from typing import Any
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from opentinker.client.convert import check_prompt_extras, model_input_parts, sample_response
-from opentinker.client.convert import sampling_params as to_sampling_params
-from opentinker.client.futures import ReadyClient, mapped
-from opentinker.client.runtime import Runtime
+from opentinker.engine import EngineError
 from opentinker.sampling import SampleRequest, SampleResult
 from opentinker.sampling.types import Tokens, TokenSink
+from opentinker.service.convert import check_prompt_extras, model_input_parts, sample_response
+from opentinker.service.convert import sampling_params as to_sampling_params
+from opentinker.service.futures import ReadyClient, mapped
+from opentinker.service.runtime import Runtime
 
 __all__ = ["SamplingClient", "TokenSink", "Tokens"]
 
@@ -30,7 +31,7 @@ class SamplingClient(ReadyClient):
         self.model_path = model_path
         self.follow: str | None = None  # an inflight sampler: the training model it follows
         # an inflight sampler's KV-cache namespace: its requests' prefix-cache entries are keyed by
-        # it, not by the weights, so they survive the weights it follows (client/inflight.py)
+        # it, not by the weights, so they survive the weights it follows (service/inflight.py)
         self.kv_namespace: str | None = None
 
     @classmethod
@@ -202,3 +203,16 @@ class SamplingClient(ReadyClient):
         """Lineage: remember that data may now come from this policy version."""
         if self.policy is not None:
             self._runtime.note_sampled(self.base_model, self.policy, self.model_path or self.policy)
+
+
+def sampling_client(
+    runtime: Runtime, tenant: str, *, model_path: str | None = None, base_model: str | None = None
+) -> SamplingClient:
+    """A sampler of ``tenant``'s checkpoint at ``model_path`` (weights or sampler_weights, loaded
+    once: blocking), else of the bare ``base_model``: what ``create_sampling_client`` gives,
+    embedded and over HTTP (``EngineError`` when neither is given)."""
+    if model_path is not None:
+        return SamplingClient.for_checkpoint(runtime, model_path, tenant=tenant)
+    if base_model is None:
+        raise EngineError("create_sampling_client needs model_path or base_model")
+    return SamplingClient(runtime, base_model, None)

@@ -4,9 +4,10 @@ actors), and trainer workers on Ray with the auto-restore of a lost worker's mod
 :class:`ScaleOut` checks a runtime's scale-out settings once, at construction, so a Ray address
 that does not answer or workers the cluster cannot place fail there, naming why, before any model
 loads. Nothing of :mod:`opentinker.cluster` (nor Ray) is imported unless Ray is asked for.
-:class:`ScaleOutMethods` is the scale-out half of :class:`~opentinker.client.runtime.Runtime`
-(mixed into it): the workers now, scaling them while it serves, data-parallel degrees, what
-auto-restore did.
+:class:`ScaleOut` is also the scale-out half of :class:`~opentinker.service.runtime.Runtime`
+(``runtime.scaleout``): the workers now, scaling them while it serves, data-parallel degrees,
+what auto-restore did. It reads the settings from the runtime's
+:class:`~opentinker.service.config.RuntimeConfig` under the same names.
 
 Data-parallel models and checkpoints: a checkpoint of a data-parallel model records its degree
 (``data_parallel`` in its manifest's metadata); a model made from it (and one auto-restored after
@@ -32,14 +33,15 @@ from opentinker.sampling.rollout import RolloutService
 from opentinker.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from opentinker.client.checkpoints import CheckpointStore
     from opentinker.cluster.trainer_router import RoutedScheduler
+    from opentinker.service.checkpoints import CheckpointStore
+    from opentinker.service.config import RuntimeConfig
 
 _log = logging.getLogger(__name__)
 
 
 class ScaleOut:
-    """A runtime's scale-out settings, checked once, and what runs on them.
+    """A runtime's scale-out settings (its :class:`RuntimeConfig`), checked once, and what runs on them.
 
     ``rollout_workers``: serve sampling from that many worker processes per base model
     (:mod:`opentinker.rollout.pool`; 0: the runtime's own rollout loop). ``ray``: run them as Ray
@@ -51,9 +53,8 @@ class ScaleOut:
     ``worker_startup_timeout`` seconds, fails its pool's start, naming why. ``trainer_workers``:
     train on that many Ray trainer workers per base model (:mod:`opentinker.cluster.trainer_router`;
     on the Ray of ``ray``, else a local instance started if none is up), each a base-model
-    replica holding a shard of the adapters; ``trainer_options`` (``worker_cpus``,
-    ``worker_gpus``) size each, and a size the cluster cannot place is refused here; its
-    ``data_parallel`` K makes every new model data-parallel over K of them
+    replica holding a shard of the adapters; ``trainer_cpus`` and ``trainer_gpus`` size each, and
+    a size the cluster cannot place is refused here; ``data_parallel`` K makes every new model data-parallel over K of them
     (:mod:`opentinker.cluster.dp`). ``auto_restore``: when a trainer worker is lost, put each of
     its models back from its newest ``save_state`` checkpoint on another worker (:attr:`restored`
     says from where, how many steps were lost, and the degree it came back at).
@@ -61,28 +62,32 @@ class ScaleOut:
 
     def __init__(
         self,
+        config: RuntimeConfig,
         *,
-        rollout_workers: int,
-        ray: str | None,
-        worker_cpus: float,
-        worker_gpus: float,
-        worker_startup_timeout: float,
-        placement_timeout: float,
-        trainer_workers: int,
-        trainer_options: dict[str, Any] | None,
-        auto_restore: bool,
+        dtype: str,
+        data_dir: Path,
+        store: CheckpointStore,
+        models: dict[str, Any],
+        backends: Callable[[], dict[str, Any]],
     ) -> None:
+        """``dtype``: the base models' dtype by name (it travels to workers as is); ``models``:
+        the runtime's model records (auto-restore updates them); ``backends()``: its loaded base
+        models' backends (engine, sampler, scheduler), read under its lock."""
+        self.config, self.dtype, self.data_dir, self.store = config, dtype, data_dir, store
+        self.models, self._backends = models, backends
+        rollout_workers, trainer_workers = config.rollout_workers, config.trainer_workers
+        ray, placement_timeout = config.ray, config.placement_timeout
+        worker_cpus, worker_gpus = config.worker_cpus, config.worker_gpus
         if not isinstance(rollout_workers, int) or rollout_workers < 0:
             raise ValueError(f"rollout_workers must be an integer >= 0, got {rollout_workers!r}")
         if not isinstance(trainer_workers, int) or trainer_workers < 0:
             raise ValueError(f"trainer_workers must be an integer >= 0, got {trainer_workers!r}")
+        self.rollout_workers = rollout_workers  # now: scaled while serving
         self.trainer_workers = trainer_workers
-        self.trainer_options = dict(trainer_options or {})
         # every new model's data-parallel degree unless it asks for its own; checked before Ray starts
-        self.data_parallel = self.data_parallel_degree(self.trainer_options.pop("data_parallel", 1))
+        self.data_parallel = self.data_parallel_degree(config.data_parallel)
         self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
-        self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
-        self.worker_startup_timeout = worker_startup_timeout
+        self.worker_startup_timeout = config.worker_startup_timeout
         if not placement_timeout > 0:
             raise ValueError(f"placement_timeout must be > 0 seconds, got {placement_timeout!r}")
         self.placement_timeout = placement_timeout
@@ -98,7 +103,7 @@ class ScaleOut:
 
             RayTransport(worker_cpus, worker_gpus)  # refuses resources no worker could have
             self.ray_cluster = connect(ray)
-        self.auto_restore = auto_restore
+        self.auto_restore = config.auto_restore
         self.restored: dict[str, dict[str, Any]] = {}  # model -> how auto-restore brought it back
         self._scale_lock = threading.Lock()  # one trainer scale at a time
         if trainer_workers:
@@ -110,9 +115,9 @@ class ScaleOut:
             if self.ray_cluster is None:  # no address given: a Ray instance started here
                 start_local_ray()
         if self.ray_rollout or trainer_workers:
-            self.check_start(rollout_workers)
+            self._check_fits()
 
-    def start_asks(self, rollout_workers: int, base_models: int = 1) -> list[Any]:
+    def start_asks(self, base_models: int = 1) -> list[Any]:
         """What starting ``base_models`` base models asks of Ray: each base model's rollout workers
         (when they are Ray actors) and trainer workers (:class:`~opentinker.cluster.ray_env.Ask`).
         A data-parallel model asks nothing more: its replicas live on these trainer workers."""
@@ -120,14 +125,16 @@ class ScaleOut:
 
         asks = []
         if self.ray_rollout:
-            n = rollout_workers * base_models
-            asks.append(Ask(n, self.worker_cpus, self.worker_gpus, "rollout worker", "--worker"))
+            n = self.rollout_workers * base_models
+            asks.append(
+                Ask(n, self.config.worker_cpus, self.config.worker_gpus, "rollout worker", "--worker")
+            )
         if self.trainer_workers:
             n = self.trainer_workers * base_models
             asks.append(Ask(n, *self._trainer_size(), "trainer worker", "--trainer"))
         return asks
 
-    def check_start(self, rollout_workers: int, base_models: int = 1) -> None:
+    def _check_fits(self, base_models: int = 1) -> None:
         """Refuse (``ValueError`` naming the CPUs and GPUs asked for per kind and what the cluster
         has) a start of ``base_models`` base models whose workers, every kind together, the Ray
         cluster cannot place: before any of them is placed, so that a start never waits for
@@ -136,7 +143,17 @@ class ScaleOut:
             return
         from opentinker.cluster.ray_env import check_start
 
-        check_start(self.start_asks(rollout_workers, base_models))
+        check_start(self.start_asks(base_models))
+
+    def check_start(self, base_models: list[str]) -> None:
+        """``ValueError`` unless the Ray cluster can place the workers of every base model of
+        ``base_models`` not loaded yet, all kinds together."""
+        new = {canonical_name(b) for b in base_models} - set(self._backends())
+        self._check_fits(len(new))
+
+    def check_data_parallel(self, value: int | str | None) -> int:
+        """The data-parallel degree ``value`` asks for (None: the default), or ``ValueError``."""
+        return self.data_parallel if value is None else self.data_parallel_degree(value)
 
     def data_parallel_degree(self, value: Any) -> int:
         """The data-parallel degree ``value`` asks for (an integer, or its text as ``user_metadata``
@@ -164,33 +181,22 @@ class ScaleOut:
         else:
             data_parallel_of(eng).create_data_parallel(config, model_id, degree)
 
-    def rollout_pool(
-        self,
-        engine: Engine,
-        name: str,
-        workers: int,
-        *,
-        backend: str,
-        device: str,
-        dtype: str,
-        max_rank: int,
-        prefix_cache_bytes: int,
-    ) -> WorkerPool:
-        """``name``'s sampling served by ``workers`` rollout worker processes or actors, each with
-        its own copy of the base model; snapshots go to them as bytes."""
+    def rollout_pool(self, engine: Engine, name: str) -> WorkerPool:
+        """``name``'s sampling served by :attr:`rollout_workers` rollout worker processes or actors,
+        each with its own copy of the base model; snapshots go to them as bytes."""
         from opentinker.sampling import NativeBackend
 
         pin = NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0).decoder(snapshots_only=True).pin
         return WorkerPool(
             engine,
             pin,
-            workers,
+            self.rollout_workers,
             base_model=name,
-            backend=backend,
-            device=device,
-            dtype=dtype,
-            max_rank=max_rank,
-            prefix_cache_bytes=prefix_cache_bytes,
+            backend=self.config.rollout_backend,
+            device=self.config.device,
+            dtype=self.dtype,
+            max_rank=self.config.max_rank,
+            prefix_cache_bytes=self.config.prefix_cache_bytes,
             startup_timeout=self.worker_startup_timeout,
             transport=self.transport(),
         )
@@ -209,15 +215,30 @@ class ScaleOut:
             return None
         from opentinker.cluster.ray_rollout import RayTransport
 
-        return RayTransport(self.worker_cpus, self.worker_gpus, self.placement_timeout)
+        return RayTransport(self.config.worker_cpus, self.config.worker_gpus, self.placement_timeout)
 
-    def workers_info(
-        self, pools: Mapping[str, WorkerPool], rollout_workers: int, routers: Mapping[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """The rollout workers now: per base model, each worker's state and requests served; and
+    def _worker_pools(self) -> dict[str, WorkerPool]:
+        return {
+            n: b.scheduler.rollout
+            for n, b in self._backends().items()
+            if isinstance(b.scheduler.rollout, WorkerPool)
+        }
+
+    def _routers(self) -> dict[str, RoutedScheduler]:
+        """Per base model, the router of its trainer workers (none: models train in this process)."""
+        if not self.trainer_workers:
+            return {}
+        from opentinker.cluster.trainer_router import RoutedScheduler
+
+        return {
+            n: b.scheduler for n, b in self._backends().items() if isinstance(b.scheduler, RoutedScheduler)
+        }
+
+    def rollout_workers_info(self) -> dict[str, Any]:
+        """The workers now: per base model, each rollout worker's state and requests served; and
         with trainer workers, per base model each trainer worker and the models it holds."""
         out: dict[str, Any] = {}
-        for name, pool in pools.items():
+        for name, pool in self._worker_pools().items():
             stats = pool.stats
             out[name] = {
                 "workers": pool.size,
@@ -229,26 +250,41 @@ class ScaleOut:
             }
         info: dict[str, Any] = {
             "ray": None if self.ray_cluster is None else self.ray_cluster.address,
-            "rollout_workers": rollout_workers,
+            "rollout_workers": self.rollout_workers,
             "base_models": out,
         }
         if self.trainer_workers:
             info["trainer_workers"] = self.trainer_workers
-            info["trainers"] = {name: r.trainer_info() for name, r in (routers or {}).items()}
+            info["trainers"] = {name: r.trainer_info() for name, r in self._routers().items()}
         return info
 
-    def check_scale(
-        self,
-        pools: Mapping[str, WorkerPool],
-        routers: Mapping[str, Any],
-        rollout_workers: Any = None,
-        trainer_workers: Any = None,
-    ) -> None:
+    def worker_counts(self) -> dict[str, dict[str, Any]]:
+        """Per base model with workers, its rollout workers by state (and transport), their
+        restarts and re-run requests, and its trainer workers alive and lost: read here, no call
+        to any worker (``/metrics``)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, pool in self._worker_pools().items():
+            stats = pool.stats
+            out.setdefault(name, {})["rollout"] = {
+                "transport": pool.transport.name,
+                "states": pool.worker_states(),
+                "restarts": sum(stats.restarts),
+                "rerun": stats.rerun,
+            }
+        for name, router in self._routers().items():
+            workers = list(router.pool.workers)
+            alive = sum(1 for w in workers if w.alive)
+            lost = sum(1 for w in workers if not w.alive and w.lost_reason != "removed")  # not scaled away
+            out.setdefault(name, {})["trainers"] = {"alive": alive, "lost": lost}
+        return out
+
+    def check_scale(self, rollout_workers: Any = None, trainer_workers: Any = None) -> None:
         """Refuse (``ValueError``, nothing changed) a scale of the rollout and/or trainer workers
         (each one given) that cannot be done: each kind on its own (below one worker, none to
         scale, more than the cluster has free), then both together: the new workers of both
         kinds must fit in what the Ray cluster has free now (workers a scale removes are not
         counted as freed: the two scales run one after the other)."""
+        pools, routers = self._worker_pools(), self._routers()
         rollout = 0 if rollout_workers is None else self.check_rollout_scale(pools, rollout_workers)
         trainer = 0 if trainer_workers is None else self.check_trainer_scale(routers, trainer_workers)
         if self.ray_rollout and rollout and trainer:  # rollout processes here are not Ray's to place
@@ -256,14 +292,13 @@ class ScaleOut:
 
             check_fits_together(
                 [
-                    Ask(rollout, self.worker_cpus, self.worker_gpus, "rollout worker"),
+                    Ask(rollout, self.config.worker_cpus, self.config.worker_gpus, "rollout worker"),
                     Ask(trainer, *self._trainer_size(), "trainer worker"),
                 ]
             )
 
     def _trainer_size(self) -> tuple[float, float]:
-        opts = self.trainer_options
-        return float(opts.get("worker_cpus", 1.0)), float(opts.get("worker_gpus", 0.0))
+        return float(self.config.trainer_cpus), float(self.config.trainer_gpus)
 
     def check_trainer_scale(self, routers: Mapping[str, Any], workers: Any) -> int:
         """Refuse (``ValueError``, nothing changed) a trainer scale below one worker, without
@@ -283,28 +318,37 @@ class ScaleOut:
             check_fits(extra, *self._trainer_size(), what="trainer worker")
         return extra
 
-    def scale_trainers(self, routers: Mapping[str, Any], workers: int, folder: Path) -> dict[str, Any]:
-        """Serve every base model's training from ``workers`` trainer workers, while serving (see
-        :mod:`opentinker.cluster.trainer_scale`); per base model what was added, removed, moved."""
+    def scale_trainer_workers(self, workers: int) -> dict[str, Any]:
+        """Train every base model on ``workers`` trainer workers, while serving: new ones start and
+        take new models, removed ones hand each model over (its whole state through the data dir)
+        without losing a step (:mod:`opentinker.cluster.trainer_scale`). ``ValueError`` (below
+        one, no trainer workers, more than the cluster has free) before anything changes; per
+        base model what was added, removed, moved."""
         from opentinker.cluster.trainer_scale import scale_trainers
 
+        folder = self.data_dir / "handover"
         with self._scale_lock:
+            routers = self._routers()
             self.check_trainer_scale(routers, workers)
             out = {name: scale_trainers(r, workers, folder / _safe(name)) for name, r in routers.items()}
             self.trainer_workers = workers  # base models loaded later start this many
         return out
 
-    @staticmethod
-    def scale(pools: Mapping[str, WorkerPool], workers: int) -> dict[str, int]:
-        """Serve every base model's sampling from ``workers`` rollout workers, while serving (see
-        :meth:`Runtime.scale_rollout_workers <opentinker.client.runtime.Runtime.scale_rollout_workers>`)."""
-        ScaleOut.check_rollout_scale(pools, workers)
-        return {name: pool.scale(workers) for name, pool in pools.items()}
+    def scale_rollout_workers(self, workers: int) -> dict[str, int]:
+        """Serve every base model's sampling from ``workers`` rollout workers, while serving: new
+        ones start first and serve the current snapshots, removed ones drain first. Returns the
+        count per base model. Raises ``ValueError`` (below one, no worker pool, more than the
+        cluster can place) before anything changes."""
+        pools = self._worker_pools()
+        self.check_rollout_scale(pools, workers)
+        out = {name: pool.scale(workers) for name, pool in pools.items()}
+        self.rollout_workers = workers  # base models loaded later start this many
+        return out
 
     @staticmethod
     def check_rollout_scale(pools: Mapping[str, WorkerPool], workers: Any) -> int:
-        """Refuse (``ValueError``, nothing changed) what :meth:`scale` cannot do; returns how many
-        workers it adds."""
+        """Refuse (``ValueError``, nothing changed) what :meth:`scale_rollout_workers` cannot do;
+        returns how many workers it adds."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"rollout workers cannot be scaled below one, got {workers!r}")
         if not pools:
@@ -316,21 +360,19 @@ class ScaleOut:
             next(iter(pools.values())).transport.check_capacity(extra)
         return extra
 
-    def scheduler(
-        self,
-        name: str,
-        engine: Engine,
-        sampler: RolloutBackend,
-        rollout: RolloutService | None,
-        *,
-        device: str,
-        dtype: str,
-        max_rank: int,
-        models: Callable[[], Mapping[str, Any]],
-        store: CheckpointStore,
+    def scheduler_for(
+        self, name: str, engine: Engine, sampler: RolloutBackend, loop: Callable[[], RolloutService] | None
     ) -> Scheduler:
-        """The base model's scheduler: training here, or routed to its trainer workers (a lost
-        worker's models are then put back by :meth:`worker_lost`)."""
+        """Base model ``name``'s scheduler, training here or routed to its trainer workers (a lost
+        worker's models are then put back by :meth:`worker_lost`), over its rollout service: its
+        rollout workers (processes or Ray actors, snapshots sent as bytes) if it has any, else
+        ``loop()`` (None: sampling in the scheduler's ticks). Its workers of every kind are
+        checked against what the cluster has free before any starts."""
+        self._check_fits()
+        if self.rollout_workers:
+            rollout: RolloutService | None = self.rollout_pool(engine, name)
+        else:
+            rollout = None if loop is None else loop()
         if not self.trainer_workers:
             return Scheduler(engine, sampler, rollout=rollout)
         from opentinker.cluster.trainer import TrainerPool
@@ -342,31 +384,29 @@ class ScaleOut:
             self.trainer_workers,
             worker_cpus=cpus,
             worker_gpus=gpus,
-            device=device,
-            dtype=dtype,
-            max_rank=max_rank,
+            device=self.config.device,
+            dtype=self.dtype,
+            max_rank=self.config.max_rank,
             placement_timeout=self.placement_timeout,
             startup_timeout=self.worker_startup_timeout,
         )
         router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
-        router.on_worker_lost = lambda slot, lost: self.worker_lost(
-            router, slot.worker_id, lost, models(), store
-        )
+        router.on_worker_lost = lambda slot, lost: self.worker_lost(router, slot.worker_id, lost)
         return router
 
-    def worker_lost(
-        self, router: Any, worker_id: str, lost: list[str], models: Mapping[str, Any], store: CheckpointStore
-    ) -> None:
+    def worker_lost(self, router: Any, worker_id: str, lost: list[str]) -> None:
         """A trainer worker is gone: with ``auto_restore``, each of its models is put back from
         its newest ``save_state`` checkpoint; :attr:`restored` records how (or why not)."""
         for model_id in lost:
-            rec = models.get(model_id)
+            rec = self.models.get(model_id)
             if rec is None or rec.deleted:
                 continue
             lost_at = int(router.steps.get(model_id, 0))
             entry: dict[str, Any] = {"worker": worker_id, "steps_at_loss": lost_at, "restored": False}
             saved = [
-                r for r in store.list(model_id) if r.ref.kind == "weights" and r.meta.get("has_optimizer")
+                r
+                for r in self.store.list(model_id)
+                if r.ref.kind == "weights" and r.meta.get("has_optimizer")
             ]
             if not self.auto_restore or not saved:
                 entry["reason"] = (
@@ -417,148 +457,15 @@ class ScaleOut:
         _log.warning("%s: %s", meta.get("tinker_path", "a checkpoint"), note)
         return 1, note
 
-
-class ScaleOutMethods:
-    """The scale-out half of :class:`~opentinker.client.runtime.Runtime` (module docstring)."""
-
-    scaleout: ScaleOut
-    rollout_workers: int
-    rollout_backend: str
-    device: str
-    dtype: str  # the base models' dtype, by name (it travels to worker processes and actors)
-    max_rank: int
-    prefix_cache_bytes: int
-    data_dir: Path
-    store: CheckpointStore
-    models: dict[str, Any]  # model id -> its ModelRecord
-    _backends: dict[str, Any]  # base model -> its Backend (engine, sampler, scheduler)
-    _lock: Any
-
-    def _scheduler_for(
-        self,
-        name: str,
-        engine: Engine,
-        sampler: RolloutBackend,
-        loop: Callable[[], RolloutService] | None,
-    ) -> Scheduler:
-        """Base model ``name``'s scheduler, training here or routed to its trainer workers, over
-        its rollout service: its rollout workers (processes or Ray actors, snapshots sent as
-        bytes) if it has any, else ``loop()`` (None: sampling in the scheduler's ticks). Its
-        workers of every kind are checked against what the cluster has free before any starts."""
-        self.scaleout.check_start(self.rollout_workers)
-        if self.rollout_workers:
-            rollout: RolloutService | None = self.scaleout.rollout_pool(
-                engine,
-                name,
-                self.rollout_workers,
-                backend=self.rollout_backend,
-                device=self.device,
-                dtype=self.dtype,
-                max_rank=self.max_rank,
-                prefix_cache_bytes=self.prefix_cache_bytes,
-            )
-        else:
-            rollout = None if loop is None else loop()
-        return self.scaleout.scheduler(
-            name,
-            engine,
-            sampler,
-            rollout,
-            device=self.device,
-            dtype=self.dtype,
-            max_rank=self.max_rank,
-            models=lambda: self.models,
-            store=self.store,
-        )
-
-    @property
-    def restored(self) -> dict[str, dict[str, Any]]:
-        """Per model put back after its trainer worker was lost: from where, and the steps lost."""
-        return self.scaleout.restored
-
-    def _worker_pools(self) -> dict[str, WorkerPool]:
-        with self._lock:
-            return {
-                n: b.scheduler.rollout
-                for n, b in self._backends.items()
-                if isinstance(b.scheduler.rollout, WorkerPool)
-            }
-
-    def _routers(self) -> dict[str, RoutedScheduler]:
-        """Per base model, the router of its trainer workers (none: models train in this process)."""
-        if not self.scaleout.trainer_workers:
-            return {}
-        from opentinker.cluster.trainer_router import RoutedScheduler
-
-        with self._lock:
-            return {
-                n: b.scheduler for n, b in self._backends.items() if isinstance(b.scheduler, RoutedScheduler)
-            }
-
-    def rollout_workers_info(self) -> dict[str, Any]:
-        """The workers now: per base model, each rollout worker's state and requests served, and
-        each trainer worker with the models it holds."""
-        return self.scaleout.workers_info(self._worker_pools(), self.rollout_workers, self._routers())
-
-    def worker_counts(self) -> dict[str, dict[str, Any]]:
-        """Per base model with workers, its rollout workers by state (and transport), their
-        restarts and re-run requests, and its trainer workers alive and lost: read here, no call
-        to any worker (``/metrics``)."""
-        out: dict[str, dict[str, Any]] = {}
-        for name, pool in self._worker_pools().items():
-            stats = pool.stats
-            out.setdefault(name, {})["rollout"] = {
-                "transport": pool.transport.name,
-                "states": pool.worker_states(),
-                "restarts": sum(stats.restarts),
-                "rerun": stats.rerun,
-            }
-        for name, router in self._routers().items():
-            workers = list(router.pool.workers)
-            alive = sum(1 for w in workers if w.alive)
-            lost = sum(1 for w in workers if not w.alive and w.lost_reason != "removed")  # not scaled away
-            out.setdefault(name, {})["trainers"] = {"alive": alive, "lost": lost}
-        return out
-
-    def scale_trainer_workers(self, workers: int) -> dict[str, Any]:
-        """Train every base model on ``workers`` trainer workers, while serving: new ones start and
-        take new models, removed ones hand each model over (its whole state through the data dir)
-        without losing a step (:mod:`opentinker.cluster.trainer_scale`). ``ValueError`` (below
-        one, no trainer workers, more than the cluster has free) before anything changes."""
-        return self.scaleout.scale_trainers(self._routers(), workers, self.data_dir / "handover")
-
-    def check_scale(self, rollout_workers: int | None, trainer_workers: int | None) -> None:
-        """``ValueError`` unless both scales (each one given) can be done, each alone and both
-        together (:meth:`ScaleOut.check_scale`); changes nothing."""
-        self.scaleout.check_scale(self._worker_pools(), self._routers(), rollout_workers, trainer_workers)
-
-    def scale_rollout_workers(self, workers: int) -> dict[str, int]:
-        """Serve every base model's sampling from ``workers`` rollout workers, while serving: new
-        ones start first and serve the current snapshots, removed ones drain first. Returns the
-        count per base model. Raises ``ValueError`` (below one, no worker pool, more than the
-        cluster can place) before anything changes."""
-        out = self.scaleout.scale(self._worker_pools(), workers)
-        self.rollout_workers = workers  # base models loaded later start this many
-        return out
-
-    def check_start(self, base_models: list[str]) -> None:
-        """``ValueError`` unless the Ray cluster can place the workers of every base model of
-        ``base_models`` not loaded yet, all kinds together (:meth:`ScaleOut.check_start`)."""
-        with self._lock:
-            new = {canonical_name(b) for b in base_models} - set(self._backends)
-        self.scaleout.check_start(self.rollout_workers, len(new))
-
-    def check_data_parallel(self, value: int | str | None) -> int:
-        """The data-parallel degree ``value`` asks for (None: the default), or ``ValueError``."""
-        return self.scaleout.data_parallel if value is None else self.scaleout.data_parallel_degree(value)
-
-    def trainer_stats(self, name: str, models: Mapping[str, Any]) -> dict[str, Any]:
+    def trainer_stats(self, name: str) -> dict[str, Any]:
         """Base model ``name``'s trainer workers and the models auto-restore put back (empty
         when it trains in this process): part of :meth:`Runtime.engine_stats`."""
         router = self._routers().get(name)
         if router is None:
             return {}
-        restored = {m: e for m, e in self.restored.items() if (r := models.get(m)) and r.base_model == name}
+        restored = {
+            m: e for m, e in self.restored.items() if (r := self.models.get(m)) and r.base_model == name
+        }
         return {"trainer_workers": router.trainer_info(), "restored": restored}
 
 

@@ -25,8 +25,8 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from opentinker.client.runtime import Runtime
-from opentinker.client.sampling import SamplingClient
+from opentinker.service.runtime import Runtime
+from opentinker.service.sampling import SamplingClient
 
 _ids = itertools.count(1)
 _lock = threading.Lock()

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from opentinker.server.errors import UserError
+from opentinker.engine import EngineError
+from opentinker.engine.losses import STABILITY_INPUTS
 
-STABILITY_INPUTS = ("stability_logprobs", "stability_mask", "stability_sequence")
 DAY_S = 24 * 3600.0
 
 
@@ -91,11 +91,11 @@ class StabilityRecords:
         with self._lock:
             elsewhere = any(sequence_id in t for s, t in self._by_session.items() if s != session_id)
         if elsewhere:  # say no more than that: another session's (or tenant's) tokens stay private
-            raise UserError(
+            raise EngineError(
                 f"{where} names sequence {sequence_id!r}, which was not sampled in this model's session; "
                 "provenance works only within one session"
             )
-        raise UserError(
+        raise EngineError(
             f"{where} names sequence {sequence_id!r}, which this server has no record of (sample with "
             "record_stability_info=True in this session; records last one day and not across restarts)"
         )
@@ -103,22 +103,24 @@ class StabilityRecords:
     # ---------------------------------------------------------------- resolution
     def resolve(self, tenant: str, session_id: str, data: list[types.Datum]) -> list[types.Datum]:
         """Each datum with the stability inputs added (see the module docstring); touches every
-        record used, restarting its day. Raises ``UserError`` and changes nothing on bad spans."""
+        record used, restarting its day. Raises ``EngineError`` and changes nothing on bad spans."""
         out, used = [], []
         for i, d in enumerate(data):
             where = f"datum {i}"
             for key in STABILITY_INPUTS:
                 if key in d.loss_fn_inputs:
-                    raise UserError(f"{where}: loss_fn_inputs[{key!r}] is set by the server; do not send it")
+                    raise EngineError(
+                        f"{where}: loss_fn_inputs[{key!r}] is set by the server; do not send it"
+                    )
             if d.model_input_spans is None or d.loss_fn_input_spans is None:
-                raise UserError(
+                raise EngineError(
                     f"{where}: stable_reinforce needs provenance spans (Datum.with_provenance) naming "
                     "the sampled sequences behind its tokens"
                 )
             tokens = d.model_input.to_ints()
             targets_td = d.loss_fn_inputs.get("target_tokens")
             if targets_td is None:
-                raise UserError(f"{where}: loss_fn_inputs is missing 'target_tokens'")
+                raise EngineError(f"{where}: loss_fn_inputs is missing 'target_tokens'")
             targets = [int(x) for x in np.asarray(targets_td.to_numpy()).reshape(-1)]
             self._check_spans(tenant, session_id, f"{where} model_input", d.model_input_spans, tokens, used)
             q, mask, seq = self._target_spans(tenant, session_id, where, d.loss_fn_input_spans, targets, used)
@@ -139,7 +141,7 @@ class StabilityRecords:
         """(position, sampled?, record, offset, length) per span, after checking the tiling."""
         total = sum(s.length for s in spans)
         if total != length:
-            raise UserError(f"{where}: provenance spans cover {total} positions, but it has {length}")
+            raise EngineError(f"{where}: provenance spans cover {total} positions, but it has {length}")
         runs, pos = [], 0
         for j, span in enumerate(spans):
             sampled = isinstance(span, types.SampledProvenanceSpan)
@@ -147,7 +149,7 @@ class StabilityRecords:
             have = len(rec.tokens) if sampled else len(rec.prompt)
             if span.offset < 0 or span.length < 0 or span.offset + span.length > have:
                 kind = "sampled tokens" if sampled else "prompt"
-                raise UserError(
+                raise EngineError(
                     f"{where} span {j}: [{span.offset}, {span.offset + span.length}) is outside sequence "
                     f"{span.sequence_id!r}'s {have} {kind}"
                 )
@@ -170,7 +172,7 @@ class StabilityRecords:
         ):
             recorded = (rec.tokens if sampled else rec.prompt)[off : off + n]
             if tokens[pos : pos + n] != recorded:
-                raise UserError(f"{where} span {j}: the tokens differ from those the sequence recorded")
+                raise EngineError(f"{where} span {j}: the tokens differ from those the sequence recorded")
 
     def _target_spans(
         self,
@@ -189,11 +191,13 @@ class StabilityRecords:
             if not sampled:  # a prompt target: mask 0, so its token value never reaches the loss
                 continue
             if targets[pos : pos + n] != rec.tokens[off : off + n]:
-                raise UserError(
+                raise EngineError(
                     f"{where} loss_fn_inputs span {j}: target_tokens differ from the tokens the sequence recorded"
                 )
             if len(rec.logprobs) < off + n:
-                raise UserError(f"{where} loss_fn_inputs span {j}: the sequence recorded no sampler logprobs")
+                raise EngineError(
+                    f"{where} loss_fn_inputs span {j}: the sequence recorded no sampler logprobs"
+                )
             k = index.setdefault(id(rec), len(index))
             for t in range(n):
                 q[pos + t], mask[pos + t], seq[pos + t] = rec.logprobs[off + t], 1.0, float(k)

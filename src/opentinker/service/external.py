@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opentinker.client.checkpoints import check_id, check_name
 from opentinker.engine import EngineError
+from opentinker.service.checkpoints import check_id, check_name
 
 KIND = "external_weights"
 META_FILE = ".external.json"
