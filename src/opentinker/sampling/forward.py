@@ -3,8 +3,9 @@ drop finished rows, and merge a newly prefilled group into the running batch.
 
 Two implementations of one :class:`Forward` contract:
 
-* :class:`LeanForward`: :class:`~opentinker.sampling.llama_decode.LlamaLean` over a static
-  :class:`~opentinker.sampling.kv_cache.LeanCache` (Llama-family models);
+* :class:`LeanForward`: :class:`~opentinker.sampling.lean_model.LeanModel` over a static
+  :class:`~opentinker.sampling.kv_cache.LeanCache` (the families it covers: Llama, Mistral,
+  Qwen2, Qwen3, Gemma 3);
 * :class:`HFForward`: the model's own HF forward over a ``DynamicCache``, LoRA through the
   engine's routing (every other family).
 
@@ -47,7 +48,8 @@ from opentinker.sampling.hf_cache import (
     select_rows,
 )
 from opentinker.sampling.kv_cache import LeanCache
-from opentinker.sampling.llama_decode import LeanLoRA, LlamaLean
+from opentinker.sampling.lean_lora import LeanLoRA
+from opentinker.sampling.lean_model import LeanModel
 from opentinker.sampling.prefix_cache import Prefix
 
 # A batch's policies, resolved when their requests were admitted (None: the bare base model).
@@ -316,7 +318,7 @@ def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class LeanForward:
-    """:class:`LlamaLean` over a static :class:`LeanCache` (``prompt_cols`` prompt columns, up to
+    """:class:`LeanModel` over a static :class:`LeanCache` (``prompt_cols`` prompt columns, up to
     ``decode_cols`` decode columns, ``first_cols`` of them allocated at first, then doubled as
     needed). Runs in inference mode (less bookkeeping per op than ``no_grad``); the logits it
     returns are inference tensors."""
@@ -324,7 +326,7 @@ class LeanForward:
     def __init__(
         self,
         engine: Engine,
-        lean: LlamaLean,
+        lean: LeanModel,
         prompt_cols: int,
         decode_cols: int,
         loras: LoRACache,
