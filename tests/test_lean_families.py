@@ -13,7 +13,8 @@ window changes the result:
   ``LOGPROB_ATOL``;
 * continuous batching: requests admitted into a running lean batch mid-decode, rows leaving as
   they stop, get what the HF path gives them in one batch;
-* the base model's greedy tokens and logprobs = HF ``generate`` on the same model, row by row.
+* the base model's greedy tokens and logprobs = HF ``generate`` on the same model, row by row;
+* on a bf16 base (Qwen3, Gemma 3), sampled logprobs = the trainer's within the bf16 bounds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.lean_model import FAMILIES
 from opentinker.sampling.types import SampleResult
 from tests.families import family_model
-from tests.tolerances import assert_greedy_equal, assert_logprobs_close
+from tests.test_dtype import _agreement
+from tests.tolerances import (
+    BF16_LOGPROB_ATOL,
+    BF16_LOGPROB_MEAN,
+    assert_greedy_equal,
+    assert_logprobs_close,
+    assert_mean_abs_close,
+)
 
 # (family, config overrides): every family the lean path covers, with windows that bite
 LEAN_CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -195,3 +203,28 @@ def test_a_covered_family_with_an_unsupported_part_falls_back(tmp_path: Path) ->
     assert sampler._lean() is None and sampler.lean_reason is not None and "rope" in sampler.lean_reason
     res = sampler.generate([SampleRequest(None, [5, 9, 14], SamplingParams(max_tokens=4, temperature=0.0))])
     assert len(_ok(res[0]).sequences[0].tokens) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_lean_on_a_bf16_base_matches_the_trainer(family: str, tmp_path: Path) -> None:
+    """bf16 base weights: the lean path's q/k norms and Gemma's fp32-scaled norms in bf16; its
+    sampled logprobs against the trainer's within the bf16 bounds (tests/tolerances.py)."""
+    base = load_base_model(family_model(tmp_path, family), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in base.model.parameters():
+            if p.dim() == 1:
+                p.add_((torch.randn(p.shape, generator=g) * 0.3).to(p.dtype))
+    engine = Engine(base, max_rank=8)
+    aid = engine.create_adapter(LoRAConfig(rank=4, seed=0))
+    with torch.no_grad():
+        for t in engine.adapter_weights(aid).b.values():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    sampler = NativeBackend(engine)
+    assert sampler.lean_reason is None
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=0, stop=[])
+    prompts = _prompts(engine, [4, 9], seed=6)
+    reqs = [SampleRequest(p, prompts[i % 2], params, num_samples=2) for i, p in enumerate([aid, None])]
+    d = _agreement(engine, sampler, reqs)
+    assert_logprobs_close(d, torch.zeros_like(d), atol=BF16_LOGPROB_ATOL)
+    assert_mean_abs_close(d, BF16_LOGPROB_MEAN)
