@@ -219,7 +219,9 @@ class LeanCache:
             return self._zero
         rows = self.valid.shape[0]
         visible = self.valid[:, :end]
-        if window is not None and windowed:  # the query is its row's last real column: count real columns back from it
+        if (
+            window is not None and windowed
+        ):  # the query is its row's last real column: count real columns back from it
             visible = visible & (visible.flip(1).cumsum(1).flip(1) <= window)
         bias = torch.zeros(rows, end, dtype=self.kv.dtype, device=self.kv.device)
         bias.masked_fill_(~visible, float("-inf"))
