@@ -230,19 +230,22 @@ def test_lean_on_a_bf16_base_matches_the_trainer(family: str, tmp_path: Path) ->
     assert_mean_abs_close(d, BF16_LOGPROB_MEAN)
 
 
-def test_lean_prefix_cache_reuse_equals_a_fresh_prefill(
-    engine_and_policies: tuple[Engine, list[str | None]],
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf"])
+def test_prefix_cache_reuse_beside_a_longer_prompt_equals_a_fresh_prefill(
+    engine_and_policies: tuple[Engine, list[str | None]], lean: bool
 ) -> None:
     """A conversation's next turn starts from its cached keys and values, in a batch beside a longer
-    new prompt: its few new tokens are left-padded after the cached prefix, so padding columns sit
-    between the two (a window counts positions, not columns). Equal to prefilling it whole."""
+    new prompt, so its few new tokens would be left-padded after the cached prefix: the lean path
+    counts a window in positions, the HF path (whose mask counts columns) prefills such rows in
+    groups of one length. Either way equal to prefilling it whole."""
     engine, policies = engine_and_policies
     a = policies[0]
-    cached, fresh = NativeBackend(engine), NativeBackend(engine, prefix_cache_bytes=0)
+    cached = NativeBackend(engine, lean_decode=lean)
+    fresh = NativeBackend(engine, lean_decode=lean, prefix_cache_bytes=0)
     first, other = _prompts(engine, [6, 13], seed=7)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, stop=[])
     turn1 = _ok(cached.generate([SampleRequest(a, first, greedy)])[0]).sequences[0].tokens
     reqs = [SampleRequest(a, first + turn1 + [21, 22], greedy), SampleRequest(policies[1], other, greedy)]
     got = [_ok(r) for r in cached.generate(reqs)]
-    assert got[0].prompt_cache_hit_tokens > 0 and cached.lean_reason is None
+    assert got[0].prompt_cache_hit_tokens > 0 and (cached._lean() is not None) == lean
     _assert_same(got, [_ok(r) for r in fresh.generate(reqs)])

@@ -41,6 +41,7 @@ from opentinker.sampling.hf_cache import (
     RECURRENT_KINDS,
     RowState,
     is_recurrent,
+    is_windowed,
     load_states,
     merge_caches,
     new_cache,
@@ -172,6 +173,12 @@ class HFForward:
     prefilled in groups of equal length, each group alone, and the groups joined like a running
     batch's newcomers (:meth:`merge`). A row's state then never sees a padded position, whatever
     HF does with them.
+
+    **Sliding windows.** HF's window mask counts a key's distance in cache columns. A prefill that
+    starts from a cached or shared prefix left-pads the new tokens *after* it, so a shorter row
+    would have padding columns between its prefix and its new tokens, and its window would
+    reach fewer positions than the model's. On a model with a window such a prefill also runs in
+    groups of one length (no padding after the prefix; padding before it is harmless).
     """
 
     def __init__(self, engine: Engine, cache_kw: str, prefixes: list[RowState | None] | None = None) -> None:
@@ -180,6 +187,7 @@ class HFForward:
         self.model = engine.base.model
         self.cache_kw = cache_kw
         self.recurrent = is_recurrent(self.model)
+        self.windowed = is_windowed(self.model)
         self.cache = new_cache(self.model)
         self.mask = torch.zeros(0)
         self.prefixes = prefixes
@@ -215,7 +223,10 @@ class HFForward:
                 )
             start = (cache, n)
         lens = mask.sum(1)
-        if not self.recurrent or bool((lens == lens[0]).all()):
+        gaps = self.windowed and (
+            start is not None or (self.prefixes is not None and any(p is not None for p in self.prefixes))
+        )
+        if not (self.recurrent or gaps) or bool((lens == lens[0]).all()):
             return self._prefill(ids, mask, pos, want_prompt, plan, start, self.prefixes)
         return self._prefill_by_length(ids, mask, pos, want_prompt, plan, start, lens)
 
