@@ -34,7 +34,7 @@ TEST_DEVICE = os.environ.get("OPENTINKER_TEST_DEVICE", "cpu")
 
 def other_family_model(folder: Path, family: str) -> str:
     """A random 2-layer ``qwen2`` or ``gpt2`` model with the tiny model's tokenizer, saved to
-    ``folder`` (what ``load_base_model`` takes): families off the lean Llama path."""
+    ``folder`` (what ``load_base_model`` takes): families with biases (Qwen2) or learned positions (GPT-2)."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from opentinker.models.registry import tiny_model_dir

@@ -1,4 +1,4 @@
-"""The lean Llama forward of the sampler (``sampling/llama_decode.py``) against the HF forward.
+"""The lean forward of the sampler (``sampling/lean_model.py``) on the tiny Llama against the HF forward.
 
 Same batches through ``NativeBackend(engine)`` (lean prefill + decode: fused weights, static KV
 cache, fused multi-LoRA) and ``NativeBackend(engine, lean_decode=False)`` (the HF module tree with
@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.lora import LoRABatch, LoRAConfig, MultiLoRA
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling import native as native_mod
-from opentinker.sampling.llama_decode import FUSED, LeanLoRA, _plus_lora, lean_llama, unsupported_reason
+from opentinker.sampling.lean_lora import FUSED, LeanLoRA, _plus_lora
+from opentinker.sampling.lean_model import lean_model, unsupported_reason
 from opentinker.sampling.types import SampleResult
 from tests.conftest import make_examples
 from tests.tolerances import assert_greedy_equal, assert_logprobs_close, assert_rel_close
@@ -221,8 +229,8 @@ def test_fused_lora_terms_equal_the_per_projection_deltas(engine: Engine, polici
 
 def test_only_supported_models_take_the_lean_path(engine: Engine) -> None:
     model, groups = engine.base.model, engine.lora.groups
-    lean = lean_llama(model, groups)
-    assert lean is not None and lean_llama(model, groups) is lean  # built once per model
+    lean = lean_model(model, groups)
+    assert lean is not None and lean_model(model, groups) is lean  # built once per model
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
 
     def shares(fused: torch.Tensor, *weights: torch.Tensor) -> bool:  # views of the fused rows, in order
@@ -234,8 +242,8 @@ def test_only_supported_models_take_the_lean_path(engine: Engine) -> None:
     assert shares(lean.layers[0].w_gu, mlp.gate_proj.weight, mlp.up_proj.weight)  # no extra memory
     with torch.no_grad():  # a base weight written in place: the fused weights are rebuilt
         attn.k_proj.weight.mul_(1.0)
-    rebuilt = lean_llama(model, groups)
-    assert rebuilt is not None and rebuilt is not lean and lean_llama(model, groups) is rebuilt
+    rebuilt = lean_model(model, groups)
+    assert rebuilt is not None and rebuilt is not lean and lean_model(model, groups) is rebuilt
     assert shares(rebuilt.layers[0].w_qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     small = dict(
         hidden_size=32,
@@ -246,13 +254,15 @@ def test_only_supported_models_take_the_lean_path(engine: Engine) -> None:
         vocab_size=97,
     )
     torch.manual_seed(0)
-    qwen = Qwen2ForCausalLM(Qwen2Config(**small))
-    assert lean_llama(qwen, MultiLoRA(qwen).groups) is None
-    scaled = LlamaForCausalLM(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}, **small))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=97))
+    assert lean_model(gpt2, MultiLoRA(gpt2).groups) is None
+    assert "gpt2" in str(unsupported_reason(gpt2, MultiLoRA(gpt2).groups))
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    scaled = LlamaForCausalLM(LlamaConfig(rope_parameters=dynamic, **small))
     reason = unsupported_reason(scaled, MultiLoRA(scaled).groups)
     assert reason is not None and "rope" in reason
-    plain = LlamaForCausalLM(LlamaConfig(**small))
-    assert unsupported_reason(plain, MultiLoRA(plain).groups) is None
+    for plain in (LlamaForCausalLM(LlamaConfig(**small)), Qwen2ForCausalLM(Qwen2Config(**small))):
+        assert unsupported_reason(plain, MultiLoRA(plain).groups) is None
 
 
 def test_lean_reuses_stacked_adapters_until_their_weights_change(

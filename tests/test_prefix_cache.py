@@ -84,8 +84,8 @@ def test_next_turns_reuse_the_conversation(engine: Engine, policies: list[str | 
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt2"])
 def test_other_families_reuse_through_the_hf_forward(tmp_path, family: str, device: torch.device) -> None:
-    """Models off the lean path (Qwen2's biases, GPT-2's learned positions) cache prefixes in the
-    HF ``DynamicCache``: two later turns of three conversations (two adapters, the base) equal a
+    """The HF path (GPT-2's learned positions are off the lean path; Qwen2's biases taken through
+    HF's forward here too) caches prefixes in the HF ``DynamicCache``: two later turns of three conversations (two adapters, the base) equal a
     backend without the cache."""
     engine = Engine(load_base_model(other_family_model(tmp_path, family), device=device))
     pols: list[str | None] = [engine.create_adapter(LoRAConfig(rank=4, seed=s)) for s in (0, 1)] + [None]
@@ -93,7 +93,8 @@ def test_other_families_reuse_through_the_hf_forward(tmp_path, family: str, devi
         with torch.no_grad():
             for t in engine.adapter_weights(aid).b.values():
                 t.normal_(std=0.05)
-    cached, plain = NativeBackend(engine), NativeBackend(engine, prefix_cache_bytes=0)
+    cached = NativeBackend(engine, lean_decode=False)
+    plain = NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0)
     assert cached._lean() is None
     prompts = [list(range(10 + 3 * i, 25 + 4 * i)) for i in range(3)]
     for turn in range(3):

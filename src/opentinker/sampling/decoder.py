@@ -53,7 +53,7 @@ from opentinker.sampling.forward import (
 )
 from opentinker.sampling.hf_cache import RowState
 from opentinker.sampling.kv_cache import fill_holes
-from opentinker.sampling.llama_decode import LlamaLean
+from opentinker.sampling.lean_model import LeanModel
 from opentinker.sampling.prefix_cache import PrefixCache, PrefixHit
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
 from opentinker.sampling.vision import cache_tokens, inside_image, vision_rows
@@ -117,7 +117,7 @@ class StepDecoder:
         validate: Callable[[SampleRequest], None],
         prefix_cache: PrefixCache,
         loras: LoRACache,
-        lean: LlamaLean | None,
+        lean: LeanModel | None,
         share_prefix: bool,
         eos_ids: set[int],
         cache_kw: str,

@@ -3,8 +3,9 @@ drop finished rows, and merge a newly prefilled group into the running batch.
 
 Two implementations of one :class:`Forward` contract:
 
-* :class:`LeanForward`: :class:`~opentinker.sampling.llama_decode.LlamaLean` over a static
-  :class:`~opentinker.sampling.kv_cache.LeanCache` (Llama-family models);
+* :class:`LeanForward`: :class:`~opentinker.sampling.lean_model.LeanModel` over a static
+  :class:`~opentinker.sampling.kv_cache.LeanCache` (the families it covers: Llama, Mistral,
+  Qwen2, Qwen3, Gemma 3);
 * :class:`HFForward`: the model's own HF forward over a ``DynamicCache``, LoRA through the
   engine's routing (every other family).
 
@@ -40,6 +41,7 @@ from opentinker.sampling.hf_cache import (
     RECURRENT_KINDS,
     RowState,
     is_recurrent,
+    is_windowed,
     load_states,
     merge_caches,
     new_cache,
@@ -47,7 +49,8 @@ from opentinker.sampling.hf_cache import (
     select_rows,
 )
 from opentinker.sampling.kv_cache import LeanCache
-from opentinker.sampling.llama_decode import LeanLoRA, LlamaLean
+from opentinker.sampling.lean_lora import LeanLoRA
+from opentinker.sampling.lean_model import LeanModel
 from opentinker.sampling.prefix_cache import Prefix
 from opentinker.sampling.vision import VisionRows, step_positions
 
@@ -171,6 +174,12 @@ class HFForward:
     prefilled in groups of equal length, each group alone, and the groups joined like a running
     batch's newcomers (:meth:`merge`). A row's state then never sees a padded position, whatever
     HF does with them.
+
+    **Sliding windows.** HF's window mask counts a key's distance in cache columns. A prefill that
+    starts from a cached or shared prefix left-pads the new tokens *after* it, so a shorter row
+    would have padding columns between its prefix and its new tokens, and its window would
+    reach fewer positions than the model's. On a model with a window such a prefill also runs in
+    groups of one length (no padding after the prefix; padding before it is harmless).
     """
 
     def __init__(self, engine: Engine, cache_kw: str, prefixes: list[RowState | None] | None = None) -> None:
@@ -179,6 +188,7 @@ class HFForward:
         self.model = engine.base.model
         self.cache_kw = cache_kw
         self.recurrent = is_recurrent(self.model)
+        self.windowed = is_windowed(self.model)
         self.cache = new_cache(self.model)
         self.mask = torch.zeros(0)
         self.prefixes = prefixes
@@ -217,7 +227,10 @@ class HFForward:
                 )
             start = (cache, n)
         lens = mask.sum(1)
-        if not self.recurrent or bool((lens == lens[0]).all()):
+        gaps = self.windowed and (
+            start is not None or (self.prefixes is not None and any(p is not None for p in self.prefixes))
+        )
+        if not (self.recurrent or gaps) or bool((lens == lens[0]).all()):
             return self._prefill(ids, mask, pos, want_prompt, plan, start, self.prefixes, self.vision)
         return self._prefill_by_length(ids, mask, pos, want_prompt, plan, start, lens)
 
@@ -331,7 +344,7 @@ def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class LeanForward:
-    """:class:`LlamaLean` over a static :class:`LeanCache` (``prompt_cols`` prompt columns, up to
+    """:class:`LeanModel` over a static :class:`LeanCache` (``prompt_cols`` prompt columns, up to
     ``decode_cols`` decode columns, ``first_cols`` of them allocated at first, then doubled as
     needed). Runs in inference mode (less bookkeeping per op than ``no_grad``); the logits it
     returns are inference tensors."""
@@ -339,7 +352,7 @@ class LeanForward:
     def __init__(
         self,
         engine: Engine,
-        lean: LlamaLean,
+        lean: LeanModel,
         prompt_cols: int,
         decode_cols: int,
         loras: LoRACache,

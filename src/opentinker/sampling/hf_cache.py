@@ -61,6 +61,17 @@ def is_recurrent(model: Any) -> bool:
     return any(k in RECURRENT_KINDS for k in layer_kinds(model))
 
 
+def is_windowed(model: Any) -> bool:
+    """Whether some attention layer of ``model`` has a sliding window (or chunks): HF's mask then
+    counts a key's distance to the query in cache columns, so a row's columns must be contiguous."""
+    config: Any = model.config
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = set(layer_kinds(model))
+    return bool(kinds & {"sliding_attention", "chunked_attention"}) or (
+        getattr(config, "sliding_window", None) is not None
+    )
+
+
 def new_cache(model: Any) -> DynamicCache:
     """An empty cache for ``model``: HF's lazy all-attention one, or one layer per kind when some
     layer is recurrent (every attention kind as a plain ``DynamicLayer``: its window is the

@@ -208,25 +208,42 @@ class LeanCache:
         self._bind()
         self.padded = not bool(self.valid[:, : self.length].all())
 
-    def decode_bias(self, n_kv: int) -> torch.Tensor:
+    def decode_bias(self, n_kv: int, window: int | None = None) -> torch.Tensor:
         """Additive attention bias of one query per row over the written columns, per (row, kv
-        head): [rows·kv_heads, 1, length] with -inf on padding (a [1, 1, 1] zero without any)."""
-        if not self.padded:
+        head): [rows·kv_heads, 1, length] with -inf on padding and, with a sliding ``window``, on
+        the real columns more than ``window - 1`` positions before the query (a [1, 1, 1] zero
+        where nothing is masked)."""
+        end = self.length
+        windowed = window is not None and end > window
+        if not self.padded and not windowed:
             return self._zero
-        rows, end = self.valid.shape[0], self.length
+        rows = self.valid.shape[0]
+        visible = self.valid[:, :end]
+        if (
+            window is not None and windowed
+        ):  # the query is its row's last real column: count real columns back from it
+            visible = visible & (visible.flip(1).cumsum(1).flip(1) <= window)
         bias = torch.zeros(rows, end, dtype=self.kv.dtype, device=self.kv.device)
-        bias.masked_fill_(~self.valid[:, :end], float("-inf"))
+        bias.masked_fill_(~visible, float("-inf"))
         return bias[:, None, None, :].expand(rows, n_kv, 1, end).reshape(rows * n_kv, 1, end)
 
-    def attention_mask(self, c0: int, t: int) -> tuple[torch.Tensor | None, bool]:
-        """(boolean mask [rows, 1, t, c0 + t] or None, is_causal) for ``t`` > 1 queries after column ``c0``
-        (call after :meth:`append`). A padding query attends at least to itself, so no row of the
-        mask is empty; real queries never see padding."""
+    def attention_mask(self, c0: int, t: int, window: int | None = None) -> tuple[torch.Tensor | None, bool]:
+        """(boolean mask [rows, 1, t, c0 + t] or None, is_causal) for ``t`` > 1 queries after column
+        ``c0`` (call after :meth:`append`); with a sliding ``window``, a query sees the real
+        columns less than ``window`` positions before it (a column's position: the real columns
+        up to it in its row, minus one). A padding query attends at least to itself, so no row of
+        the mask is empty; real queries never see padding."""
         end = c0 + t
-        if not self.padded and c0 == 0:
+        windowed = window is not None and end > window
+        if not self.padded and c0 == 0 and not windowed:
             return None, True
         dev = self.valid.device
         qpos = torch.arange(c0, end, device=dev)[:, None]
         kpos = torch.arange(end, device=dev)[None]
-        mask = (self.valid[:, None, None, :end] & (kpos <= qpos)) | (kpos == qpos)
-        return mask, False
+        valid = self.valid[:, None, None, :end]
+        mask = valid & (kpos <= qpos)
+        if window is not None and windowed:
+            real = self.valid[:, :end].cumsum(1) - 1  # each column's position in its row
+            near = real[:, c0:end, None] - real[:, None, :] < window  # [rows, t, end]
+            mask = mask & near[:, None]
+        return mask | (kpos == qpos), False

@@ -11,6 +11,7 @@ continuously, admitting requests into the running batch between decode steps
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Hashable
 
 import torch
@@ -27,11 +28,13 @@ from opentinker.sampling.decoder import (
     run_to_completion,
 )
 from opentinker.sampling.forward import LoRACache, unsupported_cache_reason
-from opentinker.sampling.llama_decode import LlamaLean, lean_llama
+from opentinker.sampling.lean_model import LeanModel, lean_model, unsupported_reason
 from opentinker.sampling.prefix_cache import PrefixCache
 from opentinker.sampling.types import SampleRequest, SampleResult
 
 __all__ = ["MIN_SHARED_PREFIX", "NativeBackend", "common_prompt_prefix"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX_CACHE_BYTES = 512 << 20  # keys and values of finished sequences kept for their next turn
 LEAN_FIRST_DECODE_COLUMNS = 256  # static KV cache columns allocated for decode at first (then doubled)
@@ -46,9 +49,10 @@ class NativeBackend(RolloutBackend):
         lean_decode: bool = True,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
-        """``lean_decode``: run prefill and decode steps of Llama-family models through
-        :class:`~opentinker.sampling.llama_decode.LlamaLean` (fused weights, static KV cache) instead
-        of the HF module tree; other models always take the HF forward. ``prefix_cache_bytes``:
+        """``lean_decode``: run prefill and decode steps through
+        :class:`~opentinker.sampling.lean_model.LeanModel` (fused weights, static KV cache) instead
+        of the HF module tree where it covers the model; other models always take the HF forward,
+        and :attr:`lean_reason` says why (logged). ``prefix_cache_bytes``:
         the budget of the :class:`~opentinker.sampling.prefix_cache.PrefixCache` that lets a
         prompt continuing a finished sequence (the next turn of a conversation) skip prefilling
         it (0 = off)."""
@@ -63,6 +67,12 @@ class NativeBackend(RolloutBackend):
         params = inspect.signature(engine.base.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._unsupported = unsupported_cache_reason(engine.base.model)
+        # why this backend decodes through HF's forward, not the lean one (None: it does not)
+        self.lean_reason: str | None = "lean_decode=False"
+        if lean_decode:
+            self.lean_reason = unsupported_reason(engine.base.model, engine.lora.groups)
+            if self.lean_reason is not None:
+                log.info("native sampler: HF forward, no lean decode path: %s", self.lean_reason)
 
     # ---------------------------------------------------------------- policies
     def publish(self, policy_id: str, weights: LoRAWeights) -> None:
@@ -120,10 +130,10 @@ class NativeBackend(RolloutBackend):
             snapshots_only=snapshots_only,
         )
 
-    def _lean(self) -> LlamaLean | None:
+    def _lean(self) -> LeanModel | None:
         if not self.lean_decode:
             return None
-        return lean_llama(self.engine.base.model, self.engine.lora.groups)
+        return lean_model(self.engine.base.model, self.engine.lora.groups)
 
 
 def _eos_ids(engine: Engine) -> set[int]:
