@@ -79,7 +79,9 @@ class ScaleOut:
         self.trainer_workers = trainer_workers
         self.trainer_options = dict(trainer_options or {})
         # every new model's data-parallel degree unless it asks for its own; checked before Ray starts
+        self.shard_base = 1
         self.data_parallel = self.data_parallel_degree(self.trainer_options.pop("data_parallel", 1))
+        self.shard_base = self._shard_base(self.trainer_options.pop("shard_base", 1))
         self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
         self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
         self.worker_startup_timeout = worker_startup_timeout
@@ -138,6 +140,22 @@ class ScaleOut:
 
         check_start(self.start_asks(rollout_workers, base_models))
 
+    def _shard_base(self, value: Any) -> int:
+        """The size of the sharded groups (``trainer_options["shard_base"]``, ``--shard-base``),
+        checked before Ray starts (its fit to the model's layers: when the pool starts)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"shard_base must be an integer >= 1, got {value!r}")
+        if value > 1 and not self.trainer_workers:
+            raise ValueError("shard_base shards the base over trainer workers: serve with --ray --trainer-workers N")
+        if value > 1 and self.trainer_workers % value:
+            raise ValueError(
+                f"shard_base {value} must divide the trainer workers ({self.trainer_workers}): "
+                f"each sharded group is {value} workers"
+            )
+        if value > 1 and self.data_parallel > 1:
+            raise ValueError("data parallelism over sharded groups is not served: give shard_base or data_parallel")
+        return value
+
     def data_parallel_degree(self, value: Any) -> int:
         """The data-parallel degree ``value`` asks for (an integer, or its text as ``user_metadata``
         carries it), checked against the trainer workers; ``ValueError`` naming the problem."""
@@ -154,6 +172,8 @@ class ScaleOut:
                 f"data_parallel {degree} is above the number of trainer workers ({self.trainer_workers})"
                 + ("" if self.trainer_workers else "; serve with --ray --trainer-workers N")
             )
+        if degree > 1 and self.shard_base > 1:
+            raise ValueError("data parallelism over sharded groups (shard_base) is not served")
         return degree
 
     def create_adapter(self, eng: Trainer, config: LoRAConfig, model_id: str, degree: int) -> None:
@@ -347,6 +367,7 @@ class ScaleOut:
             max_rank=max_rank,
             placement_timeout=self.placement_timeout,
             startup_timeout=self.worker_startup_timeout,
+            shard_base=self.shard_base,
         )
         router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
         router.on_worker_lost = lambda slot, lost: self.worker_lost(

@@ -61,6 +61,7 @@ class ServerConfig:
     # every new model data-parallel over this many trainer workers (a model's user_metadata
     # {"data_parallel": "k"} overrides it)
     data_parallel: int = 1
+    shard_base: int = 1  # trainer workers per sharded group: one FSDP-sharded copy of the base each
     trainer_cpus: float = 1.0
     trainer_gpus: float = 0.0
     auto_restore: bool = False

@@ -236,6 +236,14 @@ def _add_ray_args(p: argparse.ArgumentParser) -> None:
         '{"data_parallel": "k"} overrides it',
     )
     p.add_argument(
+        "--shard-base",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="shard each base model over groups of K trainer workers with FSDP2 (K divides "
+        "--trainer-workers; every worker of a group holds every adapter of it; default 1)",
+    )
+    p.add_argument(
         "--trainer-cpus", type=_non_negative_float, default=1.0, help="CPUs of each trainer worker (Ray)"
     )
     p.add_argument(
@@ -281,6 +289,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         vllm_max_lora_rank=args.vllm_max_lora_rank,
         trainer_workers=args.trainer_workers,
         data_parallel=args.data_parallel,
+        shard_base=args.shard_base,
         trainer_cpus=args.trainer_cpus,
         trainer_gpus=args.trainer_gpus,
         auto_restore=args.auto_restore,

@@ -56,6 +56,7 @@ class Server:
                 "worker_cpus": config.trainer_cpus,
                 "worker_gpus": config.trainer_gpus,
                 "data_parallel": config.data_parallel,
+                "shard_base": config.shard_base,
             },
             auto_restore=config.auto_restore,
         )
