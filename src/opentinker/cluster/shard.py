@@ -138,6 +138,24 @@ def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult
     return ForwardResult(outputs, metrics)
 
 
+def gather_seconds(model: Any, repeats: int) -> float:
+    """Seconds one pass of all-gathers takes (every decoder layer, then the root, each unsharded
+    and resharded: what a forward does; a backward gathers every layer once more), the median
+    of ``repeats``. Every member of the group must call it at once (benchmarks read it)."""
+    import statistics
+    import time
+
+    units = [*decoder_layers(model), model]
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        for unit in units:
+            unit.unshard()
+            unit.reshard()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def split_rows(reqs: list[ForwardRequest], k: int) -> list[list[tuple[int, ForwardRequest]]]:
     """Each worker's share of a tick: the rows in order, cut into ``k`` contiguous pieces as even
     as possible, each piece as the requests it touches (request index, the request with those

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opentinker.cluster.shard import MIRRORED, ShardedEngine, check_shardable, shard_model
+from opentinker.cluster.shard import MIRRORED, ShardedEngine, check_shardable, gather_seconds, shard_model
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
 from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
 from opentinker.lora import LoRAConfig, LoRAWeights
@@ -417,6 +417,11 @@ class TrainerWorker:
             raise EngineError(f"a sharded group's member does not run Engine.{method}")
         out = self._call("", lambda eng: getattr(eng, method)(*args, **kwargs))
         return None if method != "optim_step_many" else out
+
+    def shard_gather_seconds(self, repeats: int) -> float:
+        """One pass of the group's all-gathers, timed (:func:`~opentinker.cluster.shard.gather_seconds`;
+        every member at once)."""
+        return self._call("", lambda eng: gather_seconds(eng.base.model, repeats))
 
     def rss_bytes(self) -> dict[str, int]:
         """This process's resident memory now and at its peak (bytes; benchmarks read it)."""
