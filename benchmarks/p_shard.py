@@ -110,8 +110,8 @@ def step_ratio(plain: Driver, sharded: Driver, examples: list[Example], repeats:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--ratio-k", type=int, default=2)
+    ap.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4])
+    ap.add_argument("--ratio-k", type=int, default=2, help="the step-time ratio's K (0: no ratio)")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
@@ -127,6 +127,8 @@ def main() -> None:
             out["memory"][k] = memory(d, examples)
             print(f"K={k}: {json.dumps(out['memory'][k])}", flush=True)
             d.pool.shutdown()
+        if not args.ratio_k:
+            return
         share = args.cpus / (1 + args.ratio_k)
         plain, sharded = start(args.model, 1, share), start(args.model, args.ratio_k, share)
         examples = data(plain.pool.limits["vocab_size"], args.rows, args.seq)
@@ -134,8 +136,8 @@ def main() -> None:
         print(f"K=1 vs K={args.ratio_k}: {json.dumps(out['step'])}", flush=True)
     finally:
         ray.shutdown()
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=1))
+        if args.json is not None:
+            args.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.lora import LoRAConfig
-from tests.conftest import TEST_MODEL, make_examples
+from tests.conftest import TEST_DEVICE, TEST_MODEL, make_examples
 from tests.tolerances import (
     REL,
     TRAJECTORY_REL,
@@ -41,6 +41,8 @@ pytestmark = pytest.mark.slow  # Ray, two workers forming a group: ~1 min here
 CONFIG = LoRAConfig(rank=4, seed=7)
 ADAM = AdamParams(learning_rate=1e-2)
 WAIT = 300
+# on a GPU (the device check, OPENTINKER_TEST_DEVICE=cuda) each member has its own, over NCCL
+GPUS = 1.0 if TEST_DEVICE.startswith("cuda") else 0.0
 
 
 class Group:
@@ -63,7 +65,8 @@ class Group:
 @pytest.fixture(scope="module")
 def pool():
     ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
-    p = TrainerPool(TEST_MODEL, workers=2, worker_cpus=0.5, shard_base=2)
+    device = "cuda" if GPUS else None
+    p = TrainerPool(TEST_MODEL, workers=2, worker_cpus=0.5, worker_gpus=GPUS, device=device, shard_base=2)
     yield p
     p.shutdown()
     ray.shutdown()
@@ -76,7 +79,7 @@ def _grads(eng_or_group: object, model: str) -> dict[str, torch.Tensor]:
         assert isinstance(eng_or_group, Group)
         g = eng_or_group.call(model, "pending_gradients", model)
     assert isinstance(g, dict)
-    return {k: v.detach().clone() for k, v in g.items()}
+    return {k: v.detach().cpu().clone() for k, v in g.items()}
 
 
 def test_rows_split_evenly_and_in_order() -> None:

@@ -11,6 +11,8 @@ divide the trainer workers stops ``serve`` before Ray starts, naming both.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -100,3 +102,15 @@ def test_a_shard_base_that_does_not_divide_the_workers_stops_serve(
     assert ray.is_initialized() == was_up  # refused before any Ray instance started
     with pytest.raises(ValueError, match=r"shard_base shards the base over trainer workers"):
         Runtime(tmp_path, trainer_options={"shard_base": 2})
+
+
+def test_sharded_groups_the_cluster_cannot_place_stop_serve_at_once(tmp_path: Path) -> None:
+    from ray._private.utils import get_num_cpus  # what a Ray instance started here will have
+
+    n = get_num_cpus()
+    cmd = [sys.executable, "-m", "opentinker.server", "--base-model", TEST_MODEL, "--dev", "--ray"]
+    cmd += ["--trainer-workers", str(2 * n), "--shard-base", "2", "--data-dir", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT, check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    want = f"{2 * n} trainer workers × 1 CPU = {2 * n} CPUs asked, but the cluster has {n} CPUs free"
+    assert want in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
