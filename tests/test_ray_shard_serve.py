@@ -102,6 +102,9 @@ def test_a_shard_base_that_does_not_divide_the_workers_stops_serve(
     assert ray.is_initialized() == was_up  # refused before any Ray instance started
     with pytest.raises(ValueError, match=r"shard_base shards the base over trainer workers"):
         Runtime(tmp_path, trainer_options={"shard_base": 2})
+    with pytest.raises(ValueError, match=r"data parallelism over sharded groups is not served"):
+        Runtime(tmp_path, trainer_workers=2, trainer_options={"shard_base": 2, "data_parallel": 2})
+    assert ray.is_initialized() == was_up
 
 
 def test_sharded_groups_the_cluster_cannot_place_stop_serve_at_once(tmp_path: Path) -> None:

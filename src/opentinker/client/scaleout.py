@@ -146,14 +146,18 @@ class ScaleOut:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"shard_base must be an integer >= 1, got {value!r}")
         if value > 1 and not self.trainer_workers:
-            raise ValueError("shard_base shards the base over trainer workers: serve with --ray --trainer-workers N")
+            raise ValueError(
+                "shard_base shards the base over trainer workers: serve with --ray --trainer-workers N"
+            )
         if value > 1 and self.trainer_workers % value:
             raise ValueError(
                 f"shard_base {value} must divide the trainer workers ({self.trainer_workers}): "
                 f"each sharded group is {value} workers"
             )
         if value > 1 and self.data_parallel > 1:
-            raise ValueError("data parallelism over sharded groups is not served: give shard_base or data_parallel")
+            raise ValueError(
+                "data parallelism over sharded groups is not served: give shard_base or data_parallel"
+            )
         return value
 
     def data_parallel_degree(self, value: Any) -> int:

@@ -138,6 +138,21 @@ def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult
     return ForwardResult(outputs, metrics)
 
 
+def release_host_memory() -> None:
+    """Hand the whole base's freed host memory back to the system after sharding (glibc keeps
+    freed heap pages otherwise, and the process's resident memory would not show the shard)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is not None:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):  # glibc's; other C libraries return memory themselves
+            libc.malloc_trim(0)
+
+
 def gather_seconds(model: Any, repeats: int) -> float:
     """Seconds one pass of all-gathers takes (every decoder layer, then the root, each unsharded
     and resharded: what a forward does; a backward gathers every layer once more), the median

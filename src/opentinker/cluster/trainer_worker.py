@@ -29,7 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opentinker.cluster.shard import MIRRORED, ShardedEngine, check_shardable, gather_seconds, shard_model
+from opentinker.cluster.shard import (
+    MIRRORED,
+    ShardedEngine,
+    check_shardable,
+    gather_seconds,
+    release_host_memory,
+    shard_model,
+)
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
 from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
 from opentinker.lora import LoRAConfig, LoRAWeights
@@ -67,8 +74,9 @@ class TrainerWorker:
         torch.set_num_threads(max(1, threads))
         self.worker_id = worker_id
         self.device = device
-        base = load_base_model(base_model, dtype=dtype, device=device)
-        # a sharded group's worker: its base is sharded once the group forms (shard_join)
+        # a sharded group's worker loads its base on the host and keeps only its shard on the
+        # device, moved there when the group forms (shard_join: FSDP moves shards to the mesh's device)
+        base = load_base_model(base_model, dtype=dtype, device="cpu" if shard_base > 1 else device)
         self.engine = (ShardedEngine if shard_base > 1 else Engine)(base, max_rank=max_rank, device=device)
         # sampling is the rollout workers' job; the scheduler's own sampler is never asked here
         self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
@@ -402,6 +410,7 @@ class TrainerWorker:
         backend = "nccl" if torch.device(self.device).type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         shard_model(eng.base.model, world, self.device)
+        release_host_memory()
         eng.join(rank, world, group, worker_ids, followers)
 
     def shard_forward(self, share: list[ForwardRequest], tick: list[str], need_grad: bool) -> list[Any]:
