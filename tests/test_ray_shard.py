@@ -3,8 +3,10 @@ workers with FSDP2 (gloo), every adapter replicated on both, a tick's rows split
 the LoRA gradients summed over the group before they are accumulated.
 
 The reference is a plain in-process :class:`~opentinker.engine.Engine` holding the whole base:
-each worker's base share must be about half of it, and losses, logprobs, gradients and weights
-after 3 steps must equal the reference's within fp32 tolerance (rows summed in another order);
+each worker's base share must be about half of it, and over 3 steps losses, logprobs, gradients
+and weights must equal the reference's within tests/tolerances.py's bounds: fp32 ones on the
+first step (rows summed in another order), AdamW-trajectory ones after it (weights, and what
+they compute, drift apart by rounding that AdamW's division by |g| amplifies);
 a tick mixing adapters (and a forward-only policy, and one row fewer than the group has workers)
 must equal each request run alone; a checkpoint saved on the group loads on an unsharded engine,
 and the reverse, with equal logprobs. Without the gradient all-reduce each worker would step on
@@ -23,7 +25,9 @@ from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.lora import LoRAConfig
 from tests.conftest import TEST_DEVICE, TEST_MODEL, make_examples
 from tests.tolerances import (
+    LOGPROB_ATOL,
     REL,
+    TRAJECTORY_LOGIT_ATOL,
     TRAJECTORY_REL,
     assert_logprobs_close,
     assert_rel_close,
@@ -39,7 +43,12 @@ from opentinker.cluster.trainer import ClusterConfigError, TrainerPool, check_sh
 pytestmark = pytest.mark.slow  # Ray, two workers forming a group: ~1 min here
 
 CONFIG = LoRAConfig(rank=4, seed=7)
-ADAM = AdamParams(learning_rate=1e-2)
+# eps above the gradients' rounding noise: with Tinker's 1e-12 a first step is sign(g), and on
+# SmolLM2 a few near-zero coordinates of the two paths' gradients take opposite signs (rounding),
+# 4.7e-3 apart in norm after one step; AdamW divides by |g| + eps, which amplifies the gradients'
+# rounding (within REL) on coordinates near eps: with eps 1e-4, 1.6e-4 after one step and 1.1e-3
+# after three on SmolLM2. With 1e-3 the step is smooth enough for the bounds below there too.
+ADAM = AdamParams(learning_rate=1e-2, eps=1e-3)
 WAIT = 300
 # on a GPU (the device check, OPENTINKER_TEST_DEVICE=cuda) each member has its own, over NCCL
 GPUS = 1.0 if TEST_DEVICE.startswith("cuda") else 0.0
@@ -116,12 +125,14 @@ def test_sharded_group_equals_one_unsharded_engine(pool: TrainerPool) -> None:
         ex = make_examples(7, vocab, seed=100 + step)
         got = g.op("m", "forward", ForwardRequest("m", ex))
         want = ref.forward_backward(ForwardRequest("m", ex))
-        assert_scalar_close(got.metrics["loss:sum"], want.metrics["loss:sum"])  # type: ignore[attr-defined]
+        # the first step on the same weights: fp32 bounds; after it the weights are AdamW steps apart
+        rel, atol = (REL, LOGPROB_ATOL) if step == 0 else (TRAJECTORY_REL, TRAJECTORY_LOGIT_ATOL)
+        assert_scalar_close(got.metrics["loss:sum"], want.metrics["loss:sum"], rel)  # type: ignore[attr-defined]
         for a, b in zip(got.outputs, want.outputs, strict=True):  # type: ignore[attr-defined]
-            assert_logprobs_close(a["logprobs"], b["logprobs"])
+            assert_logprobs_close(a["logprobs"], b["logprobs"], atol)
         gg, rg = _grads(g, "m"), _grads(ref, "m")
         for name in rg:
-            assert_rel_close(gg[name], rg[name])
+            assert_rel_close(gg[name], rg[name], rel)
         if step == 0:  # teeth: half the batch's gradient is far from the whole batch's
             half = Engine(TEST_MODEL)
             half.create_adapter(CONFIG, "m")
@@ -131,9 +142,7 @@ def test_sharded_group_equals_one_unsharded_engine(pool: TrainerPool) -> None:
         g.op("m", "optim", ADAM)
         ref.optim_step("m", ADAM)
         weights = g.call("m", "adapter_weights", "m").state_dict()  # type: ignore[attr-defined]
-        assert_state_close(
-            weights, ref.adapter_weights("m").state_dict(), REL if step == 0 else TRAJECTORY_REL
-        )
+        assert_state_close(weights, ref.adapter_weights("m").state_dict(), TRAJECTORY_REL)
     # both members stepped on the same summed gradients: the same weights, bit for bit
     other = ray.get(pool.members["trainer-0"][1].actor.adapter_state.remote("m"))
     assert all(torch.equal(other[n], weights[n]) for n in other)
