@@ -8,7 +8,10 @@ Run from the repository root (``--device cpu`` is a dry run of every path)::
    models on the test device (tests/conftest.py): invariants 1-6 and 9, multi-LoRA layers, the lean
    decoder, sampling, the prefix cache and shared-prefix training, at the fp32 tolerances of
    tests/tolerances.py (TF32 off).
-2. P1, P2, P3 (``benchmarks/p*.py --device --json``) in fp32, then in bf16 unless ``--no-bf16``, on
+2. The sharded base over NCCL (``tests/test_ray_shard.py`` with each member of a group of two
+   on its own GPU): run only where two GPUs are visible (NCCL refuses two ranks on one device),
+   else recorded as not run, with why. Not known to work until a run records it passing.
+3. P1, P2, P3 (``benchmarks/p*.py --device --json``) in fp32, then in bf16 unless ``--no-bf16``, on
    a random-weight Llama shaped like SmolLM2-135M (``--model`` to use another).
 
 Every step is recorded (its exit status, the end of its output, its results) in
@@ -61,6 +64,20 @@ def run(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, object
     return {"rc": rc, "seconds": round(time.perf_counter() - t, 1), "tail": str(out)[-3000:]}
 
 
+def shard_nccl(env: dict[str, str], args: argparse.Namespace) -> dict[str, object]:
+    """The sharded base (FSDP2) over NCCL: its Ray tests, each group member on its own GPU."""
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+    if gpus < 2:
+        return {"rc": None, "not_run": f"needs 2 GPUs, {gpus} visible (NCCL refuses two ranks on one device)"}
+    return run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "slow or not slow", "tests/test_ray_shard.py"],
+        env,
+        args.timeout,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -97,6 +114,8 @@ def main() -> None:
         res["skipped"] = sorted(k for k, v in status.items() if "skipped" in v)
         res["passed"] = sum(v == ["passed"] for v in status.values())
     report["tests"] = res
+    save()
+    report["shard_nccl"] = shard_nccl(env, args)
     save()
     if not args.no_bench:
         with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:

@@ -48,37 +48,11 @@ import contextlib
 import threading
 from typing import Any
 
+from opentinker.cluster.shard import merge_results, shard_sizes
 from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
 from opentinker.engine import AdamParams, EngineError, ForwardRequest, ForwardResult
 from opentinker.engine.validate import validate_request
 from opentinker.lora import LoRAConfig
-
-
-def shard_sizes(n: int, k: int) -> list[int]:
-    """Sizes of k contiguous shards of n datums, as even as possible (the first ones larger)."""
-    return [n // k + (1 if i < n % k else 0) for i in range(k)]
-
-
-def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult:
-    """The shards' results as one: outputs in order, ``:sum`` metrics summed, ``:mean`` ones
-    weighted by datums, ``:max``/``:min`` reduced, ``:unique`` ones taken from the first shard."""
-    outputs = [out for p in parts for out in p.outputs]
-    total = max(sum(sizes), 1)
-    metrics: dict[str, float] = {}
-    for key in dict.fromkeys(k for p in parts for k in p.metrics):
-        values = [(p.metrics[key], n) for p, n in zip(parts, sizes, strict=True) if key in p.metrics]
-        reduction = key.rpartition(":")[2]
-        if reduction == "mean":
-            metrics[key] = sum(v * n for v, n in values) / total
-        elif reduction == "max":
-            metrics[key] = max(v for v, _ in values)
-        elif reduction == "min":
-            metrics[key] = min(v for v, _ in values)
-        elif reduction == "unique":
-            metrics[key] = values[0][0]
-        else:  # sum, and what the engine sums (custom losses' metrics)
-            metrics[key] = sum(v for v, _ in values)
-    return ForwardResult(outputs, metrics)
 
 
 def shortfall(pool: TrainerPool, degree: int) -> str | None:

@@ -34,15 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentinker.cluster.ray_env import LOCAL_SYSTEM_CONFIG, PLACEMENT_TIMEOUT_S
+from opentinker.cluster.shard import WorkerLostError
 from opentinker.cluster.trainer_worker import TrainerWorker
 from opentinker.engine import EngineError
 from opentinker.models.registry import canonical_name
 
 STARTUP_TIMEOUT_S = 300.0  # placed workers loading their base-model replicas (as rollout workers)
-
-
-class WorkerLostError(EngineError):
-    """The trainer worker that held a model is gone; the model's unsaved steps went with it."""
 
 
 class ClusterConfigError(ValueError):
@@ -61,6 +58,12 @@ class WorkerSlot:
     in_flight: int = 0
     lost_reason: str = ""
     draining: bool = False  # being removed: no model is placed on it any more
+    group: str = ""  # a sharded group's leader: the group's name (its other members are the pool's)
+
+    @property
+    def label(self) -> str:
+        """How errors name it: the worker, and its sharded group if it leads one."""
+        return f"trainer worker {self.worker_id}" + (f" of sharded group {self.group}" if self.group else "")
 
 
 def ray_module() -> Any:
@@ -98,6 +101,25 @@ def check_resources(workers: int, worker_cpus: float, worker_gpus: float) -> Non
         raise ClusterConfigError(str(e)) from None
 
 
+def check_shard_base(base_model: str, workers: int, k: Any) -> int:
+    """``k`` as a sharded group's size for ``workers`` trainer workers of ``base_model``, or
+    :class:`ClusterConfigError` saying why not (checked before any worker starts)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ClusterConfigError(f"--shard-base must be an integer >= 1, got {k!r}")
+    if k > 1 and workers % k:
+        raise ClusterConfigError(
+            f"--shard-base {k} must divide the trainer workers ({workers}): each sharded group is {k} workers"
+        )
+    if k > 1:
+        from opentinker.cluster.shard import ShardError, check_shard_layout
+
+        try:
+            check_shard_layout(base_model, k)
+        except ShardError as e:
+            raise ClusterConfigError(str(e)) from None
+    return k
+
+
 class TrainerPool:
     """N trainer workers for one base model, and the model -> worker routing (module docstring)."""
 
@@ -114,9 +136,12 @@ class TrainerPool:
         max_concurrency: int = 256,
         placement_timeout: float = PLACEMENT_TIMEOUT_S,
         startup_timeout: float = STARTUP_TIMEOUT_S,
+        shard_base: int = 1,
     ) -> None:
         ray = ray_module()
         check_resources(workers, worker_cpus, worker_gpus)
+        self.shard_base = check_shard_base(base_model, workers, shard_base)
+        self.members: dict[str, list[WorkerSlot]] = {}  # a sharded group's leader -> every member
         self.base_model = canonical_name(base_model)
         self.device = device or ("cuda" if worker_gpus > 0 else "cpu")
         self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
@@ -128,6 +153,7 @@ class TrainerPool:
             "dtype": dtype,  # every replica computes what the front-end's engine does
             "max_rank": max_rank,
             "threads": max(1, int(worker_cpus)),
+            "shard_base": shard_base,
         }
         self.placement_timeout = placement_timeout
         self.workers = [self._start(r) for r in range(workers)]
@@ -138,6 +164,8 @@ class TrainerPool:
         try:
             self._wait_placed(self.workers)
             infos = ray.get([w.actor.info.remote() for w in self.workers], timeout=startup_timeout)
+            if shard_base > 1:
+                self._form_groups(startup_timeout)
         except Exception as e:
             self.shutdown()
             if isinstance(e, ray.exceptions.GetTimeoutError):
@@ -147,6 +175,29 @@ class TrainerPool:
             raise
 
         self.limits: dict[str, int] = infos[0]["limits"]  # what a request is checked against
+
+    def _form_groups(self, timeout: float) -> None:
+        """Cut the workers into sharded groups of ``shard_base`` (:mod:`opentinker.cluster.shard`):
+        each forms its process group and shards its base; only the leaders take models."""
+        ray = ray_module()
+        k, refs = self.shard_base, []
+        for g in range(len(self.workers) // k):
+            members = self.workers[g * k : (g + 1) * k]
+            address, port = ray.get(members[0].actor.rendezvous.remote(), timeout=timeout)
+            ids = [m.worker_id for m in members]
+            for r, m in enumerate(members):
+                followers = [o.actor for o in members[1:]] if r == 0 else []
+                refs.append(m.actor.shard_join.remote(address, port, r, f"group-{g}", ids, followers))
+            members[0].group = f"group-{g}"
+            self.members[members[0].worker_id] = members
+        try:
+            ray.get(refs, timeout=timeout)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, BaseException) else e
+            raise ClusterConfigError(
+                f"the sharded groups of {self.base_model} did not form: {cause}"
+            ) from None
+        self.workers = [m[0] for m in self.members.values()]
 
     def _wait_placed(self, slots: list[WorkerSlot]) -> None:
         """Every slot's actor placed within the placement timeout, or :class:`ClusterConfigError`
@@ -173,6 +224,8 @@ class TrainerPool:
         from opentinker.cluster.ray_env import ClusterError, check_fits
 
         ray = ray_module()
+        if self.shard_base > 1:
+            raise ClusterConfigError("a pool of sharded groups (--shard-base) is not scaled while serving")
         try:
             check_fits(n, self.worker_cpus, self.worker_gpus, what="trainer worker")
         except ClusterError as e:
@@ -209,6 +262,8 @@ class TrainerPool:
         be made again at their degree on the live workers that stay. Refused, nothing changed,
         naming the models and why, if no such choice exists, or if fewer than one live worker
         would be left."""
+        if self.shard_base > 1:
+            raise ClusterConfigError("a pool of sharded groups (--shard-base) is not scaled while serving")
         with self._lock:
             live = self.open_workers()
             if len(live) - n < 1:
@@ -320,7 +375,7 @@ class TrainerPool:
             raise EngineError(f"unknown model {model_id!r}")
         if not slot.alive:
             raise WorkerLostError(
-                f"trainer worker {slot.worker_id} was lost ({slot.lost_reason}) with model {model_id!r}; "
+                f"{slot.label} was lost ({slot.lost_reason}) with model {model_id!r}; "
                 "restore it from its newest checkpoint"
             )
         return slot
@@ -395,7 +450,7 @@ class TrainerPool:
         except ray.exceptions.RayActorError as e:
             self.mark_lost(slot, type(e).__name__)
             raise WorkerLostError(
-                f"trainer worker {slot.worker_id} was lost while serving model {model_id!r}; "
+                f"{slot.label} was lost while serving model {model_id!r}; "
                 "restore it from its newest checkpoint"
             ) from None
 
@@ -406,8 +461,14 @@ class TrainerPool:
 
     def kill_worker(self, rank: int) -> None:
         """Kill one worker's actor at once (what a crashed node does; the tests' fault)."""
-        [slot] = [w for w in self.workers if w.rank == rank]
+        [slot] = [w for w in self.all_workers() if w.rank == rank]
         ray_module().kill(slot.actor, no_restart=True)
+
+    def all_workers(self) -> list[WorkerSlot]:
+        """Every worker, a sharded group's members included."""
+        with self._lock:
+            members = [m for g in self.members.values() for m in g[1:]]
+            return [*self.workers, *members]
 
     def shutdown(self) -> None:
         """Kill every worker's actor (nothing to do once Ray itself is shut down)."""
@@ -415,7 +476,7 @@ class TrainerPool:
 
         if not ray.is_initialized():
             return
-        for w in self.workers:
+        for w in self.all_workers():
             if w.alive:
                 ray.kill(w.actor, no_restart=True)
                 w.alive = False

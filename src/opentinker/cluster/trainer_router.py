@@ -343,7 +343,7 @@ class RoutedScheduler(Scheduler):
         if isinstance(e, ray.exceptions.RayActorError) and slot is not None:
             self.pool.mark_lost(slot, type(e).__name__)
             e = WorkerLostError(
-                f"trainer worker {slot.worker_id} was lost while serving model {model_id!r}; "
+                f"{slot.label} was lost while serving model {model_id!r}; "
                 "restore it from its newest checkpoint"
             )
         if isinstance(e, WorkerLostError):

@@ -29,6 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from opentinker.cluster.shard import (
+    MIRRORED,
+    ShardedEngine,
+    check_shardable,
+    gather_seconds,
+    release_host_memory,
+    shard_model,
+)
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
 from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
 from opentinker.lora import LoRAConfig, LoRAWeights
@@ -61,12 +69,15 @@ class TrainerWorker:
         dtype: str = "float32",
         max_rank: int = 128,
         threads: int = 1,
+        shard_base: int = 1,
     ) -> None:
         torch.set_num_threads(max(1, threads))
         self.worker_id = worker_id
         self.device = device
-        base = load_base_model(base_model, dtype=dtype, device=device)
-        self.engine = Engine(base, max_rank=max_rank, device=device)
+        # a sharded group's worker loads its base on the host and keeps only its shard on the
+        # device, moved there when the group forms (shard_join: FSDP moves shards to the mesh's device)
+        base = load_base_model(base_model, dtype=dtype, device="cpu" if shard_base > 1 else device)
+        self.engine = (ShardedEngine if shard_base > 1 else Engine)(base, max_rank=max_rank, device=device)
         # sampling is the rollout workers' job; the scheduler's own sampler is never asked here
         self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
         self._groups: dict[str, Any] = {}  # data-parallel model -> (its process group, its store)
@@ -85,6 +96,7 @@ class TrainerWorker:
             "adapters": self.engine.adapter_ids(),
             "queued": sum(self.scheduler.queue_depths().values()),
             "ticks": self.scheduler.stats.ticks,
+            "base_bytes": _local_bytes(self.engine.base.model),  # a sharded base: this worker's share
             "limits": {
                 "vocab_size": self.engine.vocab_size,
                 "max_context": self.engine.max_context,
@@ -381,6 +393,53 @@ class TrainerWorker:
 
         return self._call(model_id, load)
 
+    # ------------------------------------------------------------------ a sharded group's member
+    def shard_join(
+        self, address: str, port: int, rank: int, group: str, worker_ids: list[str], followers: list[Any]
+    ) -> None:
+        """Join sharded group ``group`` as member ``rank`` of ``worker_ids`` (member 0, its leader,
+        hosts the store at ``address:port`` and is given the others' actor handles as
+        ``followers``): the group's process group becomes this process's default one, and the
+        base model is sharded over it (:mod:`opentinker.cluster.shard`)."""
+        eng = self.engine
+        if not isinstance(eng, ShardedEngine):
+            raise EngineError(f"trainer worker {self.worker_id} was not started for a sharded base")
+        world = len(worker_ids)
+        check_shardable(eng.base.model, world)
+        store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT)
+        backend = "nccl" if torch.device(self.device).type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        shard_model(eng.base.model, world, self.device)
+        release_host_memory()
+        eng.join(rank, world, group, worker_ids, followers)
+
+    def shard_forward(self, share: list[ForwardRequest], tick: list[str], need_grad: bool) -> list[Any]:
+        """This member's share of its leader's tick (:meth:`ShardedEngine.run_share`)."""
+        eng = self.engine
+        assert isinstance(eng, ShardedEngine)
+        out = self._call("", lambda _: eng.run_share(share, tick, need_grad))
+        return [r if isinstance(r, BaseException) else _cpu_result(r) for r in out]
+
+    def shard_call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """A state-changing ``Engine`` call the leader ran, run here too, in its order."""
+        if method not in MIRRORED:
+            raise EngineError(f"a sharded group's member does not run Engine.{method}")
+        out = self._call("", lambda eng: getattr(eng, method)(*args, **kwargs))
+        return None if method != "optim_step_many" else out
+
+    def shard_gather_seconds(self, repeats: int) -> float:
+        """One pass of the group's all-gathers, timed (:func:`~opentinker.cluster.shard.gather_seconds`;
+        every member at once)."""
+        return self._call("", lambda eng: gather_seconds(eng.base.model, repeats))
+
+    def rss_bytes(self) -> dict[str, int]:
+        """This process's resident memory now and at its peak (bytes; benchmarks read it)."""
+        import resource
+
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"rss": rss, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self._groups.clear()
@@ -403,6 +462,17 @@ def _take_rest(eng: Engine, model_id: str, folder: Path, *, gradients: bool) -> 
         files, _ = read_checkpoint(folder / "gradients")
         eng.set_pending_gradients(model_id, files[GRADIENTS_FILE])
     eng.set_adapter_lineage(model_id, versions=int(lineage.get("versions", 0)), parent=lineage.get("parent"))
+
+
+def _local_bytes(model: Any) -> int:
+    """Bytes of the base weights this process holds (a sharded weight: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
 
 
 def _node_ip() -> str:

@@ -135,6 +135,13 @@ class RuntimeConfig:
         type=positive_int,
         metavar="K",
     )
+    shard_base: int = setting(
+        1,
+        "shard each base model over groups of K trainer workers with FSDP2 (K divides "
+        "--trainer-workers; every worker of a group holds every adapter of it; default 1)",
+        type=positive_int,
+        metavar="K",
+    )
     trainer_cpus: float = setting(1.0, "CPUs of each trainer worker (Ray)", type=non_negative_float)
     trainer_gpus: float = setting(0.0, "GPUs of each trainer worker (Ray)", type=non_negative_float)
     placement_timeout: float = setting(

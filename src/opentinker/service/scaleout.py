@@ -85,7 +85,9 @@ class ScaleOut:
         self.rollout_workers = rollout_workers  # now: scaled while serving
         self.trainer_workers = trainer_workers
         # every new model's data-parallel degree unless it asks for its own; checked before Ray starts
+        self.shard_base = 1
         self.data_parallel = self.data_parallel_degree(config.data_parallel)
+        self.shard_base = self._shard_base(config.shard_base)
         self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
         self.worker_startup_timeout = config.worker_startup_timeout
         if not placement_timeout > 0:
@@ -155,6 +157,26 @@ class ScaleOut:
         """The data-parallel degree ``value`` asks for (None: the default), or ``ValueError``."""
         return self.data_parallel if value is None else self.data_parallel_degree(value)
 
+    def _shard_base(self, value: Any) -> int:
+        """The size of the sharded groups (``shard_base``, ``--shard-base``),
+        checked before Ray starts (its fit to the model's layers: when the pool starts)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"shard_base must be an integer >= 1, got {value!r}")
+        if value > 1 and not self.trainer_workers:
+            raise ValueError(
+                "shard_base shards the base over trainer workers: serve with --ray --trainer-workers N"
+            )
+        if value > 1 and self.trainer_workers % value:
+            raise ValueError(
+                f"shard_base {value} must divide the trainer workers ({self.trainer_workers}): "
+                f"each sharded group is {value} workers"
+            )
+        if value > 1 and self.data_parallel > 1:
+            raise ValueError(
+                "data parallelism over sharded groups is not served: give shard_base or data_parallel"
+            )
+        return value
+
     def data_parallel_degree(self, value: Any) -> int:
         """The data-parallel degree ``value`` asks for (an integer, or its text as ``user_metadata``
         carries it), checked against the trainer workers; ``ValueError`` naming the problem."""
@@ -171,6 +193,8 @@ class ScaleOut:
                 f"data_parallel {degree} is above the number of trainer workers ({self.trainer_workers})"
                 + ("" if self.trainer_workers else "; serve with --ray --trainer-workers N")
             )
+        if degree > 1 and self.shard_base > 1:
+            raise ValueError("data parallelism over sharded groups (shard_base) is not served")
         return degree
 
     def create_adapter(self, eng: Trainer, config: LoRAConfig, model_id: str, degree: int) -> None:
@@ -389,6 +413,7 @@ class ScaleOut:
             max_rank=self.config.max_rank,
             placement_timeout=self.placement_timeout,
             startup_timeout=self.worker_startup_timeout,
+            shard_base=self.shard_base,
         )
         router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
         router.on_worker_lost = lambda slot, lost: self.worker_lost(router, slot.worker_id, lost)
