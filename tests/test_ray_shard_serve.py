@@ -3,7 +3,7 @@
 holding one FSDP2-sharded copy of the base).
 
 A model trains there and its losses equal the same model trained in a plain in-process
-:class:`~opentinker.client.runtime.Runtime` (fp32 rounding: rows summed in another order); its
+:class:`~opentinker.service.runtime.Runtime` (fp32 rounding: rows summed in another order); its
 snapshot samples on the front-end, and the sampler's logprobs of the sampled tokens equal the
 trainer's (the sharded group's forward) within ``LOGPROB_ATOL``. A ``--shard-base`` that does not
 divide the trainer workers stops ``serve`` before Ray starts, naming both.
@@ -19,7 +19,7 @@ import httpx
 import pytest
 import tinker
 import torch
-from opentinker.client.runtime import Runtime
+from opentinker.service.runtime import Runtime
 from tinker import types
 
 import opentinker
