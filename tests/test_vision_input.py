@@ -1,5 +1,5 @@
 """Images as input: decoding and its refusals (``models/vision.py``), and the SDK's chunks turned
-into the engine's tokens and images (``client/convert.py``): what a datum's length counts.
+into the engine's tokens and images (``service/convert.py``): what a datum's length counts.
 
 Tinker counts an ``ImageChunk`` as its ``expected_tokens`` positions (``ModelInput.length``), and
 the cookbook's ``create_rightshifted_model_input_and_leftshifted_targets`` gives those positions
