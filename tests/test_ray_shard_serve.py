@@ -19,12 +19,12 @@ import httpx
 import pytest
 import tinker
 import torch
-from opentinker.service.runtime import Runtime
 from tinker import types
 
 import opentinker
 from opentinker.server.local import LocalServer
 from opentinker.server.main import serve
+from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_trainer import WAIT, _datum, _train
 from tests.tolerances import assert_logprobs_close, assert_scalar_close
