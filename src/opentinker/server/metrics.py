@@ -43,13 +43,14 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from fastapi.security import APIKeyHeader
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from opentinker.server.deps import ServerDep
 from opentinker.server.errors import ApiError
 
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="an operator's tml-… API key")
@@ -234,10 +235,11 @@ async def _operator(request: Request, key: Annotated[str | None, Depends(_api_ke
     return tenant
 
 
-def add_metrics_route(app: FastAPI, server: Any) -> None:
-    """``GET /metrics`` over ``server``'s :class:`ServerMetrics` (``server.metrics``)."""
+router = APIRouter()
+"""``GET /metrics`` over the server's :class:`ServerMetrics` (``server.metrics``)."""
 
-    @app.get("/metrics", tags=["admin"], response_class=Response)
-    async def metrics(_: Annotated[str, Depends(_operator)]) -> Response:
-        body = await asyncio.to_thread(server.metrics.exposition)  # reads locks the engines hold
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+@router.get("/metrics", tags=["admin"], response_class=Response)
+async def metrics(server: ServerDep, _: Annotated[str, Depends(_operator)]) -> Response:
+    body = await asyncio.to_thread(server.metrics.exposition)  # reads locks the engines hold
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
