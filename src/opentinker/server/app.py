@@ -7,7 +7,7 @@ and includes the route groups, each a module-level ``APIRouter`` in its own modu
 (:mod:`routes`), the REST checkpoint routes (:mod:`rest_routes`), the admin reads
 (:mod:`admin_routes`), the console pages at the SDK's console paths (:mod:`console`), the
 operator's cluster routes (:mod:`cluster`), the console (:mod:`console_api`) and the operator's
-``/metrics`` (:mod:`metrics`). Routes only
+``/metrics`` (:mod:`metrics_route`). Routes only
 authenticate, parse and delegate. A pure-ASGI middleware in front enforces the body-size limit
 (413) and undoes ``Content-Encoding: zstd`` before any route sees a body; every error answers with
 its message redacted, and a refused training request spends its ``seq_id``. Beside the routes, the
@@ -34,7 +34,7 @@ from opentinker.server import (
     cluster,
     console,
     console_api,
-    metrics,
+    metrics_route,
     openai_routes,
     rest_routes,
     routes,
@@ -116,7 +116,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     app.include_router(cluster.router)  # the operator's rollout-worker reads and scaling
     console_api.mount_static(app, "server")  # the console's page at / (console_api.py)
     app.include_router(console_api.router)  # the console's read-only JSON routes
-    app.include_router(metrics.router)  # GET /metrics, Prometheus' text format, operators only
+    app.include_router(metrics_route.router)  # GET /metrics, Prometheus' text format, operators only
     app.include_router(openai_routes.router)  # /v1/chat/completions, /v1/completions, /v1/models
     return app
 
