@@ -8,24 +8,27 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 
-from opentinker.server.deps import Tenant
-from opentinker.server.state import Server
+from opentinker.server.deps import ServerDep, Tenant
+
+API = "/api/v1"
+router = APIRouter()
+"""The organization-admin reads (``AdminClient``); see :mod:`usage`."""
 
 
-def add_admin_routes(app: FastAPI, server: Server) -> None:
-    """The organization-admin reads (``AdminClient``); see :mod:`usage`."""
-    api, usage = "/api/v1", server.usage
+@router.get(f"{API}/audit", tags=["admin"])
+async def audit_log(
+    server: ServerDep, t: Tenant, event_type: str = "all", day: str | None = None
+) -> dict[str, Any]:
+    return server.usage.audit_log(t, event_type, day)
 
-    @app.get(f"{api}/audit", tags=["admin"])
-    async def audit_log(t: Tenant, event_type: str = "all", day: str | None = None) -> dict[str, Any]:
-        return usage.audit_log(t, event_type, day)
 
-    @app.get(f"{api}/billing/usage/events", tags=["admin"])
-    async def billing_usage(t: Tenant, starting_on: str, ending_before: str) -> dict[str, Any]:
-        return usage.billing_usage(t, starting_on, ending_before)
+@router.get(f"{API}/billing/usage/events", tags=["admin"])
+async def billing_usage(server: ServerDep, t: Tenant, starting_on: str, ending_before: str) -> dict[str, Any]:
+    return server.usage.billing_usage(t, starting_on, ending_before)
 
-    @app.get(f"{api}/billing/usage/checkpoints/current", tags=["admin"])
-    async def storage_usage(t: Tenant, project_id: str | None = None) -> dict[str, Any]:
-        return await asyncio.to_thread(usage.storage_now, t, project_id)  # it walks the folders
+
+@router.get(f"{API}/billing/usage/checkpoints/current", tags=["admin"])
+async def storage_usage(server: ServerDep, t: Tenant, project_id: str | None = None) -> dict[str, Any]:
+    return await asyncio.to_thread(server.usage.storage_now, t, project_id)  # it walks the folders

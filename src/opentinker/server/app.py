@@ -2,11 +2,12 @@
 and what runs beside them while the server serves.
 
 :func:`create_app` builds the :class:`~opentinker.server.state.Server` (everything the process
-holds) and registers the route groups, each in its own module: the SDK's operations
+holds, ``app.state.server``, which the routes reach through :data:`~opentinker.server.deps.ServerDep`)
+and includes the route groups, each a module-level ``APIRouter`` in its own module: the SDK's operations
 (:mod:`routes`), the REST checkpoint routes (:mod:`rest_routes`), the admin reads
 (:mod:`admin_routes`), the console pages at the SDK's console paths (:mod:`console`), the
 operator's cluster routes (:mod:`cluster`), the console (:mod:`console_api`) and the operator's
-``/metrics`` (:mod:`metrics`). Routes only
+``/metrics`` (:mod:`metrics_route`). Routes only
 authenticate, parse and delegate. A pure-ASGI middleware in front enforces the body-size limit
 (413) and undoes ``Content-Encoding: zstd`` before any route sees a body; every error answers with
 its message redacted, and a refused training request spends its ``seq_id``. Beside the routes, the
@@ -28,18 +29,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from opentinker.server.admin_routes import add_admin_routes
-from opentinker.server.cluster import add_cluster_routes
+from opentinker.server import (
+    admin_routes,
+    cluster,
+    console,
+    console_api,
+    metrics_route,
+    openai_routes,
+    rest_routes,
+    routes,
+)
 from opentinker.server.config import ServerConfig
-from opentinker.server.console import add_console_pages
-from opentinker.server.console_api import add_console
 from opentinker.server.errors import ApiError, error_message
 from opentinker.server.limits import BODY_KEY, BodyLimit
-from opentinker.server.metrics import add_metrics_route
-from opentinker.server.openai_routes import add_openai_routes
 from opentinker.server.refusals import note_refused
-from opentinker.server.rest_routes import add_rest_routes
-from opentinker.server.routes import add_routes
 from opentinker.server.state import Server
 from opentinker.service import EngineError, Runtime
 
@@ -106,14 +109,15 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
         await refused(request, exc.status_code)  # e.g. 404: a route this server does not serve
         return await http_exception_handler(request, exc)
 
-    add_routes(app, server)  # the SDK's operations (routes.py)
-    add_rest_routes(app, server)  # the REST checkpoint routes (rest_routes.py)
-    add_admin_routes(app, server)  # AdminClient's reads (admin_routes.py)
-    add_console_pages(app, server)  # the pages at the SDK's console paths (console.py)
-    add_cluster_routes(app, server)  # the operator's rollout-worker reads and scaling (cluster.py)
-    add_console(app, server)  # the console at / and its read-only JSON routes (console_api.py)
-    add_metrics_route(app, server)  # GET /metrics, Prometheus' text format, operators only (metrics.py)
-    add_openai_routes(app, server)  # /v1/chat/completions, /v1/completions, /v1/models (openai_routes.py)
+    app.include_router(routes.router)  # the SDK's operations
+    app.include_router(rest_routes.router)  # the REST checkpoint routes
+    app.include_router(admin_routes.router)  # AdminClient's reads
+    app.include_router(console.router)  # the pages at the SDK's console paths
+    app.include_router(cluster.router)  # the operator's rollout-worker reads and scaling
+    console_api.mount_static(app, "server")  # the console's page at / (console_api.py)
+    app.include_router(console_api.router)  # the console's read-only JSON routes
+    app.include_router(metrics_route.router)  # GET /metrics, Prometheus' text format, operators only
+    app.include_router(openai_routes.router)  # /v1/chat/completions, /v1/completions, /v1/models
     return app
 
 

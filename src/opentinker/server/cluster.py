@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.security import APIKeyHeader
 from pydantic import BaseModel, ConfigDict
 
+from opentinker.server.deps import ServerDep
 from opentinker.server.errors import ApiError
 
 _api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="an operator's tml-… API key")
@@ -46,37 +47,32 @@ class ScaleRequest(BaseModel):
     trainer_workers: int | None = None
 
 
-def add_cluster_routes(app: FastAPI, server: Any) -> None:
-    """The routes over ``server`` (``opentinker.server.state.Server``)."""
-    api = "/api/v1/cluster"
+API = "/api/v1/cluster"
+router = APIRouter()
 
-    @app.get(api, tags=["admin"])
-    async def cluster_info(_: Operator) -> dict[str, Any]:
-        return await asyncio.to_thread(server.runtime.scaleout.rollout_workers_info)
 
-    @app.post(f"{api}/scale", tags=["admin"])
-    async def cluster_scale(body: ScaleRequest, _: Operator) -> dict[str, Any]:
-        rollout, trainer = body.rollout_workers, body.trainer_workers
-        if rollout is None and trainer is None:
-            raise ApiError("give rollout_workers and/or trainer_workers", 400)
-        runtime = server.runtime
-        out: dict[str, Any] = {}
-        try:
-            await asyncio.to_thread(
-                runtime.scaleout.check_scale, rollout, trainer
-            )  # both, before either acts
-            if rollout is not None:
-                out["rollout_workers"] = await asyncio.to_thread(
-                    runtime.scaleout.scale_rollout_workers, rollout
-                )
-            if trainer is not None:
-                out["trainer_scale"] = await asyncio.to_thread(
-                    runtime.scaleout.scale_trainer_workers, trainer
-                )
-        except ValueError as e:
-            raise ApiError(server.redact(str(e)), 400) from None
-        except TimeoutError as e:
-            raise ApiError(server.redact(str(e)), 504) from None
-        except RuntimeError as e:  # a worker could not start, a model not handed over: named
-            raise ApiError(server.redact(str(e)), 503) from None
-        return {**out, **(await asyncio.to_thread(runtime.scaleout.rollout_workers_info))}
+@router.get(API, tags=["admin"])
+async def cluster_info(server: ServerDep, _: Operator) -> dict[str, Any]:
+    return await asyncio.to_thread(server.runtime.scaleout.rollout_workers_info)
+
+
+@router.post(f"{API}/scale", tags=["admin"])
+async def cluster_scale(server: ServerDep, body: ScaleRequest, _: Operator) -> dict[str, Any]:
+    rollout, trainer = body.rollout_workers, body.trainer_workers
+    if rollout is None and trainer is None:
+        raise ApiError("give rollout_workers and/or trainer_workers", 400)
+    runtime = server.runtime
+    out: dict[str, Any] = {}
+    try:
+        await asyncio.to_thread(runtime.scaleout.check_scale, rollout, trainer)  # both, before either acts
+        if rollout is not None:
+            out["rollout_workers"] = await asyncio.to_thread(runtime.scaleout.scale_rollout_workers, rollout)
+        if trainer is not None:
+            out["trainer_scale"] = await asyncio.to_thread(runtime.scaleout.scale_trainer_workers, trainer)
+    except ValueError as e:
+        raise ApiError(server.redact(str(e)), 400) from None
+    except TimeoutError as e:
+        raise ApiError(server.redact(str(e)), 504) from None
+    except RuntimeError as e:  # a worker could not start, a model not handed over: named
+        raise ApiError(server.redact(str(e)), 503) from None
+    return {**out, **(await asyncio.to_thread(runtime.scaleout.rollout_workers_info))}

@@ -20,10 +20,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse, Response
 
-from opentinker.server.deps import api_key
+from opentinker.server.deps import ServerDep, api_key
 from opentinker.server.errors import ApiError
 
 if TYPE_CHECKING:
@@ -63,44 +63,53 @@ def api_path(*parts: str) -> str:
     return "/api/v1/" + "/".join(quote(p, safe="") for p in parts)
 
 
-def add_console_pages(app: FastAPI, server: Server) -> None:
-    """The pages at the SDK's console paths, on ``app`` (their facts read from ``server``)."""
-    api = "/api/v1"
+API = "/api/v1"
+router = APIRouter()
+"""The pages at the SDK's console paths (their facts read from the app's server)."""
 
-    def viewer(key: str | None) -> str | None:
-        try:
-            return server.auth.tenant(key) if key else None
-        except ApiError:
-            return None
 
-    @app.get("/sessions", tags=["console"], include_in_schema=False)
-    async def console_sessions() -> Response:
-        return page("sessions", "all sessions", None, f"{api}/sessions")
+def viewer(server: Server, key: str | None) -> str | None:
+    try:
+        return server.auth.tenant(key) if key else None
+    except ApiError:
+        return None
 
-    @app.get("/sessions/{session_id}", tags=["console"], include_in_schema=False)
-    async def console_session(session_id: str, key: Annotated[str | None, Depends(api_key)]) -> Response:
-        row, who = server.store.session(session_id), viewer(key)
-        facts = None
-        if row is not None and row.tenant == who:
-            facts = [("owner", row.tenant), ("finished", row.finished or "no")]
-        return page("session", session_id, facts, api_path("sessions", session_id))
 
-    @app.get("/training_runs/{model_id}", tags=["console"], include_in_schema=False)
-    async def console_run(model_id: str, key: Annotated[str | None, Depends(api_key)]) -> Response:
-        who, facts = viewer(key), None
-        if who is not None:
-            with contextlib.suppress(ApiError):
-                run = server.checkpoints.training_run(who, model_id)
-                facts = [(k, str(v)) for k, v in run.items() if v is not None and not isinstance(v, dict)]
-        return page("training run", model_id, facts, api_path("training_runs", model_id))
+@router.get("/sessions", tags=["console"], include_in_schema=False)
+async def console_sessions() -> Response:
+    return page("sessions", "all sessions", None, f"{API}/sessions")
 
-    @app.get("/checkpoints/{model_id}/{checkpoint_id:path}", tags=["console"], include_in_schema=False)
-    async def console_checkpoint(
-        model_id: str, checkpoint_id: str, key: Annotated[str | None, Depends(api_key)]
-    ) -> Response:
-        who, facts = viewer(key), None
-        path = f"tinker://{model_id}/{checkpoint_id}"
-        row = server.store.checkpoint(path)
-        if row is not None and row.tenant == who:
-            facts = [("tinker_path", path), ("size_bytes", str(row.size_bytes))]
-        return page("checkpoint", path, facts, api_path("training_runs", model_id))
+
+@router.get("/sessions/{session_id}", tags=["console"], include_in_schema=False)
+async def console_session(
+    server: ServerDep, session_id: str, key: Annotated[str | None, Depends(api_key)]
+) -> Response:
+    row, who = server.store.session(session_id), viewer(server, key)
+    facts = None
+    if row is not None and row.tenant == who:
+        facts = [("owner", row.tenant), ("finished", row.finished or "no")]
+    return page("session", session_id, facts, api_path("sessions", session_id))
+
+
+@router.get("/training_runs/{model_id}", tags=["console"], include_in_schema=False)
+async def console_run(
+    server: ServerDep, model_id: str, key: Annotated[str | None, Depends(api_key)]
+) -> Response:
+    who, facts = viewer(server, key), None
+    if who is not None:
+        with contextlib.suppress(ApiError):
+            run = server.checkpoints.training_run(who, model_id)
+            facts = [(k, str(v)) for k, v in run.items() if v is not None and not isinstance(v, dict)]
+    return page("training run", model_id, facts, api_path("training_runs", model_id))
+
+
+@router.get("/checkpoints/{model_id}/{checkpoint_id:path}", tags=["console"], include_in_schema=False)
+async def console_checkpoint(
+    server: ServerDep, model_id: str, checkpoint_id: str, key: Annotated[str | None, Depends(api_key)]
+) -> Response:
+    who, facts = viewer(server, key), None
+    path = f"tinker://{model_id}/{checkpoint_id}"
+    row = server.store.checkpoint(path)
+    if row is not None and row.tenant == who:
+        facts = [("tinker_path", path), ("size_bytes", str(row.size_bytes))]
+    return page("checkpoint", path, facts, api_path("training_runs", model_id))

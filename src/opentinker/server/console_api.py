@@ -19,13 +19,14 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader
 from fastapi.staticfiles import StaticFiles
 
 from opentinker.console import STATIC_DIR, RunsDir, RunsError, downsample
 from opentinker.server.checkpoints import checkpoint_json
+from opentinker.server.deps import ServerDep
 from opentinker.server.errors import ApiError, NotFound
 
 if TYPE_CHECKING:
@@ -131,169 +132,170 @@ class _Console:
         }
 
 
-def add_console(app: FastAPI, server: Any) -> None:
-    """The server's console (``server``: the app's :class:`~opentinker.server.state.Server`): the
-    page, and read-only JSON routes scoped to the caller's tenant."""
-    mount_static(app, "server")
-    con = _Console(server)
-    _engine_routes(app, con)
-    _session_routes(app, con)
-    _model_routes(app, con)
-    _checkpoint_routes(app, con)
+async def _console(server: ServerDep) -> _Console:
+    return _Console(server)
 
 
-def _engine_routes(app: FastAPI, con: _Console) -> None:
-    @app.get(f"{API}/whoami", tags=["console"])
-    async def whoami(who: Who) -> dict[str, Any]:
-        return {"tenant": who.tenant, "operator": who.operator}
-
-    @app.get(f"{API}/engine", tags=["console"])
-    async def engine(who: Who) -> dict[str, Any]:
-        stats = con.server.runtime.engine_stats()
-        for s in stats:  # only the caller's own models (an operator: all)
-            depths = {m: d for m, d in s["queue_depths"].items() if con.owned(who, m)}
-            s["queue_depths"] = dict(sorted(depths.items(), key=lambda kv: -kv[1])[:MAX_PAGE])
-            if "restored" in s:  # models brought back after a trainer worker's loss
-                s["restored"] = {m: e for m, e in s["restored"].items() if con.owned(who, m)}
-            if "served_by" in s:  # which backend samples each snapshot
-                s["served_by"] = [e for e in s["served_by"] if con.owned(who, e.get("model_id"))][:MAX_PAGE]
-        return {"engines": stats}
+Con = Annotated[_Console, Depends(_console)]
+router = APIRouter()
+"""The server's console JSON routes, read-only and scoped to the caller's tenant (the page at ``/``
+is :func:`mount_static`'s)."""
 
 
-def _session_routes(app: FastAPI, con: _Console) -> None:
-    @app.get(f"{API}/sessions", tags=["console"])
-    async def sessions(who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
-        rows = con.store.sessions(who.scope, limit=limit + 1, offset=offset)
-        out = []
-        for r in rows[:limit]:
-            models, samplers, n_ckpt, size = con.store.session_contents(r.id)
-            out.append(
-                {
-                    "session_id": r.id,
-                    "tenant": r.tenant,
-                    "created": r.created,
-                    "last_seen": r.last_seen,
-                    "finished": r.finished,
-                    "models": models[:MAX_PAGE],
-                    "samplers": samplers[:MAX_PAGE],
-                    "checkpoints": n_ckpt,
-                    "checkpoint_bytes": size,
-                }
-            )
-        return {"sessions": out, "offset": offset, "limit": limit, "more": len(rows) > limit}
-
-    @app.get(f"{API}/sessions/{{session_id}}/trace", tags=["console"])
-    async def session_trace(
-        session_id: str, who: Who, offset: Offset = 0, limit: Limit = 500
-    ) -> dict[str, Any]:
-        """The session's requests (training, sampling, checkpoints, ...) with their queue wait, run
-        time and tick: the spans ``export_session_trace`` exports."""
-        row = con.store.session(session_id)
-        if row is None or not who.sees(row.tenant):
-            raise NotFound(f"unknown session {session_id!r}")
-        requests, total = con.server.traces.requests(session_id, offset, limit)
-        return {
-            "session_id": session_id,
-            "requests": requests,
-            "offset": offset,
-            "limit": limit,
-            "total_count": total,
-        }
+@router.get(f"{API}/whoami", tags=["console"])
+async def whoami(who: Who) -> dict[str, Any]:
+    return {"tenant": who.tenant, "operator": who.operator}
 
 
-def _model_routes(app: FastAPI, con: _Console) -> None:
-    @app.get(f"{API}/models", tags=["console"])
-    async def models(who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
-        rows, total = con.store.models(who.scope, limit, offset)
-        return {
-            "models": [con.run_json(r) for r in rows],
-            "offset": offset,
-            "limit": limit,
-            "total_count": total,
-        }
-
-    @app.get(f"{API}/models/{{model_id}}", tags=["console"])
-    async def model(
-        model_id: str, who: Who, max_points: Annotated[int, Query(ge=2, le=MAX_CURVE_POINTS)] = 500
-    ) -> dict[str, Any]:
-        row = con.model_row(who, model_id)
-        hist = con.history.run(row.id)
-        curves: dict[str, list[list[float]]] = {}
-        if hist is not None:
-            for name, series in (
-                ("loss", hist.loss),
-                ("grad_norm", hist.grad_norm),
-                ("learning_rate", hist.learning_rate),
-            ):
-                curves[name] = downsample([(float(x), y) for x, y in series], max_points)
-        ckpts, total = con.store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
-        return {
-            **con.run_json(row),
-            "curves": curves,
-            "checkpoints": [con.ckpt_json(c) for c in ckpts],
-            "checkpoint_count": total,
-        }
-
-    @app.get(f"{API}/models/{{model_id}}/lineage", tags=["console"])
-    async def lineage(model_id: str, who: Who) -> dict[str, Any]:
-        """Where the run came from (the checkpoints it was created from, oldest first) and what it
-        saved: each checkpoint with its parent and the sampler versions its data came from."""
-        row = con.model_row(who, model_id)
-        ancestors: list[dict[str, Any]] = []
-        parent, seen = row.parent, {row.id}
-        while parent and len(ancestors) < LINEAGE_DEPTH:
-            c = con.store.checkpoint(parent)
-            if c is None or not (who.sees(c.tenant) or c.public):
-                ancestors.append({"tinker_path": parent, "visible": False})
-                break
-            ancestors.append({**con.ckpt_json(c), "visible": True})
-            if c.model_id in seen:
-                break
-            seen.add(c.model_id)
-            up = con.store.model(c.model_id)
-            parent = up.parent if up is not None and who.sees(up.tenant) else None
-        ckpts, _ = con.store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
-        return {
-            "model_id": row.id,
-            "ancestors": ancestors[::-1],
-            "checkpoints": [con.ckpt_json(c) for c in ckpts],
-        }
+@router.get(f"{API}/engine", tags=["console"])
+async def engine(con: Con, who: Who) -> dict[str, Any]:
+    stats = con.server.runtime.engine_stats()
+    for s in stats:  # only the caller's own models (an operator: all)
+        depths = {m: d for m, d in s["queue_depths"].items() if con.owned(who, m)}
+        s["queue_depths"] = dict(sorted(depths.items(), key=lambda kv: -kv[1])[:MAX_PAGE])
+        if "restored" in s:  # models brought back after a trainer worker's loss
+            s["restored"] = {m: e for m, e in s["restored"].items() if con.owned(who, m)}
+        if "served_by" in s:  # which backend samples each snapshot
+            s["served_by"] = [e for e in s["served_by"] if con.owned(who, e.get("model_id"))][:MAX_PAGE]
+    return {"engines": stats}
 
 
-def _checkpoint_routes(app: FastAPI, con: _Console) -> None:
-    @app.get(f"{API}/checkpoints", tags=["console"])
-    async def checkpoints(who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
-        rows, total = con.store.checkpoints(who.scope, limit=limit, offset=offset)
-        return {
-            "checkpoints": [con.ckpt_json(c) for c in rows],
-            "offset": offset,
-            "limit": limit,
-            "total_count": total,
-        }
+@router.get(f"{API}/sessions", tags=["console"])
+async def sessions(con: Con, who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
+    rows = con.store.sessions(who.scope, limit=limit + 1, offset=offset)
+    out = []
+    for r in rows[:limit]:
+        models, samplers, n_ckpt, size = con.store.session_contents(r.id)
+        out.append(
+            {
+                "session_id": r.id,
+                "tenant": r.tenant,
+                "created": r.created,
+                "last_seen": r.last_seen,
+                "finished": r.finished,
+                "models": models[:MAX_PAGE],
+                "samplers": samplers[:MAX_PAGE],
+                "checkpoints": n_ckpt,
+                "checkpoint_bytes": size,
+            }
+        )
+    return {"sessions": out, "offset": offset, "limit": limit, "more": len(rows) > limit}
 
-    @app.get(f"{API}/checkpoints/{{model_id}}/{{kind}}/{{name}}", tags=["console"])
-    async def checkpoint(model_id: str, kind: str, name: str, who: Who) -> dict[str, Any]:
-        return con.ckpt_json(con.checkpoint_row(who, model_id, kind, name))
 
-    @app.get(f"{API}/checkpoints/{{model_id}}/{{kind}}/{{name}}/peft.zip", tags=["console"])
-    async def download_peft(model_id: str, kind: str, name: str, who: Who) -> Response:
-        """The checkpoint as a PEFT adapter folder (``adapter_model.safetensors``,
-        ``adapter_config.json``), zipped."""
-        row = con.checkpoint_row(who, model_id, kind, name)
-        if row.kind not in ("weights", "sampler_weights"):
-            raise NotFound(f"tinker://{model_id}/{kind}/{name} is not a training checkpoint")
-        tmp = Path(tempfile.mkdtemp(prefix="opentinker-peft-"))
-        try:
-            fut = con.server.runtime.export_checkpoint_peft(row.tinker_path, row.tenant, tmp / "peft")
-            folder = await asyncio.wrap_future(fut)
-            buf = io.BytesIO()
-            with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-                for f in sorted(Path(folder).iterdir()):
-                    z.write(f, f"{name}/{f.name}")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        headers = {"Content-Disposition": f'attachment; filename="{name}-peft.zip"'}
-        return Response(buf.getvalue(), media_type="application/zip", headers=headers)
+@router.get(f"{API}/sessions/{{session_id}}/trace", tags=["console"])
+async def session_trace(
+    con: Con, session_id: str, who: Who, offset: Offset = 0, limit: Limit = 500
+) -> dict[str, Any]:
+    """The session's requests (training, sampling, checkpoints, ...) with their queue wait, run
+    time and tick: the spans ``export_session_trace`` exports."""
+    row = con.store.session(session_id)
+    if row is None or not who.sees(row.tenant):
+        raise NotFound(f"unknown session {session_id!r}")
+    requests, total = con.server.traces.requests(session_id, offset, limit)
+    return {
+        "session_id": session_id,
+        "requests": requests,
+        "offset": offset,
+        "limit": limit,
+        "total_count": total,
+    }
+
+
+@router.get(f"{API}/models", tags=["console"])
+async def models(con: Con, who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
+    rows, total = con.store.models(who.scope, limit, offset)
+    return {
+        "models": [con.run_json(r) for r in rows],
+        "offset": offset,
+        "limit": limit,
+        "total_count": total,
+    }
+
+
+@router.get(f"{API}/models/{{model_id}}", tags=["console"])
+async def model(
+    con: Con, model_id: str, who: Who, max_points: Annotated[int, Query(ge=2, le=MAX_CURVE_POINTS)] = 500
+) -> dict[str, Any]:
+    row = con.model_row(who, model_id)
+    hist = con.history.run(row.id)
+    curves: dict[str, list[list[float]]] = {}
+    if hist is not None:
+        for name, series in (
+            ("loss", hist.loss),
+            ("grad_norm", hist.grad_norm),
+            ("learning_rate", hist.learning_rate),
+        ):
+            curves[name] = downsample([(float(x), y) for x, y in series], max_points)
+    ckpts, total = con.store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
+    return {
+        **con.run_json(row),
+        "curves": curves,
+        "checkpoints": [con.ckpt_json(c) for c in ckpts],
+        "checkpoint_count": total,
+    }
+
+
+@router.get(f"{API}/models/{{model_id}}/lineage", tags=["console"])
+async def lineage(con: Con, model_id: str, who: Who) -> dict[str, Any]:
+    """Where the run came from (the checkpoints it was created from, oldest first) and what it
+    saved: each checkpoint with its parent and the sampler versions its data came from."""
+    row = con.model_row(who, model_id)
+    ancestors: list[dict[str, Any]] = []
+    parent, seen = row.parent, {row.id}
+    while parent and len(ancestors) < LINEAGE_DEPTH:
+        c = con.store.checkpoint(parent)
+        if c is None or not (who.sees(c.tenant) or c.public):
+            ancestors.append({"tinker_path": parent, "visible": False})
+            break
+        ancestors.append({**con.ckpt_json(c), "visible": True})
+        if c.model_id in seen:
+            break
+        seen.add(c.model_id)
+        up = con.store.model(c.model_id)
+        parent = up.parent if up is not None and who.sees(up.tenant) else None
+    ckpts, _ = con.store.checkpoints(row.tenant, row.id, limit=MAX_PAGE)
+    return {
+        "model_id": row.id,
+        "ancestors": ancestors[::-1],
+        "checkpoints": [con.ckpt_json(c) for c in ckpts],
+    }
+
+
+@router.get(f"{API}/checkpoints", tags=["console"])
+async def checkpoints(con: Con, who: Who, offset: Offset = 0, limit: Limit = 50) -> dict[str, Any]:
+    rows, total = con.store.checkpoints(who.scope, limit=limit, offset=offset)
+    return {
+        "checkpoints": [con.ckpt_json(c) for c in rows],
+        "offset": offset,
+        "limit": limit,
+        "total_count": total,
+    }
+
+
+@router.get(f"{API}/checkpoints/{{model_id}}/{{kind}}/{{name}}", tags=["console"])
+async def checkpoint(con: Con, model_id: str, kind: str, name: str, who: Who) -> dict[str, Any]:
+    return con.ckpt_json(con.checkpoint_row(who, model_id, kind, name))
+
+
+@router.get(f"{API}/checkpoints/{{model_id}}/{{kind}}/{{name}}/peft.zip", tags=["console"])
+async def download_peft(con: Con, model_id: str, kind: str, name: str, who: Who) -> Response:
+    """The checkpoint as a PEFT adapter folder (``adapter_model.safetensors``,
+    ``adapter_config.json``), zipped."""
+    row = con.checkpoint_row(who, model_id, kind, name)
+    if row.kind not in ("weights", "sampler_weights"):
+        raise NotFound(f"tinker://{model_id}/{kind}/{name} is not a training checkpoint")
+    tmp = Path(tempfile.mkdtemp(prefix="opentinker-peft-"))
+    try:
+        fut = con.server.runtime.export_checkpoint_peft(row.tinker_path, row.tenant, tmp / "peft")
+        folder = await asyncio.wrap_future(fut)
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for f in sorted(Path(folder).iterdir()):
+                z.write(f, f"{name}/{f.name}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    headers = {"Content-Disposition": f'attachment; filename="{name}-peft.zip"'}
+    return Response(buf.getvalue(), media_type="application/zip", headers=headers)
 
 
 def create_runs_app(runs_dir: str | Path) -> FastAPI:

@@ -3,7 +3,8 @@
 Only a key (or token) of a tenant named by ``--operator`` may scrape it: 401 without a valid
 credential, 403 for any other tenant's. The series are labelled by tenant, which no tenant may
 learn of another. Prometheus sends the key as ``Authorization: Bearer <key>`` (its scrape config's
-``authorization: {credentials_file: …}``); ``X-API-Key`` works too, as on every other route.
+``authorization: {credentials_file: …}``); ``X-API-Key`` works too, as on every other route. The
+route is :mod:`~opentinker.server.metrics_route`'s.
 
 Each server has its own ``CollectorRegistry`` (several servers in one process never collide).
 Events are counters incremented where they happen: tokens, through the usage ledger's observers
@@ -38,21 +39,14 @@ Metric names (``<base>`` = ``base_model`` label):
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
-from fastapi.security import APIKeyHeader
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from opentinker.server.errors import ApiError
-
-_api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="an operator's tml-… API key")
 PREFIX = "opentinker"
 
 
@@ -220,24 +214,3 @@ class StateCollector(Collector):
             count.add_metric([tenant, kind], n)
             size.add_metric([tenant, kind], nbytes)
         yield from (count, size)
-
-
-async def _operator(request: Request, key: Annotated[str | None, Depends(_api_key)]) -> str:
-    """The caller's tenant, which must be an operator: 401 without a valid key, 403 otherwise."""
-    server = request.app.state.server
-    if not key:
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-    tenant = server.auth.tenant(key)
-    if tenant not in server.config.operator_tenants:
-        raise ApiError("/metrics needs an operator's key (a tenant named by --operator)", 403)
-    return tenant
-
-
-def add_metrics_route(app: FastAPI, server: Any) -> None:
-    """``GET /metrics`` over ``server``'s :class:`ServerMetrics` (``server.metrics``)."""
-
-    @app.get("/metrics", tags=["admin"], response_class=Response)
-    async def metrics(_: Annotated[str, Depends(_operator)]) -> Response:
-        body = await asyncio.to_thread(server.metrics.exposition)  # reads locks the engines hold
-        return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -35,14 +35,15 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
 from tinker import types
 
 from opentinker.server import openai_responses as R
+from opentinker.server.deps import ServerDep
 from opentinker.server.errors import ApiError, NotFound, error_message
 from opentinker.server.futures import fail
 from opentinker.server.openai_format import (
@@ -515,20 +516,32 @@ def _prompts(tok: Any, prompt: str | list[str] | list[int] | list[list[int]], vo
     return out
 
 
-def add_openai_routes(app: FastAPI, server: Server) -> None:
-    routes = OpenAIRoutes(server)
+async def _routes(request: Request, server: ServerDep) -> OpenAIRoutes:
+    """The app's :class:`OpenAIRoutes`, made on first use (its chat formats and sampling clients
+    are kept across requests)."""
+    state = request.app.state
+    if getattr(state, "openai_routes", None) is None:
+        state.openai_routes = OpenAIRoutes(server)
+    return state.openai_routes
 
-    @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat_completions(request: Request) -> Response:
-        return await routes.chat(request)
 
-    @app.post("/v1/completions", tags=["openai"])
-    async def completions(request: Request) -> Response:
-        return await routes.completions(request)
+Routes = Annotated[OpenAIRoutes, Depends(_routes)]
+router = APIRouter()
 
-    @app.get("/v1/models", tags=["openai"])
-    async def models(request: Request) -> Response:
-        try:
-            return JSONResponse(routes.models(routes.tenant(request)))
-        except Exception as e:
-            return routes.error(e)
+
+@router.post("/v1/chat/completions", tags=["openai"])
+async def chat_completions(routes: Routes, request: Request) -> Response:
+    return await routes.chat(request)
+
+
+@router.post("/v1/completions", tags=["openai"])
+async def completions(routes: Routes, request: Request) -> Response:
+    return await routes.completions(request)
+
+
+@router.get("/v1/models", tags=["openai"])
+async def models(routes: Routes, request: Request) -> Response:
+    try:
+        return JSONResponse(routes.models(routes.tenant(request)))
+    except Exception as e:
+        return routes.error(e)
