@@ -6,7 +6,7 @@ continuous batching ÷ batches run to completion; and training + sampling overla
 length is drawn from a long-tailed distribution: most are short (``--short`` tokens, uniform), a
 ``--long-frac`` of them long (``--long`` tokens); replies run to their length (``stop=[]``), so
 both modes decode exactly the same tokens. The same arrival schedule and requests go through the
-rollout loop (``sampling/rollout.py``) with continuous batching (a request joins the running batch
+sampling loop (``sampling/loop.py``) with continuous batching (a request joins the running batch
 at the next decode step and is answered at its own stop) and without (``continuous=False``: a
 batch runs to completion, new arrivals wait for the next one, as ``generate`` and the former
 in-tick sampler did). Time-to-result is submit → future resolved, per request. Runs alternate
@@ -15,7 +15,7 @@ continuous (target ≥ 2).
 
 **Overlap.** ``--train-steps`` pipelined forward_backward + optim_step of one adapter (``--train-rows``
 rows of ``--train-len`` tokens) and the same sampling requests, all submitted at once to one
-scheduler: sampling inside its ticks (serialized, the former design) or on the rollout loop's own
+scheduler: sampling inside its ticks (serialized, the former design) or on the sampling loop's own
 thread (overlapped). ``P10_overlap`` = serialized wall ÷ overlapped wall (≥ 1: overlapping is not
 slower). torch ops release the GIL, so the two threads use the machine's cores at once.
 
@@ -40,7 +40,7 @@ from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
-from opentinker.sampling.rollout import RolloutCore, RolloutLoop
+from opentinker.sampling.loop import SamplingCore, SamplingLoop
 from opentinker.scheduler import Scheduler
 
 
@@ -68,7 +68,7 @@ def train_data(vocab: int, rows: int, length: int) -> list[Example]:
     return out
 
 
-def run_stream(loop: RolloutLoop, reqs: list[tuple[float, SampleRequest]]) -> list[float]:
+def run_stream(loop: SamplingLoop, reqs: list[tuple[float, SampleRequest]]) -> list[float]:
     """Submit on schedule; return each request's time-to-result (seconds)."""
     ttr: list[float] = [0.0] * len(reqs)
     futs: list[Future] = []
@@ -96,7 +96,7 @@ def overlap(
     loop: bool,
 ) -> float:
     """Wall seconds to finish ``--train-steps`` training steps and every sample, submitted at once."""
-    rollout = RolloutLoop(RolloutCore(backend.decoder(snapshots_only=True), backend)) if loop else None
+    rollout = SamplingLoop(SamplingCore(backend.decoder(snapshots_only=True), backend)) if loop else None
     sched = Scheduler(engine, backend, rollout=rollout)
     data = train_data(engine.vocab_size, args.train_rows, args.train_len)
     try:
@@ -146,7 +146,7 @@ def main() -> None:
     tokens = sum(r.params.max_tokens for _, r in reqs)
     backend = NativeBackend(engine, prefix_cache_bytes=0)
     loops = {
-        name: RolloutLoop(RolloutCore(backend.decoder(snapshots_only=True), backend, continuous=c))
+        name: SamplingLoop(SamplingCore(backend.decoder(snapshots_only=True), backend, continuous=c))
         for name, c in (("continuous", True), ("to_completion", False))
     }
     print(

@@ -3,7 +3,7 @@
 ``--episodes`` (32) long guess-the-number episodes (1..``--high``, ``--max-turns`` guesses; with
 1..1000 and 12 turns nearly every episode runs all 12 turns in both arms, so both decode the same
 number of turns) run at once, all live, from one policy. No-TTT: every turn sampled from the
-policy (one mixed batch on the rollout loop). TTT (``rl/ttt.py``): each episode forks its own
+policy (one mixed batch on the sampling loop). TTT (``rl/ttt.py``): each episode forks its own
 adapter and takes ``--steps`` updates on its text so far before each turn after the first (all
 live episodes' updates released together and fused into the same ticks), then samples from a
 snapshot of it; one ``TTTUpdates`` serves every repeat, as the RL loop's serves every step, so

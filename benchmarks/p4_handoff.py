@@ -108,7 +108,7 @@ def main() -> None:
 
 
 def worker_mode(args: argparse.Namespace) -> None:
-    from opentinker.rollout.pool import WorkerPool
+    from opentinker.workers.pool import WorkerPool
 
     torch.manual_seed(0)
     engine = Engine(load_base_model(args.model))

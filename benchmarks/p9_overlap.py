@@ -7,7 +7,7 @@ addition task on the same embedded runtime shape twice:
 - **serialized**: ``Runtime(sample_in_ticks=True)``: sampling is served inside the training
   scheduler's ticks, after the fused forward/backward and the optimizer steps, so a sample and a
   training step never run at the same time (the former design);
-- **overlapped**: a separate sampler: the rollout loop on its own thread (``Runtime()``, the
+- **overlapped**: a separate sampler: the sampling loop on its own thread (``Runtime()``, the
   default) or, with ``--workers N``, N rollout worker processes (``Runtime(rollout_workers=N)``).
 
 Both runs have the same config and seeds. Throughput is trained tokens (``train/tokens``: every
@@ -75,7 +75,7 @@ def main() -> None:
         "serialized": Runtime(root / "serialized", sample_in_ticks=True),
         "overlapped": Runtime(root / "overlapped", rollout_workers=args.workers),
     }
-    sampler = f"{args.workers} rollout worker processes" if args.workers else "the rollout loop's thread"
+    sampler = f"{args.workers} rollout worker processes" if args.workers else "the sampling loop's thread"
     print(
         f"model {args.model}: async RL (max_staleness 1), {args.steps} steps of {args.groups} groups x "
         f"{args.group_size}, up to {args.max_tokens} tokens a reply; overlapped on {sampler}; "

@@ -11,7 +11,7 @@ tokens each, EOS ignored, seeded), two ways on the same server:
   adapter's ``tinker://…/sampler_weights/…`` path as ``model`` and the prompt as token ids;
 - **tinker**: the official ``tinker`` SDK, ``SamplingClient.sample`` on the same path.
 
-Both go through the same rollout loop (the 16 adapters decode in one mixed batch), so the ratio is
+Both go through the same sampling loop (the 16 adapters decode in one mixed batch), so the ratio is
 what the OpenAI layer (JSON parsing, model resolution, the response objects) costs per token next
 to the Tinker route's protobuf and its long-polled futures. The rounds alternate (openai, tinker,
 tinker, openai, …) after a warm-up round each, and the medians of tokens/s are quoted. The two

@@ -17,9 +17,9 @@ from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import BaseModel, load_base_model
 from opentinker.models import dtype as dtypes
-from opentinker.rollout.worker import WorkerCore
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.service.runtime import Runtime
+from opentinker.workers.worker import WorkerCore
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import (
     BF16_CROSS_DTYPE_ATOL,

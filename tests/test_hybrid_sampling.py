@@ -23,7 +23,7 @@ from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.hf_cache import is_recurrent
-from opentinker.sampling.rollout import Done, Follow, RolloutCore, Sample
+from opentinker.sampling.loop import Done, FollowInflight, Sample, SamplingCore
 from tests.families import HYBRID_FAMILIES, family_model
 from tests.test_inflight import _switched, _teacher_forced, _train
 from tests.test_moe import _forward_logprobs
@@ -104,7 +104,7 @@ def test_a_request_joining_mid_decode_equals_its_solo_run(
         ),
     ]
     refs = [_ok(backend.generate([r])[0]) for r in first + joiners]
-    core = RolloutCore(backend.decoder(snapshots_only=True), backend)
+    core = SamplingCore(backend.decoder(snapshots_only=True), backend)
     done: list[Done] = []
     for rid, r in enumerate(first):
         core.handle(Sample(rid, r))
@@ -156,13 +156,13 @@ def test_inflight_switch_keeps_the_old_weights_state(setup: tuple[Engine, str, l
     _train(engine, aid, 3, steps=2)
     new = engine.snapshot(aid).snapshot_id
     backend = NativeBackend(engine, prefix_cache_bytes=0)
-    core = RolloutCore(backend.decoder(snapshots_only=True), backend)
+    core = SamplingCore(backend.decoder(snapshots_only=True), backend)
     prompt, params = _prompt(engine, 8, 7), SamplingParams(max_tokens=12, temperature=1.0, seed=11, stop=[])
     core.handle(Sample(1, SampleRequest(old, prompt, params, follow=aid)))
     core.handle(Sample(2, SampleRequest(old, _prompt(engine, 5, 8), params)))  # pinned
     done = core.tick() + core.tick() + core.tick()
     s = 4  # tokens sampled so far (the first tick samples two)
-    core.handle(Follow(aid, new))
+    core.handle(FollowInflight(aid, new))
     while core.busy:
         done += core.tick()
     got = {d.rid: d.result for d in done}

@@ -35,7 +35,7 @@ from opentinker.client import Runtime
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
-from opentinker.sampling.rollout import Done, Follow, RolloutCore, Sample
+from opentinker.sampling.loop import Done, FollowInflight, Sample, SamplingCore
 from opentinker.server.app import create_app
 from opentinker.server.config import ServerConfig
 from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
@@ -99,7 +99,7 @@ def test_inflight_rows_switch_at_the_next_step_and_keep_their_cache(engine: Engi
     _train(engine, aid, 2, steps=3)
     new = engine.snapshot(aid).snapshot_id
     backend = NativeBackend(engine, lean_decode=lean, prefix_cache_bytes=0)
-    core = RolloutCore(backend.decoder(snapshots_only=True), backend)
+    core = SamplingCore(backend.decoder(snapshots_only=True), backend)
     prompt, late_prompt = _prompt(engine, 9, 1), _prompt(engine, 6, 2)
     core.handle(Sample(1, SampleRequest(old, prompt, PARAMS, num_samples=2, follow=aid)))
     core.handle(Sample(2, SampleRequest(old, prompt, PARAMS, num_samples=2)))  # pinned: no follow
@@ -111,7 +111,7 @@ def test_inflight_rows_switch_at_the_next_step_and_keep_their_cache(engine: Engi
     assert not done
     s = ticks + 1  # tokens sampled so far: the next step samples token s on the new weights
     core.handle(Sample(4, SampleRequest(old, late_prompt, PARAMS, follow=aid)))  # waiting
-    core.handle(Follow(aid, new))
+    core.handle(FollowInflight(aid, new))
     while core.busy:
         done += core.tick()
 
@@ -139,12 +139,12 @@ def test_a_follow_naming_unknown_weights_changes_nothing(engine: Engine) -> None
     _train(engine, aid, 1, steps=2)
     old = engine.snapshot(aid).snapshot_id
     backend = NativeBackend(engine, prefix_cache_bytes=0)
-    core = RolloutCore(backend.decoder(snapshots_only=True), backend)
+    core = SamplingCore(backend.decoder(snapshots_only=True), backend)
     prompt = _prompt(engine, 7, 3)
     core.handle(Sample(1, SampleRequest(old, prompt, PARAMS, follow=aid)))
     done = core.tick()
-    assert core.handle(Follow(aid, f"{aid}@gone")) == []
-    assert core.handle(Follow(aid, aid)) == []  # a live adapter is never sampled mid-training
+    assert core.handle(FollowInflight(aid, f"{aid}@gone")) == []
+    assert core.handle(FollowInflight(aid, aid)) == []  # a live adapter is never sampled mid-training
     while core.busy:
         done += core.tick()
     [seq] = _result(done, 1).sequences

@@ -1,7 +1,7 @@
 """Import layering of ``src/opentinker``: lower layers never import upper ones, and no import cycles.
 
 The layers (docs/DESIGN.md, "Layers"), bottom-up: ``models`` → ``lora`` → ``engine`` → ``sampling`` →
-``rollout`` (rollout worker processes and the pool serving from them: the sampler as a service,
+``workers`` (rollout worker processes and the pool serving from them: the sampler as a service,
 beside the backends it runs) → ``scheduler`` (the core: pure compute and state) → ``cluster`` (the Ray
 transport and Ray's set-up: the only layer that imports ``ray``, and only when Ray is asked for) → ``service`` (the
 ``Runtime`` that owns model lifecycle, tenancy, checkpoints and scale-out, and the per-model and
@@ -43,7 +43,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "opentinker"
 
-CORE = ("models", "lora", "engine", "sampling", "rollout", "scheduler", "cluster")
+CORE = ("models", "lora", "engine", "sampling", "workers", "scheduler", "cluster")
 LIBRARY_BASE = ("data", "renderers", "tracking")
 CLIENT_API = ("opentinker", "client")  # the package root re-exports the client names (lazily)
 
@@ -54,9 +54,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "lora": frozenset({"models"}),
     "engine": frozenset({"models", "lora"}),
     "sampling": frozenset({"models", "lora", "engine"}),
-    "rollout": frozenset({"models", "lora", "engine", "sampling"}),
+    "workers": frozenset({"models", "lora", "engine", "sampling"}),
     "scheduler": frozenset({"models", "lora", "engine", "sampling"}),
-    "cluster": frozenset({"models", "lora", "engine", "sampling", "rollout", "scheduler"}),
+    "cluster": frozenset({"models", "lora", "engine", "sampling", "workers", "scheduler"}),
     "service": frozenset(CORE),
     "client": frozenset({"service"}),
     "opentinker": frozenset({"client"}),

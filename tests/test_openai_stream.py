@@ -4,7 +4,7 @@
   real byte-level tokenizer: text holding characters split over several tokens (é, CJK, emoji)
   fed one token at a time never sends a broken character, never sends text from a stop string
   on, and what it sent plus the rest is exactly the whole decode (the non-streamed text).
-- The rollout loop (in process) and a rollout worker process hand a streamed request's tokens to
+- The sampling loop (in process) and a rollout worker process hand a streamed request's tokens to
   its ``TokenSink`` while it decodes: the first piece arrives while its rows are still in the
   running batch (read on the thread that runs the batch / resolves the result, so no timing),
   and the pieces concatenate to the result's tokens and logprobs exactly.
@@ -26,13 +26,13 @@ from transformers import AutoTokenizer
 
 from opentinker.engine import Engine
 from opentinker.models.registry import tiny_model_dir
-from opentinker.rollout.pool import WorkerPool
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
-from opentinker.sampling.rollout import RolloutCore, RolloutLoop, SampleCancelled
+from opentinker.sampling.loop import SampleCancelled, SamplingCore, SamplingLoop
 from opentinker.sampling.types import Tokens, TokenSink
 from opentinker.server.openai_format import Choice
 from opentinker.server.openai_stream import TextSoFar
 from opentinker.service.runtime import Runtime
+from opentinker.workers.pool import WorkerPool
 from tests.conftest import TEST_MODEL
 
 SEEDED = SamplingParams(max_tokens=40, temperature=1.0, seed=11, stop=[])
@@ -81,9 +81,9 @@ def test_only_stable_text_is_sent_across_split_characters_and_stop_strings() -> 
     assert "".join(sent) == whole  # it was no stop: all of it went out
 
 
-def _loop(engine: Engine) -> RolloutLoop:
+def _loop(engine: Engine) -> SamplingLoop:
     backend = NativeBackend(engine, prefix_cache_bytes=0)
-    return RolloutLoop(RolloutCore(backend.decoder(snapshots_only=True), backend))
+    return SamplingLoop(SamplingCore(backend.decoder(snapshots_only=True), backend))
 
 
 def _check_pieces(pieces: list[Tokens], res: SampleResult, samples: int) -> None:

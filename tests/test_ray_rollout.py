@@ -34,15 +34,15 @@ from opentinker.cluster.ray_env import NAMESPACE  # noqa: E402
 from opentinker.cluster.ray_rollout import RayTransport, RayWorker  # noqa: E402
 from opentinker.engine import Engine  # noqa: E402
 from opentinker.lora import LoRAConfig  # noqa: E402
-from opentinker.rollout.pool import WorkerPool  # noqa: E402
-from opentinker.rollout.process import WorkerStartError  # noqa: E402
-from opentinker.rollout.wire import to_bytes  # noqa: E402
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams  # noqa: E402
-from opentinker.sampling.rollout import SampleCancelled  # noqa: E402
+from opentinker.sampling.loop import SampleCancelled  # noqa: E402
 from opentinker.sampling.types import TokenSink  # noqa: E402
 from opentinker.server.auth import create_key  # noqa: E402
 from opentinker.server.local import LocalServer, free_port  # noqa: E402
 from opentinker.service.runtime import Runtime  # noqa: E402
+from opentinker.workers.pool import WorkerPool  # noqa: E402
+from opentinker.workers.process import WorkerStartError  # noqa: E402
+from opentinker.workers.wire import to_bytes  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 from tests.test_rollout_workers import Served as ProcessServed  # noqa: E402
 from tests.test_rollout_workers import _probe, _requests, _same, _same_up_to_near_ties, _wait  # noqa: E402

@@ -33,11 +33,11 @@ from opentinker.cluster.ray_env import NAMESPACE  # noqa: E402
 from opentinker.cluster.ray_rollout import RayTransport  # noqa: E402
 from opentinker.cluster.trainer import ClusterConfigError, TrainerPool  # noqa: E402
 from opentinker.engine import Engine  # noqa: E402
-from opentinker.rollout.pool import WorkerPool  # noqa: E402
-from opentinker.rollout.process import WorkerStartError  # noqa: E402
 from opentinker.sampling import NativeBackend  # noqa: E402
 from opentinker.server.local import free_port  # noqa: E402
 from opentinker.service.runtime import Runtime  # noqa: E402
+from opentinker.workers.pool import WorkerPool  # noqa: E402
+from opentinker.workers.process import WorkerStartError  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray instances, a serve process, actors loading the base model

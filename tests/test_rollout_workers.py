@@ -25,14 +25,14 @@ from tinker import types
 import opentinker
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
-from opentinker.rollout.pool import WorkerPool
-from opentinker.rollout.process import WorkerStartError
-from opentinker.rollout.wire import Cancel, LoRABytes, Publish, Published, Sample, from_bytes, to_bytes
-from opentinker.rollout.worker import WorkerCore
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
-from opentinker.sampling.rollout import Done, SampleCancelled
+from opentinker.sampling.loop import Done, SampleCancelled
 from opentinker.server.local import LocalServer
 from opentinker.service.runtime import Runtime
+from opentinker.workers.pool import WorkerPool
+from opentinker.workers.process import WorkerStartError
+from opentinker.workers.wire import Cancel, LoRABytes, Publish, Published, Sample, from_bytes, to_bytes
+from opentinker.workers.worker import WorkerCore
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
 

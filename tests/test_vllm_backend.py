@@ -1,4 +1,4 @@
-"""The vLLM rollout backend (sampling/vllm_backend.py) behind the embedded SDK, on the rollout loop.
+"""The vLLM rollout backend (sampling/vllm_backend.py) behind the embedded SDK, on the sampling loop.
 
 One vLLM engine for the module (it takes a minute to start on CPU). Every result is compared with
 the native sampler on the same snapshot: greedy tokens equal up to the first near tie (two fp32
@@ -323,7 +323,7 @@ def test_an_unembedding_adapter_samples_natively_beside_vllm_in_one_batch(rt: Ru
     g = got[0]
     assert isinstance(g, SampleResult) and g.sequences[0].tokens == ref.sequences[0].tokens
     assert_logprobs_close(g.sequences[0].logprobs, ref.sequences[0].logprobs)
-    # through the SDK and the rollout loop, the same
+    # through the SDK and the sampling loop, the same
     sdk = default.sample(
         types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=12, temperature=0.0, stop=[])
     ).result()

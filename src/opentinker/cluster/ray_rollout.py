@@ -1,7 +1,7 @@
 """Rollout workers as Ray actors: the pool's Ray transport (:class:`RayTransport`).
 
 Each worker is a :class:`RolloutActor`, a threaded Ray actor hosting the transport-free
-:class:`~opentinker.rollout.worker.WorkerCore` with the same :mod:`~opentinker.rollout.wire`
+:class:`~opentinker.workers.worker.WorkerCore` with the same :mod:`~opentinker.workers.wire`
 messages as a worker process. Its loop thread runs what the process worker's main loop runs:
 take every waiting message, run one tick, queue the replies. Two actor methods carry the
 messages: ``send(seq, msgs)`` (numbered by the pool's side, applied in that order whatever order
@@ -53,8 +53,8 @@ from opentinker.cluster.ray_env import (
     wait_placed,
 )
 from opentinker.lora import LoRAWeights
-from opentinker.rollout.process import WorkerDied, WorkerStartError
-from opentinker.rollout.wire import Done, Inbound, LoRABytes, Outbound, Publish, Ready, Stop, to_bytes
+from opentinker.workers.process import WorkerDied, WorkerStartError
+from opentinker.workers.wire import Done, Inbound, LoRABytes, Outbound, Publish, Ready, Stop, to_bytes
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RolloutActor:
     def __init__(self, index: int, options: dict[str, Any]) -> None:
         import torch
 
-        from opentinker.rollout.worker import WorkerCore
+        from opentinker.workers.worker import WorkerCore
 
         options = dict(options)
         torch.set_num_threads(int(options.pop("threads", None) or 1))

@@ -248,7 +248,7 @@ class RoutedTrainer:
         if self._dp(ref) is None and self._placed(ref) is None:
             self._local.check_policy(ref)
 
-    def _either(self, method: str, ref: str | None, *args: Any, **kwargs: Any) -> Any:
+    def _on_holder(self, method: str, ref: str | None, *args: Any, **kwargs: Any) -> Any:
         """``method`` on the worker holding adapter ``ref``, or on the front-end's engine for a
         policy version (a snapshot) or the bare base model."""
         if self._dp(ref) is not None or self._placed(ref) is not None:
@@ -257,7 +257,7 @@ class RoutedTrainer:
         return getattr(self._local, method)(ref, *args, **kwargs)
 
     def adapter_weights(self, ref: PolicyRef) -> LoRAWeights:
-        return self._either("adapter_weights", ref)
+        return self._on_holder("adapter_weights", ref)
 
     def save_state(
         self,
@@ -268,19 +268,19 @@ class RoutedTrainer:
         meta: dict[str, Any] | None = None,
         overwrite: bool = False,
     ) -> Path:
-        return self._either("save_state", ref, path, optimizer=optimizer, meta=meta, overwrite=overwrite)
+        return self._on_holder("save_state", ref, path, optimizer=optimizer, meta=meta, overwrite=overwrite)
 
     def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
-        return self._either("export_peft", ref, out_dir)
+        return self._on_holder("export_peft", ref, out_dir)
 
     def export_tinker(self, ref: PolicyRef, out_dir: str | Path) -> Path:
-        return self._either("export_tinker", ref, out_dir)
+        return self._on_holder("export_tinker", ref, out_dir)
 
     def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
-        return self._either("export_merged", ref, out_dir)
+        return self._on_holder("export_merged", ref, out_dir)
 
     def adapter_config(self, adapter_id: str) -> LoRAConfig:
-        return self._either("adapter_config", adapter_id)
+        return self._on_holder("adapter_config", adapter_id)
 
     def adapter_step(self, adapter_id: str) -> int:
         return self._remote(adapter_id, "adapter_step", adapter_id)

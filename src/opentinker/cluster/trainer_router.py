@@ -6,7 +6,7 @@ the trainer worker holding it, for a ``Runtime`` that serves training from a
 clients, the runtime and the HTTP server run unchanged over it. It *is* a scheduler over the
 front-end's own engine (a base-model replica that trains nothing): that engine holds the policy
 versions samplers read (every snapshot a worker takes comes back as the adapter's tensors and is
-registered there), serves sampling (its rollout loop or rollout workers, as without Ray), and
+registered there), serves sampling (its sampling loop or rollout workers, as without Ray), and
 runs the calls of queues that name no placed model (releasing a snapshot, loading a checkpoint
 as a policy).
 
@@ -51,8 +51,8 @@ from opentinker.cluster.routed_trainer import RoutedTrainer
 from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.engine.trainer import Trainer
-from opentinker.sampling import RolloutBackend
-from opentinker.sampling.rollout import RolloutService
+from opentinker.sampling import SamplingBackend
+from opentinker.sampling.loop import SamplingService
 from opentinker.scheduler import Scheduler
 
 
@@ -72,10 +72,10 @@ class RoutedScheduler(Scheduler):
     def __init__(
         self,
         engine: Engine,
-        sampler: RolloutBackend,
+        sampler: SamplingBackend,
         pool: TrainerPool,
         *,
-        rollout: RolloutService | None = None,
+        rollout: SamplingService | None = None,
         lanes: int = 32,
     ) -> None:
         super().__init__(engine, sampler, rollout=rollout)

@@ -304,7 +304,7 @@ class MultiLoRA:
     The model is changed in place; ``batch`` is the routing every wrapped layer reads during a
     forward (set it with :meth:`use`). ``groups`` describes every wrapped projection kind.
 
-    ``batch`` is per thread: the training scheduler's forward and the rollout loop's (on its own
+    ``batch`` is per thread: the training scheduler's forward and the sampling loop's (on its own
     thread, over the same shared base model) each see only the routing they set.
     """
 

@@ -1,6 +1,6 @@
 """The RL loop: rollouts -> :func:`~opentinker.rl.train_step.train_step` (group-relative
 advantages, one ``forward_backward`` + ``optim_step``) -> a sampling client of the new weights,
-every step. Two loops share that step and everything around it (:class:`_Run`: evaluation,
+every step. Two loops share that step and everything around it (:class:`_RLRun`: evaluation,
 logging, stopping; the run scaffold :func:`~opentinker.tracking.run.open_run`: the training
 client, resume, checkpoints, the final save, the plot):
 
@@ -120,7 +120,7 @@ class RLResult:
     final_path: str | None
 
 
-class _Run:
+class _RLRun:
     """One run's state and the parts of a step both loops share: sampling a step's rollouts,
     training on them (:meth:`train`), and the step's end (:meth:`end_step`: checkpoint, evaluation,
     log row, stopping rule)."""
@@ -170,10 +170,10 @@ class _Run:
             stats = TTTStats()
             if self.ttt_updates is None:
                 self.ttt_updates = TTTUpdates(self.service, cfg.ttt)
-            ups = self.ttt_updates
+            updates = self.ttt_updates
             groups = await gather_or_cancel(
                 *(
-                    ttt_rollout_group(b, policy, self.params, service=self.service, fork_path=path, cfg=cfg.ttt, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version, stats=stats, updates=ups)
+                    ttt_rollout_group(b, policy, self.params, service=self.service, fork_path=path, cfg=cfg.ttt, seed=seed + 31 * k, timeout_s=cfg.episode_timeout_s, policy_version=version, stats=stats, updates=updates)
                     for k, b in enumerate(self.dataset.batch(step))
                 )
             )  # fmt: skip
@@ -242,7 +242,7 @@ class _Run:
         return _should_stop(cfg, m)
 
 
-async def _sync_loop(run: _Run) -> None:
+async def _sync_loop(run: _RLRun) -> None:
     """Each step samples with the current policy, then trains on what it sampled."""
     for step in range(run.start, run.cfg.steps):
         t0 = time.monotonic()
@@ -252,7 +252,7 @@ async def _sync_loop(run: _Run) -> None:
             break
 
 
-async def _async_loop(run: _Run) -> None:
+async def _async_loop(run: _RLRun) -> None:
     """A producer samples ahead (step ``s`` from a policy of version >= ``s - max_staleness``)
     while this loop trains on what it produced, in step order."""
     cfg = run.cfg
@@ -319,7 +319,7 @@ async def run_rl(
         resume=resume, training_client=training_client, on_save=on_save,
     ) as run:  # fmt: skip
         base_policy = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_coef > 0 else None
-        loop = _Run(cfg, dataset, evaluator, run, service, base_policy, replay, on_step)
+        loop = _RLRun(cfg, dataset, evaluator, run, service, base_policy, replay, on_step)
         try:
             await loop.begin()
             await (_async_loop(loop) if cfg.mode == "async" else _sync_loop(loop))

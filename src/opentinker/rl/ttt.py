@@ -404,11 +404,11 @@ async def ttt_rollout_group(
     fuse and forks are reused; by default one of this group's own, closed at its end."""
     stats = stats if stats is not None else TTTStats()
     own_updates = updates is None
-    ups = TTTUpdates(service, cfg) if updates is None else updates
+    ttt = TTTUpdates(service, cfg) if updates is None else updates
     episodes: dict[int, TTTEpisode] = {}
 
     def own(i: int, first_ob: list[int]) -> TTTEpisode:
-        episodes[i] = ep = ups.episode(fork_path, len(first_ob), policy, stats)
+        episodes[i] = ep = ttt.episode(fork_path, len(first_ob), policy, stats)
         return ep
 
     def end(i: int) -> None:
@@ -425,4 +425,4 @@ async def ttt_rollout_group(
         for i in list(episodes):
             end(i)
         if own_updates:
-            await ups.close()
+            await ttt.close()

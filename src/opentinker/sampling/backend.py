@@ -1,6 +1,6 @@
 """The backend contract for rollout engines: one batch mixes snapshots of many adapters.
 
-Everything above it (scheduler, clients, RL loops) talks to a :class:`RolloutBackend`:
+Everything above it (scheduler, clients, RL loops) talks to a :class:`SamplingBackend`:
 
 - ``publish(policy_id, weights)``: make a policy version sampleable (an immutable LoRA snapshot);
 - ``retire(policy_id)``: forget it (later requests naming it fail with a clear error);
@@ -95,7 +95,7 @@ def check_request(req: SampleRequest, *, vocab_size: int, max_context: int) -> N
             raise EngineError("stop strings must not be empty")
 
 
-class RolloutBackend(ABC):
+class SamplingBackend(ABC):
     # the sampler–trainer mismatch of the last batch that finished rows, and of all so far
     # (None: the backend samples with the trainer's own forward, so there is none to measure)
     mismatch_last: Mismatch | None = None

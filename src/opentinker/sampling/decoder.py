@@ -1,6 +1,6 @@
 """The step-wise decoder: a running batch that requests join and leave between decode steps.
 
-``NativeBackend.generate`` and the rollout loop (:mod:`opentinker.sampling.rollout`) both drive
+``NativeBackend.generate`` and the sampling loop (:mod:`opentinker.sampling.loop`) both drive
 one :class:`StepDecoder` through four moves:
 
 * **pin** (:meth:`StepDecoder.pin`): validate a request and resolve its policy to the weights it
@@ -81,7 +81,7 @@ class Pinned:
 
 
 class Decoder(Protocol):
-    """What the rollout loop drives: :class:`StepDecoder`, or another backend's step-wise decoder
+    """What the sampling loop drives: :class:`StepDecoder`, or another backend's step-wise decoder
     (e.g. :class:`~opentinker.sampling.vllm_backend.VLLMDecoder`)."""
 
     steps: int

@@ -3,7 +3,7 @@
 It shares the training engine's base model and snapshots (``publish`` is free) and decodes through
 a :class:`~opentinker.sampling.decoder.StepDecoder` (see there for prefill, prefix reuse, fan-out,
 per-row generators and stops). ``generate`` admits one batch and steps it until every row has
-stopped; the rollout loop (:mod:`opentinker.sampling.rollout`) drives the same decoder
+stopped; the sampling loop (:mod:`opentinker.sampling.loop`) drives the same decoder
 continuously, admitting requests into the running batch between decode steps
 (:meth:`NativeBackend.decoder`).
 """
@@ -20,7 +20,7 @@ from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights
 from opentinker.models.vision import check_placeholders
-from opentinker.sampling.backend import RolloutBackend, check_request
+from opentinker.sampling.backend import SamplingBackend, check_request
 from opentinker.sampling.decoder import (
     MIN_SHARED_PREFIX,
     StepDecoder,
@@ -40,7 +40,7 @@ DEFAULT_PREFIX_CACHE_BYTES = 512 << 20  # keys and values of finished sequences 
 LEAN_FIRST_DECODE_COLUMNS = 256  # static KV cache columns allocated for decode at first (then doubled)
 
 
-class NativeBackend(RolloutBackend):
+class NativeBackend(SamplingBackend):
     def __init__(
         self,
         engine: Engine,

@@ -1,4 +1,4 @@
-"""vLLM with a native fallback: one :class:`RolloutBackend` over both, each snapshot sampled by
+"""vLLM with a native fallback: one :class:`SamplingBackend` over both, each snapshot sampled by
 the one that can serve it.
 
 ``--rollout-backend vllm`` runs a :class:`RoutedBackend`: a
@@ -11,7 +11,7 @@ vLLM's runtime LoRA can serve it, else on the native backend, with the reason
 None) and servable adapters stay on vLLM. A placement depends only on the weights, so it never
 changes for a snapshot.
 
-:class:`RoutedDecoder` is the rollout loop's decoder: ``pin`` sends a request to its snapshot's
+:class:`RoutedDecoder` is the sampling loop's decoder: ``pin`` sends a request to its snapshot's
 side, ``admit`` splits a group between the two decoders, and ``step`` steps both, so both halves'
 rows finish through one loop and ``generate`` answers one mixed batch. The sampler–trainer
 mismatch figures are vLLM's rows' (native rows sample with the trainer's own forward).
@@ -26,7 +26,7 @@ from typing import Any
 
 from opentinker.engine import Engine, EngineError, UnknownPolicyError
 from opentinker.lora import LoRAWeights
-from opentinker.sampling.backend import RolloutBackend
+from opentinker.sampling.backend import SamplingBackend
 from opentinker.sampling.decoder import Finished, Pinned, StepDecoder, run_to_completion
 from opentinker.sampling.native import NativeBackend
 from opentinker.sampling.types import SampleRequest, SampleResult
@@ -48,7 +48,7 @@ class Placement:
         return {"snapshot": self.policy_id, "served_by": self.backend, "reason": self.reason}
 
 
-class RoutedBackend(RolloutBackend):
+class RoutedBackend(SamplingBackend):
     def __init__(self, vllm: VLLMBackend | None, native: NativeBackend, *, vllm_off: str = "") -> None:
         """``vllm`` and ``native`` over one training engine (``native.engine``); ``vllm`` None:
         vLLM cannot run this base model at all (``vllm_off`` says why), so everything is native."""
@@ -158,7 +158,7 @@ class RoutedBackend(RolloutBackend):
 
 
 class RoutedDecoder:
-    """The rollout loop's decoder over both backends: each request on its snapshot's side."""
+    """The sampling loop's decoder over both backends: each request on its snapshot's side."""
 
     def __init__(self, backend: RoutedBackend) -> None:
         self.backend = backend

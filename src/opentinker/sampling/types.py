@@ -46,7 +46,7 @@ class SampleRequest:
     # k independent draws (at the request's temperature) at every prompt position after the first
     prompt_alt_tokens_k: int = 0
     # a ``kind="inflight"`` sampler's request: the training model whose newest saved weights it
-    # follows mid-decode (the rollout loop's ``Follow``); None: it stays on ``policy``
+    # follows mid-decode (the sampling loop's ``FollowInflight``); None: it stays on ``policy``
     follow: str | None = None
     # a sampling session's KV-cache namespace (a ``kind="inflight"`` sampler's): its finished
     # sequences are cached under it instead of under the weights, so its later requests reuse them
@@ -87,7 +87,7 @@ class Tokens:
 
 class TokenSink:
     """Where a streamed request's :class:`Tokens` go while it decodes (``SampleRequest.stream``):
-    ``deliver`` is called on the rollout loop's thread (or the worker pool's dispatcher), so it
+    ``deliver`` is called on the sampling loop's thread (or the worker pool's dispatcher), so it
     must be quick and never block. A sink crosses to a rollout worker (pickled) as a bare marker,
     without ``deliver``: the worker sends its :class:`Tokens` back as messages and the pool hands
     them to the request's own sink."""

@@ -1,8 +1,8 @@
-"""The vLLM rollout backend: vLLM's own engine and runtime LoRA behind :class:`RolloutBackend`.
+"""The vLLM rollout backend: vLLM's own engine and runtime LoRA behind :class:`SamplingBackend`.
 
 - **publish** and **retire** go to the engine's LoRA table (:mod:`~opentinker.sampling.vllm_lora`:
   PEFT exports registered with vLLM, unloaded once the last row sampling them has stopped);
-- **generate** and the rollout loop drive one :class:`VLLMDecoder`, the same four moves as the
+- **generate** and the sampling loop drive one :class:`VLLMDecoder`, the same four moves as the
   native :class:`~opentinker.sampling.decoder.StepDecoder` (pin, admit, step, rows leave when they
   stop) on vLLM's ``LLMEngine`` (``add_request`` / ``step``): vLLM batches continuously itself,
   so a request admitted between two steps decodes with the running ones.
@@ -26,7 +26,7 @@ from typing import Any
 from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights, TargetGroup
-from opentinker.sampling.backend import Mismatch, RolloutBackend, check_request
+from opentinker.sampling.backend import Mismatch, SamplingBackend, check_request
 from opentinker.sampling.decoder import Finished, Pinned, run_to_completion
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult
 from opentinker.sampling.vllm_engine import (
@@ -47,7 +47,7 @@ from opentinker.sampling.vllm_scoring import (
 )
 
 
-class VLLMBackend(RolloutBackend):
+class VLLMBackend(SamplingBackend):
     def __init__(
         self,
         model_path: str,
@@ -209,7 +209,7 @@ class VLLMBackend(RolloutBackend):
 
 class VLLMDecoder:
     """The step-wise interface of :class:`~opentinker.sampling.decoder.StepDecoder` over vLLM's
-    engine, so that the rollout loop drives either (one thread drives a decoder at a time)."""
+    engine, so that the sampling loop drives either (one thread drives a decoder at a time)."""
 
     def __init__(self, backend: VLLMBackend) -> None:
         self.backend = backend

@@ -9,12 +9,12 @@ A model's operations run strictly in submission order. One **tick** is:
 3. every model whose next operation (after that request, or at the head) is ``optim_step`` takes
    the step — so a client that pipelines ``forward_backward`` + ``optim_step`` before waiting
    gets both in the same tick;
-4. only when the scheduler serves sampling itself (it was given a plain ``RolloutBackend``, the
+4. only when the scheduler serves sampling itself (it was given a plain ``SamplingBackend``, the
    serialized reference): all waiting sample requests (up to ``max_sample_rows`` sequences, oldest
    first) decode as one mixed-policy batch.
 
-**Sampling runs elsewhere.** Given a :class:`~opentinker.sampling.rollout.RolloutService` (what
-the ``Runtime`` does: a :class:`~opentinker.sampling.rollout.RolloutLoop` on its own thread, or a
+**Sampling runs elsewhere.** Given a :class:`~opentinker.sampling.loop.SamplingService` (what
+the ``Runtime`` does: a :class:`~opentinker.sampling.loop.SamplingLoop` on its own thread, or a
 pool of rollout worker processes), ``submit_sample`` hands the request to it, which serves it with
 continuous batching, overlapped with the ticks: this scheduler then only decides when
 training runs. A client whose request is sampling is not waited for by the batching window.
@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from opentinker.engine import AdamParams, Engine, ForwardRequest, Trainer
-from opentinker.sampling import RolloutBackend, SampleRequest
-from opentinker.sampling.rollout import RolloutService, SampleCancelled
+from opentinker.sampling import SampleRequest, SamplingBackend
+from opentinker.sampling.loop import SampleCancelled, SamplingService
 
 OpKind = Literal["forward", "optim", "call"]
 
@@ -89,7 +89,7 @@ class TickRecord:
     fused_rows: int  # their datums together
     optim_steps: int
     calls: int
-    sample_requests: int  # sampled inside the tick (only without a rollout loop)
+    sample_requests: int  # sampled inside the tick (only without a sampling loop)
 
 
 @dataclass
@@ -108,9 +108,9 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
-        sampler: RolloutBackend,
+        sampler: SamplingBackend,
         *,
-        rollout: RolloutService | None = None,
+        rollout: SamplingService | None = None,
         max_sample_rows: int = 256,
         gather_s: float = 0.002,
         max_gather_s: float = 0.02,
@@ -197,7 +197,7 @@ class Scheduler:
 
     def abort_sample(self, ticket: int) -> bool:
         """Drop a sample request wherever it is, decoding included (its rows leave the running
-        batch, in process or on the rollout worker decoding it: ``RolloutService.abort``); inside
+        batch, in process or on the rollout worker decoding it: ``SamplingService.abort``); inside
         ticks, as :meth:`cancel_sample` (a request already decoding runs to its end). True if
         dropped."""
         if self.rollout is not None:
@@ -206,7 +206,7 @@ class Scheduler:
 
     def follow(self, group: str, policy_id: str) -> None:
         """Sample requests following training model ``group`` move to ``policy_id``'s weights
-        mid-decode (:class:`~opentinker.sampling.rollout.Follow`), where the rollout service
+        mid-decode (:class:`~opentinker.sampling.loop.FollowInflight`), where the rollout service
         supports it (the in-process loop). Inside ticks, a batch runs to completion on the weights
         it started with."""
         if self.rollout is not None:

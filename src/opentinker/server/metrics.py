@@ -11,7 +11,7 @@ Events are counters incremented where they happen: tokens, through the usage led
 (every count the ledger bills, with the prompt tokens a sample took from the prefix cache as an
 unbilled observation). Everything else is read when scraped, by :class:`StateCollector`, from the
 objects that already hold it: request states (the reorder buffer, admission, the futures), each
-base model's scheduler (ticks, their run time and fused rows), rollout loop (running batch,
+base model's scheduler (ticks, their run time and fused rows), sampling loop (running batch,
 waiting requests), prefix cache and workers, live models, snapshots and samplers per tenant, and
 checkpoint bytes from the index. No label value shows a filesystem path of this server (they go
 through the same redactor as every error message).
@@ -139,7 +139,7 @@ class StateCollector(Collector):
             "rollout_running_rows", "Sequences decoding in the rollout batch (rollout workers': summed)", lb
         )
         waiting = _gauge("rollout_waiting_requests", "Sample requests waiting to join the batch", lb)
-        steps = _counter("rollout_decode_steps", "Decode steps the rollout loop ran", lb)
+        steps = _counter("rollout_decode_steps", "Decode steps the sampling loop ran", lb)
         cache = _gauge("prefix_cache_bytes", "Bytes of keys and values in the prefix cache", lb)
         for e in runtime.engine_stats(trainers=False):  # no call to any worker
             base, st = [self._label(e["base_model"])], e["ticks"]

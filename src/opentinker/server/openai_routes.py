@@ -16,7 +16,7 @@ admission (:mod:`admission`), the rollout service (continuous batching, the pref
 workers, vLLM when on), and the usage ledger's ``sampling_prefill`` / ``sampling_sample``
 counts. A client that goes away before its answer is complete (a stream cut, a closed
 connection) has its sample aborted: its rows leave the running batch before the next decode step
-(``RolloutLoop.abort``; with rollout worker processes or actors, the pool sends the worker an
+(``SamplingLoop.abort``; with rollout worker processes or actors, the pool sends the worker an
 ``Abort`` and its rows leave that worker's batch).
 
 **Streams** (``stream``) send each choice's text token by token while it decodes

@@ -474,7 +474,7 @@ class Registry:
         """A ``kind="inflight"`` sampler: ``snap`` becomes its model's inflight target, and every
         inflight sampler of that model (this one and the earlier ones) serves its next requests on
         it. Their requests already decoding continue on it from their next token, keys and values
-        kept (the rollout loop's ``Follow``; the exact rule is ``StepDecoder.switch``'s)."""
+        kept (the sampling loop's ``FollowInflight``; the exact rule is ``StepDecoder.switch``'s)."""
         stale = None
         client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
         client.follow = snap.adapter_id

@@ -19,7 +19,7 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
-def mapped(fut: Future, fn: Callable[[Any], U]) -> AwaitableConcurrentFuture[U]:
+def map_future(fut: Future, fn: Callable[[Any], U]) -> AwaitableConcurrentFuture[U]:
     """A future of ``fn(result)``; exceptions pass through unchanged."""
     out: Future = Future()
 
@@ -53,7 +53,7 @@ class ClientFuture(AwaitableConcurrentFuture[T]):
 
 def client_future(fut: Future, make: Callable[[Any], U]) -> ClientFuture[U]:
     """A :class:`ClientFuture` of ``make(result)``."""
-    return ClientFuture(mapped(fut, make).future())
+    return ClientFuture(map_future(fut, make).future())
 
 
 def ready(value: T) -> AwaitableConcurrentFuture[T]:

@@ -38,9 +38,9 @@ from opentinker.models.dtype import dtype_name, resolve_dtype
 from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
 from opentinker.models.vision import Vision
-from opentinker.sampling import NativeBackend, RolloutBackend
+from opentinker.sampling import NativeBackend, SamplingBackend
 from opentinker.sampling.decoder import Decoder
-from opentinker.sampling.rollout import RolloutCore, RolloutLoop, RolloutService
+from opentinker.sampling.loop import SamplingCore, SamplingLoop, SamplingService
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
@@ -53,9 +53,9 @@ LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints tha
 
 
 @dataclass
-class Backend:
+class BaseStack:
     engine: Engine
-    sampler: RolloutBackend
+    sampler: SamplingBackend
     scheduler: Scheduler
 
 
@@ -133,7 +133,7 @@ class Runtime:
         # tinker path -> readable by every tenant (published); the server sets it from its store
         self.is_public: Callable[[str], bool] = lambda path: False
         self.models: dict[str, ModelRecord] = {}
-        self._backends: dict[str, Backend] = {}
+        self._backends: dict[str, BaseStack] = {}
         self._lock = threading.RLock()
         self._model_seq = itertools.count(1)
         # (base model, tinker path) -> (manifest digests, snapshot id): see _weights_source
@@ -143,7 +143,7 @@ class Runtime:
             backends=self._loaded,
         )  # fmt: skip
 
-    def _loaded(self) -> dict[str, Backend]:
+    def _loaded(self) -> dict[str, BaseStack]:
         with self._lock:
             return dict(self._backends)
 
@@ -155,7 +155,7 @@ class Runtime:
             return dict(self.config.rollout_options)
         return {"max_lora_rank": self.config.vllm_max_lora_rank, **self.config.rollout_options}
 
-    def backend(self, base_model: str) -> Backend:
+    def backend(self, base_model: str) -> BaseStack:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
         queue their work on its scheduler; callers above the service layer use the accessors below."""
         name = canonical_name(base_model)
@@ -166,16 +166,16 @@ class Runtime:
                 engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
                 sampler, decoder = self._sampler(engine)
                 # sampling on its own thread, continuous batching (None: in the scheduler's ticks)
-                loop: Callable[[], RolloutService] | None = (
+                loop: Callable[[], SamplingService] | None = (
                     None
                     if self.config.sample_in_ticks
-                    else lambda: RolloutLoop(RolloutCore(decoder(), sampler))
+                    else lambda: SamplingLoop(SamplingCore(decoder(), sampler))
                 )
-                b = Backend(engine, sampler, self.scaleout.scheduler_for(name, engine, sampler, loop))
+                b = BaseStack(engine, sampler, self.scaleout.scheduler_for(name, engine, sampler, loop))
                 self._backends[name] = b
             return b
 
-    def _sampler(self, engine: Engine) -> tuple[RolloutBackend, Callable[[], Decoder]]:
+    def _sampler(self, engine: Engine) -> tuple[SamplingBackend, Callable[[], Decoder]]:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
         cache = self.config.prefix_cache_bytes  # per base model's sampler
         if self.config.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
@@ -549,7 +549,7 @@ class Runtime:
         """The snapshots ``base_model``'s engine holds now (``<model>@v<n>``, loaded checkpoints)."""
         return self.backend(base_model).engine.snapshot_ids()
 
-    def _snapshot_owner(self, b: Backend, policy: str) -> str | None:
+    def _snapshot_owner(self, b: BaseStack, policy: str) -> str | None:
         """The model a snapshot was taken from (a loaded checkpoint's: the model it was saved from)."""
         if policy.startswith("tinker://"):
             with contextlib.suppress(EngineError):

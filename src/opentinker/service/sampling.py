@@ -12,7 +12,7 @@ from opentinker.sampling import SampleRequest, SampleResult
 from opentinker.sampling.types import Tokens, TokenSink
 from opentinker.service.convert import check_prompt_extras, model_input_parts, sample_response
 from opentinker.service.convert import sampling_params as to_sampling_params
-from opentinker.service.futures import ReadyClient, mapped
+from opentinker.service.futures import ReadyClient, map_future
 from opentinker.service.runtime import Runtime
 
 __all__ = ["SamplingClient", "TokenSink", "Tokens"]
@@ -78,7 +78,7 @@ class SamplingClient(ReadyClient):
         topk_sample_logprobs: int = 0,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
         """As :meth:`sample`, and the samples' tokens handed to ``sink`` while they decode (by the
-        rollout loop and rollout workers; where sampling runs otherwise, they come only with the
+        sampling loop and rollout workers; where sampling runs otherwise, they come only with the
         result). The result holds every token, streamed or not."""
         return self._sample(
             sink,
@@ -136,7 +136,7 @@ class SamplingClient(ReadyClient):
                 res, target_layout=target_prompt_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n
             )
 
-        return mapped(self._submit(req), convert)
+        return map_future(self._submit(req), convert)
 
     async def sample_async(self, *args: Any, **kwargs: Any) -> types.SampleResponse:
         # the SDK's deprecated form: the result itself (``await client.sample(...)`` is the new one)
@@ -156,7 +156,7 @@ class SamplingClient(ReadyClient):
             assert res.prompt_logprobs is not None
             return res.prompt_logprobs
 
-        return mapped(self._submit(req), logprobs)
+        return map_future(self._submit(req), logprobs)
 
     def _submit(self, req: SampleRequest) -> Any:
         fut = self._scheduler.submit_sample(req)

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from opentinker.engine import DataParallelTrainer, Engine, EngineError, Trainer
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
-from opentinker.rollout.pool import WorkerPool
-from opentinker.sampling import RolloutBackend
-from opentinker.sampling.rollout import RolloutService
+from opentinker.sampling import SamplingBackend
+from opentinker.sampling.loop import SamplingService
 from opentinker.scheduler import Scheduler
+from opentinker.workers.pool import WorkerPool
 
 if TYPE_CHECKING:
     from opentinker.cluster.trainer_router import RoutedScheduler
@@ -44,7 +44,7 @@ class ScaleOut:
     """A runtime's scale-out settings (its :class:`RuntimeConfig`), checked once, and what runs on them.
 
     ``rollout_workers``: serve sampling from that many worker processes per base model
-    (:mod:`opentinker.rollout.pool`; 0: the runtime's own rollout loop). ``ray``: run them as Ray
+    (:mod:`opentinker.workers.pool`; 0: the runtime's own sampling loop). ``ray``: run them as Ray
     actors of ``worker_cpus`` CPUs and ``worker_gpus`` GPUs each (:mod:`opentinker.cluster.ray_rollout`),
     on a Ray instance started here (``"local"``) or a cluster joined (``"auto"``,
     ``"ray://HOST:PORT"``, ``"HOST:PORT"``); an address that does not answer, or workers the
@@ -385,7 +385,7 @@ class ScaleOut:
         return extra
 
     def scheduler_for(
-        self, name: str, engine: Engine, sampler: RolloutBackend, loop: Callable[[], RolloutService] | None
+        self, name: str, engine: Engine, sampler: SamplingBackend, loop: Callable[[], SamplingService] | None
     ) -> Scheduler:
         """Base model ``name``'s scheduler, training here or routed to its trainer workers (a lost
         worker's models are then put back by :meth:`worker_lost`), over its rollout service: its
@@ -394,7 +394,7 @@ class ScaleOut:
         checked against what the cluster has free before any starts."""
         self._check_fits()
         if self.rollout_workers:
-            rollout: RolloutService | None = self.rollout_pool(engine, name)
+            rollout: SamplingService | None = self.rollout_pool(engine, name)
         else:
             rollout = None if loop is None else loop()
         if not self.trainer_workers:

@@ -20,7 +20,7 @@ from opentinker.engine.custom_loss import CustomLoss as CustomLossGraph
 from opentinker.engine.optim import check_step_params
 from opentinker.service.checkpoints import CheckpointRef, check_name
 from opentinker.service.convert import datum_to_example, forward_output
-from opentinker.service.futures import ClientFuture, ReadyClient, client_future, mapped
+from opentinker.service.futures import ClientFuture, ReadyClient, client_future, map_future
 from opentinker.service.inflight import inflight_client
 from opentinker.service.runtime import ModelRecord, Runtime
 from opentinker.service.sampling import SamplingClient
@@ -64,7 +64,7 @@ class TrainingClient(ReadyClient):
         custom_loss: CustomLossGraph | None = None,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         req = self._request(data, loss_fn, loss_fn_config, backward=False, custom_loss=custom_loss)
-        return mapped(self._scheduler.submit_forward(self.model_id, req), forward_output)
+        return map_future(self._scheduler.submit_forward(self.model_id, req), forward_output)
 
     def forward_backward(
         self,
@@ -75,7 +75,7 @@ class TrainingClient(ReadyClient):
         custom_loss: CustomLossGraph | None = None,
     ) -> AwaitableConcurrentFuture[types.ForwardBackwardOutput]:
         req = self._request(data, loss_fn, loss_fn_config, backward=True, custom_loss=custom_loss)
-        return mapped(self._scheduler.submit_forward(self.model_id, req), forward_output)
+        return map_future(self._scheduler.submit_forward(self.model_id, req), forward_output)
 
     def forward_backward_custom(
         self, data: list[types.Datum], loss_fn: CustomLoss | CustomLossGraph, **_: Any
@@ -116,7 +116,7 @@ class TrainingClient(ReadyClient):
             out.metrics["loss:sum"] = float(loss.detach())
             return out
 
-        return mapped(self._call(run), lambda x: x)
+        return map_future(self._call(run), lambda x: x)
 
     def optim_step(
         self, optim_params: types.OptimParams | None = None, *, adam_params: types.AdamParams | None = None
@@ -130,7 +130,7 @@ class TrainingClient(ReadyClient):
         params.validate()  # refuse here, before queuing: the model is untouched
         self._record()
         fut = self._scheduler.submit_optim(self.model_id, params)
-        return mapped(fut, lambda m: types.OptimStepResponse(metrics=m))
+        return map_future(fut, lambda m: types.OptimStepResponse(metrics=m))
 
     # ---------------------------------------------------------------- state
     def save_state(
@@ -138,14 +138,14 @@ class TrainingClient(ReadyClient):
     ) -> AwaitableConcurrentFuture[types.SaveWeightsResponse]:
         ref = CheckpointRef(self.model_id, "weights", check_name(name))
         fut = self._call(lambda eng: self._save(eng, ref, optimizer=True, overwrite=overwrite))
-        return mapped(fut, lambda path: types.SaveWeightsResponse(path=path))
+        return map_future(fut, lambda path: types.SaveWeightsResponse(path=path))
 
     def save_weights_for_sampler(
         self, name: str, ttl_seconds: int | None = None, user_metadata: Any = None
     ) -> AwaitableConcurrentFuture[types.SaveWeightsForSamplerResponse]:
         ref = CheckpointRef(self.model_id, "sampler_weights", check_name(name))
         fut = self._call(lambda eng: self._save(eng, ref, optimizer=False, overwrite=True))
-        return mapped(fut, lambda path: types.SaveWeightsForSamplerResponse(path=path))
+        return map_future(fut, lambda path: types.SaveWeightsForSamplerResponse(path=path))
 
     def _save(self, engine: Trainer, ref: CheckpointRef, *, optimizer: bool, overwrite: bool) -> str:
         rec = self._record()
@@ -177,7 +177,7 @@ class TrainingClient(ReadyClient):
         fut = self._runtime.save_external(
             self.model_id, check_name(name), recipients=age_encryption_recipients
         )
-        return mapped(fut, lambda rec: types.SaveWeightsExternalResponse(path=rec.tinker_path))
+        return map_future(fut, lambda rec: types.SaveWeightsExternalResponse(path=rec.tinker_path))
 
     def load_state(self, path: str) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
         return self._load(path, optimizer=False)
@@ -187,7 +187,7 @@ class TrainingClient(ReadyClient):
 
     def _load(self, path: str, *, optimizer: bool) -> AwaitableConcurrentFuture[types.LoadWeightsResponse]:
         fut = self._runtime.load_checkpoint_into(self.model_id, path, optimizer=optimizer)
-        return mapped(fut, lambda _: types.LoadWeightsResponse(path=path, model_id=self.model_id))
+        return map_future(fut, lambda _: types.LoadWeightsResponse(path=path, model_id=self.model_id))
 
     # ---------------------------------------------------------------- sampling
     def save_weights_and_get_sampling_client(

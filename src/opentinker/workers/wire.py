@@ -1,6 +1,6 @@
 """The messages between a rollout worker and its pool, and a snapshot's tensors as bytes.
 
-The rollout loop's messages (:mod:`opentinker.sampling.rollout`: ``Sample``, ``Publish``,
+The sampling loop's messages (:mod:`opentinker.sampling.loop`: ``Sample``, ``Publish``,
 ``Retire``, ``Abort``, ``Done``; ``Tokens`` from :mod:`opentinker.sampling.types`), defined there
 once, plus the few only a worker needs.
 Inbound (pool → worker): :class:`Publish` ``[LoRABytes]`` (a policy version's LoRA tensors as
@@ -28,7 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from opentinker.lora import LoRAConfig, LoRAWeights
-from opentinker.sampling.rollout import Abort, Done, Publish, Retire, Sample
+from opentinker.sampling.loop import Abort, Done, Publish, Retire, Sample
 from opentinker.sampling.types import Tokens
 
 __all__ = [
@@ -62,7 +62,7 @@ class LoRABytes(NamedTuple):
 @dataclass(frozen=True)
 class Cancel:
     """Drop request ``rid`` if it has not been admitted (answered by a :class:`Done` with
-    :class:`~opentinker.sampling.rollout.SampleCancelled`); an admitted one runs on."""
+    :class:`~opentinker.sampling.loop.SampleCancelled`); an admitted one runs on."""
 
     rid: int
 

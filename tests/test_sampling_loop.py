@@ -1,4 +1,4 @@
-"""The rollout loop (sampling/rollout.py): continuous batching, pinned versions, threads.
+"""The sampling loop (sampling/loop.py): continuous batching, pinned versions, threads.
 
 Every result is compared with a plain reference: the same request run alone through
 ``NativeBackend.generate`` (one batch to completion). Continuous batching must change no row's
@@ -21,7 +21,7 @@ import opentinker
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
-from opentinker.sampling.rollout import Publish, Retire, RolloutCore, RolloutLoop
+from opentinker.sampling.loop import Publish, Retire, SamplingCore, SamplingLoop
 from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import assert_greedy_equal, assert_logprobs_close
@@ -46,8 +46,8 @@ def snaps(engine: Engine) -> list[str | None]:
     return [engine.snapshot(a).snapshot_id, engine.snapshot(b).snapshot_id, None]
 
 
-def _loop(backend: NativeBackend, *, continuous: bool = True) -> RolloutLoop:
-    return RolloutLoop(RolloutCore(backend.decoder(snapshots_only=True), backend, continuous=continuous))
+def _loop(backend: NativeBackend, *, continuous: bool = True) -> SamplingLoop:
+    return SamplingLoop(SamplingCore(backend.decoder(snapshots_only=True), backend, continuous=continuous))
 
 
 def _ok(res: object) -> SampleResult:
@@ -68,7 +68,7 @@ def _assert_same(got: SampleResult, ref: SampleResult) -> None:
         assert_logprobs_close(g.logprobs, r.logprobs)
 
 
-def _wait_steps(loop: RolloutLoop, n: int, timeout: float = 60.0) -> None:
+def _wait_steps(loop: SamplingLoop, n: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while loop.stats.steps < n:
         assert time.monotonic() < deadline, "the loop made no progress"
@@ -303,7 +303,7 @@ def test_sampling_beside_a_training_thread(engine: Engine, snaps: list[str | Non
 
 
 def test_embedded_sdk_samples_on_the_rollout_loop(tmp_path) -> None:
-    """Through the embedded SDK clients, sampling runs on the rollout loop (not in the training
+    """Through the embedded SDK clients, sampling runs on the sampling loop (not in the training
     ticks) and gives what the serialized in-tick sampler gives; ``topk_sample_logprobs`` comes
     back per sampled token."""
     out = {}

@@ -1,16 +1,16 @@
 """The rollout worker pool: sampling served by N worker processes, each with its own base model.
 
-:class:`WorkerPool` has the in-process :class:`~opentinker.sampling.rollout.RolloutLoop`'s face
+:class:`WorkerPool` has the in-process :class:`~opentinker.sampling.loop.SamplingLoop`'s face
 (``submit`` → ``Future``, tickets, ``state``, ``cancel``, ``abort``, ``shutdown``), so the
 scheduler hands it samples the same way. One dispatcher thread owns every worker's pipe.
 
 **Streams and aborts.** A streamed request's tokens come back from its worker as
-:class:`~opentinker.rollout.wire.Tokens` messages while it decodes, and the dispatcher hands them
+:class:`~opentinker.workers.wire.Tokens` messages while it decodes, and the dispatcher hands them
 to the request's sink (its ``TokenSink`` crossed to the worker as a bare marker). ``abort`` of a
 request on a worker fails its future at once and sends that worker an
-:class:`~opentinker.rollout.wire.Abort`: its rows leave the worker's running batch before its next
+:class:`~opentinker.workers.wire.Abort`: its rows leave the worker's running batch before its next
 decode step. Each worker reports its running batch when it changes
-(:class:`~opentinker.rollout.wire.Rows`: rows, waiting, aborted), summed in :attr:`WorkerPool.stats`.
+(:class:`~opentinker.workers.wire.Rows`: rows, waiting, aborted), summed in :attr:`WorkerPool.stats`.
 
 **Pinning** happens here, on the submitter's thread, exactly as in process: the request is
 validated and its policy resolved to the engine's snapshot weights (unknown, retired or live
@@ -18,7 +18,7 @@ adapters get the in-process errors at once, and never reach a worker). The reque
 those weights until it is answered, whatever is published or retired meanwhile.
 
 **Snapshot handoff.** A worker gets a snapshot's LoRA tensors (safetensors bytes,
-:mod:`~opentinker.rollout.wire`) the first time a request routed to it needs them: once per
+:mod:`~opentinker.workers.wire`) the first time a request routed to it needs them: once per
 worker per version, sent on the same pipe ahead of the request, so the worker registers them
 before it reads the request. A worker that joins late or restarts holds nothing and receives what
 its requests need. When the engine no longer serves a version (released, or its id reused for
@@ -34,15 +34,15 @@ requests go back to the front of the queue and run on another worker (or on it a
 back); a reply is accepted only from the worker a request is assigned to, so every future
 resolves exactly once. If no worker is left and none can start, the waiting requests fail with
 the cause. Restarting the dead worker, and scaling, are the worker lifecycle's
-(:mod:`~opentinker.rollout.lifecycle`, mixed into :class:`WorkerPool`).
+(:mod:`~opentinker.workers.lifecycle`, mixed into :class:`WorkerPool`).
 
 **Transports.** The pool drives its workers through a
-:class:`~opentinker.rollout.transport.Transport`: processes on this machine by default, Ray
+:class:`~opentinker.workers.transport.Transport`: processes on this machine by default, Ray
 actors anywhere in a cluster with ``opentinker.cluster.ray_rollout.RayTransport``. Routing,
 handoff, faults and scaling are the same for both.
 
 **Scaling.** :meth:`WorkerPool.scale` changes the number of serving workers while requests run
-(:mod:`~opentinker.rollout.lifecycle`): new workers serve the current snapshots on first use, a
+(:mod:`~opentinker.workers.lifecycle`): new workers serve the current snapshots on first use, a
 removed one drains first.
 """
 
@@ -64,11 +64,14 @@ from typing import Any
 
 from opentinker.engine import Engine
 from opentinker.lora import LoRAWeights
-from opentinker.rollout.lifecycle import WorkerLifecycle
-from opentinker.rollout.process import WorkerDied, WorkerStartError
-from opentinker.rollout.slots import PoolStats, Req, Slot, start_all
-from opentinker.rollout.transport import ProcessTransport, Transport
-from opentinker.rollout.wire import (
+from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned
+from opentinker.sampling.loop import SampleCancelled
+from opentinker.sampling.types import SampleRequest, SamplingParams, TokenSink
+from opentinker.workers.lifecycle import WorkerLifecycle
+from opentinker.workers.process import WorkerDied, WorkerStartError
+from opentinker.workers.slots import PoolStats, Req, Slot, start_all
+from opentinker.workers.transport import ProcessTransport, Transport
+from opentinker.workers.wire import (
     Abort,
     Done,
     Failed,
@@ -81,9 +84,6 @@ from opentinker.rollout.wire import (
     Sample,
     Tokens,
 )
-from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned
-from opentinker.sampling.rollout import SampleCancelled
-from opentinker.sampling.types import SampleRequest, SamplingParams, TokenSink
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class WorkerPool(WorkerLifecycle):
     ) -> None:
         """Start ``workers`` workers (processes unless ``transport`` says otherwise) and wait for
         each one's handshake; a worker that cannot start raises
-        :class:`~opentinker.rollout.process.WorkerStartError` (the others are stopped), a
+        :class:`~opentinker.workers.process.WorkerStartError` (the others are stopped), a
         transport that cannot place them raises ``ValueError``. ``pin`` validates a request and
         resolves its weights (the in-process rules)."""
         if workers < 1:
@@ -213,7 +213,7 @@ class WorkerPool(WorkerLifecycle):
     def abort(self, rid: int) -> bool:
         """Drop request ``rid`` wherever it is: its future fails with ``SampleCancelled`` at once;
         waiting here, it is never sent; on a worker, that worker gets an
-        :class:`~opentinker.rollout.wire.Abort` and its rows leave its running batch before its
+        :class:`~opentinker.workers.wire.Abort` and its rows leave its running batch before its
         next decode step. False if it has been answered already (or is unknown)."""
         if self.cancel(rid):
             return True

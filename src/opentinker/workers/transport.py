@@ -1,16 +1,16 @@
-"""How the worker pool reaches its workers: the seam between :class:`~opentinker.rollout.pool.WorkerPool`
+"""How the worker pool reaches its workers: the seam between :class:`~opentinker.workers.pool.WorkerPool`
 and a transport.
 
 A transport makes one :class:`WorkerHandle` per worker and encodes a snapshot for the handoff.
-A handle starts its worker (raising :class:`~opentinker.rollout.process.WorkerStartError` naming
-the worker and the cause), sends it :mod:`~opentinker.rollout.wire` messages and gives its
+A handle starts its worker (raising :class:`~opentinker.workers.process.WorkerStartError` naming
+the worker and the cause), sends it :mod:`~opentinker.workers.wire` messages and gives its
 replies on :attr:`WorkerHandle.conn`, a readable :class:`~multiprocessing.connection.Connection`
 the pool's dispatcher waits on beside every other worker's. A worker that is gone shows as that
-connection closing (``recv`` raising :class:`~opentinker.rollout.process.WorkerDied`), or as its
+connection closing (``recv`` raising :class:`~opentinker.workers.process.WorkerDied`), or as its
 :attr:`~WorkerHandle.sentinel` becoming ready where the transport has one (a process).
 
 - :class:`ProcessTransport` (the default): a spawned process behind a pipe, the snapshot's tensors
-  sent as safetensors bytes in the :class:`~opentinker.rollout.wire.Publish`;
+  sent as safetensors bytes in the :class:`~opentinker.workers.wire.Publish`;
 - ``opentinker.cluster.ray_rollout.RayTransport``: a Ray actor, the bytes put once per version in
   Ray's object store and each worker sent the reference.
 """
@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from opentinker.lora import LoRAWeights
-from opentinker.rollout.process import ProcessWorker
-from opentinker.rollout.wire import Inbound, LoRABytes, Outbound, Ready, to_bytes
+from opentinker.workers.process import ProcessWorker
+from opentinker.workers.wire import Inbound, LoRABytes, Outbound, Ready, to_bytes
 
 
 class WorkerHandle(Protocol):
@@ -56,7 +56,7 @@ class Transport(Protocol):
         ...
 
     def payload(self, weights: LoRAWeights) -> LoRABytes:
-        """A snapshot's config and the data a :class:`~opentinker.rollout.wire.Publish` carries;
+        """A snapshot's config and the data a :class:`~opentinker.workers.wire.Publish` carries;
         the pool makes it once per version and keeps it while any worker may need it."""
         ...
 
@@ -66,7 +66,7 @@ class Transport(Protocol):
 
 
 class ProcessTransport:
-    """Workers as spawned processes on this machine (:mod:`~opentinker.rollout.process`)."""
+    """Workers as spawned processes on this machine (:mod:`~opentinker.workers.process`)."""
 
     name = "process"
 

@@ -1,13 +1,13 @@
 """A rollout worker's core: its own base model, a rollout backend and the continuous-batching
-core (:class:`~opentinker.sampling.rollout.RolloutCore`) the in-process loop runs, driven by
-messages (:mod:`~opentinker.rollout.wire`).
+core (:class:`~opentinker.sampling.loop.SamplingCore`) the in-process loop runs, driven by
+messages (:mod:`~opentinker.workers.wire`).
 
 :class:`WorkerCore` knows no transport: :meth:`WorkerCore.handle` takes one message and returns
 the replies it answers at once, :meth:`WorkerCore.tick` runs one admission + decode step and
-returns the requests it finished. A process behind a pipe (:mod:`~opentinker.rollout.process`)
+returns the requests it finished. A process behind a pipe (:mod:`~opentinker.workers.process`)
 is one way to carry the messages; an actor is another.
 
-Snapshots arrive as bytes in a :class:`~opentinker.rollout.wire.Publish` and are registered only
+Snapshots arrive as bytes in a :class:`~opentinker.workers.wire.Publish` and are registered only
 once decoded whole (a message is delivered whole or not at all), so a request never runs on a
 half-received snapshot: bytes that do not decode whole raise before anything is registered (in a
 worker process that ends the worker, and the pool sends the snapshot again to its successor or
@@ -24,7 +24,9 @@ import torch
 
 from opentinker.engine import Engine, EngineError
 from opentinker.models import load_base_model
-from opentinker.rollout.wire import (
+from opentinker.sampling import NativeBackend
+from opentinker.sampling.loop import Done, SampleCancelled, SamplingCore
+from opentinker.workers.wire import (
     Abort,
     Cancel,
     Inbound,
@@ -37,8 +39,6 @@ from opentinker.rollout.wire import (
     Sample,
     from_bytes,
 )
-from opentinker.sampling import NativeBackend
-from opentinker.sampling.rollout import Done, RolloutCore, SampleCancelled
 
 BACKENDS = ("native",)  # the rollout backends a worker can run
 
@@ -63,7 +63,7 @@ class WorkerCore:
         base = load_base_model(base_model, dtype=dtype, device=device)
         self.engine = Engine(base, max_rank=max_rank, device=device)
         self.backend = NativeBackend(self.engine, prefix_cache_bytes=prefix_cache_bytes)
-        self.core = RolloutCore(self.backend.decoder(), self.backend, max_rows=max_rows)
+        self.core = SamplingCore(self.backend.decoder(), self.backend, max_rows=max_rows)
         self.load_s = time.perf_counter() - t
         self._rows = Rows(0, 0, 0, 0)  # what the pool was last told of the running batch
 

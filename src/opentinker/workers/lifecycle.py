@@ -1,8 +1,8 @@
 """The worker pool's worker lifecycle: starting, scaling and draining workers, and a worker's
 death and restart; the reads of each worker's state.
 
-:class:`WorkerLifecycle` is that half of :class:`~opentinker.rollout.pool.WorkerPool` (mixed
-into it; the pool's records are :mod:`~opentinker.rollout.slots`). The other half, the pool
+:class:`WorkerLifecycle` is that half of :class:`~opentinker.workers.pool.WorkerPool` (mixed
+into it; the pool's records are :mod:`~opentinker.workers.slots`). The other half, the pool
 itself, takes requests, routes them and hands snapshots over on its dispatcher thread; a worker's
 death found there comes here (:meth:`WorkerLifecycle._died`).
 
@@ -25,10 +25,10 @@ import time
 from collections import deque
 from typing import Any
 
-from opentinker.rollout.process import WorkerStartError
-from opentinker.rollout.slots import Req, Slot, start_all
-from opentinker.rollout.transport import Transport, WorkerHandle
-from opentinker.rollout.wire import Ready, Rows
+from opentinker.workers.process import WorkerStartError
+from opentinker.workers.slots import Req, Slot, start_all
+from opentinker.workers.transport import Transport, WorkerHandle
+from opentinker.workers.wire import Ready, Rows
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ RESTART_ATTEMPTS = 3
 
 
 class WorkerLifecycle:
-    """The worker half of :class:`~opentinker.rollout.pool.WorkerPool` (module docstring)."""
+    """The worker half of :class:`~opentinker.workers.pool.WorkerPool` (module docstring)."""
 
     transport: Transport
     options: dict[str, Any]
@@ -84,7 +84,7 @@ class WorkerLifecycle:
 
     def add_worker(self) -> int:
         """Start one more worker (a late joiner: it receives snapshots on first use); returns its
-        index once it serves. Raises :class:`~opentinker.rollout.process.WorkerStartError`."""
+        index once it serves. Raises :class:`~opentinker.workers.process.WorkerStartError`."""
         with self._scaling:
             return self._add(1)[0]
 
@@ -92,7 +92,7 @@ class WorkerLifecycle:
         """Serve from ``workers`` workers: start the missing ones (all join or none does), or drain
         and stop the newest ones beyond it (each finishes what it runs). Returns the new count.
         Raises ``ValueError`` (below one worker, or more than the transport can place) and
-        :class:`~opentinker.rollout.process.WorkerStartError`, leaving the pool as it was."""
+        :class:`~opentinker.workers.process.WorkerStartError`, leaving the pool as it was."""
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {workers!r}")
         with self._scaling:

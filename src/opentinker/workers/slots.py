@@ -1,5 +1,5 @@
 """The worker pool's records: a request it holds, a worker's slot, its counters, and starting
-workers together (:mod:`~opentinker.rollout.pool` and its :mod:`~opentinker.rollout.lifecycle`
+workers together (:mod:`~opentinker.workers.pool` and its :mod:`~opentinker.workers.lifecycle`
 are their only users)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from opentinker.rollout.transport import WorkerHandle
-from opentinker.rollout.wire import Ready, Rows
 from opentinker.sampling.decoder import Pinned
+from opentinker.workers.transport import WorkerHandle
+from opentinker.workers.wire import Ready, Rows
 
 
 @dataclass

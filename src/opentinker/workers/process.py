@@ -2,12 +2,12 @@
 
 The pool's side is :class:`ProcessWorker`: :meth:`~ProcessWorker.start` spawns the process
 (``spawn`` context: a forked child of a process that has run torch threads can deadlock) and
-waits for its handshake, :class:`~opentinker.rollout.wire.Ready` or
-:class:`~opentinker.rollout.wire.Failed`, at most ``startup_timeout`` seconds; a worker that
+waits for its handshake, :class:`~opentinker.workers.wire.Ready` or
+:class:`~opentinker.workers.wire.Failed`, at most ``startup_timeout`` seconds; a worker that
 cannot start (unknown backend, import error, out of memory, a crash while loading) raises
 :class:`WorkerStartError` naming the worker and the cause, never hangs.
 
-The child's side is :func:`worker_main`: build a :class:`~opentinker.rollout.worker.WorkerCore`,
+The child's side is :func:`worker_main`: build a :class:`~opentinker.workers.worker.WorkerCore`,
 then loop: read every message waiting (blocking only while idle), handle them, run one tick,
 send the replies. When idle it waits ``gather_s`` for a quiet moment before its first prefill, so
 requests sent together prefill together (as the in-process loop does).
@@ -23,7 +23,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from opentinker.rollout.wire import Failed, Inbound, Outbound, Ready, Stop
+from opentinker.workers.wire import Failed, Inbound, Outbound, Ready, Stop
 
 
 class WorkerStartError(RuntimeError):
@@ -145,7 +145,7 @@ def worker_main(index: int, options: dict[str, Any], conn: Connection) -> None:
             import torch
 
             torch.set_num_threads(int(threads))
-        from opentinker.rollout.worker import WorkerCore
+        from opentinker.workers.worker import WorkerCore
 
         core = WorkerCore(index, **options)
     except BaseException as e:  # the handshake carries the cause; the pool raises it
@@ -189,7 +189,7 @@ def _send_done(conn: Connection, reply: Any) -> None:
     try:
         conn.send(reply)
     except Exception as e:  # an unpicklable error: send its text
-        from opentinker.rollout.wire import Done
+        from opentinker.workers.wire import Done
 
         if isinstance(reply, Done) and reply.error is not None:
             conn.send(Done(reply.rid, error=RuntimeError(f"{type(reply.error).__name__}: {reply.error}")))

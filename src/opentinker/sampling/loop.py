@@ -1,7 +1,7 @@
-"""The rollout loop: sampling served on its own thread, with continuous batching.
+"""The sampling loop: sampling served on its own thread, with continuous batching.
 
 Sampling is a service of its own, separate from the training scheduler (which only decides when
-training runs). :class:`RolloutCore` owns a :class:`~opentinker.sampling.decoder.StepDecoder` and
+training runs). :class:`SamplingCore` owns a :class:`~opentinker.sampling.decoder.StepDecoder` and
 runs one **tick** at a time: admit every waiting request that fits (prefill the newcomers, merge
 them into the running batch), then one decode step of all running rows. A request that arrives
 while a batch decodes therefore joins it at the next step, and a request whose rows stop is
@@ -10,13 +10,13 @@ answered at once, not when the batch ends. ``continuous=False`` admits only into
 
 **Messages, not shared objects.** The core speaks a small protocol: :class:`Sample` (a request
 and its id), :class:`Publish` / :class:`Retire` (a policy version's weights in, out) in;
-:class:`Done` (a request's result or error) out. :class:`RolloutLoop` drives it on a thread in
+:class:`Done` (a request's result or error) out. :class:`SamplingLoop` drives it on a thread in
 this process, resolving ``Future``s from the ``Done``s; a worker process (or actor) holding its own
-base model runs the same core on the same messages (:mod:`opentinker.rollout.wire` adds its own
+base model runs the same core on the same messages (:mod:`opentinker.workers.wire` adds its own
 few), a ``Publish`` carrying the weights' bytes instead of the tensors.
 
 **Policy versions, exactly.** A request is *pinned* to the weights its policy names when it enters
-(:meth:`StepDecoder.pin`); in this process that is at :meth:`RolloutLoop.submit`, on the caller's
+(:meth:`StepDecoder.pin`); in this process that is at :meth:`SamplingLoop.submit`, on the caller's
 thread, against the engine's snapshots. The rows hold those weights until they stop, so:
 
 * a request pinned to snapshot ``m@v3`` samples ``m@v3``, whatever is published after it;
@@ -28,13 +28,13 @@ thread, against the engine's snapshots. The rows hold those weights until they s
   submitted after the retire fail with the unknown-policy error.
 
 **Streamed requests.** A request with a ``stream`` sink (:class:`~opentinker.sampling.types.TokenSink`)
-gets its samples' new tokens after every tick (:meth:`RolloutCore.progress`: what the tick's
+gets its samples' new tokens after every tick (:meth:`SamplingCore.progress`: what the tick's
 prefill and step added, as :class:`~opentinker.sampling.types.Tokens`), on the loop's thread, while
 its rows decode; the tokens of the step that finishes it come only with its result. A worker sends
 them to its pool as messages. Decoders without ``progress`` (vLLM) stream nothing.
 
 **Inflight requests switch weights mid-decode.** A request with ``follow`` set (a
-``kind="inflight"`` sampler's) is pinned like any other, but a :class:`Follow` for its group moves
+``kind="inflight"`` sampler's) is pinned like any other, but a :class:`FollowInflight` for its group moves
 it to newer weights in place: rows decoding switch at the next decode step, keeping their keys and
 values (the rule: :meth:`StepDecoder.switch`); rows waiting for admission prefill on the new ones.
 Pinned requests in the same batch are untouched. Decoders without ``switch`` (vLLM) and worker
@@ -66,7 +66,7 @@ from typing import Generic, Protocol, TypeVar
 
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
-from opentinker.sampling.backend import Mismatch, RolloutBackend
+from opentinker.sampling.backend import Mismatch, SamplingBackend
 from opentinker.sampling.decoder import Decoder, Pinned
 from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams, Tokens, TokenSink
 
@@ -90,7 +90,7 @@ W = TypeVar("W")
 class Publish(Generic[W]):
     """Make ``weights`` sampleable as ``policy_id``: in this process the
     :class:`~opentinker.lora.LoRAWeights` themselves; to a worker, their bytes
-    (:class:`opentinker.rollout.wire.LoRABytes`)."""
+    (:class:`opentinker.workers.wire.LoRABytes`)."""
 
     policy_id: str
     weights: W
@@ -104,7 +104,7 @@ class Retire:
 
 
 @dataclass(frozen=True)
-class Follow:
+class FollowInflight:
     """Requests following training model ``group`` (``SampleRequest.follow``: a ``kind="inflight"``
     sampler's) move to ``policy_id``'s weights: those decoding from their next step on, with their
     keys and values kept (:meth:`StepDecoder.switch` states the exact rule), those still waiting
@@ -132,7 +132,7 @@ class Done:
     error: Exception | None = None
 
 
-Inbound = Sample | Publish[LoRAWeights] | Retire | Follow | Abort
+Inbound = Sample | Publish[LoRAWeights] | Retire | FollowInflight | Abort
 
 
 @dataclass
@@ -144,7 +144,7 @@ class _Streamed:
 
 
 @dataclass
-class RolloutStats:
+class SamplingStats:
     steps: int = 0  # decode steps run
     admitted: int = 0  # requests admitted
     joined: int = 0  # requests admitted into a batch that was already decoding
@@ -161,13 +161,13 @@ class RolloutStats:
     aborted: int = 0  # requests dropped mid-decode, their callers gone (Abort)
 
 
-class RolloutCore:
+class SamplingCore:
     """One decoder, its waiting requests and the admission rule (see the module docstring)."""
 
     def __init__(
         self,
         decoder: Decoder,
-        backend: RolloutBackend,
+        backend: SamplingBackend,
         *,
         continuous: bool = True,
         max_rows: int = 256,
@@ -176,7 +176,7 @@ class RolloutCore:
         self.backend = backend
         self.continuous = continuous
         self.max_rows = max_rows
-        self.stats = RolloutStats()
+        self.stats = SamplingStats()
         self._waiting: deque[tuple[int, Pinned]] = deque()
         self._streams: dict[int, _Streamed] = {}  # streamed requests not yet answered
         # guards _waiting: other threads ask whether a request still waits, and cancel it
@@ -197,7 +197,7 @@ class RolloutCore:
                     self._streams[msg.rid] = _Streamed(msg.request.stream, [0] * msg.request.num_samples)
             elif isinstance(msg, Publish):
                 self.backend.publish(msg.policy_id, msg.weights)
-            elif isinstance(msg, Follow):
+            elif isinstance(msg, FollowInflight):
                 self._follow(msg)
             elif isinstance(msg, Abort):
                 self._abort(msg.rid)
@@ -216,7 +216,7 @@ class RolloutCore:
             self.stats.aborted += 1
             self.stats.live_rows = self.decoder.live_rows
 
-    def _follow(self, msg: Follow) -> None:
+    def _follow(self, msg: FollowInflight) -> None:
         switch = getattr(self.decoder, "switch", None)
         if switch is None:  # a decoder without in-place switching: rows finish on their weights
             return
@@ -330,9 +330,9 @@ def _done(rid: int, res: SampleResult | Exception) -> Done:
     return Done(rid, error=res) if isinstance(res, Exception) else Done(rid, result=res)
 
 
-class RolloutService(Protocol):
-    """What the scheduler hands samples to: :class:`RolloutLoop` (a thread in this process) or a
-    pool of worker processes or actors (:mod:`opentinker.rollout.pool`). ``abort`` drops a request
+class SamplingService(Protocol):
+    """What the scheduler hands samples to: :class:`SamplingLoop` (a thread in this process) or a
+    pool of worker processes or actors (:mod:`opentinker.workers.pool`). ``abort`` drops a request
     wherever it is, its rows leaving the running batch (in process or on the worker decoding it);
     ``follow`` moves inflight requests to newer weights where it can (else they finish on the
     weights they started with). Both stream a request's tokens to its ``stream`` sink."""
@@ -346,12 +346,12 @@ class RolloutService(Protocol):
     def shutdown(self) -> None: ...
 
 
-class RolloutLoop:
-    """A :class:`RolloutCore` on its own thread in this process: ``submit`` returns a ``Future``."""
+class SamplingLoop:
+    """A :class:`SamplingCore` on its own thread in this process: ``submit`` returns a ``Future``."""
 
     def __init__(
         self,
-        core: RolloutCore,
+        core: SamplingCore,
         *,
         gather_s: float = 0.002,
         max_gather_s: float = 0.02,
@@ -375,7 +375,7 @@ class RolloutLoop:
         atexit.register(_stop_at_exit, weakref.ref(self))
 
     @property
-    def stats(self) -> RolloutStats:
+    def stats(self) -> SamplingStats:
         return self.core.stats
 
     def submit(self, req: SampleRequest) -> Future:
@@ -439,7 +439,7 @@ class RolloutLoop:
         fut.set_exception(SampleCancelled(f"sample request {rid} was aborted by its caller"))
         return True
 
-    def send(self, msg: Publish[LoRAWeights] | Retire | Follow) -> None:
+    def send(self, msg: Publish[LoRAWeights] | Retire | FollowInflight) -> None:
         """Queue a publish, retire or follow, run on the loop's thread in order with the requests."""
         with self._cv:
             self._check_open()
@@ -447,12 +447,12 @@ class RolloutLoop:
             self._cv.notify()
 
     def follow(self, group: str, policy_id: str) -> None:
-        """Requests following ``group`` move to ``policy_id``'s weights (see :class:`Follow`)."""
-        self.send(Follow(group, policy_id))
+        """Requests following ``group`` move to ``policy_id``'s weights (see :class:`FollowInflight`)."""
+        self.send(FollowInflight(group, policy_id))
 
     def _check_open(self) -> None:
         if self._stopped:
-            raise RuntimeError("the rollout loop is shut down")
+            raise RuntimeError("the sampling loop is shut down")
 
     def shutdown(self) -> None:
         with self._cv:
@@ -518,7 +518,7 @@ class RolloutLoop:
                 fut.set_result(d.result)
 
     def _fail_pending(self) -> None:
-        err = RuntimeError("the rollout loop was shut down")
+        err = RuntimeError("the sampling loop was shut down")
         for fut in self._futures.values():
             fut.set_exception(err)
         self._futures.clear()
