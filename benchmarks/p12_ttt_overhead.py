@@ -73,7 +73,7 @@ async def main() -> None:
     params = types.SamplingParams(max_tokens=a.max_tokens, temperature=1.0)
     cfg = TTTConfig(steps=a.steps, window=a.window, reuse_kv=a.reuse_kv, window_prompt=not a.window_alone)
     updates = TTTUpdates(service, cfg)
-    sched = service.runtime.backend(a.base_model).scheduler  # instrumentation, not the client API
+    sched = service.runtime.base_stack(a.base_model).scheduler  # instrumentation, not the client API
     per_episode: dict[str, list[float]] = {"no_ttt": [], "ttt": []}
     per_turn: dict[str, list[float]] = {"no_ttt": [], "ttt": []}
     cpu_per_episode: dict[str, list[float]] = {"no_ttt": [], "ttt": []}

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime = Runtime(os.path.join(tmp, "inproc"))
         local = opentinker.ServiceClient(runtime=runtime)
         tc_local = local.create_lora_training_client(args.model, rank=args.rank, seed=0)
-        data = make_batch(runtime.backend(args.model).engine.vocab_size, args.batch, args.seq)
+        data = make_batch(runtime.base_stack(args.model).engine.vocab_size, args.batch, args.seq)
         server = LocalServer(["--dev", "--base-model", args.model], data_dir=os.path.join(tmp, "server"))
         with server:
             remote = tinker.ServiceClient(base_url=server.base_url, api_key="tml-p6-benchmark-key")

@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     runtime = Runtime(tempfile.mkdtemp(prefix="p7mt-"))
-    runtime.backend(args.model)  # load once, outside the timings
+    runtime.base_stack(args.model)  # load once, outside the timings
     work = (args.steps, args.group, args.new_tokens, args.model)
 
     def concurrent() -> float:

@@ -42,7 +42,7 @@ async def _while_gated(
     gate = threading.Event()
     opened_by_ticker: list[bool] = []
     # the model's next op waits on the gate (the scheduler runs a model's ops in order)
-    held = runtime.backend(TEST_MODEL).scheduler.submit_call(
+    held = runtime.base_stack(TEST_MODEL).scheduler.submit_call(
         model_id, lambda eng: opened_by_ticker.append(gate.wait(gate_timeout_s))
     )
     ticks = 0

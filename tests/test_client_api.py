@@ -54,7 +54,7 @@ def _sft_data(tok, seed: int, n: int = 4) -> list[types.Datum]:
 
 
 def _weights(runtime: Runtime, tc) -> dict[str, torch.Tensor]:
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     return {k: v.detach().clone() for k, v in engine.adapter_weights(tc.model_id).state_dict().items()}
 
 
@@ -127,7 +127,7 @@ def test_fairness_a_small_client_is_not_starved_by_a_big_one(runtime: Runtime) -
     big = service.create_lora_training_client(TEST_MODEL, rank=4, seed=0)
     small = service.create_lora_training_client(TEST_MODEL, rank=4, seed=1)
     tok = big.get_tokenizer()
-    sched = runtime.backend(TEST_MODEL).scheduler
+    sched = runtime.base_stack(TEST_MODEL).scheduler
     start = sched.stats.ticks
     with sched._cv:  # hold the loop so both clients' work is queued before the next tick
         big_futs = [big.forward_backward(_sft_data(tok, i, n=8)) for i in range(6)]
@@ -173,7 +173,7 @@ def test_concurrent_clients_equal_their_solo_runs(runtime: Runtime, tmp_path) ->
         t.start()
     for t in threads:
         t.join()
-    assert runtime.backend(TEST_MODEL).scheduler.stats.fused_requests >= n_clients * steps
+    assert runtime.base_stack(TEST_MODEL).scheduler.stats.fused_requests >= n_clients * steps
     solo_rt = Runtime(tmp_path / "solo")
     try:
         for i in range(n_clients):
@@ -273,7 +273,7 @@ def test_bad_calls_are_refused_and_change_nothing(runtime: Runtime, tmp_path) ->
             vocab_size=vocab,
         )
     ).save_pretrained(other_dir)
-    AutoTokenizer.from_pretrained(runtime.backend(TEST_MODEL).engine.base.path).save_pretrained(other_dir)
+    AutoTokenizer.from_pretrained(runtime.base_stack(TEST_MODEL).engine.base.path).save_pretrained(other_dir)
     other = service.create_lora_training_client(str(other_dir), rank=4, seed=0)
     foreign = other.save_state("x").result().path
     with pytest.raises(CheckpointError, match="trained on"):
@@ -305,7 +305,7 @@ def test_ephemeral_snapshots_are_released_with_their_sampling_client(runtime: Ru
 
     service = opentinker.ServiceClient(runtime=runtime)
     tc = service.create_lora_training_client(TEST_MODEL, rank=4, seed=0)
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     before = len(engine.snapshot_ids())
     for _ in range(5):  # an RL loop: a fresh sampler every step, the old one dropped
         sampler = tc.save_weights_and_get_sampling_client()

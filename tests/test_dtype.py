@@ -190,7 +190,7 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
     rt = Runtime(tmp_path, dtype="bfloat16")
     if rt.dtype != "bfloat16":
         pytest.skip("this CPU has no native bf16: the runtime fell back to float32")
-    assert rt.backend(TEST_MODEL).engine.base.dtype == torch.bfloat16
+    assert rt.base_stack(TEST_MODEL).engine.base.dtype == torch.bfloat16
     core = WorkerCore(0, TEST_MODEL, dtype=rt.dtype, prefix_cache_bytes=0)
     assert core.engine.base.dtype == torch.bfloat16
     from opentinker.cluster.trainer_worker import TrainerWorker  # a Ray trainer worker's body
@@ -208,7 +208,7 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
     pool = scaleout.WorkerPool
     try:
         scaleout.WorkerPool = Pool  # type: ignore[misc, assignment]
-        rt.scaleout.rollout_pool(rt.backend(TEST_MODEL).engine, TEST_MODEL)
+        rt.scaleout.rollout_pool(rt.base_stack(TEST_MODEL).engine, TEST_MODEL)
     finally:
         scaleout.WorkerPool = pool  # type: ignore[misc]
     assert captured["dtype"] == "bfloat16"

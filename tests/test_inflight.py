@@ -277,7 +277,7 @@ def test_snapshots_held_for_inflight_samplers_are_released_when_the_model_goes(
     eviction the snapshot sampler, which owns its own snapshot, still samples."""
     http, runtime = app_runtime
     server = http.app.state.server  # type: ignore[attr-defined]
-    reg, engine = server.registry, runtime.backend(TEST_MODEL).engine
+    reg, engine = server.registry, runtime.base_stack(TEST_MODEL).engine
     sid = http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
     body = {"session_id": sid, "model_seq_id": 0, "base_model": TEST_MODEL, "lora_config": {"rank": 2}}
     model_id = _answer(http, http.post("/create_model", json=body))["model_id"]

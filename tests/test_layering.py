@@ -21,7 +21,7 @@ Beyond the table:
   interface (its errors, ``LoRAConfig``, ``SnapshotInfo``, ``canonical_name``), so
   :data:`FRONT_END_LEAVES` (core names a front-end may still import) is empty;
 - the front-ends, the library and the CLI never reach through attributes into the runtime's
-  engines (``.engine``, ``.scheduler``, ``.backend(...)``);
+  engines (``.engine``, ``.scheduler``, ``.base_stack(...)``);
 - the core imports none of ``tinker``, ``fastapi``, ``uvicorn`` (a GPU machine may have none of
   them), and the core packages import with those blocked;
 - the module import graph has no cycles (its strongly connected components are single modules).
@@ -80,7 +80,7 @@ FRONT_ENDS = ("client", "server")
 FRONT_END_LEAVES: dict[str, frozenset[str]] = {}
 
 # Attributes that reach into the Runtime's per-base-model engines and queues.
-INTERNAL_ATTRS = frozenset({"engine", "scheduler", "backend", "_backend", "_backends"})
+INTERNAL_ATTRS = frozenset({"engine", "scheduler", "backend", "_backend", "_stacks"})
 NO_INTERNAL_ATTRS = frozenset({*FRONT_ENDS, "cli", *LIBRARY_BASE, "rl", "sft", "tasks"})
 
 CORE_NEVER_IMPORTS = ("tinker", "fastapi", "uvicorn")
@@ -360,7 +360,7 @@ def test_the_checker_catches_violations(tmp_path: Path) -> None:
         # the server taking an engine internal, and reaching through the runtime
         "opentinker/server/ops.py": (
             "from opentinker.engine.engine import Engine\n"
-            "def tok(rt):\n    return rt.backend('m').engine.base.tokenizer\n"
+            "def tok(rt):\n    return rt.base_stack('m').engine.base.tokenizer\n"
         ),
         # the core importing the SDK; the library importing the core
         "opentinker/engine/wire.py": "import tinker\n",

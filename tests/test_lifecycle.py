@@ -129,14 +129,14 @@ def test_an_unsupported_optimizer_is_refused_by_both_doors_and_creates_nothing(
     assert err["category"] == "user" and "unknown optimizer type 'sgd' in optimizer_config" in err["error"]
     assert set(runtime.models) == before
     assert http.post("/get_info", json={"model_id": f"{sid}:train:0"}).status_code == 404
-    assert runtime.backend(TEST_MODEL).engine.adapter_ids() == []
+    assert runtime.base_stack(TEST_MODEL).engine.adapter_ids() == []
 
 
 def test_create_from_checkpoint_is_checked_before_anything_is_made(runtime: Runtime) -> None:
     service = opentinker.ServiceClient(runtime=runtime)
     tc = service.create_lora_training_client(TEST_MODEL, rank=2, seed=0)
     path = tc.save_state("ckpt").result().path
-    adapters = runtime.backend(TEST_MODEL).engine.adapter_ids()
+    adapters = runtime.base_stack(TEST_MODEL).engine.adapter_ids()
     # trained on another base model: refused before that model is even loaded
     with pytest.raises(CheckpointError, match="was trained on 'opentinker/tiny'"):
         service.create_training_client_from_state(path, base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -153,7 +153,7 @@ def test_create_from_checkpoint_is_checked_before_anything_is_made(runtime: Runt
     with pytest.raises(CheckpointError) as info:
         tc.load_state(path)
     assert str(runtime.data_dir) not in str(info.value)
-    assert runtime.backend(TEST_MODEL).engine.adapter_ids() == adapters
+    assert runtime.base_stack(TEST_MODEL).engine.adapter_ids() == adapters
 
 
 def test_from_checkpoint_equals_the_saved_model_through_both_doors(
@@ -185,7 +185,7 @@ def test_from_checkpoint_equals_the_saved_model_through_both_doors(
     embedded = opentinker.ServiceClient(runtime=runtime, tenant=tenant)
     via_embedded = embedded.create_training_client_from_state_with_optimizer(path).model_id
 
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     want = engine.adapter_weights(mid).state_dict()
     for other in (via_server, via_embedded):
         rec = runtime.models[other]
@@ -200,7 +200,7 @@ def test_from_checkpoint_equals_the_saved_model_through_both_doors(
 def test_delete_and_accessors(runtime: Runtime) -> None:
     service = opentinker.ServiceClient(runtime=runtime)
     tc = service.create_lora_training_client(TEST_MODEL, rank=2, seed=0)
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     assert tc.get_tokenizer() is runtime.tokenizer(TEST_MODEL) is engine.base.tokenizer
     info = runtime.base_model_info("tiny")  # an alias names the same base model
     assert (info.name, info.path, info.max_context, info.vocab_size) == (

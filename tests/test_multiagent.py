@@ -68,7 +68,7 @@ def renderer(service):
 
 
 def _weights(runtime: Runtime, model_id: str) -> dict[str, torch.Tensor]:
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     return {k: v.detach().clone() for k, v in engine.adapter_weights(model_id).state_dict().items()}
 
 

@@ -132,7 +132,7 @@ def test_the_rollout_loop_streams_tokens_while_the_rows_decode(engine: Engine) -
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Runtime, WorkerPool]]:
     runtime = Runtime(tmp_path_factory.mktemp("stream-workers"), rollout_workers=1)
-    p = runtime.backend(TEST_MODEL).scheduler.rollout
+    p = runtime.base_stack(TEST_MODEL).scheduler.rollout
     assert isinstance(p, WorkerPool)
     yield runtime, p
     runtime.shutdown()

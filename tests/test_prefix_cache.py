@@ -202,6 +202,6 @@ def test_runtime_passes_its_budget_to_the_sampler(tmp_path) -> None:
 
     rt = Runtime(tmp_path, prefix_cache_bytes=0)
     try:
-        assert rt.backend("opentinker/tiny").sampler.prefix_cache.max_bytes == 0
+        assert rt.base_stack("opentinker/tiny").sampler.prefix_cache.max_bytes == 0
     finally:
         rt.shutdown()

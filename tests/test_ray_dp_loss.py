@@ -58,7 +58,7 @@ def _dp_runtime(data_dir: Path, **kw: Any) -> Runtime:
 
 
 def _router(rt: Runtime) -> Any:
-    return rt.backend(TEST_MODEL).scheduler
+    return rt.base_stack(TEST_MODEL).scheduler
 
 
 def _plain_resume(data_dir: Path, path: str, steps: int) -> list[float]:
@@ -178,7 +178,7 @@ def test_auto_restore_keeps_the_degree_where_the_workers_that_are_left_hold_it(t
 def test_a_combined_scale_that_fits_only_kind_by_kind_is_refused(tmp_path: Path) -> None:
     rt = Runtime(tmp_path, ray="local", rollout_workers=1, worker_cpus=1, trainer_workers=1)
     try:
-        rt.backend(TEST_MODEL)  # one rollout actor and one trainer actor: 1 of 3 CPUs left
+        rt.base_stack(TEST_MODEL)  # one rollout actor and one trainer actor: 1 of 3 CPUs left
         before = rt.scaleout.rollout_workers_info()
         rt.scaleout.check_scale(2, None)  # each kind alone fits
         rt.scaleout.check_scale(None, 2)

@@ -408,7 +408,7 @@ def test_plain_serve_and_the_embedded_mode_never_import_ray(tmp_path: Path) -> N
         f"create_app(ServerConfig(data_dir={str(tmp_path / 'srv')!r}))\n"
         f"for n in (0, 1):\n"
         f"    rt = Runtime({str(tmp_path)!r} + f'/rt{{n}}', rollout_workers=n)\n"
-        f"    s = rt.backend({TEST_MODEL!r}).scheduler\n"
+        f"    s = rt.base_stack({TEST_MODEL!r}).scheduler\n"
         "    s.submit_sample(SampleRequest(None, [1, 2, 3], SamplingParams(max_tokens=2))).result(120)\n"
         "    rt.shutdown()\n"
         "print('ray' in sys.modules)\n"

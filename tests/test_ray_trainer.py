@@ -136,7 +136,7 @@ def test_a_lost_worker_fails_its_models_clearly_and_they_restore_elsewhere(
     try:
         service = opentinker.ServiceClient(runtime=rt)
         a, b = _client(service, 0), _client(service, 1)
-        pool = rt.backend(TEST_MODEL).scheduler.pool  # type: ignore[attr-defined]
+        pool = rt.base_stack(TEST_MODEL).scheduler.pool  # type: ignore[attr-defined]
         where = pool.placement()
         assert {where[a.model_id], where[b.model_id]} == {"trainer-0", "trainer-1"}
         data = [_datum(list(range(3, 20)))]
@@ -188,7 +188,7 @@ def test_auto_restore_puts_the_model_back_and_reports_the_lost_steps(ray_up: Non
     try:
         service = opentinker.ServiceClient(runtime=rt)
         tc = _client(service, 3)
-        pool = rt.backend(TEST_MODEL).scheduler.pool  # type: ignore[attr-defined]
+        pool = rt.base_stack(TEST_MODEL).scheduler.pool  # type: ignore[attr-defined]
         rank = int(pool.placement()[tc.model_id].rpartition("-")[2])
         data = [_datum(list(range(5, 30)))]
         _train(tc, data, 1)

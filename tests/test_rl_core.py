@@ -135,7 +135,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> ServiceClient:
 
 @pytest.fixture(scope="module")
 def renderer(service: ServiceClient) -> ChatMLRenderer:
-    return ChatMLRenderer(service.runtime.backend(TEST_MODEL).engine.base.tokenizer)
+    return ChatMLRenderer(service.runtime.base_stack(TEST_MODEL).engine.base.tokenizer)
 
 
 def _cfg(tmp_path: Path, name: str = "run", **kw: Any) -> RLConfig:
@@ -200,7 +200,7 @@ class Dataset(RLDataset):
 
 
 def _weights(service: ServiceClient, tc: Any) -> list[torch.Tensor]:
-    eng = service.runtime.backend(TEST_MODEL).engine
+    eng = service.runtime.base_stack(TEST_MODEL).engine
     return [t.detach().clone() for t in eng.adapter_weights(tc.model_id).tensors()]
 
 
@@ -218,7 +218,7 @@ def test_rollout_datums_carry_the_samplers_logprobs(service: ServiceClient, rend
     ]
     tc.forward_backward(warm, "importance_sampling")
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    eng = service.runtime.backend(TEST_MODEL).engine
+    eng = service.runtime.base_stack(TEST_MODEL).engine
     assert any(float(b.detach().abs().max()) > 0 for b in eng.adapter_weights(tc.model_id).b.values())
     policy = tc.save_weights_and_get_sampling_client()
     g = asyncio.run(rollout_group(Group(renderer, [""] * 3), policy, params, seed=1))

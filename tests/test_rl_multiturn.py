@@ -176,7 +176,7 @@ def test_addition_retry_rules_and_smoke_run(runtime, service, renderer, tmp_path
     dataset, evaluator = ar.build(renderer, cfg)
     held = set(eval_problems())
     assert all(not set(g.problems) & held for g in dataset.batch(0))  # type: ignore[attr-defined]
-    cache = runtime.backend(TEST_MODEL).sampler.prefix_cache
+    cache = runtime.base_stack(TEST_MODEL).sampler.prefix_cache
     hits = cache.hits
     res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -248,7 +248,7 @@ def test_calculator_rules_and_smoke_run(runtime, service, renderer, tmp_path) ->
     dataset, evaluator = calc.build(renderer, cfg)
     held = set(calc.eval_problems())
     assert all(not set(g.problems) & held for g in dataset.batch(0))  # type: ignore[attr-defined]
-    cache = runtime.backend(TEST_MODEL).sampler.prefix_cache
+    cache = runtime.base_stack(TEST_MODEL).sampler.prefix_cache
     hits = cache.hits
     res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -38,7 +38,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> ServiceClient:
 
 @pytest.fixture(scope="module")
 def renderer(service: ServiceClient) -> ChatMLRenderer:
-    return ChatMLRenderer(service.runtime.backend(TEST_MODEL).engine.base.tokenizer)
+    return ChatMLRenderer(service.runtime.base_stack(TEST_MODEL).engine.base.tokenizer)
 
 
 class OneTurn(Env):

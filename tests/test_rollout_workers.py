@@ -46,7 +46,7 @@ class Served:
 
     def __init__(self, data_dir: Path, **runtime_options: Any) -> None:
         self.runtime = Runtime(data_dir, rollout_workers=2, **runtime_options)
-        backend = self.runtime.backend(TEST_MODEL)
+        backend = self.runtime.base_stack(TEST_MODEL)
         self.engine: Engine = backend.engine
         pool = backend.scheduler.rollout
         assert isinstance(pool, WorkerPool)
@@ -391,7 +391,7 @@ def _rl_run(runtime: Runtime, log_dir: Path) -> tuple[list[dict[str, Any]], list
     from opentinker.tasks.arithmetic import AdditionDataset
 
     service = opentinker.ServiceClient(runtime=runtime)
-    renderer = ChatMLRenderer(runtime.backend(TEST_MODEL).engine.base.tokenizer)
+    renderer = ChatMLRenderer(runtime.base_stack(TEST_MODEL).engine.base.tokenizer)
     cfg = RLConfig(
         base_model=TEST_MODEL, log_dir=str(log_dir), steps=2, groups_per_step=2, group_size=3,
         lora_rank=4, learning_rate=5e-3, max_tokens=10, progress=False, drop_constant_groups=False,

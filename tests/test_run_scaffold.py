@@ -39,7 +39,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceClient]
 
 @pytest.fixture(scope="module")
 def renderer(service: ServiceClient) -> ChatMLRenderer:
-    return ChatMLRenderer(service.runtime.backend(TEST_MODEL).engine.base.tokenizer)
+    return ChatMLRenderer(service.runtime.base_stack(TEST_MODEL).engine.base.tokenizer)
 
 
 def _problems(n: int) -> list[tuple[int, int]]:

@@ -319,7 +319,7 @@ def test_embedded_sdk_samples_on_the_rollout_loop(tmp_path) -> None:
                 sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3),
                 topk_sample_logprobs=3,
             ).result()
-            assert (rt.backend(TEST_MODEL).scheduler.rollout is None) == in_ticks
+            assert (rt.base_stack(TEST_MODEL).scheduler.rollout is None) == in_ticks
             out[mode] = res
         finally:
             rt.shutdown()

@@ -105,7 +105,7 @@ def test_an_update_changes_only_its_own_episodes_adapter(runtime: Runtime) -> No
     d = datum_from_tokens(ids, weights=[1.0] * len(ids))
     tc.forward_backward([d], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
 
     async def go() -> None:
         path = await fork_point(tc, "fork")
@@ -154,7 +154,7 @@ def _fork_setup(runtime: Runtime) -> tuple[Any, Any, list[int]]:
 
 def test_live_episodes_updates_are_released_together_and_equal_each_alone(runtime: Runtime) -> None:
     service, tc, ids = _fork_setup(runtime)
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     texts = [ids[:14], ids[:18], ids]
 
     async def go() -> None:
@@ -182,7 +182,7 @@ def test_live_episodes_updates_are_released_together_and_equal_each_alone(runtim
 
 def test_a_reused_fork_is_bitwise_a_fresh_one(runtime: Runtime) -> None:
     service, tc, ids = _fork_setup(runtime)
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
 
     async def go() -> None:
         path = await fork_point(tc, "fork")
@@ -227,7 +227,7 @@ def test_an_update_waits_for_a_stalled_episode_at_most_max_wait_s(runtime: Runti
 def test_fork_reads_the_checkpoint_once_and_rereads_an_overwritten_one(runtime: Runtime) -> None:
     service = opentinker.ServiceClient(runtime=runtime)
     tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     path = tc.save_state("p").result().path
     forks = [service.create_training_client_from_state(path) for _ in range(3)]
     cached = [s for s in engine.snapshot_ids() if s.startswith("checkpoint-weights:")]
@@ -313,7 +313,7 @@ def test_rl_loop_trains_the_policy_on_ttt_episodes(runtime: Runtime, tmp_path: P
     assert len(rows) == 2 and all(r["ttt/forks"] >= 1 and r["ttt/updates"] >= 1 for r in rows)
     # the run keeps one pool: the second step's episodes reuse the first step's adapters
     assert rows[0]["ttt/reused"] == 0 and rows[1]["ttt/reused"] >= 1
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
     assert engine.adapter_step(result.training_client.model_id) == 2  # the outer policy trained
     # every episode's adapter was dropped at its episode's end: only the policy is left
     assert engine.adapter_ids() == [result.training_client.model_id]

@@ -99,7 +99,7 @@ def test_an_inflight_session_reuses_its_keys_and_values_across_saves(runtime: Ru
     tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0)
     tok = tc.get_tokenizer()
     ids = tok.encode("I'm thinking of a number between 1 and 1000. Is it 500? Higher. Is it")
-    sampler = runtime.backend(TEST_MODEL).sampler
+    sampler = runtime.base_stack(TEST_MODEL).sampler
     assert isinstance(sampler, NativeBackend)
     cache = sampler.prefix_cache
     params = types.SamplingParams(max_tokens=4, temperature=0.0)
@@ -141,7 +141,7 @@ def test_with_the_cost_options_an_update_changes_only_its_own_adapter(runtime: R
     d = datum_from_tokens(ids, weights=[1.0] * len(ids))
     tc.forward_backward([d], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    engine = runtime.backend(TEST_MODEL).engine
+    engine = runtime.base_stack(TEST_MODEL).engine
 
     async def go() -> None:
         path = await fork_point(tc, "fork")

@@ -82,7 +82,7 @@ def test_a_moe_model_vllm_cpu_cannot_run_samples_natively(tmp_path: Path) -> Non
             1,
             types.SamplingParams(max_tokens=6, temperature=0.0, stop=[]),
         ).result()
-        b = rt.backend(folder)
+        b = rt.base_stack(folder)
         assert isinstance(b.sampler, RoutedBackend) and b.sampler.vllm is None
         [ref] = NativeBackend(b.engine).generate([SampleRequest(_policy(sampler), PROMPT, greedy)])
         assert isinstance(ref, SampleResult) and got.sequences[0].tokens == ref.sequences[0].tokens
@@ -147,7 +147,7 @@ def _step(tc, seed: int) -> None:
 
 
 def _native(rt: Runtime, policy: str | None, req: SampleRequest) -> SampleResult:
-    [res] = NativeBackend(rt.backend(TEST_MODEL).engine).generate([req])
+    [res] = NativeBackend(rt.base_stack(TEST_MODEL).engine).generate([req])
     assert isinstance(res, SampleResult), res
     return res
 
@@ -198,7 +198,7 @@ def test_sdk_sampling_matches_the_native_sampler(rt: Runtime, trained) -> None:
     pl = sampler.sample(
         prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=2
     ).result()
-    lp_ref = NativeBackend(rt.backend(TEST_MODEL).engine).compute_logprobs(_policy(sampler), PROMPT)
+    lp_ref = NativeBackend(rt.base_stack(TEST_MODEL).engine).compute_logprobs(_policy(sampler), PROMPT)
     assert pl.prompt_logprobs is not None and pl.prompt_logprobs[0] is None
     assert_logprobs_close(pl.prompt_logprobs[1:], lp_ref[1:])
     assert pl.topk_prompt_logprobs is not None and len(pl.topk_prompt_logprobs[1] or []) == 2
@@ -210,7 +210,7 @@ def test_mismatch_figures_are_finite_and_small(rt: Runtime, trained) -> None:
     sampler.sample(
         types.ModelInput.from_ints(PROMPT), 4, types.SamplingParams(max_tokens=16, temperature=1.0, seed=1)
     ).result()
-    rollout = rt.backend(TEST_MODEL).scheduler.rollout
+    rollout = rt.base_stack(TEST_MODEL).scheduler.rollout
     assert rollout is not None
     # the last batch: T = 1, no top-k / top-p (vLLM's logprobs there are of the truncated set)
     m = rollout.stats.mismatch_last
@@ -257,12 +257,12 @@ def test_pinned_snapshot_stays_pinned_after_a_newer_publish(rt: Runtime, trained
 
 def test_unknown_and_retired_snapshots_fail_alone(rt: Runtime, trained) -> None:
     tc, sampler = trained
-    loop = rt.backend(TEST_MODEL).scheduler.rollout
+    loop = rt.base_stack(TEST_MODEL).scheduler.rollout
     assert loop is not None
     gone = tc.save_weights_and_get_sampling_client()
     policy = _policy(gone)
     ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8, stop=[])))
-    rt.backend(TEST_MODEL).engine.release_snapshot(
+    rt.base_stack(TEST_MODEL).engine.release_snapshot(
         policy
     )  # what the runtime does when the last client lets go
     retired = loop.submit(SampleRequest(policy, PROMPT, SamplingParams(max_tokens=8)))
@@ -270,7 +270,7 @@ def test_unknown_and_retired_snapshots_fail_alone(rt: Runtime, trained) -> None:
     over = loop.submit(
         SampleRequest(
             _policy(sampler),
-            list(range(3, 3 + rt.backend(TEST_MODEL).engine.max_context)),
+            list(range(3, 3 + rt.base_stack(TEST_MODEL).engine.max_context)),
             SamplingParams(max_tokens=8),
         )
     )
@@ -298,7 +298,7 @@ def test_rl_smoke_run_through_vllm(rt: Runtime, tmp_path: Path) -> None:
     res = asyncio.run(run_rl(cfg, service, dataset, None))
     assert len(res.metrics) == 2
     assert all(math.isfinite(m["reward/mean"]) for m in res.metrics)
-    m = rt.backend(TEST_MODEL).scheduler.rollout.stats.mismatch  # type: ignore[union-attr]
+    m = rt.base_stack(TEST_MODEL).scheduler.rollout.stats.mismatch  # type: ignore[union-attr]
     assert m is not None and math.isfinite(m.max_abs)
 
 
@@ -313,7 +313,7 @@ def test_an_unembedding_adapter_samples_natively_beside_vllm_in_one_batch(rt: Ru
     _step(tc, 3)
     default = tc.save_weights_and_get_sampling_client()
     _, plain = trained
-    backend = rt.backend(TEST_MODEL).sampler
+    backend = rt.base_stack(TEST_MODEL).sampler
     assert isinstance(backend, RoutedBackend)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, stop=[])
     reqs = [SampleRequest(p, PROMPT, greedy) for p in (_policy(default), _policy(plain), None)]

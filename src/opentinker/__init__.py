@@ -2,7 +2,7 @@
 
 Layers, bottom-up (each imports only the ones before it): ``models`` (load a base causal LM),
 ``lora`` (multi-adapter layers), ``engine`` (fused training, losses, optimizer, snapshots,
-checkpoints, export), ``sampling`` (rollout backends), ``scheduler`` (ticks, ordering, fairness),
+checkpoints, export), ``sampling`` (sampling backends), ``scheduler`` (ticks, ordering, fairness),
 ``cluster`` (Ray), ``service`` (the ``Runtime``: model lifecycle, tenancy, checkpoints, scale-out),
 ``client`` (the SDK-shaped ``ServiceClient`` / ``TrainingClient`` / ``SamplingClient``, embedded).
 See the README's folder map and docs/FILES.md.

@@ -133,19 +133,19 @@ class Runtime:
         # tinker path -> readable by every tenant (published); the server sets it from its store
         self.is_public: Callable[[str], bool] = lambda path: False
         self.models: dict[str, ModelRecord] = {}
-        self._backends: dict[str, BaseStack] = {}
+        self._stacks: dict[str, BaseStack] = {}
         self._lock = threading.RLock()
         self._model_seq = itertools.count(1)
         # (base model, tinker path) -> (manifest digests, snapshot id): see _weights_source
         self._weight_sources: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
         self.scaleout = ScaleOut(
             cfg, dtype=self.dtype, data_dir=self.data_dir, store=self.store, models=self.models,
-            backends=self._loaded,
+            stacks=self._loaded,
         )  # fmt: skip
 
     def _loaded(self) -> dict[str, BaseStack]:
         with self._lock:
-            return dict(self._backends)
+            return dict(self._stacks)
 
     def _vllm_options(self) -> dict[str, Any]:
         """The keywords of the vLLM backend: ``vllm_max_lora_rank`` and ``rollout_options``."""
@@ -155,12 +155,12 @@ class Runtime:
             return dict(self.config.rollout_options)
         return {"max_lora_rank": self.config.vllm_max_lora_rank, **self.config.rollout_options}
 
-    def backend(self, base_model: str) -> BaseStack:
+    def base_stack(self, base_model: str) -> BaseStack:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
         queue their work on its scheduler; callers above the service layer use the accessors below."""
         name = canonical_name(base_model)
         with self._lock:
-            b = self._backends.get(name)
+            b = self._stacks.get(name)
             if b is None:
                 base = load_base_model(name, dtype=self.dtype, device=self.config.device)
                 engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
@@ -172,7 +172,7 @@ class Runtime:
                     else lambda: SamplingLoop(SamplingCore(decoder(), sampler))
                 )
                 b = BaseStack(engine, sampler, self.scaleout.scheduler_for(name, engine, sampler, loop))
-                self._backends[name] = b
+                self._stacks[name] = b
             return b
 
     def _sampler(self, engine: Engine) -> tuple[SamplingBackend, Callable[[], Decoder]]:
@@ -185,7 +185,7 @@ class Runtime:
         return nb, lambda: nb.decoder(snapshots_only=True)
 
     def loaded_base_models(self) -> list[str]:
-        return list(self._backends)
+        return list(self._stacks)
 
     def supported_models(self) -> list[str]:
         """The base models it can serve: those loaded, then the built-in names."""
@@ -193,22 +193,22 @@ class Runtime:
 
     def base_model_info(self, base_model: str) -> BaseModelInfo:
         """Name, folder, architecture and limits of ``base_model`` (loaded on first use)."""
-        engine = self.backend(base_model).engine
+        engine = self.base_stack(base_model).engine
         base = engine.base
         return BaseModelInfo(base.name, base.path, base.model_type, engine.max_context, engine.vocab_size)
 
     def tokenizer(self, base_model: str) -> Any:
         """The base model's tokenizer (a ``transformers`` tokenizer), shared by all its adapters."""
-        return self.backend(base_model).engine.base.tokenizer
+        return self.base_stack(base_model).engine.base.tokenizer
 
     def vision(self, base_model: str) -> Vision | None:
         """A vision-language base model's image side (None: text-only)."""
-        return self.backend(base_model).engine.base.vision
+        return self.base_stack(base_model).engine.base.vision
 
     def tick_record(self, base_model: str, tick: int) -> TickRecord | None:
         """When tick ``tick`` of ``base_model``'s scheduler ran and what it fused (recent ticks)."""
         with self._lock:
-            b = self._backends.get(canonical_name(base_model))
+            b = self._stacks.get(canonical_name(base_model))
         return None if b is None else b.scheduler.tick_record(tick)
 
     def new_session(self) -> str:
@@ -249,7 +249,7 @@ class Runtime:
         degree = self.scaleout.check_data_parallel(self.asked_data_parallel(user_metadata))
         meta = _str_dict(user_metadata)
         self._check_new(model_id)
-        backend = self.backend(base_model)
+        backend = self.base_stack(base_model)
 
         def make(eng: Trainer) -> ModelRecord:
             self.scaleout.create_adapter(eng, config, model_id, degree)
@@ -283,7 +283,7 @@ class Runtime:
         if base_model is not None and canonical_name(base_model) != ckpt_base:
             raise CheckpointError(f"checkpoint {path} was trained on {ckpt_base!r}, not on {base_model!r}")
         self._check_new(model_id)
-        backend = self.backend(ckpt_base)
+        backend = self.base_stack(ckpt_base)
         folder = self.store.folder(ref)
 
         def make(eng: Trainer) -> ModelRecord:
@@ -330,14 +330,14 @@ class Runtime:
                 eng.fork_adapter(source, into=model_id, parent=str(folder))
             rec.parent = ref.tinker_path
 
-        return self.backend(rec.base_model).scheduler.submit_call(model_id, load)
+        return self.base_stack(rec.base_model).scheduler.submit_call(model_id, load)
 
     def delete_model(self, model_id: str, tenant: str | None = None) -> Future[None]:
         """Drop model ``model_id``: refused from now on; its adapter is freed after the requests
         already queued for it have run. Its checkpoints stay."""
         rec = self.model(model_id, tenant)
         rec.deleted = True
-        return self.backend(rec.base_model).scheduler.submit_call(
+        return self.base_stack(rec.base_model).scheduler.submit_call(
             model_id, lambda eng: eng.delete_adapter(model_id)
         )
 
@@ -389,14 +389,14 @@ class Runtime:
     def snapshot(self, model_id: str) -> Future[SnapshotInfo]:
         """An immutable, sampleable copy of the model's weights, taken in the model's order."""
         rec = self.model(model_id)
-        return self.backend(rec.base_model).scheduler.submit_call(
+        return self.base_stack(rec.base_model).scheduler.submit_call(
             model_id, lambda eng: eng.snapshot(model_id)
         )
 
     def release_snapshot(self, base_model: str, snapshot_id: str, *, queue: str | None = None) -> None:
         """Free a snapshot's weights, queued after the requests already on ``queue`` (default: its
         own). Nothing to do once the runtime is shut down."""
-        backend = self._backends.get(canonical_name(base_model))
+        backend = self._stacks.get(canonical_name(base_model))
         if backend is None:
             return
         with contextlib.suppress(RuntimeError):  # a shut-down scheduler has nothing left to free
@@ -404,14 +404,14 @@ class Runtime:
 
     def follow_inflight(self, base_model: str, model_id: str, snapshot_id: str) -> None:
         """``model_id``'s inflight sample requests move to snapshot ``snapshot_id`` mid-decode."""
-        backend = self._backends.get(canonical_name(base_model))
+        backend = self._stacks.get(canonical_name(base_model))
         if backend is not None:
             with contextlib.suppress(RuntimeError):  # shut down: nothing is decoding
                 backend.scheduler.follow(model_id, snapshot_id)
 
     def note_sampled(self, base_model: str, policy: str, version: str) -> None:
         """Lineage: data may now come from ``version``; remember it on the model it was taken from."""
-        backend = self._backends.get(canonical_name(base_model))
+        backend = self._stacks.get(canonical_name(base_model))
         if backend is None:
             return
         try:
@@ -427,7 +427,7 @@ class Runtime:
         loaded once; queued on its model's order when that model is live here."""
         ref, meta = self.checkpoint(path, tenant)
         base = str(meta.get("base_model", ""))
-        backend = self.backend(base)
+        backend = self.base_stack(base)
         folder = self.store.folder(ref)
 
         def load(eng: Trainer) -> PolicyVersion:
@@ -444,7 +444,7 @@ class Runtime:
         """Write ``tenant``'s checkpoint at ``path`` (weights or sampler_weights) to ``out_dir`` as a
         PEFT adapter folder, loaded as a temporary snapshot (released after), in its model's order."""
         ref, meta = self.checkpoint(path, tenant)
-        backend = self.backend(str(meta.get("base_model", "")))
+        backend = self.base_stack(str(meta.get("base_model", "")))
         folder = self.store.folder(ref)
         snapshot_id = f"export-{uuid.uuid4().hex}"
 
@@ -483,7 +483,7 @@ class Runtime:
                 model_id, name, lambda folder: eng.export_tinker(model_id, folder), meta, parsed
             )
 
-        return self.backend(rec.base_model).scheduler.submit_call(model_id, export)
+        return self.base_stack(rec.base_model).scheduler.submit_call(model_id, export)
 
     # ------------------------------------------------------------------ tenancy of checkpoints
     def checkpoint(self, path: str, tenant: str) -> tuple[CheckpointRef, dict[str, Any]]:
@@ -513,7 +513,7 @@ class Runtime:
         takes rates from two readings) and what is queued now: the console's live page
         (``trainers=False``: without asking each Ray trainer worker for its own)."""
         with self._lock:
-            backends = dict(self._backends)
+            backends = dict(self._stacks)
         out = []
         for name, b in backends.items():
             sched, cache = b.scheduler, getattr(b.sampler, "prefix_cache", None)  # vLLM keeps its own
@@ -547,7 +547,7 @@ class Runtime:
 
     def snapshot_ids(self, base_model: str) -> list[str]:
         """The snapshots ``base_model``'s engine holds now (``<model>@v<n>``, loaded checkpoints)."""
-        return self.backend(base_model).engine.snapshot_ids()
+        return self.base_stack(base_model).engine.snapshot_ids()
 
     def _snapshot_owner(self, b: BaseStack, policy: str) -> str | None:
         """The model a snapshot was taken from (a loaded checkpoint's: the model it was saved from)."""
@@ -561,12 +561,12 @@ class Runtime:
 
     def shutdown(self) -> None:
         with self._lock:
-            for b in self._backends.values():
+            for b in self._stacks.values():
                 b.scheduler.shutdown()
                 close = getattr(b.sampler, "close", None)
                 if callable(close):
                     close()
-            self._backends.clear()
+            self._stacks.clear()
         self.scaleout.shutdown()
 
 

@@ -25,7 +25,7 @@ class SamplingClient(ReadyClient):
         self, runtime: Runtime, base_model: str, policy: str | None, model_path: str | None = None
     ) -> None:
         self._runtime = runtime
-        self._scheduler = runtime.backend(base_model).scheduler
+        self._scheduler = runtime.base_stack(base_model).scheduler
         self.base_model = runtime.base_model_info(base_model).name
         self.policy = policy
         self.model_path = model_path

@@ -68,13 +68,13 @@ class ScaleOut:
         data_dir: Path,
         store: CheckpointStore,
         models: dict[str, Any],
-        backends: Callable[[], dict[str, Any]],
+        stacks: Callable[[], dict[str, Any]],
     ) -> None:
         """``dtype``: the base models' dtype by name (it travels to workers as is); ``models``:
-        the runtime's model records (auto-restore updates them); ``backends()``: its loaded base
-        models' backends (engine, sampler, scheduler), read under its lock."""
+        the runtime's model records (auto-restore updates them); ``stacks()``: its loaded base
+        models' base stacks (engine, sampler, scheduler), read under its lock."""
         self.config, self.dtype, self.data_dir, self.store = config, dtype, data_dir, store
-        self.models, self._backends = models, backends
+        self.models, self._stacks = models, stacks
         rollout_workers, trainer_workers = config.rollout_workers, config.trainer_workers
         ray, placement_timeout = config.ray, config.placement_timeout
         worker_cpus, worker_gpus = config.worker_cpus, config.worker_gpus
@@ -150,7 +150,7 @@ class ScaleOut:
     def check_start(self, base_models: list[str]) -> None:
         """``ValueError`` unless the Ray cluster can place the workers of every base model of
         ``base_models`` not loaded yet, all kinds together."""
-        new = {canonical_name(b) for b in base_models} - set(self._backends())
+        new = {canonical_name(b) for b in base_models} - set(self._stacks())
         self._check_fits(len(new))
 
     def check_data_parallel(self, value: int | str | None) -> int:
@@ -244,7 +244,7 @@ class ScaleOut:
     def _worker_pools(self) -> dict[str, WorkerPool]:
         return {
             n: b.scheduler.rollout
-            for n, b in self._backends().items()
+            for n, b in self._stacks().items()
             if isinstance(b.scheduler.rollout, WorkerPool)
         }
 
@@ -254,9 +254,7 @@ class ScaleOut:
             return {}
         from opentinker.cluster.trainer_router import RoutedScheduler
 
-        return {
-            n: b.scheduler for n, b in self._backends().items() if isinstance(b.scheduler, RoutedScheduler)
-        }
+        return {n: b.scheduler for n, b in self._stacks().items() if isinstance(b.scheduler, RoutedScheduler)}
 
     def rollout_workers_info(self) -> dict[str, Any]:
         """The workers now: per base model, each rollout worker's state and requests served; and

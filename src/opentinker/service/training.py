@@ -34,7 +34,7 @@ class TrainingClient(ReadyClient):
         self.model_id = model_id
         rec = runtime.model(model_id)
         self._base_model = rec.base_model
-        self._scheduler = runtime.backend(rec.base_model).scheduler
+        self._scheduler = runtime.base_stack(rec.base_model).scheduler
 
     # ---------------------------------------------------------------- helpers
     def _record(self) -> ModelRecord:
