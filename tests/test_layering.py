@@ -80,7 +80,7 @@ FRONT_ENDS = ("client", "server")
 FRONT_END_LEAVES: dict[str, frozenset[str]] = {}
 
 # Attributes that reach into the Runtime's per-base-model engines and queues.
-INTERNAL_ATTRS = frozenset({"engine", "scheduler", "backend", "_backend", "_stacks"})
+INTERNAL_ATTRS = frozenset({"engine", "scheduler", "base_stack", "_stacks"})
 NO_INTERNAL_ATTRS = frozenset({*FRONT_ENDS, "cli", *LIBRARY_BASE, "rl", "sft", "tasks"})
 
 CORE_NEVER_IMPORTS = ("tinker", "fastapi", "uvicorn")
@@ -383,7 +383,7 @@ def test_the_checker_catches_violations(tmp_path: Path) -> None:
         "opentinker/server/embedded.py:1: opentinker.client ['Runtime']",
         "opentinker/server/ops.py:1: opentinker.engine.engine ['Engine']",
     ]
-    assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.backend)" in found
+    assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.base_stack)" in found
     assert "opentinker/server/ops.py:3: 'server' reaches into the runtime's internals (.engine)" in found
     assert "opentinker/engine/wire.py:1: the core layer 'engine' imports 'tinker'" in found
     assert "opentinker/client/scale.py:2: 'client' imports 'ray' (only cluster may)" in found
