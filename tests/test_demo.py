@@ -84,6 +84,9 @@ def test_a_cut_reply_earns_nothing_whatever_its_length() -> None:
         ("Why do cats purr?", "Cats purr when content.", True),
         ("What is electricity?", "Electrical current.", True),  # a long stem: any word it starts
         ("What is the capital of France?", "Paris.", True),  # a topic names the answer's words too
+        ("Why do cats purr?", "Why do cats purr?", False),  # the question back, found by RL
+        ("Why do cats purr?", "why do cats purr", False),  # ... in any case or punctuation
+        ("Why do cats purr?", "Do cats purr?", False),  # a question is no answer
     ],
 )
 def test_on_topic_is_the_questions_stems(question: str, reply: str, topical: bool) -> None:
@@ -97,8 +100,9 @@ def test_every_question_has_a_topic_in_plain_lower_case() -> None:
     assert not set(TRAIN) & set(EVAL)
     for question, stems in TOPICS.items():
         assert stems and all(s.isalpha() and s.islower() for s in stems), question
-        # the question's own words name its topic: the check rewards a reply that keeps to it
-        assert on_topic(question, question), question
+        # the question's own words name its topic ... but repeating the question is no answer
+        assert on_topic(question.rstrip("?.") + " indeed.", question), question
+        assert not on_topic(question, question) and not on_topic(question.rstrip("?.") + ".", question)
 
 
 def test_typical_words_is_the_geometric_mean() -> None:

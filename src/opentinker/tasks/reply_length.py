@@ -9,10 +9,11 @@ A reply cut by the token limit or an empty one earns 0, below every finished rep
 limit well above the largest target, a cut reply overshoots every target anyway.
 
 A reply must also keep to the question's topic (:func:`on_topic`: it uses one of the question's
-topic words in :data:`TOPICS`, a deterministic check) or it earns 0. A reward on word counts
-alone was gamed by dropping the content: "What is kindness?" got 'finally' from the 1-word
-adapter and 'No answer available.' from the 3-word one. The check does not judge fluency; the
-main demo adds a KL penalty to the base model for that. The main demo trains several adapters on
+topic words in :data:`TOPICS`, and neither asks a question nor repeats the question: a
+deterministic check) or it earns 0. A reward on word counts alone was gamed by dropping the
+content: "What is kindness?" got 'finally' from the 1-word adapter and 'No answer available.'
+from the 3-word one; with the topic words alone, short adapters learned to repeat the question.
+The check does not judge fluency; the main demo adds a KL penalty to the base model for that. The main demo trains several adapters on
 the same prompts, each towards its own target length, in one run. ``cfg.extra["target_words"]``
 sets the target.
 """
@@ -102,8 +103,12 @@ def length_reward(text: str, target: int) -> float:
 
 def on_topic(text: str, question: str) -> bool:
     """Whether the reply names the question's topic (:data:`TOPICS`): one of its words is a stem or
-    the stem plus "s", or starts with a stem of four letters or more. Case and punctuation ignored."""
+    the stem plus "s", or starts with a stem of four letters or more. Case and punctuation ignored.
+    A reply that asks a question (ends with "?") or repeats the question's words is not on topic:
+    it names the topic without answering."""
     words = re.findall(r"[a-z]+", text.lower())
+    if text.rstrip().endswith("?") or words == re.findall(r"[a-z]+", question.lower()):
+        return False
     return any(
         w in (s, s + "s") or (len(s) >= 4 and w.startswith(s)) for s in TOPICS[question] for w in words
     )
