@@ -41,11 +41,13 @@ TARGETS = (1, 3, 9, 27)
 # (~49 words, reward 0) is nearly twice the largest target, so the cut does not push the 27-word
 # adapter towards shorter replies.
 MAX_TOKENS = 64
-STEPS = 18
+# an on-topic 1-word reply takes longer to learn than any 1-word reply: at 18 steps the 1-word
+# adapter was still falling (2.3 held-out words, nearest 3); at 24 it was at 1.3
+STEPS = 24
 RANK = 8
 LR = 1e-3
-# per token, on the sampler's log-ratio to the base: large enough to keep the 27-word adapter in
-# the base model's English; at 0.1 the 1-word adapter was still at ~9 words after 18 steps
+# per token, on the sampler's log-ratio to the base: the replies stayed in the base model's English
+# (measured); at 0.1 the 1-word adapter was still at ~9 words after 18 steps
 KL_COEF = 0.02
 GROUPS_PER_STEP = 2  # questions per adapter per step
 GROUP_SIZE = 4  # replies per question
