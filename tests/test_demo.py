@@ -14,7 +14,16 @@ import pytest
 
 from opentinker.cli.demo import HELD_OUT_SAMPLES, TARGETS, HeldOut, nearest_target, separated, typical_words
 from opentinker.cli.main import main
-from opentinker.tasks.reply_length import LengthEnv, length_reward
+from opentinker.tasks.reply_length import (
+    EVAL,
+    QUESTIONS,
+    TOPICS,
+    TRAIN,
+    LengthEnv,
+    length_reward,
+    on_topic,
+    reply_reward,
+)
 from opentinker.tracking import read_metrics
 from tests.conftest import TEST_MODEL
 
@@ -53,10 +62,47 @@ def test_a_cut_reply_earns_nothing_whatever_its_length() -> None:
         stop = ()
 
     env = LengthEnv(Plain(), "Describe a forest.", 3)  # type: ignore[arg-type]
-    cut = asyncio.run(env.respond({"role": "assistant", "content": words(3)}, ended=False))
-    done = asyncio.run(env.respond({"role": "assistant", "content": words(3)}, ended=True))
+    reply = {"role": "assistant", "content": "Tall green trees."}
+    cut = asyncio.run(env.respond(reply, ended=False))
+    done = asyncio.run(env.respond(reply, ended=True))
     assert cut.reward == 0.0 and done.reward == 1.0
-    assert cut.metrics == {"words": 3.0, "ended": 0.0}
+    assert cut.metrics == {"words": 3.0, "ended": 0.0, "on_topic": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("question", "reply", "topical"),
+    [
+        ("What is kindness?", "Kindness is caring for others.", True),
+        ("What is kindness?", "Being KIND.", True),  # case and punctuation ignored, a stem's word
+        ("What is kindness?", "finally", False),  # the replies reward hacking found without the check
+        ("What is kindness?", "No answer available.", False),
+        ("What is kindness?", "This sentence didn't make it into the actual answer.", False),
+        ("What is kindness?", "Humankind.", False),  # a stem counts at the start of a word only
+        ("How do you make tea?", "Boil water, add tea leaves.", True),
+        ("How do you make tea?", "Teas.", True),  # a short stem: the word or its plural
+        ("How do you make tea?", "Teamwork.", False),  # ... not every word that starts with it
+        ("Why do cats purr?", "Cats purr when content.", True),
+        ("What is electricity?", "Electrical current.", True),  # a long stem: any word it starts
+        ("What is the capital of France?", "Paris.", True),  # a topic names the answer's words too
+        ("Why do cats purr?", "Why do cats purr?", False),  # the question back, found by RL
+        ("Why do cats purr?", "why do cats purr", False),  # ... in any case or punctuation
+        ("Why do cats purr?", "Do cats purr?", False),  # a question is no answer
+    ],
+)
+def test_on_topic_is_the_questions_stems(question: str, reply: str, topical: bool) -> None:
+    assert on_topic(reply, question) is topical
+    want = length_reward(reply, 3) if topical else 0.0
+    assert reply_reward(reply, question, 3) == want
+
+
+def test_every_question_has_a_topic_in_plain_lower_case() -> None:
+    assert set(TOPICS) == set(QUESTIONS) and len(QUESTIONS) == len(TRAIN) + len(EVAL)
+    assert not set(TRAIN) & set(EVAL)
+    for question, stems in TOPICS.items():
+        assert stems and all(s.isalpha() and s.islower() for s in stems), question
+        # the question's own words name its topic ... but repeating the question is no answer
+        assert on_topic(question.rstrip("?.") + " indeed.", question), question
+        assert not on_topic(question, question) and not on_topic(question.rstrip("?.") + ".", question)
 
 
 def test_typical_words_is_the_geometric_mean() -> None:
@@ -71,7 +117,7 @@ def test_typical_words_is_the_geometric_mean() -> None:
 
 def test_separated_means_nearest_own_target_and_above_base() -> None:
     def h(target: int, w: float, reward: float = 0.8, base: float = 0.1) -> HeldOut:
-        return HeldOut(target=target, words=w, reward=reward, base_reward=base, texts=[])
+        return HeldOut(target=target, words=w, reward=reward, on_topic=1.0, base_reward=base, texts=[])
 
     targets = [3, 8, 20, 40]
     assert nearest_target(4.8, targets) == 3 and nearest_target(5.0, targets) == 8  # sqrt(24) = 4.9
@@ -98,6 +144,8 @@ def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFi
         h = held["adapters"][name]
         assert h["target"] == target and len(h["replies"]) == 10 * HELD_OUT_SAMPLES
         assert h["typical_words"] == pytest.approx(typical_words([len(t.split()) for t in h["replies"]]))
+        questions = [q for q in EVAL for _ in range(HELD_OUT_SAMPLES)]  # each question's replies together
+        assert h["on_topic"] == pytest.approx(sum(map(on_topic, h["replies"], questions)) / len(questions))
     assert len(held["base_model"]["replies"]) == 10 * HELD_OUT_SAMPLES
     out = capsys.readouterr().out
     assert "RL towards [2, 5] words, 2 steps, seed 3" in out
@@ -122,6 +170,7 @@ def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFi
         (["--targets", "0,4"], "targets must be distinct word counts >= 1"),
         (["--targets", "three"], "--targets expects comma-separated word counts"),
         (["--steps", "0"], "steps must be >= 1"),
+        (["--kl-coef", "-0.1"], "--kl-coef must be a number >= 0"),
     ],
 )
 def test_demo_usage_errors_exit_2(

@@ -1,11 +1,14 @@
 """The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
 Each adapter gets questions from the same pool but its own objective: reply in about 1, 3, 9 or
-27 words (the ``reply_length`` task, a dense reward on the ratio of words to target). All of them
+27 words, on the question's topic (the ``reply_length`` task: a dense reward on the ratio of words
+to target, 0 for a reply off topic), with a per-token KL penalty to the base model
+(:data:`KL_COEF`) that keeps the replies in the base model's language. All of them
 sample in one mixed batch and train in one fused forward/backward per scheduler tick, through
 the same client API a remote Tinker server offers. At the end every adapter and the bare base
 answer ten held-out questions (four sampled replies each, in one mixed sampling batch); the demo
-prints each adapter's typical reply length and reward there and whether the adapters *separated*:
+prints each adapter's typical reply length, share on topic and reward there and whether the
+adapters *separated*:
 
     every adapter's held-out typical word count is nearer (as a ratio) to its own target than to
     any other adapter's target, and its held-out reward is above the base model's for that target.
@@ -14,8 +17,8 @@ prints each adapter's typical reply length and reward there and whether the adap
 ratios (twice the target costs as much as half of it), so lengths are averaged on that scale too,
 and one 60-word ramble does not move a 2-word adapter's figure as far as an arithmetic mean would.
 
-``<log-dir>/held_out.json`` keeps every held-out reply; ``<log-dir>/curves.png`` shows each adapter's mean words per step against its target (dashed)
-and its mean reward.
+``<log-dir>/held_out.json`` keeps every held-out reply; ``<log-dir>/curves.png`` shows each
+adapter's mean words per step against its target (dashed) and its mean reward.
 """
 
 from __future__ import annotations
@@ -38,9 +41,14 @@ TARGETS = (1, 3, 9, 27)
 # (~49 words, reward 0) is nearly twice the largest target, so the cut does not push the 27-word
 # adapter towards shorter replies.
 MAX_TOKENS = 64
-STEPS = 18
+# an on-topic 1-word reply takes longer to learn than any 1-word reply: at 18 steps the 1-word
+# adapter was still falling (2.3 held-out words, nearest 3); at 24 it was at 1.3
+STEPS = 24
 RANK = 8
 LR = 1e-3
+# per token, on the sampler's log-ratio to the base: the replies stayed in the base model's English
+# (measured); at 0.1 the 1-word adapter was still at ~9 words after 18 steps
+KL_COEF = 0.02
 GROUPS_PER_STEP = 2  # questions per adapter per step
 GROUP_SIZE = 4  # replies per question
 HELD_OUT_SAMPLES = 4  # replies per held-out question and policy
@@ -54,6 +62,7 @@ class HeldOut:
     target: int
     words: float  # typical words per reply: the geometric mean (see typical_words)
     reward: float  # mean reply_length reward for `target`
+    on_topic: float  # share of the replies on the question's topic
     base_reward: float  # the base model's mean reward for the same target
     texts: list[str]
 
@@ -63,6 +72,13 @@ def typical_words(counts: list[int]) -> float:
     if not counts:
         raise ValueError("no replies to average")
     return math.exp(sum(math.log(max(n, 0.5)) for n in counts) / len(counts))
+
+
+def reply_questions() -> list[str]:
+    """The held-out question of each held-out reply, in their order (each question's replies together)."""
+    from opentinker.tasks import reply_length
+
+    return [q for q in reply_length.EVAL for _ in range(HELD_OUT_SAMPLES)]
 
 
 def nearest_target(words: float, targets: list[int]) -> int:
@@ -92,6 +108,7 @@ def run_demo(
     steps: int = STEPS,
     rank: int = RANK,
     lr: float = LR,
+    kl_coef: float = KL_COEF,
     seed: int = 0,
     max_tokens: int = MAX_TOKENS,
     groups_per_step: int = GROUPS_PER_STEP,
@@ -123,7 +140,7 @@ def run_demo(
         cfg = RLConfig(
             base_model=base_model, log_dir=str(Path(log_dir) / name), steps=steps,
             groups_per_step=groups_per_step, group_size=group_size, lora_rank=rank, learning_rate=lr,
-            max_tokens=max_tokens, normalize_std=True, eval_every=0, seed=seed * 1000 + i,
+            max_tokens=max_tokens, normalize_std=True, kl_coef=kl_coef, eval_every=0, seed=seed * 1000 + i,
             progress=False, name=name, plot_keys=("reward/mean", "env/words"),
             extra={"target_words": target},
         )  # fmt: skip
@@ -188,18 +205,21 @@ def report_held_out(log_dir: str, names: list[str], held: list[HeldOut], base_te
 
     targets = [h.target for h in held]
     print(f"\nheld-out: {len(reply_length.EVAL)} questions, {HELD_OUT_SAMPLES} replies each at temperature 1")
-    print(f"  {'adapter':>10}  target  typical words  reward  base model's reward")
+    print(f"  {'adapter':>10}  target  typical words  on topic  reward  base model's reward")
     for name, h in zip(names, held, strict=True):
         near = nearest_target(h.words, targets)
         ok = "ok" if near == h.target else f"nearest {near}"
-        cells = f"{h.target:6d}  {h.words:13.1f}  {h.reward:6.2f}  {h.base_reward:19.2f}"
+        cells = f"{h.target:6d}  {h.words:13.1f}  {h.on_topic:8.0%}  {h.reward:6.2f}  {h.base_reward:19.2f}"
         print(f"  {name:>10}  {cells}   {ok}")
+    base_topic = sum(map(reply_length.on_topic, base_texts, reply_questions())) / len(base_texts)
+    base_words = typical_words([len(t.split()) for t in base_texts])
+    print(f"  {'base model':>10}  {'':6}  {base_words:13.1f}  {base_topic:8.0%}")
     record = {
         "questions": reply_length.EVAL,
         "samples_per_question": HELD_OUT_SAMPLES,
-        "adapters": {n: {"target": h.target, "typical_words": h.words, "reward": h.reward,
+        "adapters": {n: {"target": h.target, "typical_words": h.words, "on_topic": h.on_topic, "reward": h.reward,
                          "base_reward": h.base_reward, "replies": h.texts} for n, h in zip(names, held, strict=True)},
-        "base_model": {"replies": base_texts},
+        "base_model": {"typical_words": base_words, "on_topic": base_topic, "replies": base_texts},
         "separated": separated(held),
     }  # fmt: skip
     (Path(log_dir) / "held_out.json").write_text(json.dumps(record, indent=1))
@@ -238,8 +258,19 @@ def held_out(
         for fs in futures
     ]  # [policy][question * sample] -> (message, ended)
 
+    questions = reply_questions()
+
     def score(rs: list[tuple[Any, bool]], target: int) -> float:
-        return sum(reply_length.length_reward(m["content"], target) if e else 0.0 for m, e in rs) / len(rs)
+        rewards = [
+            reply_length.reply_reward(m["content"], q, target) if e else 0.0
+            for (m, e), q in zip(rs, questions, strict=True)
+        ]
+        return sum(rewards) / len(rs)
+
+    def topical(rs: list[tuple[Any, bool]]) -> float:
+        return sum(
+            reply_length.on_topic(m["content"], q) for (m, _), q in zip(rs, questions, strict=True)
+        ) / len(rs)
 
     base = replies[-1]
     out = [
@@ -247,6 +278,7 @@ def held_out(
             target=t,
             words=typical_words([len(m["content"].split()) for m, _ in rs]),
             reward=score(rs, t),
+            on_topic=topical(rs),
             base_reward=score(base, t),
             texts=[m["content"] for m, _ in rs],
         )

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=d.STEPS)
     demo.add_argument("--rank", type=int, default=d.RANK)
     demo.add_argument("--lr", type=float, default=d.LR)
+    demo.add_argument(
+        "--kl-coef", type=float, default=d.KL_COEF, help="KL penalty to the base model, per token"
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--max-tokens", type=int, default=d.MAX_TOKENS)
     demo.add_argument(
@@ -106,12 +109,14 @@ def _demo(args: argparse.Namespace) -> int:
         )  # fmt: skip
         if not (args.lr > 0 and math.isfinite(args.lr)):
             raise ValueError(f"--lr must be a positive number, got {args.lr}")
+        if not (args.kl_coef >= 0 and math.isfinite(args.kl_coef)):
+            raise ValueError(f"--kl-coef must be a number >= 0, got {args.kl_coef}")
     except ValueError as e:
         print(f"opentinker demo: error: {e}", file=sys.stderr)
         return 2
     return run_demo(
         base_model=args.base_model, targets=targets, steps=args.steps, rank=args.rank, lr=args.lr,
-        seed=args.seed, max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
+        kl_coef=args.kl_coef, seed=args.seed, max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
         group_size=args.group_size, log_dir=args.log_dir, dtype=args.dtype,
     )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Reply length control: the reward is how close the reply's word count is to a target.
+"""Reply length control: the reward is how close an on-topic reply's word count is to a target.
 
 The reward is measured on the *ratio* of words to target (``1 / (1 + log2(n / target)^2)``): 1 on
 target, 1/2 at twice or half of it, 1/5 at four times, never 0 for a finished reply. So it is
@@ -8,8 +8,12 @@ target, so a policy that starts at ~90 words (SmolLM2's habit) gets a direction 
 A reply cut by the token limit or an empty one earns 0, below every finished reply: with a token
 limit well above the largest target, a cut reply overshoots every target anyway.
 
-The reward counts words only, so the shortest adapters may answer with fragments ("Awful.",
-"1.1.1.1"): it is a length objective, not a quality one. The main demo trains several adapters on
+A reply must also keep to the question's topic (:func:`on_topic`: it uses one of the question's
+topic words in :data:`TOPICS`, and neither asks a question nor repeats the question: a
+deterministic check) or it earns 0. A reward on word counts alone was gamed by dropping the
+content: "What is kindness?" got 'finally' from the 1-word adapter and 'No answer available.'
+from the 3-word one; with the topic words alone, short adapters learned to repeat the question.
+The check does not judge fluency; the main demo adds a KL penalty to the base model for that. The main demo trains several adapters on
 the same prompts, each towards its own target length, in one run. ``cfg.extra["target_words"]``
 sets the target.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,20 +32,53 @@ from tinker import types
 from opentinker.renderers import Message, Renderer
 from opentinker.rl.types import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 
-QUESTIONS = [
-    "What is the capital of France?", "Why is the sky blue?", "How do plants make food?",
-    "What is a good name for a cat?", "Describe the ocean.", "What is your favourite season?",
-    "How does a bicycle work?", "Tell me about the moon.", "What do bees do?",
-    "Why do we sleep?", "What is music?", "How are rainbows made?", "Describe a forest.",
-    "What is a computer?", "Why do leaves change colour?", "What is friendship?",
-    "How do birds fly?", "Tell me about volcanoes.", "What is the sun?", "Describe your morning.",
-    "What makes a good teacher?", "How is bread made?", "What is a river?", "Why is water wet?",
-    "What is the best way to learn?", "Describe a city at night.", "What are clouds made of?",
-    "How do fish breathe?", "What is a library?", "Tell me about winter.", "What is chess?",
-    "How does rain form?", "What is kindness?", "Describe a mountain.", "What is electricity?",
-    "Why do cats purr?", "What is a planet?", "How do you make tea?", "What is a dream?",
-    "Tell me about the desert.", "What is a museum?", "How do trees grow?",
-]  # fmt: skip
+# Each question and its topic: a reply is on topic if one of its words is a stem (or its plural), or
+# starts with a stem of 4 letters or more (see on_topic)
+TOPICS: dict[str, tuple[str, ...]] = {
+    "What is the capital of France?": ("france", "french", "paris"),
+    "Why is the sky blue?": ("sky", "skies", "blue"),
+    "How do plants make food?": ("plant", "photosynth"),
+    "What is a good name for a cat?": ("cat", "kitt", "name"),
+    "Describe the ocean.": ("ocean", "sea"),
+    "What is your favourite season?": ("season", "spring", "summer", "autumn", "fall", "winter"),
+    "How does a bicycle work?": ("bicycle", "bike", "pedal", "cycl"),
+    "Tell me about the moon.": ("moon", "lunar"),
+    "What do bees do?": ("bee", "honey", "pollen", "pollinat"),
+    "Why do we sleep?": ("sleep", "rest"),
+    "What is music?": ("music", "sound", "song", "melod"),
+    "How are rainbows made?": ("rainbow", "light", "colo"),
+    "Describe a forest.": ("forest", "tree", "wood"),
+    "What is a computer?": ("computer", "machine"),
+    "Why do leaves change colour?": ("leaf", "leaves", "colo", "autumn", "fall"),
+    "What is friendship?": ("friend",),
+    "How do birds fly?": ("bird", "wing", "fly", "flies", "flight"),
+    "Tell me about volcanoes.": ("volcan", "lava", "magma", "erupt"),
+    "What is the sun?": ("sun", "star", "solar"),
+    "Describe your morning.": ("morning", "wake", "woke", "breakfast", "coffee"),
+    "What makes a good teacher?": ("teach",),
+    "How is bread made?": ("bread", "flour", "dough", "bak"),
+    "What is a river?": ("river", "water", "stream"),
+    "Why is water wet?": ("water", "wet"),
+    "What is the best way to learn?": ("learn", "practi", "study"),
+    "Describe a city at night.": ("city", "night", "cities", "street"),
+    "What are clouds made of?": ("cloud", "water", "vapo", "droplet"),
+    "How do fish breathe?": ("fish", "gill", "breath"),
+    "What is a library?": ("librar", "book"),
+    "Tell me about winter.": ("winter", "snow", "cold"),
+    "What is chess?": ("chess", "game"),
+    "How does rain form?": ("rain", "water", "cloud", "droplet"),
+    "What is kindness?": ("kind",),
+    "Describe a mountain.": ("mountain", "peak", "summit"),
+    "What is electricity?": ("electric", "current", "charge", "energy"),
+    "Why do cats purr?": ("cat", "purr"),
+    "What is a planet?": ("planet", "orbit"),
+    "How do you make tea?": ("tea", "brew", "steep"),
+    "What is a dream?": ("dream",),
+    "Tell me about the desert.": ("desert", "sand", "dry"),
+    "What is a museum?": ("museum", "exhibit", "art"),
+    "How do trees grow?": ("tree", "root", "grow", "grew"),
+}
+QUESTIONS = list(TOPICS)
 EVAL = QUESTIONS[-10:]
 TRAIN = QUESTIONS[:-10]
 # Shared by every adapter, so they differ only in what they learned. It starts SmolLM2 at ~40 words
@@ -63,6 +101,24 @@ def length_reward(text: str, target: int) -> float:
     return 1.0 / (1.0 + math.log2(n / target) ** 2) if n else 0.0
 
 
+def on_topic(text: str, question: str) -> bool:
+    """Whether the reply names the question's topic (:data:`TOPICS`): one of its words is a stem or
+    the stem plus "s", or starts with a stem of four letters or more. Case and punctuation ignored.
+    A reply that asks a question (ends with "?") or repeats the question's words is not on topic:
+    it names the topic without answering."""
+    words = re.findall(r"[a-z]+", text.lower())
+    if text.rstrip().endswith("?") or words == re.findall(r"[a-z]+", question.lower()):
+        return False
+    return any(
+        w in (s, s + "s") or (len(s) >= 4 and w.startswith(s)) for s in TOPICS[question] for w in words
+    )
+
+
+def reply_reward(text: str, question: str, target: int) -> float:
+    """The task's reward for a finished reply: :func:`length_reward` if it is on topic, else 0."""
+    return length_reward(text, target) if on_topic(text, question) else 0.0
+
+
 class LengthEnv(MessageEnv):
     def __init__(self, renderer: Renderer, question: str, target: int) -> None:
         super().__init__(renderer)
@@ -73,8 +129,14 @@ class LengthEnv(MessageEnv):
 
     async def respond(self, reply: Message, ended: bool) -> Reply:
         # a reply cut by the token limit earns nothing: otherwise "one endless word" games the count
-        r = length_reward(reply["content"], self.target) if ended else 0.0
-        return Reply(r, True, metrics={"words": float(len(reply["content"].split())), "ended": float(ended)})
+        text = reply["content"]
+        r = reply_reward(text, self.question, self.target) if ended else 0.0
+        metrics = {
+            "words": float(len(text.split())),
+            "ended": float(ended),
+            "on_topic": float(on_topic(text, self.question)),
+        }
+        return Reply(r, True, metrics=metrics)
 
 
 class LengthGroup(EnvGroupBuilder):
@@ -116,7 +178,7 @@ def make_evaluator(renderer: Renderer, target: int, max_tokens: int):
             )
             msg, ended = renderer.parse_response(list(resp.sequences[0].tokens))
             text = msg["content"]
-            return (length_reward(text, target) if ended else 0.0), float(len(text.split()))
+            return (reply_reward(text, q, target) if ended else 0.0), float(len(text.split()))
 
         out = await asyncio.gather(*(one(q) for q in EVAL))
         return {"reward": sum(r for r, _ in out) / len(out), "words": sum(w for _, w in out) / len(out)}
