@@ -192,7 +192,7 @@ def _bare_pool(started: int, added: int, dp: dict[str, list[int]], plain: dict[i
     """A pool's bookkeeping without its actors (what ``choose_leaving`` decides on): ``started``
     workers, then ``added`` ones."""
     pool = TrainerPool.__new__(TrainerPool)
-    pool._lock, pool._placement, pool._dp = threading.RLock(), {}, {}
+    pool._lock, pool._placement, pool._dp, pool.shard_base = threading.RLock(), {}, {}, 1
     pool.workers = [WorkerSlot(r, f"trainer-{r}", None) for r in range(started + added)]
     for model_id, ranks in dp.items():
         pool.reserve(model_id, [pool.workers[r] for r in ranks])
