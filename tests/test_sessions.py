@@ -392,3 +392,64 @@ def test_a_quiet_sessions_models_are_saved_evicted_and_restore_exactly(
     probe = tc.forward([_datum(99)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     assert_logprobs_close(probe, report["probe"])
     sc.close("success").result()
+
+
+def _sdk_value(x: Any) -> Any:
+    """What the SDK's future holds (over HTTP, ``create_lora_training_client`` answers a future);
+    the embedded client answers the value itself."""
+    from opentinker.service import TrainingClient
+
+    return x if isinstance(x, TrainingClient) else x.result()
+
+
+def _session_program(service: Any, rest: Any) -> tuple[str, types.GetSessionResponse, list[str]]:
+    """One SDK program: a session with metadata, two models in it; its ``get_session`` and listing."""
+    a = _sdk_value(service.create_lora_training_client(base_model=TEST_MODEL, rank=2, seed=0))
+    b = _sdk_value(
+        service.create_lora_training_client(
+            base_model=TEST_MODEL, rank=2, seed=1, user_metadata={"data_parallel": "1", "arm": "b"}
+        )
+    )
+    sid = a.model_id.split(":train:", 1)[0]
+    assert b.model_id.split(":train:", 1)[0] == sid
+    got = rest.get_session(sid).result()
+    assert got.training_run_ids == [a.model_id, b.model_id]
+    return sid, got, rest.list_sessions(limit=1000).result().sessions
+
+
+def test_session_metadata_is_the_same_embedded_and_over_http(server: LocalServer, tmp_path: Path) -> None:
+    """``ServiceClient(user_metadata=…, display_name=…, project_id=…)`` makes the same session
+    embedded as over HTTP: ``get_session`` shows its metadata and its models, ``list_sessions``
+    lists it, another tenant does not see it, and a bad project id is refused in both."""
+    import opentinker
+    from opentinker.service import Runtime
+    from opentinker.service.sessions import UnknownSession
+
+    md = {"team": "parity", "lr": "3e-4"}
+    kw: dict[str, Any] = {"user_metadata": md, "display_name": "parity run", "project_id": "par"}
+    over_http = tinker.ServiceClient(base_url=server.base_url, api_key=KEY_A, **kw)
+    http_sid, http_got, http_listed = _session_program(over_http, _rest(server))
+    runtime = Runtime(tmp_path / "data")
+    try:
+        embedded = opentinker.ServiceClient(runtime=runtime, **kw)
+        emb_sid, emb_got, emb_listed = _session_program(embedded, embedded.create_rest_client())
+        for sid, got, listed in ((http_sid, http_got, http_listed), (emb_sid, emb_got, emb_listed)):
+            assert (got.user_metadata, got.display_name) == (md, "parity run")
+            assert sid in listed
+        assert runtime.models[emb_got.training_run_ids[1]].user_metadata == {"data_parallel": "1", "arm": "b"}
+        other = opentinker.ServiceClient(runtime=runtime, tenant="someone-else").create_rest_client()
+        with pytest.raises(UnknownSession, match="unknown session"):
+            other.get_session(emb_sid)
+        assert emb_sid not in other.list_sessions(limit=1000).result().sessions
+        with pytest.raises(ValueError, match="invalid project id"):
+            opentinker.ServiceClient(runtime=runtime, project_id="../x")
+    finally:
+        runtime.shutdown()
+    with pytest.raises(tinker.NotFoundError, match="unknown session"):
+        _rest(server, KEY_B).get_session(http_sid).result()
+    with pytest.raises(
+        tinker.BadRequestError, match="invalid project id"
+    ):  # the SDK makes its session lazily
+        bad = tinker.ServiceClient(base_url=server.base_url, api_key=KEY_A, project_id="../x")
+        bad.create_lora_training_client(base_model=TEST_MODEL, rank=2).result()
+    over_http.close("success").result()

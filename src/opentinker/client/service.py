@@ -43,11 +43,17 @@ class ServiceClient:
         runtime: Runtime | None = None,
         tenant: str = LOCAL_TENANT,
         user_metadata: dict[str, str] | None = None,
+        project_id: str | None = None,
+        display_name: str | None = None,
         **_: Any,
     ) -> None:
+        """A session of ``tenant`` in ``runtime`` holding ``user_metadata``, ``project_id`` and
+        ``display_name``, as the server's ``create_session`` holds them (``RestClient.get_session``
+        shows them); a bad ``project_id`` raises ``ValueError``."""
         self.runtime = runtime or default_runtime()
         self.tenant = tenant
-        self.session_id = self.runtime.new_session()
+        meta = {"user_metadata": user_metadata, "project_id": project_id, "display_name": display_name}
+        self.session_id = self.runtime.sessions.create(tenant, meta).id
 
     # ---------------------------------------------------------------- training clients
     def create_lora_training_client(
@@ -174,11 +180,34 @@ class ServiceClient:
 
 
 class RestClient:
-    """The checkpoint REST calls of the SDK's ``RestClient``, embedded."""
+    """The checkpoint and session REST calls of the SDK's ``RestClient``, embedded."""
 
     def __init__(self, runtime: Runtime, tenant: str) -> None:
         self.runtime = runtime
         self.tenant = tenant
+
+    def get_session(
+        self, session_id: str, *_: Any, **__: Any
+    ) -> AwaitableConcurrentFuture[types.GetSessionResponse]:
+        """The session's models (in creation order) and what it was made with; another tenant's
+        session is unknown (``UnknownSession``). Embedded samplers have no ids: ``sampler_ids`` is empty."""
+        row = self.runtime.sessions.get(self.tenant, session_id)
+        models = [m for m in self.runtime.models if m.split(":train:", 1)[0] == row.id]
+        return ready(
+            types.GetSessionResponse(
+                training_run_ids=models,
+                sampler_ids=[],
+                user_metadata=row.user_metadata,
+                display_name=row.display_name,
+            )
+        )
+
+    def list_sessions(
+        self, limit: int = 20, offset: int = 0, *_: Any, **__: Any
+    ) -> AwaitableConcurrentFuture[types.ListSessionsResponse]:
+        """The tenant's session ids, newest first."""
+        rows = self.runtime.sessions.list(self.tenant, limit=limit, offset=offset)
+        return ready(types.ListSessionsResponse(sessions=[r.id for r in rows]))
 
     def _mine(self, rec: CheckpointRecord) -> bool:
         return self.runtime.owns(rec.meta, self.tenant)

@@ -17,7 +17,6 @@ manifest is new (its metadata names the copy, its owner and ``copied_from``). Th
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -28,20 +27,16 @@ from opentinker.server.errors import BadRequest, NotFound
 from opentinker.server.registry import Registry
 from opentinker.server.schemas import MAX_SEQ
 from opentinker.server.store import ModelRow
+from opentinker.service import sessions
 from opentinker.service.checkpoints import CheckpointRef
-
-PROJECT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 def check_project(value: object) -> str:
     """``value`` if it is a valid project id, else a :class:`BadRequest` naming the rule."""
-    if not isinstance(value, str) or not PROJECT_PATTERN.fullmatch(value):
-        shown = repr(value)[:80]
-        raise BadRequest(
-            f"invalid project id {shown}: use 1-64 letters, digits, '.', '_', '-', starting with a "
-            "letter or digit"
-        )
-    return value
+    try:
+        return sessions.check_project(value)
+    except sessions.InvalidProject as e:
+        raise BadRequest(str(e)) from None
 
 
 class AssignProjectRequest(BaseModel):
@@ -106,9 +101,10 @@ class ProjectApi:
         self._copies: dict[tuple[str, str], dict[str, Any]] = {}  # (tenant, idempotency key) -> answer
 
     def assign(self, tenant: str, session_id: str, req: AssignProjectRequest) -> None:
-        row = self.store.session(session_id)
-        if row is None or row.tenant != tenant:
-            raise NotFound(f"unknown session {session_id!r}")
+        try:
+            row = self.reg.runtime.sessions.get(tenant, session_id)
+        except sessions.UnknownSession as e:
+            raise NotFound(str(e)) from None
         if not req.project_id:
             raise BadRequest("project_id is missing: a session can be moved to a project, not out of one")
         self.store.set_session_project(row.id, check_project(req.project_id))

@@ -43,6 +43,7 @@ from opentinker.service import (
 )
 from opentinker.service.checkpoints import CheckpointRef, parse_tinker_path
 from opentinker.service.runtime import BaseModelInfo, ModelRecord
+from opentinker.service.sessions import UnknownSession
 
 log = logging.getLogger(__name__)
 GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights went (the newest)
@@ -118,8 +119,8 @@ class Registry:
 
     # ------------------------------------------------------------------ sessions
     def create_session(self, tenant: str, meta: dict[str, Any]) -> Session:
-        sess = Session(self.runtime.new_session(), tenant)
-        self.store.add_session(sess.id, tenant, meta)
+        rec = self.runtime.sessions.create(tenant, meta)
+        sess = Session(rec.id, tenant)
         with self._lock:
             self.sessions[sess.id] = sess
             self._seen[sess.id] = time.monotonic()
@@ -128,16 +129,15 @@ class Registry:
     def session(self, tenant: str, session_id: str, *, live: bool = True) -> Session:
         with self._lock:
             sess = self.sessions.get(session_id)
-        if sess is None:
-            row = self.store.session(session_id)
-            if row is None or row.tenant != tenant:
-                raise NotFound(f"unknown session {session_id!r}")
+        if sess is None or sess.tenant != tenant:
+            try:
+                row = self.runtime.sessions.get(tenant, session_id)
+            except UnknownSession as e:
+                raise NotFound(str(e)) from None
             # a session of an earlier server process: usable for new models and samplers
             sess = Session(row.id, tenant, finished=row.finished is not None)
             with self._lock:
                 sess = self.sessions.setdefault(session_id, sess)
-        if sess.tenant != tenant:
-            raise NotFound(f"unknown session {session_id!r}")
         if live and sess.finished:
             raise Gone(f"session {session_id!r} is finished")
         self._seen[sess.id] = time.monotonic()
@@ -146,7 +146,7 @@ class Registry:
     def seen(self, session_id: str) -> None:
         """The session is active: a heartbeat or a request of one of its models just came."""
         self._seen[session_id] = time.monotonic()
-        self.touch(session_id, self.store.touch_session, session_id)
+        self.runtime.sessions.seen(session_id)
 
     def touch(self, key: str, fn: Any, *args: Any) -> None:
         """Write a last-seen time at most every few seconds per id."""
@@ -158,7 +158,7 @@ class Registry:
     def finish_session(self, sess: Session, reason: str) -> None:
         """Mark it finished and free what it held: its adapters and its ephemeral snapshots."""
         sess.finished = True
-        self.store.finish_session(sess.id, reason)
+        self.runtime.sessions.finish(sess.id, reason)
         with self._lock:
             models, samplers = list(sess.models), list(sess.samplers)
         for model_id in models:

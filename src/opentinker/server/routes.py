@@ -105,7 +105,7 @@ async def create_session(server: ServerDep, req: S.CreateSessionRequest, t: Tena
 @router.post(f"{API}/session_heartbeat", tags=["sessions"])
 async def heartbeat(server: ServerDep, req: S.SessionHeartbeatRequest, t: Tenant) -> dict[str, Any]:
     sess = server.registry.session(t, req.session_id)
-    server.registry.touch(sess.id, server.store.touch_session, sess.id)
+    server.registry.seen(sess.id)
     return {"type": "session_heartbeat"}
 
 

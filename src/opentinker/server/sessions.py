@@ -17,7 +17,6 @@ sessions, not millions, and every filter then means exactly what the SDK documen
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,9 +25,8 @@ from tinker.types import SearchOwner, SessionStatusQuery
 
 from opentinker.server.errors import NotFound
 from opentinker.server.projects import check_project
-from opentinker.server.store import SessionRow, Store
-
-FINISH_REASONS = ("success", "errored", "interrupted")
+from opentinker.server.store import Store
+from opentinker.service.sessions import SessionRecord, Sessions, UnknownSession
 
 
 class SearchCursor(BaseModel):
@@ -60,28 +58,22 @@ def _iso(t: float) -> datetime:
 
 
 class SessionApi:
-    def __init__(self, store: Store, inactive_s: float) -> None:
+    """The REST views of the service's sessions (:class:`Sessions`), with what only the server's
+    store knows about them: their samplers, checkpoints and projects."""
+
+    def __init__(self, sessions: Sessions, store: Store, inactive_s: float) -> None:
+        self.sessions = sessions
         self.store = store
         self.inactive_s = inactive_s
 
-    def _row(self, tenant: str, session_id: str) -> SessionRow:
-        row = self.store.session(session_id)
-        if row is None or row.tenant != tenant:
-            raise NotFound(f"unknown session {session_id!r}")
-        return row
+    def _row(self, tenant: str, session_id: str) -> SessionRecord:
+        try:
+            return self.sessions.get(tenant, session_id)
+        except UnknownSession as e:
+            raise NotFound(str(e)) from None
 
-    def status(self, row: SessionRow) -> dict[str, Any] | None:
-        if row.finished is not None:
-            if row.finished in FINISH_REASONS:
-                return {"type": "client_finished", "reason": {"type": row.finished}}
-            return {
-                "type": "client_finished",
-                "reason": {"type": "interrupted"},
-                "detail": f"finished with reason {row.finished!r}",
-            }
-        if time.time() - row.last_seen <= self.inactive_s:
-            return {"type": "active"}
-        return None
+    def status(self, row: SessionRecord) -> dict[str, Any] | None:
+        return self.sessions.status(row, self.inactive_s)
 
     def get(self, tenant: str, session_id: str) -> dict[str, Any]:
         row = self._row(tenant, session_id)
@@ -94,9 +86,9 @@ class SessionApi:
         }
 
     def list(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
-        return {"sessions": [r.id for r in self.store.sessions(tenant, limit=limit, offset=offset)]}
+        return {"sessions": [r.id for r in self.sessions.list(tenant, limit=limit, offset=offset)]}
 
-    def summary(self, row: SessionRow) -> dict[str, Any]:
+    def summary(self, row: SessionRecord) -> dict[str, Any]:
         _, _, count, size = self.store.session_contents(row.id)
         return {
             "session_id": row.id,
@@ -120,9 +112,9 @@ class SessionApi:
         if req.owner.type == "user" and owner_urn(tenant) not in req.owner.owner_urns:
             return {"sessions": [], "next_cursor": None}
         after = None if req.cursor is None else (req.cursor.last_created_at, req.cursor.last_session_id)
-        page: list[SessionRow] = []
+        page: list[SessionRecord] = []
         more = False
-        for row in self.store.sessions(tenant):  # newest first
+        for row in self.sessions.list(tenant):  # newest first
             if after is not None and (_iso(row.created), row.id) >= after:
                 continue
             if not self._matches(row, req):
@@ -139,7 +131,7 @@ class SessionApi:
         )
         return {"sessions": [self.summary(r) for r in page], "next_cursor": cursor}
 
-    def _matches(self, row: SessionRow, req: SessionSearchRequest) -> bool:
+    def _matches(self, row: SessionRecord, req: SessionSearchRequest) -> bool:
         if req.session_id is not None or req.display_name is not None:
             by_id = req.session_id is not None and row.id == req.session_id
             name = (row.display_name or "").lower()

@@ -30,6 +30,7 @@ from opentinker.server.tokens import TokenSigner, load_secret
 from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
 from opentinker.service import Runtime
+from opentinker.service.sessions import Sessions
 
 
 class Server:
@@ -39,6 +40,7 @@ class Server:
         self.config = config
         self.runtime = runtime or Runtime(config.data_dir, config.runtime)
         self.store = Store(config.data_dir)
+        self.runtime.sessions = Sessions(self.store)  # the server's sessions outlive its process
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client
         signer = (
             TokenSigner(load_secret(config.data_dir), config.token_ttl_s) if config.token_ttl_s > 0 else None
@@ -59,7 +61,7 @@ class Server:
         self.runtime.is_public = self.checkpoints.is_public  # published checkpoints: readable by all
         signer = UrlSigner(config.data_dir)
         self.downloads = Downloads(self.checkpoints, self.runtime.external, signer, self.traces, self.store)
-        self.sessions = SessionApi(self.store, config.session_inactive_s)
+        self.sessions = SessionApi(self.runtime.sessions, self.store, config.session_inactive_s)
         self.projects = ProjectApi(self.registry)
         reconcile(self.runtime.store, self.store, self.runtime.external)
         self.metrics = ServerMetrics(self)  # GET /metrics (operators): its own Prometheus registry

@@ -9,6 +9,9 @@ The checkpoint folders are the truth about checkpoints; the ``checkpoints`` tabl
 them with their tenant (and what only the index holds: each one's expiry time and published flag), rebuilt from the folders' manifests at start-up
 (:func:`opentinker.server.checkpoints.reconcile`),
 so a checkpoint written just before a crash is still listed.
+
+The ``sessions`` table is the service's session store
+(:class:`~opentinker.service.sessions.SessionStore`): the server's sessions outlive its process.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PROJECT = "default"  # the project of sessions created without one
+from opentinker.service.sessions import DEFAULT_PROJECT, SessionRecord
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (id TEXT PRIMARY KEY, created REAL NOT NULL);
@@ -55,30 +58,6 @@ class KeyRow:
     name: str
     created: float
     revoked: float | None
-
-
-@dataclass(frozen=True)
-class SessionRow:
-    id: str
-    tenant: str
-    created: float
-    last_seen: float
-    finished: str | None  # the reason the client gave (success, errored, interrupted), or None
-    meta: dict[str, Any] = field(default_factory=dict)  # the create_session body (+ project_id)
-
-    @property
-    def project_id(self) -> str:
-        return str(self.meta.get("project_id") or DEFAULT_PROJECT)
-
-    @property
-    def display_name(self) -> str | None:
-        name = self.meta.get("display_name")
-        return None if name is None else str(name)
-
-    @property
-    def user_metadata(self) -> dict[str, str] | None:
-        md = self.meta.get("user_metadata")
-        return None if md is None else {str(k): str(v) for k, v in dict(md).items()}
 
 
 @dataclass(frozen=True)
@@ -198,7 +177,7 @@ class Store:
             (session_id, tenant, now, now, json.dumps(meta)),
         )
 
-    def session(self, session_id: str) -> SessionRow | None:
+    def session(self, session_id: str) -> SessionRecord | None:
         rows = self._all(f"SELECT {_SESSION_COLS} FROM sessions WHERE id=?", (session_id,))
         return _session_row(rows[0]) if rows else None
 
@@ -209,7 +188,7 @@ class Store:
         before: tuple[float, str] | None = None,
         limit: int = -1,
         offset: int = 0,
-    ) -> list[SessionRow]:
+    ) -> list[SessionRecord]:
         """``tenant``'s sessions (None: every tenant's), newest first (ties by id, descending),
         optionally only those strictly older than ``before`` = (created, id): the position a
         search cursor names."""
@@ -400,8 +379,8 @@ def _owner(tenant: str | None) -> tuple[str, list[Any]]:
     return ("tenant=?", [tenant]) if tenant is not None else ("1=1", [])
 
 
-def _session_row(r: tuple[Any, ...]) -> SessionRow:
-    return SessionRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]) if r[5] else {})
+def _session_row(r: tuple[Any, ...]) -> SessionRecord:
+    return SessionRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]) if r[5] else {})
 
 
 def _model_row(r: tuple[Any, ...]) -> ModelRow:

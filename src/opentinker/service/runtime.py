@@ -47,6 +47,7 @@ from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse
 from opentinker.service.config import RuntimeConfig, runtime_config
 from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
 from opentinker.service.scaleout import ScaleOut, data_parallel_of
+from opentinker.service.sessions import MemorySessionStore, Sessions
 
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -133,6 +134,7 @@ class Runtime:
         # tinker path -> readable by every tenant (published); the server sets it from its store
         self.is_public: Callable[[str], bool] = lambda path: False
         self.models: dict[str, ModelRecord] = {}
+        self.sessions = Sessions(MemorySessionStore())  # the server puts its durable store here
         self._stacks: dict[str, BaseStack] = {}
         self._lock = threading.RLock()
         self._model_seq = itertools.count(1)
@@ -210,9 +212,6 @@ class Runtime:
         with self._lock:
             b = self._stacks.get(canonical_name(base_model))
         return None if b is None else b.scheduler.tick_record(tick)
-
-    def new_session(self) -> str:
-        return f"sess-{uuid.uuid4().hex[:12]}"
 
     def new_model_id(self, session_id: str) -> str:
         return f"{session_id}:train:{next(self._model_seq)}"
