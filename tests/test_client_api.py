@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -369,3 +370,20 @@ def test_user_metadata_is_kept_and_its_degree_checked_embedded(runtime: Runtime)
         service.create_training_client_from_state(path, user_metadata={"data_parallel": "2"})
     again = service.create_training_client_from_state(path, user_metadata={"from": "s"})
     assert runtime.models[again.model_id].user_metadata == {"from": "s"}
+
+
+def test_only_the_embedded_client_releases_models(runtime: Runtime) -> None:
+    """``ReleasesModels`` is what a library pooling adapters asks: the embedded client drops a
+    model it made (its adapter is freed, the model is refused after), the SDK's client cannot."""
+    import tinker
+
+    from opentinker.client import ReleasesModels
+
+    service = opentinker.ServiceClient(runtime=runtime)
+    assert isinstance(service, ReleasesModels)
+    tc = service.create_lora_training_client(TEST_MODEL, rank=4)
+    asyncio.run(service.delete_model_async(tc.model_id))
+    with pytest.raises(EngineError, match="was deleted"):
+        runtime.model(tc.model_id)
+    sdk = tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-unused")
+    assert not isinstance(sdk, ReleasesModels)

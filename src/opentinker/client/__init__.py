@@ -5,15 +5,15 @@
 serves through too.
 """
 
-from opentinker.client.service import RestClient, ServiceClient, reuses_adapters
+from opentinker.client.service import ReleasesModels, RestClient, ServiceClient
 from opentinker.service import Runtime, SamplingClient, TrainingClient, default_runtime
 
 __all__ = [
+    "ReleasesModels",
     "RestClient",
     "Runtime",
     "SamplingClient",
     "ServiceClient",
     "TrainingClient",
     "default_runtime",
-    "reuses_adapters",
 ]

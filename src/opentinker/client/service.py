@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
@@ -24,7 +24,7 @@ from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.service.sampling import SamplingClient, sampling_client
 from opentinker.service.training import TrainingClient
 
-__all__ = ["LOCAL_TENANT", "RestClient", "ServiceClient", "reuses_adapters"]
+__all__ = ["LOCAL_TENANT", "ReleasesModels", "RestClient", "ServiceClient"]
 
 
 class ServiceClient:
@@ -246,9 +246,13 @@ def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
     )
 
 
-def reuses_adapters(service: Any) -> bool:
-    """Whether ``service`` can reset a training model in place and then drop it: the embedded
-    ``ServiceClient`` can (``TrainingClient.load_state``, ``delete_model``); the ``tinker`` SDK's
-    client deprecates ``load_state`` and has no ``delete_model``, so a library that pools
-    adapters (test-time training) asks this instead of which client it holds."""
-    return isinstance(service, ServiceClient)
+@runtime_checkable
+class ReleasesModels(Protocol):
+    """A service client that can release a training model it made: ``delete_model_async`` frees
+    the model's adapter at once (its checkpoints stay), so a library that pools adapters
+    (test-time training) may reset a model in place with ``TrainingClient.load_state`` and drop it
+    when done. The embedded :class:`ServiceClient` is one; the ``tinker`` SDK's client is not (it
+    has no ``delete_model`` and deprecates ``load_state``: its server frees models with their
+    session). Ask ``isinstance(service, ReleasesModels)``."""
+
+    async def delete_model_async(self, model_id: str) -> None: ...

@@ -10,8 +10,8 @@ sampled from a snapshot of the updated adapter. When an episode ends, its adapte
 a pool (or, with ``keep``, its training client is kept for analysis: ``TTTStats.kept``); the next
 episode that needs a fork resets a pooled one with ``load_state(fork path)`` (weights only and a
 fresh optimizer, as a new fork) instead of creating a model; :meth:`TTTUpdates.close` drops the
-pool (``delete_model``). That is where the client can (``opentinker.client.reuses_adapters``:
-embedded): the Tinker SDK deprecates
+pool (``delete_model``). That is where the client can release models
+(``opentinker.client.ReleasesModels``: embedded): the Tinker SDK deprecates
 ``TrainingClient.load_state``, so against a server every episode's adapter is a new training
 client from the fork path, freed with the server session. Only the client API is used, so this
 runs embedded or against any Tinker server.
@@ -232,10 +232,10 @@ class TTTUpdates:
         self._check: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._free: list[Any] = []  # training clients of ended episodes
-        from opentinker.client import reuses_adapters  # the package root imports the client lazily
+        from opentinker.client import ReleasesModels  # the package root imports the client lazily
 
         # the SDK deprecates TrainingClient.load_state: against a server each episode forks anew
-        self._pooled = reuses_adapters(service)
+        self._pooled = isinstance(service, ReleasesModels)
 
     def episode(self, fork_path: str, prompt_len: int, policy: Any, stats: TTTStats) -> TTTEpisode:
         ep = TTTEpisode(self, fork_path, prompt_len, policy, stats)
