@@ -93,18 +93,7 @@ def reconcile(disk: CheckpointStore, store: Store, external: ExternalStore | Non
         path = rec.ref.tinker_path
         tenant = checkpoint_owner(rec.meta)
         if path not in known:
-            store.add_checkpoint(
-                CheckpointRow(
-                    path,
-                    tenant,
-                    rec.ref.model_id,
-                    rec.ref.kind,
-                    rec.ref.name,
-                    rec.time.timestamp(),
-                    rec.size_bytes,
-                    rec.meta,
-                )
-            )
+            store.add_checkpoint(CheckpointRow.from_record(rec, tenant))
             added += 1
         if store.model(rec.ref.model_id) is None:
             t = rec.time.timestamp()

@@ -421,17 +421,7 @@ class Registry:
 
     def record_checkpoint(self, tenant: str, path: str, *, ttl_seconds: int | None = None) -> None:
         rec = self.runtime.store.record(parse_tinker_path(path))
-        row = CheckpointRow(
-            rec.ref.tinker_path,
-            tenant,
-            rec.ref.model_id,
-            rec.ref.kind,
-            rec.ref.name,
-            rec.time.timestamp(),
-            rec.size_bytes,
-            rec.meta,
-            expiry(ttl_seconds),
-        )
+        row = CheckpointRow.from_record(rec, tenant, expiry(ttl_seconds))
         self.store.add_checkpoint(row)
 
     # ------------------------------------------------------------------ samplers

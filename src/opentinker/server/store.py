@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opentinker.service.checkpoints import CheckpointRecord
 from opentinker.service.sessions import DEFAULT_PROJECT, SessionRecord
 
 SCHEMA = """
@@ -98,6 +99,24 @@ class CheckpointRow:
 
     def expired(self, now: float | None = None) -> bool:
         return self.expires_at is not None and self.expires_at <= (time.time() if now is None else now)
+
+    @classmethod
+    def from_record(
+        cls, rec: CheckpointRecord, tenant: str, expires_at: float | None = None
+    ) -> CheckpointRow:
+        """The index row of the checkpoint folder ``rec`` (what its manifest says), owned by ``tenant``."""
+        ref, created = rec.ref, rec.time.timestamp()
+        return cls(
+            ref.tinker_path,
+            tenant,
+            ref.model_id,
+            ref.kind,
+            ref.name,
+            created,
+            rec.size_bytes,
+            rec.meta,
+            expires_at,
+        )
 
 
 class Store:
