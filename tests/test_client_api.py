@@ -387,3 +387,20 @@ def test_only_the_embedded_client_releases_models(runtime: Runtime) -> None:
         runtime.model(tc.model_id)
     sdk = tinker.ServiceClient(base_url="http://127.0.0.1:9", api_key="tml-unused")
     assert not isinstance(sdk, ReleasesModels)
+
+
+@pytest.mark.parametrize(
+    ("settings", "refused"),
+    [
+        ({"data_parallel": 2}, r"data_parallel 2 is above the number of trainer workers \(0\)"),
+        ({"ray": "local"}, "give rollout_workers >= 1 or trainer_workers >= 1"),
+        ({"placement_timeout": 0}, "placement_timeout must be > 0"),
+    ],
+)
+def test_a_refused_runtime_leaves_no_data_dir(tmp_path, settings, refused) -> None:
+    """Scale-out settings are checked before the runtime writes anything: no empty data dir is
+    left behind by a start that was refused."""
+    data = tmp_path / "never"
+    with pytest.raises(ValueError, match=refused):
+        Runtime(data, **settings)
+    assert not data.exists()

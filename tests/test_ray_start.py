@@ -88,7 +88,8 @@ def two_cpus() -> Iterator[None]:
 
 def test_a_runtime_refuses_the_same_start_before_any_actor_exists(two_cpus: None, tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
-        Runtime(tmp_path, ray="local", rollout_workers=2, trainer_workers=2)
+        Runtime(tmp_path / "refused", ray="local", rollout_workers=2, trainer_workers=2)
+    assert not (tmp_path / "refused").exists()  # refused before anything was written
     assert str(info.value) == (
         "2 rollout workers × 1 CPU + 2 trainer workers × 1 CPU = 4 CPUs asked, but the cluster has "
         "2 CPUs free (2 in all; each kind alone would fit); lower --worker-cpus / --trainer-cpus or "

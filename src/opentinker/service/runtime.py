@@ -128,9 +128,6 @@ class Runtime:
             cfg.rollout_workers, cfg.sample_in_ticks, cfg.rollout_backend, self._vllm_options()
         )
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = CheckpointStore(self.data_dir)
-        self.external = ExternalStore(self.data_dir)
         # tinker path -> readable by every tenant (published); the server sets it from its store
         self.is_public: Callable[[str], bool] = lambda path: False
         self.models: dict[str, ModelRecord] = {}
@@ -140,10 +137,18 @@ class Runtime:
         self._model_seq = itertools.count(1)
         # (base model, tinker path) -> (manifest digests, snapshot id): see _weights_source
         self._weight_sources: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
+        # checked (and Ray connected) before anything is written: a refused start leaves no data dir
         self.scaleout = ScaleOut(
-            cfg, dtype=self.dtype, data_dir=self.data_dir, store=self.store, models=self.models,
+            cfg,
+            dtype=self.dtype,
+            data_dir=self.data_dir,
+            checkpoints=lambda: self.store,
+            models=self.models,
             stacks=self._loaded,
-        )  # fmt: skip
+        )
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = CheckpointStore(self.data_dir)
+        self.external = ExternalStore(self.data_dir)
 
     def _loaded(self) -> dict[str, BaseStack]:
         with self._lock:

@@ -66,14 +66,15 @@ class ScaleOut:
         *,
         dtype: str,
         data_dir: Path,
-        store: CheckpointStore,
+        checkpoints: Callable[[], CheckpointStore],
         models: dict[str, Any],
         stacks: Callable[[], dict[str, Any]],
     ) -> None:
-        """``dtype``: the base models' dtype by name (it travels to workers as is); ``models``:
+        """``dtype``: the base models' dtype by name (it travels to workers as is);
+        ``checkpoints()``: the runtime's checkpoint store (made after this checks); ``models``:
         the runtime's model records (auto-restore updates them); ``stacks()``: its loaded base
         models' base stacks (engine, sampler, scheduler), read under its lock."""
-        self.config, self.dtype, self.data_dir, self.store = config, dtype, data_dir, store
+        self.config, self.dtype, self.data_dir, self._checkpoints = config, dtype, data_dir, checkpoints
         self.models, self._stacks = models, stacks
         rollout_workers, trainer_workers = config.rollout_workers, config.trainer_workers
         ray, placement_timeout = config.ray, config.placement_timeout
@@ -428,7 +429,7 @@ class ScaleOut:
             entry: dict[str, Any] = {"worker": worker_id, "steps_at_loss": lost_at, "restored": False}
             saved = [
                 r
-                for r in self.store.list(model_id)
+                for r in self._checkpoints().list(model_id)
                 if r.ref.kind == "weights" and r.meta.get("has_optimizer")
             ]
             if not self.auto_restore or not saved:
