@@ -272,6 +272,13 @@ def test_body_limit_and_zstd() -> None:
 
 
 # ---------------------------------------------------------------------------- keys and store
+@pytest.mark.parametrize("tenant", ["", "a b", "../acme", "-acme", "x" * 65])
+def test_a_key_for_a_bad_tenant_name_is_refused_and_nothing_stored(tmp_path: Any, tenant: str) -> None:
+    with pytest.raises(ValueError, match="invalid tenant name"):
+        create_key(tmp_path, tenant)
+    assert not (tmp_path / "server.sqlite3").exists()
+
+
 def test_keys_are_hashed_mapped_to_tenants_and_revocable(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

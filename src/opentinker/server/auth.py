@@ -33,10 +33,10 @@ from typing import Any, ClassVar
 from opentinker.server.errors import BadRequest, Unauthorized
 from opentinker.server.store import Store
 from opentinker.server.tokens import TokenError, TokenSigner, looks_like_token
+from opentinker.service.sessions import check_tenant
 
 MAX_KEY_CHARS = 512
 KEY_PATTERN = re.compile(r"tml-[\x21-\x7e]*")  # what the SDK sends: tml- and printable ASCII
-TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 def hash_key(key: str) -> str:
@@ -152,8 +152,7 @@ def _dev_tenant(key_hash: str) -> str:
 # ---------------------------------------------------------------------------- the CLI
 def create_key(data_dir: str | Path, tenant: str, name: str = "") -> str:
     """Create a key for ``tenant`` (created if new); returns the key, which is shown only once."""
-    if not TENANT_PATTERN.fullmatch(tenant):
-        raise ValueError(f"invalid tenant name {tenant!r}: letters, digits, '.', '_', '-' (max 64)")
+    check_tenant(tenant)
     key = new_key()
     store = Store(data_dir)
     try:

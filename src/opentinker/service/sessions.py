@@ -1,4 +1,4 @@
-"""Sessions: what one client's models and samplers belong to, per tenant, embedded and over HTTP.
+"""Sessions and tenants: what one client's models and samplers belong to, embedded and over HTTP.
 
 A session is made by the SDK's ``ServiceClient(user_metadata=…, project_id=…, display_name=…)``
 and records what it was made with (its ``meta``). It belongs to one tenant: another tenant's session
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 DEFAULT_PROJECT = "default"  # the project of sessions created without one
-PROJECT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")  # a tenant's name, a project id
 FINISH_REASONS = ("success", "errored", "interrupted")
 TOUCH_EVERY_S = 5.0  # a session's last-seen time is written at most this often
 
@@ -40,13 +40,20 @@ class InvalidProject(ValueError):
 
 def check_project(value: object) -> str:
     """``value`` if it is a valid project id, else :class:`InvalidProject` naming the rule."""
-    if not isinstance(value, str) or not PROJECT_PATTERN.fullmatch(value):
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
         shown = repr(value)[:80]
         raise InvalidProject(
             f"invalid project id {shown}: use 1-64 letters, digits, '.', '_', '-', starting with a "
             "letter or digit"
         )
     return value
+
+
+def check_tenant(name: str) -> str:
+    """``name`` if it can name a tenant (what API keys are made for), else ``ValueError``."""
+    if not NAME_PATTERN.fullmatch(name):
+        raise ValueError(f"invalid tenant name {name!r}: letters, digits, '.', '_', '-' (max 64)")
+    return name
 
 
 @dataclass(frozen=True)
