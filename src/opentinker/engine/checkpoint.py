@@ -49,7 +49,8 @@ class CheckpointError(EngineError):
     """A checkpoint that is missing, torn, or does not fit this engine."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -84,7 +85,7 @@ def write_checkpoint(
             contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
             save_file(contiguous, str(tmp / name))
             _fsync(tmp / name)
-            sums[name] = _sha256(tmp / name)
+            sums[name] = file_sha256(tmp / name)
         manifest = {"format": FORMAT, "files": sums, "meta": meta}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         _fsync(tmp / MANIFEST)
@@ -128,7 +129,7 @@ def read_checkpoint(
         f = folder / name
         if not f.exists():
             raise CheckpointError(f"checkpoint {folder} is missing {name}")
-        if _sha256(f) != digest:
+        if file_sha256(f) != digest:
             raise CheckpointError(f"checkpoint file {f} does not match its checksum (torn or modified)")
         out[name] = load_file(str(f))
     return out, manifest["meta"]
@@ -211,6 +212,6 @@ def _complete(folder: Path) -> bool:
     """A folder holding a whole checkpoint: a manifest (written last) and every file it names."""
     try:
         manifest = read_manifest(folder)
-        return all((folder / n).is_file() and _sha256(folder / n) == d for n, d in manifest["files"].items())
+        return all((folder / n).is_file() and file_sha256(folder / n) == d for n, d in manifest["files"].items())
     except (CheckpointError, OSError, KeyError, AttributeError):
         return False

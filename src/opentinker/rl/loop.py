@@ -37,7 +37,7 @@ from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_r
 from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
 from opentinker.tracking import RolloutLog
 from opentinker.tracking.rollouts import DEFAULT_MAX_BYTES, DEFAULT_PER_STEP
-from opentinker.tracking.run import Run, open_run
+from opentinker.tracking.run import Run, RunResult, open_run
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 
@@ -113,11 +113,7 @@ class RLConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
 
-@dataclass
-class RLResult:
-    training_client: Any
-    metrics: list[dict[str, Any]]
-    final_path: str | None
+RLResult = RunResult  # the run scaffold's result, under this loop's name
 
 
 class _RLRun:
@@ -326,7 +322,7 @@ async def run_rl(
         finally:
             if loop.ttt_updates is not None:
                 await loop.ttt_updates.close()  # the pooled episodes' adapters
-    return RLResult(run.tc, run.rows, run.final_path)
+    return RLResult.of(run)
 
 
 def learning_rate_at(cfg: RLConfig, step: int, train_clock_s: float) -> float:

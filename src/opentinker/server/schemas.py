@@ -67,13 +67,10 @@ class GetInfoRequest(_Wire):
     model_id: str
 
 
-class AdamParams(_Wire):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+class AdamParams(types.AdamParams):
+    """The SDK's ``AdamParams`` (its fields and defaults), unknown fields ignored as on every request."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 class OptimStepRequest(_Wire):

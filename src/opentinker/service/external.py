@@ -18,7 +18,6 @@ a crash left.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.engine import EngineError
+from opentinker.engine.checkpoint import file_sha256
 from opentinker.service.checkpoints import check_id, check_name
 
 KIND = "external_weights"
@@ -105,14 +105,6 @@ def _pyrage() -> Any:
         ) from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class ExternalStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root) / "checkpoints"
@@ -150,7 +142,7 @@ class ExternalStore:
                     pyrage.encrypt_file(str(f), str(f) + AGE_SUFFIX, recipients)
                     f.unlink()
             files = {
-                f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+                f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
                 for f in sorted(tmp.iterdir())
                 if f.is_file() and not f.name.startswith(".")
             }

@@ -43,7 +43,7 @@ from opentinker.data import supervised_datum
 from opentinker.renderers import Message, Renderer, check_messages
 from opentinker.sft.data import Batcher, read_jsonl
 from opentinker.sft.loop import SCHEDULES, lr_at
-from opentinker.tracking.run import open_run
+from opentinker.tracking.run import RunResult, open_run
 
 
 @dataclass
@@ -153,11 +153,7 @@ class DPOConfig:
                 raise ValueError(f"{k} must be a positive number, got {v}")
 
 
-@dataclass
-class DPOResult:
-    training_client: Any
-    metrics: list[dict[str, Any]]
-    final_path: str | None
+DPOResult = RunResult  # the run scaffold's result, under this loop's name
 
 
 async def reference_logprobs(reference: Any, data: PairData) -> list[float]:
@@ -236,7 +232,7 @@ async def run_dpo(
             m.update({"train/pairs": float(len(idx)), "optim/lr": lr, "time/step_s": time.monotonic() - t0})
             await run.maybe_checkpoint(step + 1)
             run.log(step, m)
-    return DPOResult(run.tc, run.rows, run.final_path)
+    return DPOResult.of(run)
 
 
 def train_dpo(cfg: DPOConfig, service: Any, pairs: PairData, **kw: Any) -> DPOResult:

@@ -33,7 +33,7 @@ from typing import Any
 from tinker import types
 
 from opentinker.sft.data import Batcher, SupervisedData, trained_tokens
-from opentinker.tracking.run import open_run
+from opentinker.tracking.run import RunResult, open_run
 
 SCHEDULES = ("constant", "linear", "cosine")
 Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
@@ -99,11 +99,7 @@ def lr_at(learning_rate: float, schedule: str, step: int, total: int) -> float:
     raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
-@dataclass
-class SFTResult:
-    training_client: Any
-    metrics: list[dict[str, Any]]
-    final_path: str | None
+SFTResult = RunResult  # the run scaffold's result, under this loop's name
 
 
 def _datums(data: Data | None) -> list[types.Datum]:
@@ -156,7 +152,7 @@ async def run_sft(
         final = await _evaluate(run.tc, cfg, eval_d, evaluator, total)
         if final:
             run.log(total, final)
-    return SFTResult(run.tc, run.rows, run.final_path)
+    return SFTResult.of(run)
 
 
 async def _evaluate(

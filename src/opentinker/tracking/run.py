@@ -7,7 +7,7 @@
             ...                                  # train step `step` on run.tc
             await run.maybe_checkpoint(step + 1)  # steps done; saves every cfg.save_every
             run.log(step, metrics)
-    return Result(run.tc, run.rows, run.final_path)
+    return RunResult.of(run)
 
 :func:`open_run` opens the run's training client (or one per agent): reloaded with its optimizer
 from the newest checkpoint in ``log_dir/checkpoints.jsonl`` when resuming (``run.start`` is that
@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,6 +118,20 @@ class Run:
                 plot_metrics({self.name: self.log_dir}, list(self.cfg.plot_keys), self.log_dir / "curves.png")
         except Exception as e:
             log.warning("plotting failed: %r", e)
+
+
+@dataclass
+class RunResult:
+    """What a finished one-adapter run gives back (RL, SFT, DPO): its training client, this
+    session's metrics rows, and its newest checkpoint."""
+
+    training_client: Any
+    metrics: list[dict[str, Any]]
+    final_path: str | None
+
+    @classmethod
+    def of(cls, run: Run) -> RunResult:
+        return cls(run.tc, run.rows, run.final_path)
 
 
 @asynccontextmanager
