@@ -38,11 +38,9 @@ from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
 from opentinker.tracking import RolloutLog
 from opentinker.tracking.rollouts import DEFAULT_MAX_BYTES, DEFAULT_PER_STEP
 from opentinker.tracking.run import Run, RunResult, open_run
+from opentinker.tracking.schedule import check_schedule, schedule_factor
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
-
-
-LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -105,8 +103,7 @@ class RLConfig:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        check_schedule(self.lr_schedule)
         if not 0 <= self.lr_final <= 1:
             raise ValueError(f"lr_final must be in [0, 1], got {self.lr_final}")
         if self.max_staleness < 0:
@@ -333,12 +330,7 @@ def learning_rate_at(cfg: RLConfig, step: int, train_clock_s: float) -> float:
     progress = step / cfg.steps
     if cfg.max_train_s:
         progress = max(progress, train_clock_s / cfg.max_train_s)
-    progress = min(1.0, progress)
-    if cfg.lr_schedule == "linear":
-        frac = 1.0 - (1.0 - cfg.lr_final) * progress
-    else:  # cosine
-        frac = cfg.lr_final + (1.0 - cfg.lr_final) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.learning_rate * frac
+    return cfg.learning_rate * schedule_factor(cfg.lr_schedule, min(1.0, progress), cfg.lr_final)
 
 
 def _should_stop(cfg: RLConfig, m: dict[str, Any]) -> bool:

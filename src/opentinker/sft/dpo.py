@@ -42,8 +42,9 @@ from tinker import types
 from opentinker.data import supervised_datum
 from opentinker.renderers import Message, Renderer, check_messages
 from opentinker.sft.data import Batcher, read_jsonl
-from opentinker.sft.loop import SCHEDULES, lr_at
+from opentinker.sft.loop import lr_at
 from opentinker.tracking.run import RunResult, open_run
+from opentinker.tracking.schedule import check_schedule
 
 
 @dataclass
@@ -139,8 +140,7 @@ class DPOConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        if self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        check_schedule(self.lr_schedule)
         for k in ("epochs", "batch_size", "lora_rank", "max_length"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")

@@ -34,8 +34,8 @@ from tinker import types
 
 from opentinker.sft.data import Batcher, SupervisedData, trained_tokens
 from opentinker.tracking.run import RunResult, open_run
+from opentinker.tracking.schedule import check_schedule, schedule_factor
 
-SCHEDULES = ("constant", "linear", "cosine")
 Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
 Data = SupervisedData | Sequence[types.Datum]
 
@@ -68,8 +68,7 @@ class SFTConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        if self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        check_schedule(self.lr_schedule)
         if self.train_on not in ("all_assistant", "last_assistant"):
             raise ValueError(f"train_on must be 'all_assistant' or 'last_assistant', got {self.train_on!r}")
         if self.overlong not in ("raise", "truncate", "skip"):
@@ -88,15 +87,8 @@ class SFTConfig:
 
 
 def lr_at(learning_rate: float, schedule: str, step: int, total: int) -> float:
-    """The learning rate of update ``step`` (0-based) out of ``total`` under ``schedule``."""
-    frac = step / max(1, total)
-    if schedule == "linear":
-        return learning_rate * (1.0 - frac)
-    if schedule == "cosine":
-        return learning_rate * 0.5 * (1.0 + math.cos(math.pi * frac))
-    if schedule == "constant":
-        return learning_rate
-    raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {schedule!r}")
+    """The learning rate of update ``step`` (0-based) out of ``total`` under ``schedule`` (decaying to 0)."""
+    return learning_rate * schedule_factor(schedule, step / max(1, total))
 
 
 SFTResult = RunResult  # the run scaffold's result, under this loop's name
