@@ -212,6 +212,8 @@ def _complete(folder: Path) -> bool:
     """A folder holding a whole checkpoint: a manifest (written last) and every file it names."""
     try:
         manifest = read_manifest(folder)
-        return all((folder / n).is_file() and file_sha256(folder / n) == d for n, d in manifest["files"].items())
+        return all(
+            (folder / n).is_file() and file_sha256(folder / n) == d for n, d in manifest["files"].items()
+        )
     except (CheckpointError, OSError, KeyError, AttributeError):
         return False
