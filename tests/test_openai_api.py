@@ -9,6 +9,8 @@ sync, async and streaming, against ``opentinker serve`` on the tiny model.
 - Bad input: OpenAI-shaped errors with the right status and ``param``, no server path in them,
   and a good request sent among them unaffected.
 - A client that disconnects mid-stream has its rows taken out of the running batch.
+- With a rollout worker process, a stream whose worker is killed (``kill -9``) goes on where it
+  stopped once its request runs again, seeded by the client or not.
 - Tool calls parse on a Qwen-family template: a random 2-layer qwen2 model (conftest's
   ``other_family_model``) whose LoRA is trained to answer with a ``<tool_call>``, served by the
   embedded ASGI app with a minimal Hermes-style template written here (:data:`HERMES`): no
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -399,42 +403,128 @@ def test_a_client_gone_mid_stream_frees_its_rows(world: World) -> None:
     assert other["usage"]["completion_tokens"] == 8 * room  # the other request, unaffected
 
 
+class Workers:
+    """``serve --rollout-workers 1``: sampling in one rollout worker process."""
+
+    def __init__(self, srv: LocalServer) -> None:
+        self.srv = srv
+        self.oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0)
+
+    def engine(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.srv.base_url}/console/api/engine", headers={"X-API-Key": KEY}, timeout=30)
+        return r.json()["engines"][0]["rollout"]
+
+    def worker_pids(self) -> list[int]:
+        """The server's rollout worker processes: its children spawned by ``multiprocessing``."""
+        assert self.srv.proc is not None
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                stat, cmd = (d / "stat").read_text(), (d / "cmdline").read_bytes()
+            except OSError:  # not a process, or one that just ended
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.srv.proc.pid and b"spawn_main" in cmd:
+                out.append(int(d.name))
+        return out
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    with local_server(tmp_path_factory, "openai-workers", "--rollout-workers", "1") as srv:
+        yield Workers(srv)
+
+
 @pytest.mark.slow  # a second server, whose rollout worker process loads its own base model
 def test_with_rollout_workers_a_stream_is_live_and_a_cut_one_leaves_the_workers_batch(
-    tmp_path_factory: pytest.TempPathFactory,
+    workers: Workers,
 ) -> None:
     """The disconnect test above, with sampling in a rollout worker process (``--rollout-workers``):
     the stream's first text arrives while its rows decode in the worker, and once it is cut the
     abort reaches the worker, whose running batch shrinks by the stream's rows (as the worker
     reports it); the request beside it finishes every token."""
-    with local_server(tmp_path_factory, "openai-workers", "--rollout-workers", "1") as srv:
-        oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0)
+    oa, engine = workers.oa, workers.engine
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    room = 1024 - len(tok.encode(text, add_special_tokens=False))
+    body: dict[str, Any] = dict(model=TEST_MODEL, messages=MESSAGES, max_tokens=room, temperature=1.0)
+    other: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: other.update(
+        oa.chat.completions.create(n=3, seed=1, extra_body={"ignore_eos": True}, **body).model_dump()  # type: ignore[call-overload]
+    ))  # fmt: skip
+    runner.start()
+    _wait(lambda: engine()["live_rows"] >= 3, "the 3 rows to decode in the worker")
+    stream = oa.chat.completions.create(n=2, seed=2, stream=True, extra_body={"ignore_eos": True}, **body)  # type: ignore[call-overload]
+    aborted = engine()["aborted"]
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            assert engine()["live_rows"] == 5  # text came while the stream's 2 rows decode
+            break
+    stream.close()
+    _wait(lambda: engine()["aborted"] == aborted + 1, "the worker to take the abort")
+    assert engine()["live_rows"] <= 3  # the worker's batch shrank by the stream's rows
+    runner.join(timeout=900)
+    assert other["usage"]["completion_tokens"] == 3 * room  # the other request, unaffected
 
-        def engine() -> dict[str, Any]:
-            r = httpx.get(f"{srv.base_url}/console/api/engine", headers={"X-API-Key": KEY}, timeout=30)
-            return r.json()["engines"][0]["rollout"]
 
-        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
-        text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-        room = 1024 - len(tok.encode(text, add_special_tokens=False))
-        body: dict[str, Any] = dict(model=TEST_MODEL, messages=MESSAGES, max_tokens=room, temperature=1.0)
-        other: dict[str, Any] = {}
-        runner = threading.Thread(target=lambda: other.update(
-            oa.chat.completions.create(n=3, seed=1, extra_body={"ignore_eos": True}, **body).model_dump()  # type: ignore[call-overload]
-        ))  # fmt: skip
-        runner.start()
-        _wait(lambda: engine()["live_rows"] >= 3, "the 3 rows to decode in the worker")
-        stream = oa.chat.completions.create(n=2, seed=2, stream=True, extra_body={"ignore_eos": True}, **body)  # type: ignore[call-overload]
-        aborted = engine()["aborted"]
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                assert engine()["live_rows"] == 5  # text came while the stream's 2 rows decode
-                break
-        stream.close()
-        _wait(lambda: engine()["aborted"] == aborted + 1, "the worker to take the abort")
-        assert engine()["live_rows"] <= 3  # the worker's batch shrank by the stream's rows
-        runner.join(timeout=900)
-        assert other["usage"]["completion_tokens"] == 3 * room  # the other request, unaffected
+@pytest.mark.slow  # the killed worker restarts (loads its base model)
+def test_a_stream_whose_worker_dies_goes_on_where_it_stopped(workers: Workers) -> None:
+    """Two streams of 2 choices decode in the rollout worker, one seeded by the client and one
+    not; once both have sent text, the worker is killed (``kill -9``). Their requests run again on
+    the restarted worker and each stream goes on where it stopped: its text (and the tokens of its
+    logprobs) concatenate to the whole answer's, every token sent once, and the seeded one equals
+    an unkilled whole answer with its seed. The unseeded stream was given a seed by the server:
+    its re-run sampled the tokens it had sent (without one the text after the kill would be cut)."""
+    n_tokens = 400  # decoding long after the first text
+    kw: dict[str, Any] = dict(
+        model=TEST_MODEL, messages=MESSAGES, n=2, max_tokens=n_tokens, temperature=1.0, logprobs=True
+    )
+    kw["extra_body"] = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    texts: dict[str, dict[int, str]] = {"seeded": defaultdict(str), "unseeded": defaultdict(str)}
+    ids: dict[str, dict[int, list[int]]] = {"seeded": defaultdict(list), "unseeded": defaultdict(list)}
+    finish: dict[str, dict[int, str]] = {"seeded": {}, "unseeded": {}}
+    failed: list[BaseException] = []
+
+    def read(name: str, seed: int | None) -> None:
+        try:
+            for chunk in workers.oa.chat.completions.create(stream=True, seed=seed, **kw):  # type: ignore[call-overload]
+                for c in chunk.choices:
+                    texts[name][c.index] += c.delta.content or ""
+                    ids[name][c.index] += (
+                        _ids(c.logprobs.content) if c.logprobs and c.logprobs.content else []
+                    )
+                    if c.finish_reason:
+                        finish[name][c.index] = c.finish_reason
+        except BaseException as e:
+            failed.append(e)
+
+    threads = [threading.Thread(target=read, args=a) for a in (("seeded", 5), ("unseeded", None))]
+    for t in threads:
+        t.start()
+    _wait(
+        lambda: bool(failed) or all(len(texts[name]) == 2 for name in texts),
+        "text of every choice",
+        timeout=600,
+    )
+    assert not failed, failed
+    [pid] = workers.worker_pids()
+    rerun = workers.engine()["rerun"]
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=900)
+        assert not t.is_alive(), "a stream did not end"
+    assert not failed, failed
+    assert workers.engine()["rerun"] == rerun + 2  # both requests were cut and ran again
+    assert workers.worker_pids() != [pid]  # a new worker served the re-runs
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    for name in texts:
+        assert finish[name] == {0: "length", 1: "length"}
+        for i in (0, 1):
+            assert len(ids[name][i]) == n_tokens  # every token sent once
+            assert texts[name][i] == tok.decode(ids[name][i], skip_special_tokens=True)
+    whole = workers.oa.chat.completions.create(seed=5, **kw)  # type: ignore[call-overload]
+    for c in whole.choices:
+        assert texts["seeded"][c.index] == c.message.content
+        assert ids["seeded"][c.index] == _ids(c.logprobs.content)  # type: ignore[union-attr]
 
 
 HERMES = """{%- if tools %}<|im_start|>system

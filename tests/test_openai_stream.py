@@ -81,6 +81,32 @@ def test_only_stable_text_is_sent_across_split_characters_and_stop_strings() -> 
     assert "".join(sent) == whole  # it was no stop: all of it went out
 
 
+def test_a_re_run_from_the_start_goes_on_where_the_stream_stopped() -> None:
+    """A request run again (its worker lost) sends its tokens from the first: the same tokens
+    (seeded) are skipped and the text goes on; other tokens stop the choice's text there."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    whole = "naïve café: 中文 🙂 done."
+    ids = list(tok.encode(whole, add_special_tokens=False))
+    so_far, sent = TextSoFar(tok, []), []
+    for i in range(6):
+        assert so_far.add(Tokens(1, 0, i, [ids[i]], [float(i)]))
+        sent.append(so_far.new_text())
+    # the re-run: tokens from the first, in other pieces
+    assert not so_far.add(Tokens(2, 0, 0, ids[:4], [0.5] * 4))  # nothing new
+    assert so_far.add(Tokens(2, 0, 4, ids[4:9], [0.5] * 5))  # 2 held, 3 new
+    sent.append(so_far.new_text())
+    assert so_far.add(Tokens(2, 0, 9, ids[9:], [0.5] * (len(ids) - 9)))
+    sent.append(so_far.new_text())
+    assert so_far.tokens == ids and so_far.logprobs[:6] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert "".join(sent) + so_far.rest(Choice(ids, [], None, whole, "stop")) == whole
+    # a re-run that samples other tokens: nothing more is taken
+    other = TextSoFar(tok, [])
+    assert other.add(Tokens(1, 0, 0, ids[:5], [0.0] * 5))
+    assert not other.add(Tokens(2, 0, 0, [ids[0], ids[1] + 1, *ids[2:7]], [0.0] * 7))
+    assert not other.add(Tokens(2, 0, 7, ids[7:8], [0.0]))
+    assert other.tokens == ids[:5]
+
+
 def _loop(engine: Engine) -> SamplingLoop:
     backend = NativeBackend(engine, prefix_cache_bytes=0)
     return SamplingLoop(SamplingCore(backend.decoder(snapshots_only=True), backend))

@@ -20,7 +20,12 @@ connection) has its sample aborted: its rows leave the running batch before the 
 ``Abort`` and its rows leave that worker's batch).
 
 **Streams** (``stream``) send each choice's text token by token while it decodes
-(:mod:`openai_stream`).
+(:mod:`openai_stream`). An unseeded stream is given a random seed (each prompt of a completions
+request its own; each of its ``n`` samples draws from its own generator seeded from it and its
+index), so that a request run again after its rollout worker was lost samples the very tokens the
+stream has already sent, and the stream goes on. A row's draws come from its own generator, so
+the re-run's batch neighbours do not change them. A whole (non-streamed) answer needs no such
+seed: nothing of it was sent before the re-run (and vLLM draws for seeded rows one by one).
 
 **Errors** are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``
 (:class:`~opentinker.server.openai_schemas.OpenAIError`), every message redacted of server paths.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -217,11 +223,14 @@ class OpenAIRoutes:
                 code="context_length_exceeded",
             )
         stops = req.stops()
+        seed = req.seed
+        if seed is None and req.stream:  # a re-run (its worker lost) samples the same tokens
+            seed = secrets.randbits(62)
         return types.SamplingParams(
             max_tokens=limit or room,
             temperature=req.temperature,
             top_p=req.top_p,
-            seed=req.seed,
+            seed=seed,
             stop=stops if stops else ([] if req.ignore_eos else None),
         )
 

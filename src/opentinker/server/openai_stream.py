@@ -15,6 +15,10 @@ step. :class:`Feed` carries them from that thread to the stream's event loop.
   a stop string waits until the next tokens show it is not one;
 * with a tokenizer that cleans up spaces before punctuation on decode, trailing whitespace waits.
 
+**A lost worker.** A request whose rollout worker dies mid-stream runs again elsewhere, and its
+tokens come again from the first: every stream is seeded (:mod:`openai_routes`), so they are the
+same tokens, those already taken are skipped, and the text goes on where it stopped.
+
 So what a stream has sent is always the start of the whole answer's text; when the samples end,
 each choice's rest (the whole text after what was sent) goes out with its ``finish_reason``, then
 the usage (``stream_options.include_usage``, counted from the result: exact). Tokens a choice
@@ -72,17 +76,29 @@ class TextSoFar:
         self.top: list[list[tuple[int, float]]] | None = None
         self.sent = ""  # the text sent so far
         self.covered = 0  # tokens whose logprobs were sent
+        self.diverged = False  # a re-run sent other tokens (see add)
         self.hold_spaces = bool(getattr(tok, "clean_up_tokenization_spaces", False))
 
     def add(self, piece: Tokens) -> bool:
-        """Take the next tokens; a piece that does not follow on (a request run again after its
-        worker was lost sends from the start) is left out: the result settles what was sampled."""
-        if piece.start != len(self.tokens):
+        """Take the next tokens (False: none new). A request run again after its rollout worker
+        was lost sends its tokens from the start: seeded, they are the tokens already here, which
+        are skipped, and the stream goes on from where it was. Should they differ (they cannot
+        with a seed, bar a near tie the re-run's rounding breaks the other way), nothing more is
+        taken: the result settles what was sampled (:meth:`rest`)."""
+        have, end = len(self.tokens), piece.start + len(piece.tokens)
+        if self.diverged or piece.start > have:
             return False
-        self.tokens += piece.tokens
-        self.logprobs += piece.logprobs
+        if self.tokens[piece.start : end] != piece.tokens[: have - piece.start]:
+            self.diverged = True
+            log.warning("a re-run request sampled other tokens than its stream sent; it stops here")
+            return False
+        skip = have - piece.start
+        if skip >= len(piece.tokens):
+            return False
+        self.tokens += piece.tokens[skip:]
+        self.logprobs += piece.logprobs[skip:]
         if piece.topk is not None:
-            self.top = (self.top or []) + piece.topk
+            self.top = (self.top or []) + piece.topk[skip:]
         return True
 
     def stable(self) -> str:
