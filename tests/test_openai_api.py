@@ -14,15 +14,18 @@ sync, async and streaming, against ``opentinker serve`` on the tiny model.
 - Tool calls parse on a Qwen-family template: a random 2-layer qwen2 model (conftest's
   ``other_family_model``) whose LoRA is trained to answer with a ``<tool_call>``, served by the
   embedded ASGI app with a minimal Hermes-style template written here (:data:`HERMES`): no
-  tokenizer in the environment ships a Qwen template.
+  tokenizer in the environment ships a Qwen template. Streamed (over real HTTP), the call comes as
+  OpenAI streams it, its arguments while the row decodes, and adds up to the whole answer's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -34,6 +37,7 @@ import httpx
 import openai
 import pytest
 import tinker
+import uvicorn
 from tinker import types
 from transformers import AutoTokenizer
 
@@ -587,12 +591,64 @@ def test_tool_calls_parse_on_a_qwen_family_template(tmp_path: Path) -> None:
             return await c.chat.completions.create(model=path, messages=messages, tools=TOOLS, temperature=0)  # type: ignore[arg-type]
 
         answer = asyncio.run(_embedded(app, ask))
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+            "city": "Paris"
+        }
+        with _served(app) as base_url:
+            _streamed_tool_call(app, base_url, path)
     finally:
         app.state.server.close()
-    choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    [call] = choice.message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+@contextlib.contextmanager
+def _served(app: Any) -> Iterator[str]:
+    """``app`` served over real HTTP by uvicorn on a thread of this process (streams arrive as sent)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+        assert server.started
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def _streamed_tool_call(app: Any, base_url: str, path: str) -> None:
+    """A streamed tool call as OpenAI streams it: its id, type and name first, then ``arguments``
+    deltas, the first while the row still decodes (``ignore_eos``: it goes on past its answer);
+    accumulated, the call equals the whole (non-streamed) answer's."""
+    oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw: dict[str, Any] = dict(model=path, messages=messages, tools=TOOLS, temperature=0, max_tokens=300)
+    kw["extra_body"] = {"ignore_eos": True}
+    whole = oa.chat.completions.create(**kw).choices[0]  # type: ignore[call-overload]
+    [want] = whole.message.tool_calls or []
+    runtime = app.state.server.runtime
+    deltas, content, finish, live_at_args = [], "", None, []
+    for chunk in oa.chat.completions.create(stream=True, **kw):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                if d.function and d.function.arguments and not live_at_args:
+                    live_at_args.append(runtime.engine_stats(trainers=False)[0]["rollout"]["live_rows"])
+                deltas.append(d)
+    assert live_at_args == [1]  # the first arguments came while the row decoded
+    first = deltas[0]
+    assert first.id and first.type == "function" and first.function is not None
+    assert (first.function.name, first.function.arguments) == ("get_weather", "")
+    assert {d.index for d in deltas} == {0} and all(d.id is None for d in deltas[1:])
+    args = [d.function.arguments or "" for d in deltas[1:] if d.function]
+    assert len([a for a in args if a]) > 1 and "".join(args) == want.function.arguments
+    assert finish == whole.finish_reason == "tool_calls" and content == (whole.message.content or "")
 
 
 def test_a_stream_whose_tokens_come_with_the_result_is_one_piece_per_token(tmp_path: Path) -> None:

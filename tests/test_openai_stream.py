@@ -4,6 +4,10 @@
   real byte-level tokenizer: text holding characters split over several tokens (é, CJK, emoji)
   fed one token at a time never sends a broken character, never sends text from a stop string
   on, and what it sent plus the rest is exactly the whole decode (the non-streamed text).
+- Hermes tool calls streamed (``server/openai_tools.py``): fed a character at a time, the content
+  before ``<tool_call>``, then the call's id/type/name, then arguments deltas that concatenate to
+  the whole answer's ``arguments`` (odd spacing, nested values, escapes, a late name, a string).
+- A re-run request's tokens (sent again from the first) are skipped where already taken.
 - The sampling loop (in process) and a rollout worker process hand a streamed request's tokens to
   its ``TokenSink`` while it decodes: the first piece arrives while its rows are still in the
   running batch (read on the thread that runs the batch / resolves the result, so no timing),
@@ -29,8 +33,9 @@ from opentinker.models.registry import tiny_model_dir
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.loop import SampleCancelled, SamplingCore, SamplingLoop
 from opentinker.sampling.types import Tokens, TokenSink
-from opentinker.server.openai_format import Choice
+from opentinker.server.openai_format import Choice, parse_tool_calls
 from opentinker.server.openai_stream import TextSoFar
+from opentinker.server.openai_tools import ToolText
 from opentinker.service.runtime import Runtime
 from opentinker.workers.pool import WorkerPool
 from tests.conftest import TEST_MODEL
@@ -105,6 +110,45 @@ def test_a_re_run_from_the_start_goes_on_where_the_stream_stopped() -> None:
     assert not other.add(Tokens(2, 0, 0, [ids[0], ids[1] + 1, *ids[2:7]], [0.0] * 7))
     assert not other.add(Tokens(2, 0, 7, ids[7:8], [0.0]))
     assert other.tokens == ids[:5]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '{ "name":"f","arguments":{"a" :[1, 2.50,-3e2 ,true,null],"b":{"c":"x\\"y\\u00e9", "d": {}}} }',
+        '{"arguments": {"n": 10}, "name": "late_name"}',
+        '{"name": "s", "arguments": "{\\"raw\\": 1}"}',
+    ],
+)
+def test_tool_call_deltas_arrive_as_the_json_does_and_add_up_to_the_whole_answer(block: str) -> None:
+    """A Hermes answer fed one character at a time: content before the block, then the call's
+    id/type/name, then arguments deltas that concatenate to the whole answer's ``arguments``
+    (``parse_tool_calls``: the parsed value written by ``json.dumps``)."""
+    text = f"Let me check. <tool_call>\n{block}\n</tool_call>"
+    whole = Choice([], [], None, text, "stop")
+    parse_tool_calls(whole)
+    assert whole.tool_calls is not None
+    [want] = whole.tool_calls
+    sent, content, deltas = ToolText(), "", []
+    for i in range(len(text) + 1):
+        new, calls = sent.update(text[:i])
+        content += new
+        deltas += [(i, d) for d in calls]
+    assert content == whole.text == "Let me check."
+    first = deltas[0][1]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0,
+        "function",
+        want.function.name,
+        "",
+    )
+    assert first.id and all(d.id is None and d.function.name is None for _, d in deltas[1:])
+    args = [d.function.arguments for _, d in deltas[1:]]
+    assert "".join(args) == want.function.arguments
+    if not block.endswith('"}'):  # arguments not a JSON string: they come piece by piece
+        assert len(args) > 3
+    assert max(i for i, _ in deltas) < text.index("</tool_call>") + 1
 
 
 def _loop(engine: Engine) -> SamplingLoop:
