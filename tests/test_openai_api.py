@@ -221,12 +221,25 @@ def test_echo_scores_the_prompt_as_the_tinker_route(world: World, max_tokens: in
         world.oa.completions.create(model=world.path, prompt="hi", max_tokens=0)
 
 
-def test_usage_reports_the_cached_prefix(world: World) -> None:
-    first = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
-    again = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
-    assert first.usage is not None and again.usage is not None
-    details = again.usage.prompt_tokens_details
-    assert details is not None and 0 < (details.cached_tokens or 0) < again.usage.prompt_tokens
+def test_usage_reports_the_cached_prefix_on_the_second_turn(world: World) -> None:
+    """Turn 2 of a conversation (turn 1's messages, its reply, a new question) reports as cached
+    exactly the prefix it shares with what turn 1 left in the prefix cache: turn 1's prompt and its
+    reply's tokens but the last (``test_prompt_cache_hits.py``), as re-rendered by the template."""
+    turn1 = [{"role": "user", "content": "Only for the cached-prefix test: name a colour."}]
+    kw: dict[str, Any] = dict(model=TEST_MODEL, max_tokens=6, temperature=0, logprobs=True)
+    kw["extra_body"] = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    first = world.oa.chat.completions.create(messages=turn1, **kw)  # type: ignore[call-overload]
+    reply = first.choices[0]
+    turn2 = [*turn1, {"role": "assistant", "content": reply.message.content}]
+    turn2.append({"role": "user", "content": "And another?"})
+    second = world.oa.chat.completions.create(messages=turn2, **kw)  # type: ignore[call-overload]
+    stored = world.chat_prompt(turn1) + _ids(reply.logprobs.content)[:-1]  # type: ignore[union-attr]
+    prompt = world.chat_prompt(turn2)
+    shared = next((i for i, (a, b) in enumerate(zip(stored, prompt, strict=False)) if a != b), len(stored))
+    assert second.usage is not None and second.usage.prompt_tokens == len(prompt)
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == min(shared, len(prompt) - 1)
+    assert shared > len(world.chat_prompt(turn1))  # some of the reply too
 
 
 def test_another_tenants_checkpoint_is_not_found(world: World) -> None:
@@ -288,6 +301,7 @@ def test_bad_input_gets_openai_errors_and_spares_the_batch(world: World) -> None
         assert r.status_code == status, (name, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, (name, err)
+        assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), (name, err)
         assert str(world.srv.data_dir) not in err["message"] and "<server path>" not in err["message"]
     r = httpx.post(url, json=good, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
