@@ -212,7 +212,7 @@ class Live:
                 yield R.sse(self._completion([], a.usage))
         yield R.DONE
 
-    def _tool_step(self, index: int, c: TextSoFar, tail: bool = False) -> Iterator[str]:
+    def _tool_step(self, index: int, c: TextSoFar) -> Iterator[str]:
         """The content and tool-call deltas choice ``index``'s stable text adds (openai_tools)."""
         assert c.tool is not None
         content, calls = c.tool.update(c.stable())
