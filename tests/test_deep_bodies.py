@@ -76,6 +76,7 @@ def test_every_route_refuses_a_deeply_nested_body_with_400(
         "load_weights",
     ):
         assert f"/api/v1/{needed}" in urls  # the training, sampling, checkpoint and session routes
+    assert {"/v1/chat/completions", "/v1/completions"} <= urls  # and the OpenAI-compatible ones
     headers = {"content-type": content_type} if content_type else {}
     data_dir = client.app.state.server.config.data_dir  # type: ignore[attr-defined]
     wrong = {}

@@ -1,5 +1,5 @@
 """``GET /metrics`` (server/metrics.py): Prometheus' text format, scraped by ``prometheus-client``'s
-own parser, operators only; its counters move by exactly the traffic the official SDK sends.
+own parser, operators only; its counters move by exactly the traffic the official SDK sends (and the ``openai`` client).
 
 One real ``serve`` child (``--operator ops``): a scrape, then a LoRA model trained one step,
 saved, snapshotted and sampled as a two-turn conversation (so the prefix cache hits), then a
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import tinker
 from prometheus_client.parser import text_string_to_metric_families
@@ -124,6 +125,33 @@ def test_counters_move_with_the_sdk_traffic(world: dict[str, Any]) -> None:
     finally:
         service.close("success").result()
     _check(world, before, after, sent)
+
+
+def test_openai_route_traffic_is_counted_as_sampling(world: dict[str, Any]) -> None:
+    """Requests of the OpenAI-compatible routes are counted as the Tinker sample route's are (the
+    usage ledger's kinds, hence billing): by exactly the ``usage`` they answered with (a prompt
+    prefilled once for its ``n`` samples)."""
+    srv, key = world["srv"], world["ops"]
+    before = parse(scrape(srv, key).text)
+    oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=USER, max_retries=0)
+    extra = {"ignore_eos": True}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = oa.chat.completions.create(
+        model=TEST_MODEL, messages=messages, max_tokens=REPLY, temperature=0, extra_body=extra
+    )  # type: ignore[arg-type]
+    comp = oa.completions.create(
+        model=TEST_MODEL, prompt=["one two", "three"], n=2, max_tokens=REPLY, seed=1, extra_body=extra
+    )
+    assert chat.usage is not None and comp.usage is not None
+    sent = {
+        "prompts": chat.usage.prompt_tokens + comp.usage.prompt_tokens,
+        "sampled": chat.usage.completion_tokens + comp.usage.completion_tokens,
+    }
+    assert sent["sampled"] == REPLY * 5
+    after = _scrape_after(srv, key, before, sent)
+    tokens, me = "opentinker_tokens_total", {"tenant": USER_TENANT}
+    for kind, want in (("sampling_prefill", sent["prompts"]), ("sampling_sample", sent["sampled"])):
+        assert total(after, tokens, kind=kind, **me) - total(before, tokens, kind=kind, **me) == want
 
 
 def _scrape_after(srv: LocalServer, key: str, before: Samples, sent: dict[str, Any]) -> Samples:

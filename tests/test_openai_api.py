@@ -9,16 +9,23 @@ sync, async and streaming, against ``opentinker serve`` on the tiny model.
 - Bad input: OpenAI-shaped errors with the right status and ``param``, no server path in them,
   and a good request sent among them unaffected.
 - A client that disconnects mid-stream has its rows taken out of the running batch.
+- With a rollout worker process, a stream whose worker is killed (``kill -9``) goes on where it
+  stopped once its request runs again, seeded by the client or not.
 - Tool calls parse on a Qwen-family template: a random 2-layer qwen2 model (conftest's
   ``other_family_model``) whose LoRA is trained to answer with a ``<tool_call>``, served by the
   embedded ASGI app with a minimal Hermes-style template written here (:data:`HERMES`): no
-  tokenizer in the environment ships a Qwen template.
+  tokenizer in the environment ships a Qwen template. Streamed (over real HTTP), the call comes as
+  OpenAI streams it, its arguments while the row decodes, and adds up to the whole answer's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -30,6 +37,7 @@ import httpx
 import openai
 import pytest
 import tinker
+import uvicorn
 from tinker import types
 from transformers import AutoTokenizer
 
@@ -213,12 +221,25 @@ def test_echo_scores_the_prompt_as_the_tinker_route(world: World, max_tokens: in
         world.oa.completions.create(model=world.path, prompt="hi", max_tokens=0)
 
 
-def test_usage_reports_the_cached_prefix(world: World) -> None:
-    first = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
-    again = world.oa.chat.completions.create(model=TEST_MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
-    assert first.usage is not None and again.usage is not None
-    details = again.usage.prompt_tokens_details
-    assert details is not None and 0 < (details.cached_tokens or 0) < again.usage.prompt_tokens
+def test_usage_reports_the_cached_prefix_on_the_second_turn(world: World) -> None:
+    """Turn 2 of a conversation (turn 1's messages, its reply, a new question) reports as cached
+    exactly the prefix it shares with what turn 1 left in the prefix cache: turn 1's prompt and its
+    reply's tokens but the last (``test_prompt_cache_hits.py``), as re-rendered by the template."""
+    turn1 = [{"role": "user", "content": "Only for the cached-prefix test: name a colour."}]
+    kw: dict[str, Any] = dict(model=TEST_MODEL, max_tokens=6, temperature=0, logprobs=True)
+    kw["extra_body"] = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    first = world.oa.chat.completions.create(messages=turn1, **kw)  # type: ignore[call-overload]
+    reply = first.choices[0]
+    turn2 = [*turn1, {"role": "assistant", "content": reply.message.content}]
+    turn2.append({"role": "user", "content": "And another?"})
+    second = world.oa.chat.completions.create(messages=turn2, **kw)  # type: ignore[call-overload]
+    stored = world.chat_prompt(turn1) + _ids(reply.logprobs.content)[:-1]  # type: ignore[union-attr]
+    prompt = world.chat_prompt(turn2)
+    shared = next((i for i, (a, b) in enumerate(zip(stored, prompt, strict=False)) if a != b), len(stored))
+    assert second.usage is not None and second.usage.prompt_tokens == len(prompt)
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == min(shared, len(prompt) - 1)
+    assert shared > len(world.chat_prompt(turn1))  # some of the reply too
 
 
 def test_another_tenants_checkpoint_is_not_found(world: World) -> None:
@@ -280,6 +301,7 @@ def test_bad_input_gets_openai_errors_and_spares_the_batch(world: World) -> None
         assert r.status_code == status, (name, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, (name, err)
+        assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), (name, err)
         assert str(world.srv.data_dir) not in err["message"] and "<server path>" not in err["message"]
     r = httpx.post(url, json=good, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
@@ -399,42 +421,128 @@ def test_a_client_gone_mid_stream_frees_its_rows(world: World) -> None:
     assert other["usage"]["completion_tokens"] == 8 * room  # the other request, unaffected
 
 
+class Workers:
+    """``serve --rollout-workers 1``: sampling in one rollout worker process."""
+
+    def __init__(self, srv: LocalServer) -> None:
+        self.srv = srv
+        self.oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0)
+
+    def engine(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.srv.base_url}/console/api/engine", headers={"X-API-Key": KEY}, timeout=30)
+        return r.json()["engines"][0]["rollout"]
+
+    def worker_pids(self) -> list[int]:
+        """The server's rollout worker processes: its children spawned by ``multiprocessing``."""
+        assert self.srv.proc is not None
+        out = []
+        for d in Path("/proc").iterdir():
+            try:
+                stat, cmd = (d / "stat").read_text(), (d / "cmdline").read_bytes()
+            except OSError:  # not a process, or one that just ended
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.srv.proc.pid and b"spawn_main" in cmd:
+                out.append(int(d.name))
+        return out
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    with local_server(tmp_path_factory, "openai-workers", "--rollout-workers", "1") as srv:
+        yield Workers(srv)
+
+
 @pytest.mark.slow  # a second server, whose rollout worker process loads its own base model
 def test_with_rollout_workers_a_stream_is_live_and_a_cut_one_leaves_the_workers_batch(
-    tmp_path_factory: pytest.TempPathFactory,
+    workers: Workers,
 ) -> None:
     """The disconnect test above, with sampling in a rollout worker process (``--rollout-workers``):
     the stream's first text arrives while its rows decode in the worker, and once it is cut the
     abort reaches the worker, whose running batch shrinks by the stream's rows (as the worker
     reports it); the request beside it finishes every token."""
-    with local_server(tmp_path_factory, "openai-workers", "--rollout-workers", "1") as srv:
-        oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0)
+    oa, engine = workers.oa, workers.engine
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    room = 1024 - len(tok.encode(text, add_special_tokens=False))
+    body: dict[str, Any] = dict(model=TEST_MODEL, messages=MESSAGES, max_tokens=room, temperature=1.0)
+    other: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: other.update(
+        oa.chat.completions.create(n=3, seed=1, extra_body={"ignore_eos": True}, **body).model_dump()  # type: ignore[call-overload]
+    ))  # fmt: skip
+    runner.start()
+    _wait(lambda: engine()["live_rows"] >= 3, "the 3 rows to decode in the worker")
+    stream = oa.chat.completions.create(n=2, seed=2, stream=True, extra_body={"ignore_eos": True}, **body)  # type: ignore[call-overload]
+    aborted = engine()["aborted"]
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            assert engine()["live_rows"] == 5  # text came while the stream's 2 rows decode
+            break
+    stream.close()
+    _wait(lambda: engine()["aborted"] == aborted + 1, "the worker to take the abort")
+    assert engine()["live_rows"] <= 3  # the worker's batch shrank by the stream's rows
+    runner.join(timeout=900)
+    assert other["usage"]["completion_tokens"] == 3 * room  # the other request, unaffected
 
-        def engine() -> dict[str, Any]:
-            r = httpx.get(f"{srv.base_url}/console/api/engine", headers={"X-API-Key": KEY}, timeout=30)
-            return r.json()["engines"][0]["rollout"]
 
-        tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
-        text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-        room = 1024 - len(tok.encode(text, add_special_tokens=False))
-        body: dict[str, Any] = dict(model=TEST_MODEL, messages=MESSAGES, max_tokens=room, temperature=1.0)
-        other: dict[str, Any] = {}
-        runner = threading.Thread(target=lambda: other.update(
-            oa.chat.completions.create(n=3, seed=1, extra_body={"ignore_eos": True}, **body).model_dump()  # type: ignore[call-overload]
-        ))  # fmt: skip
-        runner.start()
-        _wait(lambda: engine()["live_rows"] >= 3, "the 3 rows to decode in the worker")
-        stream = oa.chat.completions.create(n=2, seed=2, stream=True, extra_body={"ignore_eos": True}, **body)  # type: ignore[call-overload]
-        aborted = engine()["aborted"]
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                assert engine()["live_rows"] == 5  # text came while the stream's 2 rows decode
-                break
-        stream.close()
-        _wait(lambda: engine()["aborted"] == aborted + 1, "the worker to take the abort")
-        assert engine()["live_rows"] <= 3  # the worker's batch shrank by the stream's rows
-        runner.join(timeout=900)
-        assert other["usage"]["completion_tokens"] == 3 * room  # the other request, unaffected
+@pytest.mark.slow  # the killed worker restarts (loads its base model)
+def test_a_stream_whose_worker_dies_goes_on_where_it_stopped(workers: Workers) -> None:
+    """Two streams of 2 choices decode in the rollout worker, one seeded by the client and one
+    not; once both have sent text, the worker is killed (``kill -9``). Their requests run again on
+    the restarted worker and each stream goes on where it stopped: its text (and the tokens of its
+    logprobs) concatenate to the whole answer's, every token sent once, and the seeded one equals
+    an unkilled whole answer with its seed. The unseeded stream was given a seed by the server:
+    its re-run sampled the tokens it had sent (without one the text after the kill would be cut)."""
+    n_tokens = 400  # decoding long after the first text
+    kw: dict[str, Any] = dict(
+        model=TEST_MODEL, messages=MESSAGES, n=2, max_tokens=n_tokens, temperature=1.0, logprobs=True
+    )
+    kw["extra_body"] = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    texts: dict[str, dict[int, str]] = {"seeded": defaultdict(str), "unseeded": defaultdict(str)}
+    ids: dict[str, dict[int, list[int]]] = {"seeded": defaultdict(list), "unseeded": defaultdict(list)}
+    finish: dict[str, dict[int, str]] = {"seeded": {}, "unseeded": {}}
+    failed: list[BaseException] = []
+
+    def read(name: str, seed: int | None) -> None:
+        try:
+            for chunk in workers.oa.chat.completions.create(stream=True, seed=seed, **kw):  # type: ignore[call-overload]
+                for c in chunk.choices:
+                    texts[name][c.index] += c.delta.content or ""
+                    ids[name][c.index] += (
+                        _ids(c.logprobs.content) if c.logprobs and c.logprobs.content else []
+                    )
+                    if c.finish_reason:
+                        finish[name][c.index] = c.finish_reason
+        except BaseException as e:
+            failed.append(e)
+
+    threads = [threading.Thread(target=read, args=a) for a in (("seeded", 5), ("unseeded", None))]
+    for t in threads:
+        t.start()
+    _wait(
+        lambda: bool(failed) or all(len(texts[name]) == 2 for name in texts),
+        "text of every choice",
+        timeout=600,
+    )
+    assert not failed, failed
+    [pid] = workers.worker_pids()
+    rerun = workers.engine()["rerun"]
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=900)
+        assert not t.is_alive(), "a stream did not end"
+    assert not failed, failed
+    assert workers.engine()["rerun"] == rerun + 2  # both requests were cut and ran again
+    assert workers.worker_pids() != [pid]  # a new worker served the re-runs
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    for name in texts:
+        assert finish[name] == {0: "length", 1: "length"}
+        for i in (0, 1):
+            assert len(ids[name][i]) == n_tokens  # every token sent once
+            assert texts[name][i] == tok.decode(ids[name][i], skip_special_tokens=True)
+    whole = workers.oa.chat.completions.create(seed=5, **kw)  # type: ignore[call-overload]
+    for c in whole.choices:
+        assert texts["seeded"][c.index] == c.message.content
+        assert ids["seeded"][c.index] == _ids(c.logprobs.content)  # type: ignore[union-attr]
 
 
 HERMES = """{%- if tools %}<|im_start|>system
@@ -497,12 +605,64 @@ def test_tool_calls_parse_on_a_qwen_family_template(tmp_path: Path) -> None:
             return await c.chat.completions.create(model=path, messages=messages, tools=TOOLS, temperature=0)  # type: ignore[arg-type]
 
         answer = asyncio.run(_embedded(app, ask))
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+            "city": "Paris"
+        }
+        with _served(app) as base_url:
+            _streamed_tool_call(app, base_url, path)
     finally:
         app.state.server.close()
-    choice = answer.choices[0]
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    [call] = choice.message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+@contextlib.contextmanager
+def _served(app: Any) -> Iterator[str]:
+    """``app`` served over real HTTP by uvicorn on a thread of this process (streams arrive as sent)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+        assert server.started
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def _streamed_tool_call(app: Any, base_url: str, path: str) -> None:
+    """A streamed tool call as OpenAI streams it: its id, type and name first, then ``arguments``
+    deltas, the first while the row still decodes (``ignore_eos``: it goes on past its answer);
+    accumulated, the call equals the whole (non-streamed) answer's."""
+    oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw: dict[str, Any] = dict(model=path, messages=messages, tools=TOOLS, temperature=0, max_tokens=300)
+    kw["extra_body"] = {"ignore_eos": True}
+    whole = oa.chat.completions.create(**kw).choices[0]  # type: ignore[call-overload]
+    [want] = whole.message.tool_calls or []
+    runtime = app.state.server.runtime
+    deltas, content, finish, live_at_args = [], "", None, []
+    for chunk in oa.chat.completions.create(stream=True, **kw):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                if d.function and d.function.arguments and not live_at_args:
+                    live_at_args.append(runtime.engine_stats(trainers=False)[0]["rollout"]["live_rows"])
+                deltas.append(d)
+    assert live_at_args == [1]  # the first arguments came while the row decoded
+    first = deltas[0]
+    assert first.id and first.type == "function" and first.function is not None
+    assert (first.function.name, first.function.arguments) == ("get_weather", "")
+    assert {d.index for d in deltas} == {0} and all(d.id is None for d in deltas[1:])
+    args = [d.function.arguments or "" for d in deltas[1:] if d.function]
+    assert len([a for a in args if a]) > 1 and "".join(args) == want.function.arguments
+    assert finish == whole.finish_reason == "tool_calls" and content == (whole.message.content or "")
 
 
 def test_a_stream_whose_tokens_come_with_the_result_is_one_piece_per_token(tmp_path: Path) -> None:

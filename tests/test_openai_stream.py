@@ -4,6 +4,10 @@
   real byte-level tokenizer: text holding characters split over several tokens (é, CJK, emoji)
   fed one token at a time never sends a broken character, never sends text from a stop string
   on, and what it sent plus the rest is exactly the whole decode (the non-streamed text).
+- Hermes tool calls streamed (``server/openai_tools.py``): fed a character at a time, the content
+  before ``<tool_call>``, then the call's id/type/name, then arguments deltas that concatenate to
+  the whole answer's ``arguments`` (odd spacing, nested values, escapes, a late name, a string).
+- A re-run request's tokens (sent again from the first) are skipped where already taken.
 - The sampling loop (in process) and a rollout worker process hand a streamed request's tokens to
   its ``TokenSink`` while it decodes: the first piece arrives while its rows are still in the
   running batch (read on the thread that runs the batch / resolves the result, so no timing),
@@ -29,8 +33,9 @@ from opentinker.models.registry import tiny_model_dir
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
 from opentinker.sampling.loop import SampleCancelled, SamplingCore, SamplingLoop
 from opentinker.sampling.types import Tokens, TokenSink
-from opentinker.server.openai_format import Choice
+from opentinker.server.openai_format import Choice, parse_tool_calls
 from opentinker.server.openai_stream import TextSoFar
+from opentinker.server.openai_tools import ToolText
 from opentinker.service.runtime import Runtime
 from opentinker.workers.pool import WorkerPool
 from tests.conftest import TEST_MODEL
@@ -79,6 +84,71 @@ def test_only_stable_text_is_sent_across_split_characters_and_stop_strings() -> 
         upto.append((upto[-1] if upto else "") + s)
     assert all(not u.endswith("中") for u in upto)  # "中" might start the stop: held, then sent
     assert "".join(sent) == whole  # it was no stop: all of it went out
+
+
+def test_a_re_run_from_the_start_goes_on_where_the_stream_stopped() -> None:
+    """A request run again (its worker lost) sends its tokens from the first: the same tokens
+    (seeded) are skipped and the text goes on; other tokens stop the choice's text there."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    whole = "naïve café: 中文 🙂 done."
+    ids = list(tok.encode(whole, add_special_tokens=False))
+    so_far, sent = TextSoFar(tok, []), []
+    for i in range(6):
+        assert so_far.add(Tokens(1, 0, i, [ids[i]], [float(i)]))
+        sent.append(so_far.new_text())
+    # the re-run: tokens from the first, in other pieces
+    assert not so_far.add(Tokens(2, 0, 0, ids[:4], [0.5] * 4))  # nothing new
+    assert so_far.add(Tokens(2, 0, 4, ids[4:9], [0.5] * 5))  # 2 held, 3 new
+    sent.append(so_far.new_text())
+    assert so_far.add(Tokens(2, 0, 9, ids[9:], [0.5] * (len(ids) - 9)))
+    sent.append(so_far.new_text())
+    assert so_far.tokens == ids and so_far.logprobs[:6] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert "".join(sent) + so_far.rest(Choice(ids, [], None, whole, "stop")) == whole
+    # a re-run that samples other tokens: nothing more is taken
+    other = TextSoFar(tok, [])
+    assert other.add(Tokens(1, 0, 0, ids[:5], [0.0] * 5))
+    assert not other.add(Tokens(2, 0, 0, [ids[0], ids[1] + 1, *ids[2:7]], [0.0] * 7))
+    assert not other.add(Tokens(2, 0, 7, ids[7:8], [0.0]))
+    assert other.tokens == ids[:5]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '{ "name":"f","arguments":{"a" :[1, 2.50,-3e2 ,true,null],"b":{"c":"x\\"y\\u00e9", "d": {}}} }',
+        '{"arguments": {"n": 10}, "name": "late_name"}',
+        '{"name": "s", "arguments": "{\\"raw\\": 1}"}',
+    ],
+)
+def test_tool_call_deltas_arrive_as_the_json_does_and_add_up_to_the_whole_answer(block: str) -> None:
+    """A Hermes answer fed one character at a time: content before the block, then the call's
+    id/type/name, then arguments deltas that concatenate to the whole answer's ``arguments``
+    (``parse_tool_calls``: the parsed value written by ``json.dumps``)."""
+    text = f"Let me check. <tool_call>\n{block}\n</tool_call>"
+    whole = Choice([], [], None, text, "stop")
+    parse_tool_calls(whole)
+    assert whole.tool_calls is not None
+    [want] = whole.tool_calls
+    sent, content, deltas = ToolText(), "", []
+    for i in range(len(text) + 1):
+        new, calls = sent.update(text[:i])
+        content += new
+        deltas += [(i, d) for d in calls]
+    assert content == whole.text == "Let me check."
+    first = deltas[0][1]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0,
+        "function",
+        want.function.name,
+        "",
+    )
+    assert first.id and all(d.id is None and d.function.name is None for _, d in deltas[1:])
+    args = [d.function.arguments for _, d in deltas[1:]]
+    assert "".join(args) == want.function.arguments
+    if not block.endswith('"}'):  # arguments not a JSON string: they come piece by piece
+        assert len(args) > 3
+    assert max(i for i, _ in deltas) < text.index("</tool_call>") + 1
 
 
 def _loop(engine: Engine) -> SamplingLoop:

@@ -2,20 +2,15 @@
 ``openai`` package's own response types: ``ChatCompletion`` / ``ChatCompletionChunk`` and
 ``Completion`` (a streamed completion's chunks are ``Completion`` objects too, as OpenAI sends).
 
-A stream is Server-Sent Events: ``data: <chunk JSON>`` per event, ending with ``data: [DONE]``.
-Each choice's text comes one piece per sampled token (pieces that concatenate to exactly the
-whole answer's text, with that token's logprob when asked), then a chunk with its
-``finish_reason``; with ``stream_options.include_usage`` a last chunk with no choices carries the
-usage. Here the pieces follow one another once the sample is done (where tokens do not come
-while decoding, see :mod:`openai_stream`, which streams the others token by token); the first
-chunk (the assistant role) goes out at once.
+A stream is Server-Sent Events: ``data: <chunk JSON>`` per event, ending with ``data: [DONE]``
+(:data:`DONE`); its chunks are built here (:func:`chat_first`, the assistant role sent at once)
+and sent as the samples decode by :mod:`openai_stream`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +21,10 @@ from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import (
     ChoiceDelta,
-    ChoiceDeltaToolCall,
-    ChoiceDeltaToolCallFunction,
 )
 from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 
-from opentinker.server.openai_format import Choice, chat_logprobs, completion_logprobs, pieces
+from opentinker.server.openai_format import Choice, chat_logprobs, completion_logprobs
 
 
 @dataclass
@@ -124,85 +117,7 @@ def _chunk(
     return chunk
 
 
-def chat_events(tok: Any, a: Answer, include_usage: bool) -> Iterator[str]:
-    """The rest of a chat stream, after :func:`chat_first`."""
-    for i, c in enumerate(a.choices):
-        if c.tool_calls:
-            if c.text:
-                yield sse(
-                    _chunk(
-                        a.id, a.model, a.created, [ChunkChoice(index=i, delta=ChoiceDelta(content=c.text))]
-                    )
-                )
-            calls = [
-                ChoiceDeltaToolCall(
-                    index=j,
-                    id=call.id,
-                    type="function",
-                    function=ChoiceDeltaToolCallFunction(
-                        name=call.function.name, arguments=call.function.arguments
-                    ),
-                )
-                for j, call in enumerate(c.tool_calls)
-            ]
-            lps = _chunk_logprobs(tok, a, c, range(len(c.tokens)))
-            yield sse(
-                _chunk(
-                    a.id,
-                    a.model,
-                    a.created,
-                    [ChunkChoice(index=i, delta=ChoiceDelta(tool_calls=calls), logprobs=lps)],
-                )
-            )
-        else:
-            for t, piece in enumerate(pieces(tok, c.tokens, c.text)):
-                lps = _chunk_logprobs(tok, a, c, range(t, t + 1))
-                delta = ChoiceDelta(content=piece)
-                yield sse(_chunk(a.id, a.model, a.created, [ChunkChoice(index=i, delta=delta, logprobs=lps)]))
-        end = ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=c.finish_reason)  # type: ignore[arg-type]
-        yield sse(_chunk(a.id, a.model, a.created, [end]))
-    if include_usage:
-        yield sse(_chunk(a.id, a.model, a.created, [], a.usage))
-    yield DONE
-
-
 def _chunk_logprobs(tok: Any, a: Answer, c: Choice, span: range) -> ChunkLogprobs | None:
     if a.logprobs is None:
         return None
     return ChunkLogprobs(content=chat_logprobs(tok, c, a.logprobs, a.as_ids, span))
-
-
-def completion_events(tok: Any, a: Answer, include_usage: bool) -> Iterator[str]:
-    """A completions stream: ``Completion`` chunks, one piece of one choice each."""
-
-    def chunk(choices: list[CompletionChoice], usage: Any = None) -> str:
-        body = Completion(
-            id=a.id, object="text_completion", created=a.created, model=a.model, choices=choices
-        )
-        if usage is not None:
-            body.usage = usage
-        return sse(body)
-
-    for i, c in enumerate(a.choices):
-        reason = "length" if c.finish_reason == "length" else "stop"
-        texts = pieces(tok, c.tokens, c.text) or [""]
-        for t, piece in enumerate(texts):
-            lps = None
-            if a.logprobs is not None and t < len(c.tokens):
-                one = Choice(
-                    c.tokens[t : t + 1],
-                    c.logprobs[t : t + 1],
-                    c.top[t : t + 1] if c.top else None,
-                    piece,
-                    reason,
-                )
-                lps = completion_logprobs(tok, one, a.logprobs, a.as_ids)
-            last = t == len(texts) - 1
-            # a piece before the last has no finish_reason yet (built unvalidated: the type wants one)
-            choice = CompletionChoice.model_construct(
-                index=i, text=piece, finish_reason=reason if last else None, logprobs=lps
-            )
-            yield chunk([choice])
-    if include_usage:
-        yield chunk([], a.usage)
-    yield DONE

@@ -20,7 +20,12 @@ connection) has its sample aborted: its rows leave the running batch before the 
 ``Abort`` and its rows leave that worker's batch).
 
 **Streams** (``stream``) send each choice's text token by token while it decodes
-(:mod:`openai_stream`).
+(:mod:`openai_stream`). An unseeded stream is given a random seed (each prompt of a completions
+request its own; each of its ``n`` samples draws from its own generator seeded from it and its
+index), so that a request run again after its rollout worker was lost samples the very tokens the
+stream has already sent, and the stream goes on. A row's draws come from its own generator, so
+the re-run's batch neighbours do not change them. A whole (non-streamed) answer needs no such
+seed: nothing of it was sent before the re-run (and vLLM draws for seeded rows one by one).
 
 **Errors** are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``
 (:class:`~opentinker.server.openai_schemas.OpenAIError`), every message redacted of server paths.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -217,11 +223,14 @@ class OpenAIRoutes:
                 code="context_length_exceeded",
             )
         stops = req.stops()
+        seed = req.seed
+        if seed is None and req.stream:  # a re-run (its worker lost) samples the same tokens
+            seed = secrets.randbits(62)
         return types.SamplingParams(
             max_tokens=limit or room,
             temperature=req.temperature,
             top_p=req.top_p,
-            seed=req.seed,
+            seed=seed,
             stop=stops if stops else ([] if req.ignore_eos else None),
         )
 
@@ -324,8 +333,7 @@ class OpenAIRoutes:
             prompt = fmt.render(messages, tools, req.chat_template_kwargs)
             params = self.params(req, req.limit(), prompt, client.base_model, "messages")
             k = (req.top_logprobs or 0) if req.logprobs else 0
-            # tool calls are parsed from the whole text: such a stream follows the result
-            feed = Feed() if req.stream and not (tools and fmt.tool_format == "hermes") else None
+            feed = Feed() if req.stream else None
             started = [self.start(tenant, client, prompt, req.n, params, k, sink=feed and feed.sink(0))]
         except Exception as e:
             return self.error(e)
@@ -348,7 +356,9 @@ class OpenAIRoutes:
 
         if req.stream:
             top = (req.top_logprobs or 0) if req.logprobs else None
-            return self._stream(request, started, answer, fmt.tok, req, feed, top, chat=True)
+            hermes = bool(tools and fmt.tool_format == "hermes")  # calls streamed as they decode
+            assert feed is not None
+            return self._stream(request, started, answer, fmt.tok, req, feed, top, chat=True, tools=hermes)
         return await self._whole(request, started, answer, lambda a: R.chat_body(fmt.tok, a))
 
     async def completions(self, request: Request) -> Response:
@@ -389,6 +399,7 @@ class OpenAIRoutes:
             )
 
         if req.stream:
+            assert feed is not None
             return self._stream(request, started, answer, tok, req, feed, req.logprobs, chat=False)
         return await self._whole(request, started, answer, lambda a: R.completion_body(tok, a))
 
@@ -429,27 +440,27 @@ class OpenAIRoutes:
         answer: Callable[[list[types.SampleResponse]], R.Answer],
         tok: Any,
         req: Any,
-        feed: Feed | None,
+        feed: Feed,
         logprobs: int | None,
         *,
         chat: bool,
+        tools: bool = False,
     ) -> StreamingResponse:
-        """The answer as Server-Sent Events: token by token while the samples decode when ``feed``
-        brings their tokens (:mod:`openai_stream`), else one piece per token once they are done."""
+        """The answer as Server-Sent Events: token by token while the samples decode, as ``feed``
+        brings their tokens (:mod:`openai_stream`); those it did not bring, once they are done."""
         stub = R.Answer(
             new_id("chatcmpl" if chat else "cmpl"), req.model, [], usage(0, 0, 0), None, False, []
         )
         stub.logprobs, stub.as_ids = logprobs, bool(req.return_tokens_as_token_ids)
-        live = Live(tok, req, stub, req.n, chat=chat)
+        live = Live(tok, req, stub, req.n, chat=chat, tools=tools)
 
         async def events() -> AsyncIterator[str]:
             if chat:
                 yield R.chat_first(stub.id, req.model, stub.created, req.n)
             results = asyncio.ensure_future(self.wait(request, started))
             try:
-                if feed is not None:
-                    async for event in live.follow(feed, results):
-                        yield event
+                async for event in live.follow(feed, results):
+                    yield event
                 a = answer(await results)
             except ClientGone:
                 return
@@ -459,11 +470,7 @@ class OpenAIRoutes:
             finally:
                 results.cancel()  # the stream closed early: its samples are aborted (wait)
             a.id, a.created = stub.id, stub.created
-            if feed is not None:
-                events = live.finish(a, req.include_usage())
-            else:
-                events = (R.chat_events if chat else R.completion_events)(tok, a, req.include_usage())
-            for event in events:
+            for event in live.finish(a, req.include_usage()):
                 yield event
 
         return StreamingResponse(
