@@ -155,3 +155,28 @@ def test_a_snapshot_trained_on_the_group_samples_with_the_trainers_logprobs(pool
         trainer = out.outputs[0]["logprobs"][len(prompt) - 1 :]  # type: ignore[attr-defined]
         assert_logprobs_close(torch.tensor(seq.logprobs), trainer)
     g.call("t", "delete_adapter", "t")
+
+
+def test_a_runtime_on_a_sharded_group_loads_no_weight_of_the_base_and_samples_there(
+    pool: TrainerPool, tmp_path
+) -> None:
+    import opentinker
+    from opentinker.service.runtime import Runtime
+
+    # on the Ray instance already up (its two CPUs: the pool above holds one of them)
+    rt = Runtime(tmp_path, trainer_workers=2, shard_base=2, trainer_cpus=0.5)
+    try:
+        client = opentinker.ServiceClient(runtime=rt)
+        tc = client.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=1).result()
+        engine = rt.base_stack(TEST_MODEL).engine
+        assert {p.device.type for p in engine.base.model.parameters()} == {"meta"}
+        sampler = tc.save_weights_and_get_sampling_client()
+        from tinker import types
+
+        params = types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])
+        res = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, params).result(timeout=WAIT)
+        assert len(res.sequences) == 2 and len(res.sequences[0].tokens) == 5
+        assert res.sequences[0].tokens == res.sequences[1].tokens  # greedy
+        assert rt.engine_stats(trainers=False)[0]["rollout"]["jobs"] >= 1
+    finally:
+        rt.shutdown()

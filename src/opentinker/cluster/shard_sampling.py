@@ -392,6 +392,7 @@ class GroupSampling:
 
     def _run(self, slot: Any, batch: list[tuple[int, Pinned]]) -> JobResult:
         import ray
+        from ray.exceptions import RayActorError, RayTaskError
 
         from opentinker.cluster.shard import WorkerLostError
 
@@ -400,10 +401,10 @@ class GroupSampling:
         job = self._job(slot, batch)
         try:
             out: JobResult = ray.get(slot.actor.shard_sample.remote(job))
-        except ray.exceptions.RayTaskError as e:  # the leader raised: its error (a lost member named)
+        except RayTaskError as e:  # the leader raised: its error (a lost member named)
             cause = e.cause if isinstance(e.cause, BaseException) else e
             raise cause from None
-        except ray.exceptions.RayActorError as e:
+        except RayActorError as e:
             self.pool.mark_lost(slot, type(e).__name__)
             raise WorkerLostError(f"{slot.label} was lost while sampling; its models cannot sample") from None
         held = self._published.setdefault(slot.worker_id, set())
