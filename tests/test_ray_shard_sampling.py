@@ -180,3 +180,12 @@ def test_a_runtime_on_a_sharded_group_loads_no_weight_of_the_base_and_samples_th
         assert rt.engine_stats(trainers=False)[0]["rollout"]["jobs"] >= 1
     finally:
         rt.shutdown()
+
+
+def test_a_member_lost_fails_sampling_naming_the_group_and_it(pool: TrainerPool, front) -> None:
+    _, svc = front  # last: the pool's group stays broken
+    pool.kill_worker(1)
+    req = SampleRequest("a@v1", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+    for _ in range(2):  # the job that finds it gone, and every later one
+        with pytest.raises(EngineError, match=r"sharded group group-0 lost trainer worker trainer-1"):
+            svc.submit(req).result(timeout=WAIT)
