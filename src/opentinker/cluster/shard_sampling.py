@@ -244,6 +244,7 @@ class GroupSamplingStats:
     forwards: int = 0  # forwards of the model per member, summed over jobs
     sampled_tokens: int = 0
     waiting: int = 0  # requests waiting for a group now
+    live_rows: int = 0  # rows of the jobs running now
     aborted: int = 0
 
 
@@ -399,6 +400,8 @@ class GroupSampling:
         if not slot.alive:
             raise WorkerLostError(f"{slot.label} was lost ({slot.lost_reason}); its models cannot sample")
         job = self._job(slot, batch)
+        rows = sum(p.req.num_samples for _, p in batch)
+        self.stats.live_rows += rows
         try:
             out: JobResult = ray.get(slot.actor.shard_sample.remote(job))
         except RayTaskError as e:  # the leader raised: its error (a lost member named)
@@ -407,13 +410,15 @@ class GroupSampling:
         except RayActorError as e:
             self.pool.mark_lost(slot, type(e).__name__)
             raise WorkerLostError(f"{slot.label} was lost while sampling; its models cannot sample") from None
+        finally:
+            self.stats.live_rows -= rows
         held = self._published.setdefault(slot.worker_id, set())
         held.difference_update(job.retire)
         held.update(job.publish)
         s = self.stats
         s.jobs += 1
         s.admitted += len(batch)
-        s.max_rows = max(s.max_rows, sum(p.req.num_samples for _, p in batch))
+        s.max_rows = max(s.max_rows, rows)
         s.steps += out.steps
         s.forwards += out.forwards[0]
         return out
