@@ -11,7 +11,7 @@ snapshots' LoRA tensors as ever.
 :class:`~opentinker.sampling.loop.SamplingService`) validates each request and pins it to its
 snapshot's weights on the caller's thread, as the in-process loop does, and queues it; one thread
 per group takes every request waiting (up to ``max_rows`` rows) as one :class:`SampleJob` and
-sends it to the group's leader. The leader runs it in its scheduler's order, between training
+sends it to a live group's leader (a lost group's threads serve through the others). The leader runs it in its scheduler's order, between training
 ticks (a group gathers for one thing at a time): the native decoder over the HF forward (the lean
 decode path reads weights directly, which a sharded model does not hold; FSDP's hooks gather each
 layer for each forward), prefill then decode steps until every row has stopped, the whole batch
@@ -269,11 +269,10 @@ class GroupSampling:
         self._local = threading.local()
         self._stopped = False
         self._published: dict[str, set[str]] = {}  # leader -> the slots it holds
+        self._leader_locks: dict[str, threading.Lock] = {}  # one job at a time per leader
         self._threads = [
-            threading.Thread(
-                target=self._serve, args=(slot,), name=f"opentinker-group-{slot.worker_id}", daemon=True
-            )
-            for slot in pool.workers
+            threading.Thread(target=self._serve, args=(i,), name=f"opentinker-group-sampler-{i}", daemon=True)
+            for i in range(max(1, len(pool.workers)))
         ]
         for t in self._threads:
             t.start()
@@ -342,16 +341,13 @@ class GroupSampling:
                 fut.set_exception(RuntimeError("the group sampler was shut down"))
 
     # ------------------------------------------------------------------ a group's thread
-    def _take(self, slot: Any) -> list[tuple[int, Pinned]] | None:
+    def _take(self) -> list[tuple[int, Pinned]] | None:
         """The requests of the next job (every one waiting, up to ``max_rows`` rows), or None
-        once shut down or once ``slot`` is lost while another group is live."""
+        once shut down."""
         with self._cv:
             while not self._stopped and not self._waiting:
                 self._cv.wait()
             if self._stopped:
-                return None
-            if not slot.alive and any(w.alive for w in self.pool.workers):
-                self._cv.notify()
                 return None
             batch, rows = [], 0
             while self._waiting and (
@@ -363,10 +359,21 @@ class GroupSampling:
             self.stats.waiting = len(self._waiting)
             return batch
 
-    def _serve(self, slot: Any) -> None:
-        while (batch := self._take(slot)) is not None:
+    def _leader(self, i: int) -> Any:
+        """Thread ``i``'s group now: the ``i``-th live leader (round the live ones), read afresh
+        for each job (a group lost or made again changes the pool's leaders); none live: the
+        ``i``-th, whose job then fails naming it."""
+        leaders = list(self.pool.workers)
+        live = [w for w in leaders if w.alive] or leaders
+        return live[i % len(live)]
+
+    def _serve(self, i: int) -> None:
+        while (batch := self._take()) is not None:
+            slot = self._leader(i)
+            lock = self._leader_locks.setdefault(slot.worker_id, threading.Lock())
             try:
-                out = self._run(slot, batch)
+                with lock:  # its table's handoff bookkeeping goes one job at a time
+                    out = self._run(slot, batch)
             except Exception as e:
                 self._published.pop(slot.worker_id, None)  # what it holds is unknown now
                 self._answer([(rid, e) for rid, _ in batch])
