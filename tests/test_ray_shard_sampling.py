@@ -110,7 +110,12 @@ def test_the_group_samples_what_the_unsharded_sampler_samples(front, ref: Engine
     # queued requests go together: however the four split, one job held two or more of them
     # (the largest request has 3 rows; whatever the first job took, the rest queued behind it)
     assert svc.stats.max_rows >= 4
-    # refused on the front-end, naming the problem, before any job: a live adapter, an unknown one
+    # unseeded rows: only the leader draws (the other member replays forwards), so nothing to agree on
+    free = SampleRequest(
+        "a@v1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=1.0, stop=[]), num_samples=4
+    )
+    assert [len(s.tokens) for s in svc.submit(free).result(timeout=WAIT).sequences] == [5] * 4
+    # refused on the front-end, naming the problem, before any job: an unknown snapshot, a bad token
     with pytest.raises(EngineError, match="unknown"):
         svc.submit(SampleRequest("nope@v1", [1, 2])).result(timeout=WAIT)
     with pytest.raises(EngineError, match="outside the vocabulary"):
