@@ -11,6 +11,8 @@ Run from the repository root (``--device cpu`` is a dry run of every path)::
 2. The sharded base over NCCL (``tests/test_ray_shard.py`` with each member of a group of two
    on its own GPU): run only where two GPUs are visible (NCCL refuses two ranks on one device),
    else recorded as not run, with why. Not known to work until a run records it passing.
+   Then sampling on the sharded group over NCCL (``tests/test_ray_shard_sampling.py``: the
+   leader decodes, the other member replays each forward; step ``shard_sample_nccl``), the same way.
 3. P1, P2, P3 (``benchmarks/p*.py --device --json``) in fp32, then in bf16 unless ``--no-bf16``, on
    a random-weight Llama shaped like SmolLM2-135M (``--model`` to use another).
 
@@ -64,15 +66,18 @@ def run(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, object
     return {"rc": rc, "seconds": round(time.perf_counter() - t, 1), "tail": str(out)[-3000:]}
 
 
-def shard_nccl(env: dict[str, str], args: argparse.Namespace) -> dict[str, object]:
-    """The sharded base (FSDP2) over NCCL: its Ray tests, each group member on its own GPU."""
+def shard_nccl(
+    env: dict[str, str], args: argparse.Namespace, test: str = "test_ray_shard"
+) -> dict[str, object]:
+    """The sharded base (FSDP2) over NCCL: its Ray tests ``tests/<test>.py``, each group member
+    on its own GPU."""
     import torch
 
     gpus = torch.cuda.device_count() if args.device.startswith("cuda") else 0
     if gpus < 2:
         return {"rc": None, "not_run": f"needs 2 GPUs, {gpus} visible (NCCL refuses two ranks on one device)"}
     return run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "slow or not slow", "tests/test_ray_shard.py"],
+        [sys.executable, "-m", "pytest", "-q", "-m", "slow or not slow", f"tests/{test}.py"],
         env,
         args.timeout,
     )
@@ -116,6 +121,8 @@ def main() -> None:
     report["tests"] = res
     save()
     report["shard_nccl"] = shard_nccl(env, args)
+    save()
+    report["shard_sample_nccl"] = shard_nccl(env, args, "test_ray_shard_sampling")
     save()
     if not args.no_bench:
         with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:

@@ -4,9 +4,11 @@ holding one FSDP2-sharded copy of the base).
 
 A model trains there and its losses equal the same model trained in a plain in-process
 :class:`~opentinker.service.runtime.Runtime` (fp32 rounding: rows summed in another order); its
-snapshot samples on the front-end, and the sampler's logprobs of the sampled tokens equal the
+snapshot samples on the group itself (``--shard-sampling group``, the default: the front-end
+holds no weight of the base), and the sampler's logprobs of the sampled tokens equal the
 trainer's (the sharded group's forward) within ``LOGPROB_ATOL``. A ``--shard-base`` that does not
-divide the trainer workers stops ``serve`` before Ray starts, naming both.
+divide the trainer workers stops ``serve`` before Ray starts, naming both, and so does sampling
+on the group asked for together with settings that sample on whole copies of the base.
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ def test_the_sdk_trains_and_samples_a_sharded_model(server: LocalServer, tmp_pat
     scored = tc.forward([_datum(tokens)], "cross_entropy").result(timeout=WAIT)
     trainer_lp = torch.tensor(scored.loss_fn_outputs[0]["logprobs"].tolist())[len(prompt) - 1 :]
     assert_logprobs_close(torch.tensor(seq.logprobs), trainer_lp)
+    # the prompt's logprobs too (compute_logprobs: a one-token request with prompt logprobs)
+    scored_lp = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result(timeout=WAIT)
+    assert scored_lp[0] is None
+    assert_logprobs_close(torch.tensor(scored_lp[len(prompt) :]), trainer_lp)
+    # every one of them sampled on the group: jobs ran there, each member replaying the forwards
+    stats = httpx.get(f"{server.base_url}/console/api/engine", headers={"X-API-Key": KEY}, timeout=30).json()
+    rollout = stats["engines"][0]["rollout"]
+    assert rollout["jobs"] >= 2 and rollout["finished"] >= 2 and rollout["forwards"] > rollout["steps"]
     remote.close("success").result()
 
 
@@ -104,6 +114,10 @@ def test_a_shard_base_that_does_not_divide_the_workers_stops_serve(
         Runtime(tmp_path, shard_base=2)
     with pytest.raises(ValueError, match=r"data parallelism over sharded groups is not served"):
         Runtime(tmp_path, trainer_workers=2, shard_base=2, data_parallel=2)
+    with pytest.raises(ValueError, match=r"samples on its group .* but rollout_workers samples on whole"):
+        Runtime(tmp_path, trainer_workers=2, shard_base=2, rollout_workers=1)
+    with pytest.raises(ValueError, match=r"shard_sampling must be 'group' or 'front', got 'tp'"):
+        Runtime(tmp_path, trainer_workers=2, shard_base=2, shard_sampling="tp")
     assert ray.is_initialized() == was_up
 
 

@@ -37,6 +37,7 @@ from opentinker.cluster.shard import (
     release_host_memory,
     shard_model,
 )
+from opentinker.cluster.shard_sampling import GroupSamplingMember
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
 from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
 from opentinker.lora import LoRAConfig, LoRAWeights
@@ -57,7 +58,7 @@ GRADIENTS_FILE = "gradients.safetensors"  # a handed-over model's gradients sinc
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a peer that never joins fails the step, not hangs it
 
 
-class TrainerWorker:
+class TrainerWorker(GroupSamplingMember):
     """One replica of ``base_model`` serving the adapters placed on it (see the module docstring)."""
 
     def __init__(

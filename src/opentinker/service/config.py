@@ -142,6 +142,13 @@ class RuntimeConfig:
         type=positive_int,
         metavar="K",
     )
+    shard_sampling: str = setting(
+        "group",
+        "where a sharded base (--shard-base K) samples: on its group, no whole copy of the base "
+        "anywhere (group; slow: every layer gathered for every forward), or on the front-end's "
+        "whole copy or --rollout-workers (front; the base must fit one device)",
+        choices=("group", "front"),
+    )
     trainer_cpus: float = setting(1.0, "CPUs of each trainer worker (Ray)", type=non_negative_float)
     trainer_gpus: float = setting(0.0, "GPUs of each trainer worker (Ray)", type=non_negative_float)
     placement_timeout: float = setting(

@@ -169,7 +169,9 @@ class Runtime:
         with self._lock:
             b = self._stacks.get(name)
             if b is None:
-                base = load_base_model(name, dtype=self.dtype, device=self.config.device)
+                base = self.scaleout.front_base(name) or load_base_model(
+                    name, dtype=self.dtype, device=self.config.device
+                )
                 engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
                 sampler, decoder = self._sampler(engine)
                 # sampling on its own thread, continuous batching (None: in the scheduler's ticks)

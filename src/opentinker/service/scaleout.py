@@ -89,6 +89,7 @@ class ScaleOut:
         self.shard_base = 1
         self.data_parallel = self.data_parallel_degree(config.data_parallel)
         self.shard_base = self._shard_base(config.shard_base)
+        self.sample_on_group = self._sample_on_group(config)
         self.ray_cluster: Any = None  # opentinker.cluster.ray_env.Cluster, with ray=...
         self.worker_startup_timeout = config.worker_startup_timeout
         if not placement_timeout > 0:
@@ -177,6 +178,41 @@ class ScaleOut:
                 "data parallelism over sharded groups is not served: give shard_base or data_parallel"
             )
         return value
+
+    def _sample_on_group(self, config: RuntimeConfig) -> bool:
+        """Whether a sharded base samples on its group (``shard_sampling``:
+        :mod:`opentinker.cluster.shard_sampling`), refusing settings that sample on whole copies."""
+        where = config.shard_sampling
+        if where not in ("group", "front"):
+            raise ValueError(f"shard_sampling must be 'group' or 'front', got {where!r}")
+        if self.shard_base == 1 or where == "front":
+            return False
+        other = (
+            "rollout_workers"
+            if config.rollout_workers
+            else "rollout_backend='vllm'"
+            if config.rollout_backend == "vllm"
+            else "sample_in_ticks"
+            if config.sample_in_ticks
+            else None
+        )
+        if other is not None:
+            raise ValueError(
+                f"a sharded base samples on its group (shard_sampling='group', the default with "
+                f"shard_base), but {other} samples on whole copies of the base: give "
+                "shard_sampling='front' (--shard-sampling front) for that"
+            )
+        return True
+
+    def front_base(self, name: str) -> Any:
+        """The front-end's base model of ``name`` when its group samples (its config and
+        tokenizer, the model on the meta device: no whole copy of a sharded base is loaded
+        anywhere), else None (the runtime loads it whole)."""
+        if not self.sample_on_group:
+            return None
+        from opentinker.cluster.shard_sampling import front_base
+
+        return front_base(name, self.dtype)
 
     def data_parallel_degree(self, value: Any) -> int:
         """The data-parallel degree ``value`` asks for (an integer, or its text as ``user_metadata``
@@ -392,10 +428,11 @@ class ScaleOut:
         ``loop()`` (None: sampling in the scheduler's ticks). Its workers of every kind are
         checked against what the cluster has free before any starts."""
         self._check_fits()
+        rollout: SamplingService | None = None
         if self.rollout_workers:
-            rollout: SamplingService | None = self.rollout_pool(engine, name)
-        else:
-            rollout = None if loop is None else loop()
+            rollout = self.rollout_pool(engine, name)
+        elif loop is not None and not self.sample_on_group:
+            rollout = loop()
         if not self.trainer_workers:
             return Scheduler(engine, sampler, rollout=rollout)
         from opentinker.cluster.trainer import TrainerPool
@@ -414,6 +451,10 @@ class ScaleOut:
             startup_timeout=self.worker_startup_timeout,
             shard_base=self.shard_base,
         )
+        if self.sample_on_group:  # its snapshots sample on the group that trains them
+            from opentinker.cluster.shard_sampling import GroupSampling
+
+            rollout = GroupSampling(engine, pool, prefix_cache_bytes=self.config.prefix_cache_bytes)
         router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
         router.on_worker_lost = lambda slot, lost: self.worker_lost(router, slot.worker_id, lost)
         return router
