@@ -56,7 +56,11 @@ class LoRABatch:
     """Routing for one forward: the batch's entries stacked per group, and each row's entry index."""
 
     def __init__(
-        self, entries: list[LoRAWeights | None], row_index: torch.Tensor, groups: dict[str, TargetGroup]
+        self,
+        entries: list[LoRAWeights | None],
+        row_index: torch.Tensor,
+        groups: dict[str, TargetGroup],
+        stacks: dict[str, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.entries = entries
         self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in] (experts: [L, E, K, r_max, in])
@@ -85,7 +89,7 @@ class LoRABatch:
                 b_list.append(F.pad(e.b[name], (0, pad)) if pad else e.b[name])
                 scales.append(e.scale)
             if group.experts:  # [L, E, K, r, in]: each layer's (expert, entry) pairs already in order
-                self.a[name], self.b[name] = torch.stack(a_list, 2), torch.stack(b_list, 2)
+                self.a[name], self.b[name] = _stack_experts(entries, name, a_list, b_list, stacks)
                 self.layers[name] = (self.a[name].unbind(0), self.b[name].unbind(0))
             else:
                 self.a[name], self.b[name] = torch.stack(a_list), torch.stack(b_list)
@@ -191,6 +195,38 @@ class LoRABatch:
         if not torch.is_grad_enabled():
             self._cache[key] = out
         return out
+
+
+def _stack_experts(
+    entries: list[LoRAWeights | None],
+    name: str,
+    a_list: list[torch.Tensor],
+    b_list: list[torch.Tensor],
+    stacks: dict[str, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An experts group's K pairs stacked (expert, entry)-major, [L, E, K, r, in] / [L, E, K, out, r]
+    (each expert's K pairs as one contiguous stretch: one copy of whole ``r·in`` blocks, not a
+    strided concatenation). Without autograd the stack is kept in ``stacks`` for the next batch on
+    the same weights (each entry's uid and its tensors' version counters, which an optimizer step
+    or a load bumps), so repeated forwards on one set of adapters stack nothing."""
+    tensors = [*a_list, *b_list]
+    cacheable = stacks is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    key = tuple(
+        None if e is None or name not in e.a else (e.uid, e.a[name]._version, e.b[name]._version)
+        for e in entries
+    ) + tuple(t.shape for t in tensors)
+    if cacheable and stacks is not None and (hit := stacks.get(name)) is not None and hit[0] == key:
+        return hit[1], hit[2]
+    lead = a_list[0].shape[:2]  # [L, E]
+    a = torch.stack([t.reshape(lead.numel(), -1) for t in a_list], 1).view(
+        *lead, len(entries), *a_list[0].shape[2:]
+    )
+    b = torch.stack([t.reshape(lead.numel(), -1) for t in b_list], 1).view(
+        *lead, len(entries), *b_list[0].shape[2:]
+    )
+    if cacheable and stacks is not None:
+        stacks[name] = (key, a, b)
+    return a, b
 
 
 class MultiLoRALinear(nn.Module):
@@ -314,6 +350,9 @@ class MultiLoRA:
         # expert modules of a layout this layer does not know (module path, class, 3-D shapes):
         # an adapter that trains the MLP is refused on such a model, never silently partial
         self.unknown_experts: list[str] = []
+        # experts group -> the last stack of its K entries' pairs made without autograd (see
+        # _stack_experts): one per group, replaced by the next, never stale (keyed by versions)
+        self._expert_stacks: dict[str, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] = {}
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         found: dict[str, list[_Site]] = {}
         for path, module in list(model.named_modules()):
@@ -397,7 +436,7 @@ class MultiLoRA:
     def make_batch(self, entries: list[LoRAWeights | None], row_index: torch.Tensor) -> LoRABatch | None:
         if all(e is None for e in entries):
             return None
-        return LoRABatch(entries, row_index, self.groups)
+        return LoRABatch(entries, row_index, self.groups, self._expert_stacks)
 
 
 @dataclass
