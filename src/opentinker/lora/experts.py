@@ -28,17 +28,15 @@ load-balancing loss is not added either (``output_router_logits`` is ignored): w
 frozen it has no parameter to act on.
 
 Compute, for a batch mixing K entries: every (token, expert) assignment is sorted by
-(expert, entry). The base projections run as one grouped matmul over the E expert segments; the
-LoRA terms over the E·K (expert, entry) segments, worked out once per layer for both projections
-(:class:`_Segments`), as two grouped matmuls (``torch.nn.functional.grouped_mm``), or on CPU with a
-few rows per segment as two ``bmm`` over zero-padded tiles of each segment's rows, so no Python loop
-runs over experts, adapters or tokens, whatever K is. When the rows are few beside the E·K segments
-(a decode step), each row gathers its own expert's pair for two batched matmuls instead.
+(expert, entry). The base projections run as one grouped matmul over the E expert segments, the
+LoRA terms as two grouped matmuls over the E·K (expert, entry) segments (``torch.nn.functional.
+grouped_mm``), the segments worked out once per layer for both projections, so no Python loop runs
+over experts, adapters or tokens, whatever K is. When the rows are few beside the E·K segments (a
+decode step), each row gathers its own expert's pair for two batched matmuls instead.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,13 +54,6 @@ EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
 # segments), each row gathers its own pair and two batched matmuls run, instead of a grouped
 # matmul that visits every segment, most of them empty
 GATHER_BELOW = 2
-# on CPU, with at most TILE_BELOW rows per (expert, adapter) segment on average (many adapters
-# mixed: E·K segments of a few rows each), the LoRA terms run as two ``bmm`` over tiles of up to
-# TILE rows: 5-10x faster there than a grouped matmul over as many segments, whose cost on CPU is
-# mostly per segment (and ``bmm`` leaves its fast small-matrix path above ~8 rows of 256 at rank 8);
-# with more rows per segment (one or a few adapters), one grouped matmul
-TILE = 8
-TILE_BELOW = 32
 # what transformers' ``use_experts_implementation`` sets on every experts class it knows
 _EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "num_experts")
 
@@ -113,41 +104,14 @@ def _offsets(key: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _Segments:
     """Where one MoE layer's assignments, sorted by (expert, entry) segment, meet their LoRA pairs:
-    worked out once per layer call and shared by its projections (gate/up, then down).
-
-    ``gather``: few rows over many segments (decoding), each row gathers its own pair. ``tiles``
-    (CPU, a few rows per segment): round ``j`` takes rows ``j·c .. (j+1)·c - 1`` of every segment
-    that has them into ``c``-row tiles, padded with zeros, for two ``bmm`` (round 0 over every
-    segment, its pairs as stacked; later rounds, rarely more than one, gather the pairs of the
-    segments still going). ``grouped``: one grouped matmul over the segments."""
+    worked out once per layer call and shared by its projections (gate/up, then down). With few
+    rows beside the E·K segments (decoding) each row gathers its own pair (``gather``); otherwise
+    one grouped matmul runs over the segments."""
 
     def __init__(self, key_sorted: torch.Tensor, entry_sorted: torch.Tensor, n_seg: int) -> None:
-        n = key_sorted.numel()
         self.key, self.entry = key_sorted, entry_sorted
-        self.offs = _offsets(key_sorted, n_seg)
-        # per round: (its segments, or None for all; its rows, or None for all; slots; tiles; c)
-        self.rounds: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, int, int]] = []
-        self.mode = "gather" if n * GATHER_BELOW < n_seg else "grouped"
-        if self.mode == "gather" or key_sorted.device.type != "cpu" or n > TILE_BELOW * n_seg:
-            return  # on an accelerator a grouped matmul is one kernel
-        self.mode = "tiles"
-        counts = torch.diff(self.offs.long(), prepend=self.offs.new_zeros(1).long())
-        c = min(TILE, max(2, 1 << max(0, math.ceil(math.log2(2 * n / n_seg)))))
-        pos = torch.arange(n, device=key_sorted.device) - (self.offs.long() - counts)[key_sorted]
-        lookup = torch.full((n_seg,), -1, dtype=torch.long, device=key_sorted.device)
-        for j in range(math.ceil(int(counts.max()) / c)):
-            if j == 0:
-                segs, tiles = None, n_seg
-                rows = None if int(counts.max()) <= c else torch.nonzero(pos < c).squeeze(1)
-                local = key_sorted if rows is None else key_sorted[rows]
-            else:
-                segs = torch.nonzero(counts > j * c).squeeze(1)
-                tiles = segs.numel()
-                rows = torch.nonzero((pos >= j * c) & (pos < (j + 1) * c)).squeeze(1)
-                lookup[segs] = torch.arange(tiles, device=segs.device)
-                local = lookup[key_sorted[rows]]
-            at = pos if rows is None else pos[rows]
-            self.rounds.append((segs, rows, local * c + at - j * c, tiles, c))
+        self.gather = key_sorted.numel() * GATHER_BELOW < n_seg
+        self.offs = None if self.gather else _offsets(key_sorted, n_seg)
 
     def lora(
         self, inp: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, scale: torch.Tensor
@@ -155,20 +119,10 @@ class _Segments:
         """Each row's ``scale · B A x`` [N, out] with its segment's pair: ``a_t`` [S, in, r],
         ``b_t`` [S, r, out] (segment ``e·K + entry``), ``scale`` [K] per entry."""
         x = inp.to(a_t.dtype)
-        if self.mode == "gather":  # each row with its own pair
+        if self.offs is None:  # each row with its own pair
             shrink = torch.bmm(x[:, None, :], a_t[self.key]) * scale[self.entry, None, None]
             return torch.bmm(shrink, b_t[self.key]).squeeze(1)
-        if self.mode == "grouped":
-            return grouped(grouped(x, a_t, self.offs) * scale[self.entry, None], b_t, self.offs)
-        seg_scale = scale.repeat(a_t.shape[0] // scale.shape[0])  # segment e·K + k has entry k's
-        out = x.new_zeros(x.shape[0], b_t.shape[2])
-        for segs, rows, slots, tiles, c in self.rounds:
-            a, b, s = (a_t, b_t, seg_scale) if segs is None else (a_t[segs], b_t[segs], seg_scale[segs])
-            part = x if rows is None else x.index_select(0, rows)
-            xt = x.new_zeros(tiles * c, x.shape[1]).index_copy(0, slots, part).view(tiles, c, -1)
-            y = torch.bmm(torch.bmm(xt, a) * s[:, None, None], b).view(tiles * c, -1).index_select(0, slots)
-            out = y if rows is None else out.index_add(0, rows, y)
-        return out
+        return grouped(grouped(x, a_t, self.offs) * scale[self.entry, None], b_t, self.offs)
 
 
 def experts_forward(
