@@ -51,8 +51,10 @@ ExpertPairs = Callable[[str, torch.dtype], "tuple[torch.Tensor, torch.Tensor, to
 # the fused expert parameters a LoRA pair goes on, in the order the forward uses them
 EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
 # below one row per GATHER_BELOW (expert, adapter) segments (a decode step's few rows over E·K
-# segments), each row gathers its own pair and two batched matmuls run, instead of a grouped
-# matmul that visits every segment, most of them empty
+# segments), each row gathers its own pair (one ``index_select`` of contiguous [in, r] blocks) for
+# two batched matmuls, instead of a grouped matmul that visits every segment, most of them empty.
+# With more rows the grouped matmul wins on CPU time, also at E·K = 512 segments of ~4 rows (the
+# MoE benchmark's mixed forward), as did ``bmm`` over zero-padded tiles of each segment's rows
 GATHER_BELOW = 2
 # what transformers' ``use_experts_implementation`` sets on every experts class it knows
 _EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "num_experts")
@@ -105,8 +107,8 @@ def _offsets(key: torch.Tensor, groups: int) -> torch.Tensor:
 class _Segments:
     """Where one MoE layer's assignments, sorted by (expert, entry) segment, meet their LoRA pairs:
     worked out once per layer call and shared by its projections (gate/up, then down). With few
-    rows beside the E·K segments (decoding) each row gathers its own pair (``gather``); otherwise
-    one grouped matmul runs over the segments."""
+    rows beside the E·K segments (decoding) each row gathers its own pair; otherwise one grouped
+    matmul runs over the segments."""
 
     def __init__(self, key_sorted: torch.Tensor, entry_sorted: torch.Tensor, n_seg: int) -> None:
         self.key, self.entry = key_sorted, entry_sorted
@@ -120,8 +122,8 @@ class _Segments:
         ``b_t`` [S, r, out] (segment ``e·K + entry``), ``scale`` [K] per entry."""
         x = inp.to(a_t.dtype)
         if self.offs is None:  # each row with its own pair
-            shrink = torch.bmm(x[:, None, :], a_t[self.key]) * scale[self.entry, None, None]
-            return torch.bmm(shrink, b_t[self.key]).squeeze(1)
+            a, b = a_t.index_select(0, self.key), b_t.index_select(0, self.key)
+            return torch.bmm(torch.bmm(x[:, None, :], a) * scale[self.entry, None, None], b).squeeze(1)
         return grouped(grouped(x, a_t, self.offs) * scale[self.entry, None], b_t, self.offs)
 
 

@@ -49,6 +49,10 @@ from opentinker.lora.experts import (
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 # routers and gates that pick or weigh experts: never adapted (see opentinker.lora.experts)
 ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
+# stacks of experts pairs kept between forwards (a trainer's and a sampler's batches alternate),
+# over all experts groups: each is K adapters' expert LoRA weights of one group, so this bounds
+# the memory they hold
+STACKS_KEPT = 8
 MAX_SPLIT_RUNS = 8  # beyond this many unequal runs, per-row gathers beat a Python loop of matmuls
 
 
@@ -60,11 +64,12 @@ class LoRABatch:
         entries: list[LoRAWeights | None],
         row_index: torch.Tensor,
         groups: dict[str, TargetGroup],
-        stacks: dict[str, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] | None = None,
+        stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.entries = entries
-        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in] (experts: [L, E, K, r_max, in])
-        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max] (experts: [L, E, K, out, r_max])
+        # experts groups: transposed for grouped matmuls, A^T [L, E, K, in, r_max], B^T [L, E, K, r_max, out]
+        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
+        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
         self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
         # group -> each layer's [K, r_max, in] and [K, out, r_max]: views of the stacks, taken in
         # one unbind so that backward assembles each stack's gradient once, not once per layer
@@ -165,9 +170,9 @@ class LoRABatch:
         if hit is not None:
             return hit[0], hit[1], hit[2]
         a_layers, b_layers = self.layers[group]
-        a, b = a_layers[layer], b_layers[layer]  # [E, K, r, in], [E, K, out, r]: views, no copy
-        a_t = a.reshape(-1, *a.shape[2:]).transpose(1, 2).to(dtype)
-        b_t = b.reshape(-1, *b.shape[2:]).transpose(1, 2).to(dtype)
+        a, b = a_layers[layer], b_layers[layer]  # [E, K, in, r], [E, K, r, out]: views, no copy
+        a_t = a.reshape(-1, *a.shape[2:]).to(dtype)
+        b_t = b.reshape(-1, *b.shape[2:]).to(dtype)
         out = (a_t, b_t, self.scale[group].to(dtype))
         if not torch.is_grad_enabled():
             self._cache[key] = out
@@ -202,30 +207,34 @@ def _stack_experts(
     name: str,
     a_list: list[torch.Tensor],
     b_list: list[torch.Tensor],
-    stacks: dict[str, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] | None,
+    stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An experts group's K pairs stacked (expert, entry)-major, [L, E, K, r, in] / [L, E, K, out, r]
-    (each expert's K pairs as one contiguous stretch: one copy of whole ``r·in`` blocks, not a
-    strided concatenation). Without autograd the stack is kept in ``stacks`` for the next batch on
-    the same weights (each entry's uid and its tensors' version counters, which an optimizer step
-    or a load bumps), so repeated forwards on one set of adapters stack nothing."""
+    """An experts group's K pairs stacked (expert, entry)-major and transposed, A^T [L, E, K, in, r]
+    and B^T [L, E, K, r, out]: each layer's [E·K, in, r] is then one contiguous tensor, for grouped
+    matmuls and for fast row gathers (``index_select``) alike, and the stack is one copy of whole
+    per-expert blocks, not a strided concatenation. Without autograd the stack is kept in
+    ``stacks`` (the last STACKS_KEPT) for a later batch on the same weights (each entry's uid and
+    its tensors' version counters, which an optimizer step or a load bumps), so repeated forwards
+    on one set of adapters stack nothing."""
     tensors = [*a_list, *b_list]
     cacheable = stacks is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-    key = tuple(
+    versions = [
         None if e is None or name not in e.a else (e.uid, e.a[name]._version, e.b[name]._version)
         for e in entries
-    ) + tuple(t.shape for t in tensors)
-    if cacheable and stacks is not None and (hit := stacks.get(name)) is not None and hit[0] == key:
-        return hit[1], hit[2]
-    lead = a_list[0].shape[:2]  # [L, E]
-    a = torch.stack([t.reshape(lead.numel(), -1) for t in a_list], 1).view(
-        *lead, len(entries), *a_list[0].shape[2:]
-    )
-    b = torch.stack([t.reshape(lead.numel(), -1) for t in b_list], 1).view(
-        *lead, len(entries), *b_list[0].shape[2:]
-    )
+    ]
+    key = (name, *versions, *(t.shape for t in tensors))
+    if cacheable and stacks is not None and (hit := stacks.pop(key, None)) is not None:
+        stacks[key] = hit  # the most recently used last
+        return hit
+    lead, k = a_list[0].shape[:2], len(entries)  # [L, E]
+    a = torch.stack([t.transpose(-1, -2).reshape(lead.numel(), -1) for t in a_list], 1)
+    b = torch.stack([t.transpose(-1, -2).reshape(lead.numel(), -1) for t in b_list], 1)
+    a = a.view(*lead, k, a_list[0].shape[3], a_list[0].shape[2])
+    b = b.view(*lead, k, b_list[0].shape[3], b_list[0].shape[2])
     if cacheable and stacks is not None:
-        stacks[name] = (key, a, b)
+        stacks[key] = (a, b)
+        for old in list(stacks)[: max(0, len(stacks) - STACKS_KEPT)]:
+            stacks.pop(old, None)
     return a, b
 
 
@@ -350,9 +359,9 @@ class MultiLoRA:
         # expert modules of a layout this layer does not know (module path, class, 3-D shapes):
         # an adapter that trains the MLP is refused on such a model, never silently partial
         self.unknown_experts: list[str] = []
-        # experts group -> the last stack of its K entries' pairs made without autograd (see
-        # _stack_experts): one per group, replaced by the next, never stale (keyed by versions)
-        self._expert_stacks: dict[str, tuple[tuple[Any, ...], torch.Tensor, torch.Tensor]] = {}
+        # the last STACKS_KEPT stacks of experts pairs made without autograd (see _stack_experts),
+        # least recently used first; never stale (keyed by the weights' versions)
+        self._expert_stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         found: dict[str, list[_Site]] = {}
         for path, module in list(model.named_modules()):
