@@ -4,6 +4,8 @@ Qwen3-30B-A3B routes each token to 8 of 128 experts (1/16), with expert MLPs 3/8
 size wide, GQA 32/4 heads. This keeps those ratios at a size a 2-core CPU runs in seconds:
 hidden 256, 4 layers, 32 experts top-2, expert width 96, 8/2 heads of 32, and the tiny model's
 tokenizer. Weights are random (``torch.manual_seed(0)``): the benchmarks time compute, not text.
+``--shape wide`` (hidden 1024, 64 experts top-4, width 384, 2 layers) keeps the LoRA terms' cost
+beside the experts' nearer the real model's (see ``SHAPES``).
 
     python benchmarks/make_moe_model.py --out /tmp/qwen3-moe-bench
     python benchmarks/p1_mixed_forward.py --model /tmp/qwen3-moe-bench --threads 1     # P1moe, P1moe-peft
