@@ -1,5 +1,5 @@
 """Shared helpers for the benchmark scripts: interleaved repeats, medians, a result table, and the
-``--device`` / ``--dtype`` / ``--json`` options of P1-P3.
+``--device`` / ``--dtype`` / ``--json`` / ``--cpu-time`` options of P1-P3.
 
 Time on the project's machines is noisy, so every comparison alternates its runs (A B, B A, ...)
 after warm-ups on each, and quotes medians. On an accelerator each timed run ends with a device
@@ -19,18 +19,33 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_clock: Callable[[], float] = time.perf_counter  # ``--cpu-time``: time.process_time
+
+
+def clock() -> float:
+    """Seconds on the clock ``--cpu-time`` chose: wall time, or the CPU time of this process (all
+    its threads). On a machine shared with other jobs the CPU time leaves out the time spent
+    waiting for a core, which swamps wall-time ratios when the load is many times the cores."""
+    return _clock()
 
 
 def add_device_args(ap: argparse.ArgumentParser) -> None:
-    """``--device`` (cpu, cuda, cuda:1, ...), ``--dtype`` and ``--json`` (write the ratios there)."""
+    """``--device`` (cpu, cuda, cuda:1, ...), ``--dtype``, ``--json`` (write the ratios there) and
+    ``--cpu-time``."""
     ap.add_argument("--device", default="cpu", help="where the engine and the baselines run")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--json", type=Path, default=None, help="also write the results to this file")
+    ap.add_argument("--cpu-time", action="store_true", help="time CPU time, not wall time (CPU only)")
 
 
 def device_of(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     """The requested device (refused clearly if absent; TF32 off on CUDA: fp32 means fp32) and dtype."""
+    global _clock
     dev = torch.device(args.device)
+    if getattr(args, "cpu_time", False):
+        if dev.type != "cpu":
+            raise SystemExit("--cpu-time times CPU work: it cannot time a device's kernels")
+        _clock = time.process_time
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {args.device}: torch sees no CUDA device here")
@@ -69,10 +84,10 @@ def interleaved(
     names = list(alternatives)
     for rep in range(repeats):
         for name in names if rep % 2 == 0 else reversed(names):
-            t0 = time.perf_counter()
+            t0 = clock()
             alternatives[name]()
             sync(dev)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 

@@ -305,9 +305,43 @@ def test_the_per_row_gather_path_equals_the_grouped_one(
     for i, aid in enumerate(ids):
         _bump(engine, aid, seed=200 + i)
     x = torch.stack([e.tokens_T for e in make_examples(6, engine.vocab_size, seed=5, min_len=9, max_len=10)])
-    outs = []
-    for below in (0, 10**9):  # never gather; always gather
+    policies = [ids[0], ids[1], None, ids[2], ids[0], ids[1]]
+    outs, grads = [], []
+    for below in (10**9, 0):  # always gather; never gather (grouped)
         monkeypatch.setattr(experts, "GATHER_BELOW", below)
-        with torch.no_grad(), engine.routing([ids[0], ids[1], None, ids[2], ids[0], ids[1]]):
+        with torch.no_grad(), engine.routing(policies):
             outs.append(engine.base.model(input_ids=x).logits)
-    assert_rel_close(outs[1], outs[0])
+        weights = engine.adapter_weights(ids[1])
+        with engine.routing(policies):
+            engine.base.model(input_ids=x).logits.logsumexp(-1).sum().backward()
+        grads.append(torch.cat([t.grad.flatten() for t in weights.tensors() if t.grad is not None]))
+        for t in weights.tensors():
+            t.grad = None
+    for out, grad in zip(outs[1:], grads[1:], strict=True):
+        assert_rel_close(out, outs[0])
+        assert_rel_close(grad, grads[0])
+
+
+def test_stacked_expert_pairs_are_reused_until_the_weights_change(moe_base: BaseModel) -> None:
+    engine = _engine(moe_base)
+    ids = [engine.create_adapter(LoRAConfig(rank=4, seed=i)) for i in range(3)]
+    x = torch.stack([e.tokens_T for e in make_examples(3, engine.vocab_size, seed=7, min_len=6, max_len=7)])
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad(), engine.routing(list(ids)):
+            return engine.base.model(input_ids=x).logits
+
+    first = engine.plan_routing(list(ids))
+    with torch.no_grad():
+        again = engine.plan_routing(list(ids))
+        reused = engine.plan_routing(list(ids))
+    assert first is not None and again is not None and reused is not None
+    group = next(g for g in again.a if engine.lora.groups[g].experts)
+    assert reused.a[group] is again.a[group]  # the same stack, not a copy
+    before = logits()
+    _bump(engine, ids[1], seed=300)  # an in-place change of one adapter: the stack is rebuilt
+    after = logits()
+    with torch.no_grad():
+        assert engine.plan_routing(list(ids)).a[group] is not again.a[group]  # type: ignore[union-attr]
+    assert not torch.equal(after[1], before[1])
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)

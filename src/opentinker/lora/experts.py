@@ -30,9 +30,9 @@ frozen it has no parameter to act on.
 Compute, for a batch mixing K entries: every (token, expert) assignment is sorted by
 (expert, entry). The base projections run as one grouped matmul over the E expert segments, the
 LoRA terms as two grouped matmuls over the E·K (expert, entry) segments (``torch.nn.functional.
-grouped_mm``), so no Python loop runs over experts, adapters or tokens, whatever K is. When the
-rows are few beside the E·K segments (a decode step), each row gathers its own expert's pair for
-two batched matmuls instead.
+grouped_mm``), the segments worked out once per layer for both projections, so no Python loop runs
+over experts, adapters or tokens, whatever K is. When the rows are few beside the E·K segments (a
+decode step), each row gathers its own expert's pair for two batched matmuls instead.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ ExpertPairs = Callable[[str, torch.dtype], "tuple[torch.Tensor, torch.Tensor, to
 # the fused expert parameters a LoRA pair goes on, in the order the forward uses them
 EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
 # below one row per GATHER_BELOW (expert, adapter) segments (a decode step's few rows over E·K
-# segments), each row gathers its own pair and two batched matmuls run, instead of a grouped
-# matmul that visits every segment, most of them empty
+# segments), each row gathers its own pair (one ``index_select`` of contiguous [in, r] blocks) for
+# two batched matmuls, instead of a grouped matmul that visits every segment, most of them empty.
+# With more rows the grouped matmul wins on CPU time, also at E·K = 512 segments of ~4 rows (the
+# MoE benchmark's mixed forward), as did ``bmm`` over zero-padded tiles of each segment's rows
 GATHER_BELOW = 2
 # what transformers' ``use_experts_implementation`` sets on every experts class it knows
 _EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "num_experts")
@@ -102,6 +104,29 @@ def _offsets(key: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.bincount(key, minlength=groups).cumsum(0).to(torch.int32)
 
 
+class _Segments:
+    """Where one MoE layer's assignments, sorted by (expert, entry) segment, meet their LoRA pairs:
+    worked out once per layer call and shared by its projections (gate/up, then down). With few
+    rows beside the E·K segments (decoding) each row gathers its own pair; otherwise one grouped
+    matmul runs over the segments."""
+
+    def __init__(self, key_sorted: torch.Tensor, entry_sorted: torch.Tensor, n_seg: int) -> None:
+        self.key, self.entry = key_sorted, entry_sorted
+        self.gather = key_sorted.numel() * GATHER_BELOW < n_seg
+        self.offs = None if self.gather else _offsets(key_sorted, n_seg)
+
+    def lora(
+        self, inp: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's ``scale · B A x`` [N, out] with its segment's pair: ``a_t`` [S, in, r],
+        ``b_t`` [S, r, out] (segment ``e·K + entry``), ``scale`` [K] per entry."""
+        x = inp.to(a_t.dtype)
+        if self.offs is None:  # each row with its own pair
+            a, b = a_t.index_select(0, self.key), b_t.index_select(0, self.key)
+            return torch.bmm(torch.bmm(x[:, None, :], a) * scale[self.entry, None, None], b).squeeze(1)
+        return grouped(grouped(x, a_t, self.offs) * scale[self.entry, None], b_t, self.offs)
+
+
 def experts_forward(
     base: Any,  # the experts module (transformers' layout: see the module docstring)
     x: torch.Tensor,  # [T, H]
@@ -117,24 +142,16 @@ def experts_forward(
     expert = top_k_index.reshape(-1)  # [N = T·k] each assignment's expert
     key = expert * n_ent + entry_t.repeat_interleave(k)  # sorting by it sorts by expert first
     key_sorted, perm = torch.sort(key, stable=True)
-    expert_sorted, entry_sorted = key_sorted // n_ent, key_sorted % n_ent
-    offs_e, offs_ek = _offsets(expert, n_exp), _offsets(key, n_exp * n_ent)
+    expert_sorted = key_sorted // n_ent
+    offs_e = _offsets(expert, n_exp)
+    segments = _Segments(key_sorted, key_sorted % n_ent, n_exp * n_ent)
 
     def project(inp: torch.Tensor, param: str) -> torch.Tensor:
         out = _linear(inp, getattr(base, param), offs_e, base.is_transposed)
         if base.has_bias:
             out = out + getattr(base, f"{param}_bias")[expert_sorted]
         pair = pairs(param, out.dtype)
-        if pair is not None:
-            a_t, b_t, scale = pair  # [E·K, in, r], [E·K, r, out], [K]
-            if key.numel() * GATHER_BELOW < a_t.shape[0]:  # few rows over many segments (decoding)
-                x3 = inp.to(a_t.dtype)[:, None, :]  # [N, 1, in]: each row with its own pair
-                shrink = torch.bmm(x3, a_t[key_sorted]) * scale[entry_sorted, None, None]
-                out = out + torch.bmm(shrink, b_t[key_sorted]).squeeze(1)
-            else:
-                shrink = grouped(inp, a_t, offs_ek) * scale[entry_sorted, None]
-                out = out + grouped(shrink, b_t, offs_ek)
-        return out
+        return out if pair is None else out + segments.lora(inp, *pair)
 
     h = project(x[perm // k], "gate_up_proj" if base.has_gate else "up_proj")
     h = base._apply_gate(h) if base.has_gate else base.act_fn(h)

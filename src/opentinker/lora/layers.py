@@ -49,6 +49,10 @@ from opentinker.lora.experts import (
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 # routers and gates that pick or weigh experts: never adapted (see opentinker.lora.experts)
 ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
+# stacks of experts pairs kept between forwards (a trainer's and a sampler's batches alternate),
+# over all experts groups: each is K adapters' expert LoRA weights of one group, so this bounds
+# the memory they hold
+STACKS_KEPT = 8
 MAX_SPLIT_RUNS = 8  # beyond this many unequal runs, per-row gathers beat a Python loop of matmuls
 
 
@@ -56,11 +60,16 @@ class LoRABatch:
     """Routing for one forward: the batch's entries stacked per group, and each row's entry index."""
 
     def __init__(
-        self, entries: list[LoRAWeights | None], row_index: torch.Tensor, groups: dict[str, TargetGroup]
+        self,
+        entries: list[LoRAWeights | None],
+        row_index: torch.Tensor,
+        groups: dict[str, TargetGroup],
+        stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.entries = entries
-        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in] (experts: [L, E, K, r_max, in])
-        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max] (experts: [L, E, K, out, r_max])
+        # experts groups: transposed for grouped matmuls, A^T [L, E, K, in, r_max], B^T [L, E, K, r_max, out]
+        self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
+        self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
         self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
         # group -> each layer's [K, r_max, in] and [K, out, r_max]: views of the stacks, taken in
         # one unbind so that backward assembles each stack's gradient once, not once per layer
@@ -85,7 +94,7 @@ class LoRABatch:
                 b_list.append(F.pad(e.b[name], (0, pad)) if pad else e.b[name])
                 scales.append(e.scale)
             if group.experts:  # [L, E, K, r, in]: each layer's (expert, entry) pairs already in order
-                self.a[name], self.b[name] = torch.stack(a_list, 2), torch.stack(b_list, 2)
+                self.a[name], self.b[name] = _stack_experts(entries, name, a_list, b_list, stacks)
                 self.layers[name] = (self.a[name].unbind(0), self.b[name].unbind(0))
             else:
                 self.a[name], self.b[name] = torch.stack(a_list), torch.stack(b_list)
@@ -161,9 +170,9 @@ class LoRABatch:
         if hit is not None:
             return hit[0], hit[1], hit[2]
         a_layers, b_layers = self.layers[group]
-        a, b = a_layers[layer], b_layers[layer]  # [E, K, r, in], [E, K, out, r]: views, no copy
-        a_t = a.reshape(-1, *a.shape[2:]).transpose(1, 2).to(dtype)
-        b_t = b.reshape(-1, *b.shape[2:]).transpose(1, 2).to(dtype)
+        a, b = a_layers[layer], b_layers[layer]  # [E, K, in, r], [E, K, r, out]: views, no copy
+        a_t = a.reshape(-1, *a.shape[2:]).to(dtype)
+        b_t = b.reshape(-1, *b.shape[2:]).to(dtype)
         out = (a_t, b_t, self.scale[group].to(dtype))
         if not torch.is_grad_enabled():
             self._cache[key] = out
@@ -191,6 +200,42 @@ class LoRABatch:
         if not torch.is_grad_enabled():
             self._cache[key] = out
         return out
+
+
+def _stack_experts(
+    entries: list[LoRAWeights | None],
+    name: str,
+    a_list: list[torch.Tensor],
+    b_list: list[torch.Tensor],
+    stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An experts group's K pairs stacked (expert, entry)-major and transposed, A^T [L, E, K, in, r]
+    and B^T [L, E, K, r, out]: each layer's [E·K, in, r] is then one contiguous tensor, for grouped
+    matmuls and for fast row gathers (``index_select``) alike, and the stack is one copy of whole
+    per-expert blocks, not a strided concatenation. Without autograd the stack is kept in
+    ``stacks`` (the last STACKS_KEPT) for a later batch on the same weights (each entry's uid and
+    its tensors' version counters, which an optimizer step or a load bumps), so repeated forwards
+    on one set of adapters stack nothing."""
+    tensors = [*a_list, *b_list]
+    cacheable = stacks is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    versions = [
+        None if e is None or name not in e.a else (e.uid, e.a[name]._version, e.b[name]._version)
+        for e in entries
+    ]
+    key = (name, *versions, *(t.shape for t in tensors))
+    if cacheable and stacks is not None and (hit := stacks.pop(key, None)) is not None:
+        stacks[key] = hit  # the most recently used last
+        return hit
+    lead, k = a_list[0].shape[:2], len(entries)  # [L, E]
+    a = torch.stack([t.transpose(-1, -2).reshape(lead.numel(), -1) for t in a_list], 1)
+    b = torch.stack([t.transpose(-1, -2).reshape(lead.numel(), -1) for t in b_list], 1)
+    a = a.view(*lead, k, a_list[0].shape[3], a_list[0].shape[2])
+    b = b.view(*lead, k, b_list[0].shape[3], b_list[0].shape[2])
+    if cacheable and stacks is not None:
+        stacks[key] = (a, b)
+        for old in list(stacks)[: max(0, len(stacks) - STACKS_KEPT)]:
+            stacks.pop(old, None)
+    return a, b
 
 
 class MultiLoRALinear(nn.Module):
@@ -314,6 +359,9 @@ class MultiLoRA:
         # expert modules of a layout this layer does not know (module path, class, 3-D shapes):
         # an adapter that trains the MLP is refused on such a model, never silently partial
         self.unknown_experts: list[str] = []
+        # the last STACKS_KEPT stacks of experts pairs made without autograd (see _stack_experts),
+        # least recently used first; never stale (keyed by the weights' versions)
+        self._expert_stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         found: dict[str, list[_Site]] = {}
         for path, module in list(model.named_modules()):
@@ -397,7 +445,7 @@ class MultiLoRA:
     def make_batch(self, entries: list[LoRAWeights | None], row_index: torch.Tensor) -> LoRABatch | None:
         if all(e is None for e in entries):
             return None
-        return LoRABatch(entries, row_index, self.groups)
+        return LoRABatch(entries, row_index, self.groups, self._expert_stacks)
 
 
 @dataclass
