@@ -139,8 +139,8 @@ def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult
 
 
 def release_host_memory() -> None:
-    """Hand the whole base's freed host memory back to the system after sharding (glibc keeps
-    freed heap pages otherwise, and the process's resident memory would not show the shard)."""
+    """Hand freed host memory back to the system (glibc keeps freed heap pages otherwise, and
+    the process's resident memory would count what is no longer held)."""
     import ctypes
     import ctypes.util
     import gc
