@@ -59,6 +59,8 @@ class WorkerLostError(EngineError):
     """The trainer worker that held a model is gone (or a member of its sharded group); the
     model's unsaved steps went with it."""
 
+    worker: str = ""  # the lost worker's id, where known (a sharded group's member)
+
 
 class ShardError(EngineError):
     """A sharded group that cannot be formed or has lost a worker."""
@@ -258,10 +260,12 @@ class ShardedEngine(Engine):
 
     def _check_group(self) -> None:
         if self.broken is not None:
-            raise WorkerLostError(
+            err = WorkerLostError(
                 f"sharded group {self.group} lost trainer worker {self.broken} (one of its {self.world}); "
                 "every model of the group is lost with it: restore them from their newest checkpoints"
             )
+            err.worker = self.broken
+            raise err
 
     def adapter_ids(self) -> list[str]:
         return [a for a in super().adapter_ids() if a != IDLE]
