@@ -28,7 +28,8 @@ ray = pytest.importorskip("ray")
 
 from opentinker.cluster.trainer import WorkerLostError  # noqa: E402
 
-pytestmark = pytest.mark.slow  # three sharded groups of two workers started in turn: ~2-3 min here
+pytestmark = pytest.mark.slow  # three sharded groups of two workers started in turn: ~3-5 min here
+REBUILD = 600  # seconds: two fresh workers loading and forming a group on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def ray_up():
 def _report(rt: Runtime, model_id: str, done: Any) -> dict[str, Any]:
     """Auto-restore's report on ``model_id`` once ``done(report)`` holds (it runs in the background)."""
     pause = threading.Event()
-    for _ in range(WAIT * 10):
+    for _ in range(REBUILD * 10):
         if done(rt.scaleout.restored.get(model_id, {})):
             break
         pause.wait(0.1)

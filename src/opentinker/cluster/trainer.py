@@ -511,8 +511,12 @@ class TrainerPool:
             for m in members:
                 m.alive = False
         ray = ray_module()
-        for m in alive:
-            ray.kill(m.actor, no_restart=True)
+
+        def stop() -> None:  # apart: a loss seen in a Ray callback must not wait on Ray from it
+            for m in alive:
+                ray.kill(m.actor, no_restart=True)
+
+        threading.Thread(target=stop, name="opentinker-group-lost", daemon=True).start()
 
     def rebuild_group(self, lost: WorkerSlot, timeout: float = STARTUP_TIMEOUT_S) -> WorkerSlot:
         """A new sharded group of ``shard_base`` fresh workers in place of lost group
