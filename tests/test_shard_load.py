@@ -53,9 +53,9 @@ def _member(rank: int, world: int, model: str, port: int, out: str) -> None:
         MultiLoRA.attach(base.model)  # the engine wraps the projections before the group forms
         shard_model(base.model, world, "cpu")
         read = materialise(base.model, names, base.path, "cpu")
+        held = _local_bytes(base.model)  # before the forward (FSDP2 keeps the root gathered after it)
         with torch.no_grad():
             logits = base.model(input_ids=TOKENS).logits
-        held = _local_bytes(base.model)
         torch.save({"logits": logits, "read": read, "held": held}, out)
     finally:
         dist.destroy_process_group()
