@@ -11,7 +11,8 @@ a tick mixing adapters (and a forward-only policy, and one row fewer than the gr
 must equal each request run alone; a checkpoint saved on the group loads on an unsharded engine,
 and the reverse, with equal logprobs. Without the gradient all-reduce each worker would step on
 its half of the batch: the reference check then fails (checked below: half a batch's step is far
-outside REL). The last test kills a member and expects every later call to name the group and it.
+outside REL). A checkpoint trained on another base is refused naming both, and no member takes
+it. The last test kills a member and expects every later call to name the group and it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ training in that tick on every worker alike. Shared-prefix training is off on a 
 (its extra forwards depend on the rows a worker got).
 
 **Loss.** A worker of the group that dies breaks the group: the call in flight and every later one
-raise :class:`WorkerLostError` naming the group and the worker.
+raise :class:`WorkerLostError` naming the group and the worker; the pool then stops the group's
+other members, and auto-restore rebuilds it on fresh workers
+(:meth:`~opentinker.cluster.trainer.TrainerPool.rebuild_group`). Each member loads only its
+shard of the base (:mod:`opentinker.cluster.shard_load`).
 """
 
 from __future__ import annotations

@@ -24,7 +24,10 @@ Worker loss: a request to a dead worker, or one in flight when it dies, raises
 :class:`WorkerLostError` naming the worker and the model, at once (Ray reports the actor's death
 to every pending call); the model's later requests raise it too, never hang. ``restore`` puts the
 model back from a checkpoint (weights and optimizer state, on storage every worker reads) onto a
-live worker, under the same model id (``RoutedScheduler.restore``).
+live worker, under the same model id (``RoutedScheduler.restore``). A sharded group is lost
+whole when any member is (:meth:`TrainerPool.group_lost`: its models name the group and the lost
+member), and :meth:`TrainerPool.rebuild_group` starts a new one in its place where the cluster
+can place it.
 """
 
 from __future__ import annotations
