@@ -3,9 +3,11 @@ holding the whole base, on local Ray.
 
 1. **Memory per worker**, for each K of ``--ks``: a pool of one group of K workers, each
    reporting the base bytes it holds (its FSDP shard: exact), its resident memory after start-up
-   and one training step (RSS, ``/proc/self/statm``) and its peak RSS (``ru_maxrss``). The peak
-   includes loading the whole base before it is sharded (each worker loads it, then keeps its
-   share): what falls as 1/K is the steady RSS, not the start-up peak.
+   and one training step (RSS, ``/proc/self/statm``; ``rss_trimmed_MiB``: after handing freed
+   heap pages back to the system) and its peak RSS (``ru_maxrss``): after start-up alone
+   (``loaded_peak_rss_MiB``: the load's peak) and after the step. A member of a group (K > 1)
+   builds its base on the meta device and reads only its own shard of the weights
+   (:mod:`opentinker.cluster.shard_load`): no process holds the whole base, at start-up either.
 2. **Step time**, K = 1 and K = ``--ratio-k`` side by side, interleaved (A B, B A, ...): one
    training step (a fused ``forward_backward`` of ``--rows`` rows of ``--seq`` tokens, then
    ``optim_step``) on each; the ratio of medians sharded ÷ unsharded. On the K-worker group, the
@@ -77,12 +79,16 @@ def start(model: str, k: int, cpus: float) -> Driver:
 
 
 def memory(d: Driver, examples: list[Example]) -> dict[str, Any]:
+    loaded = ray.get([a.rss_bytes.remote() for a in d.members()])  # start-up only: the load's peak
     d.step(examples)
     infos = ray.get([a.info.remote() for a in d.members()])
     rss = ray.get([a.rss_bytes.remote() for a in d.members()])
+    trimmed = ray.get([a.rss_bytes.remote(trim=True) for a in d.members()])
     return {
         "base_MiB": [round(i["base_bytes"] / MiB, 1) for i in infos],
+        "loaded_peak_rss_MiB": [round(r["peak"] / MiB, 1) for r in loaded],
         "rss_MiB": [round(r["rss"] / MiB, 1) for r in rss],
+        "rss_trimmed_MiB": [round(r["rss"] / MiB, 1) for r in trimmed],
         "peak_rss_MiB": [round(r["peak"] / MiB, 1) for r in rss],
     }
 

@@ -11,7 +11,8 @@ a tick mixing adapters (and a forward-only policy, and one row fewer than the gr
 must equal each request run alone; a checkpoint saved on the group loads on an unsharded engine,
 and the reverse, with equal logprobs. Without the gradient all-reduce each worker would step on
 its half of the batch: the reference check then fails (checked below: half a batch's step is far
-outside REL). The last test kills a member and expects every later call to name the group and it.
+outside REL). A checkpoint trained on another base is refused naming both, and no member takes
+it. The last test kills a member and expects every later call to name the group and it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import pytest
 import torch
 
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
+from opentinker.engine.checkpoint import CheckpointError
 from opentinker.lora import LoRAConfig
-from tests.conftest import TEST_DEVICE, TEST_MODEL, make_examples
+from tests.conftest import TEST_DEVICE, TEST_MODEL, make_examples, other_family_model
 from tests.tolerances import (
     LOGPROB_ATOL,
     REL,
@@ -214,6 +216,18 @@ def test_checkpoints_move_between_sharded_and_unsharded(pool: TrainerPool, tmp_p
         assert_logprobs_close(x["logprobs"], y["logprobs"])
     for m in ("s", "r"):
         g.call(m, "delete_adapter", m)
+
+
+def test_a_checkpoint_of_another_base_is_refused_naming_both(pool: TrainerPool, tmp_path: Path) -> None:
+    other = Engine(other_family_model(tmp_path / "qwen2", "qwen2"))
+    other.create_adapter(CONFIG, "o")
+    other.save_state("o", tmp_path / "other")
+    g = Group(pool)
+    with pytest.raises(CheckpointError, match=rf"trained on '.*qwen2', not on this engine's '{TEST_MODEL}'"):
+        g.call("o", "load_state", str(tmp_path / "other"), adapter_id="o")
+    # refused on the leader before any member took it: the group holds no trace of it
+    infos = ray.get([m.actor.info.remote() for m in pool.members["trainer-0"]])
+    assert all("o" not in info["adapters"] for info in infos)
 
 
 def test_a_lost_member_fails_the_group_naming_it(pool: TrainerPool) -> None:

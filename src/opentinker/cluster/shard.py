@@ -29,7 +29,10 @@ training in that tick on every worker alike. Shared-prefix training is off on a 
 (its extra forwards depend on the rows a worker got).
 
 **Loss.** A worker of the group that dies breaks the group: the call in flight and every later one
-raise :class:`WorkerLostError` naming the group and the worker.
+raise :class:`WorkerLostError` naming the group and the worker; the pool then stops the group's
+other members, and auto-restore rebuilds it on fresh workers
+(:meth:`~opentinker.cluster.trainer.TrainerPool.rebuild_group`). Each member loads only its
+shard of the base (:mod:`opentinker.cluster.shard_load`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ MIRRORED = frozenset(
 class WorkerLostError(EngineError):
     """The trainer worker that held a model is gone (or a member of its sharded group); the
     model's unsaved steps went with it."""
+
+    worker: str = ""  # the lost worker's id, where known (a sharded group's member)
 
 
 class ShardError(EngineError):
@@ -139,8 +144,8 @@ def merge_results(parts: list[ForwardResult], sizes: list[int]) -> ForwardResult
 
 
 def release_host_memory() -> None:
-    """Hand the whole base's freed host memory back to the system after sharding (glibc keeps
-    freed heap pages otherwise, and the process's resident memory would not show the shard)."""
+    """Hand freed host memory back to the system (glibc keeps freed heap pages otherwise, and
+    the process's resident memory would count what is no longer held)."""
     import ctypes
     import ctypes.util
     import gc
@@ -258,10 +263,12 @@ class ShardedEngine(Engine):
 
     def _check_group(self) -> None:
         if self.broken is not None:
-            raise WorkerLostError(
+            err = WorkerLostError(
                 f"sharded group {self.group} lost trainer worker {self.broken} (one of its {self.world}); "
                 "every model of the group is lost with it: restore them from their newest checkpoints"
             )
+            err.worker = self.broken
+            raise err
 
     def adapter_ids(self) -> list[str]:
         return [a for a in super().adapter_ids() if a != IDLE]

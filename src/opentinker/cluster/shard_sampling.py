@@ -86,31 +86,13 @@ class JobResult:
 
 # ---------------------------------------------------------------------- the front-end's base
 def front_base(name: str, dtype: str) -> BaseModel:
-    """``name``'s config and tokenizer with its model built on the meta device: everything the
-    front-end's engine needs (LoRA layouts, limits, snapshots) and no weight. Its forward cannot
-    run; nothing on the front-end runs it when the group samples."""
-    from transformers import AutoTokenizer
+    """``name``'s config and tokenizer with its model built on the meta device, as a group's
+    members build theirs before filling their shards: everything the front-end's engine needs
+    (LoRA layouts, limits, snapshots) and no weight. Its forward cannot run; nothing on the
+    front-end runs it when the group samples."""
+    from opentinker.models.loader import load_base_model
 
-    from opentinker.models.dtype import resolve_dtype
-    from opentinker.models.loader import attention_for, model_class, read_config
-    from opentinker.models.registry import canonical_name, resolve_model_path
-
-    canonical = canonical_name(name)
-    path = resolve_model_path(canonical)
-    config = read_config(path)
-    with torch.device("meta"):  # a sharded base is its causal LM (text only), as the members load it
-        model: Any = model_class(config, False).from_config(
-            config, dtype=resolve_dtype(dtype, "cpu"), attn_implementation=attention_for(config, False)
-        )
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    max_context = int(
-        getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 2048)
-    )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return BaseModel(canonical, path, model, tokenizer, vocab, max_context)
+    return load_base_model(name, dtype=dtype, device="meta")
 
 
 # ---------------------------------------------------------------------- a member's side

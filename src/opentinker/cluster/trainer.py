@@ -24,12 +24,16 @@ Worker loss: a request to a dead worker, or one in flight when it dies, raises
 :class:`WorkerLostError` naming the worker and the model, at once (Ray reports the actor's death
 to every pending call); the model's later requests raise it too, never hang. ``restore`` puts the
 model back from a checkpoint (weights and optimizer state, on storage every worker reads) onto a
-live worker, under the same model id (``RoutedScheduler.restore``).
+live worker, under the same model id (``RoutedScheduler.restore``). A sharded group is lost
+whole when any member is (:meth:`TrainerPool.group_lost`: its models name the group and the lost
+member), and :meth:`TrainerPool.rebuild_group` starts a new one in its place where the cluster
+can place it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +63,27 @@ class WorkerSlot:
     lost_reason: str = ""
     draining: bool = False  # being removed: no model is placed on it any more
     group: str = ""  # a sharded group's leader: the group's name (its other members are the pool's)
+    lost_member: str = ""  # a lost sharded group's leader: the member whose loss broke the group
 
     @property
     def label(self) -> str:
         """How errors name it: the worker, and its sharded group if it leads one."""
         return f"trainer worker {self.worker_id}" + (f" of sharded group {self.group}" if self.group else "")
+
+    def lost_error(self, model_id: str) -> WorkerLostError:
+        """The error every model of this lost worker (or sharded group) answers."""
+        if self.group:
+            err = WorkerLostError(
+                f"sharded group {self.group} lost trainer worker {self.lost_member or self.worker_id}"
+                f"{' (its leader)' if self.lost_member in ('', self.worker_id) else ''} with model "
+                f"{model_id!r}; restore it from its newest checkpoint"
+            )
+            err.worker = self.lost_member or self.worker_id
+            return err
+        return WorkerLostError(
+            f"{self.label} was lost ({self.lost_reason}) with model {model_id!r}; "
+            "restore it from its newest checkpoint"
+        )
 
 
 def ray_module() -> Any:
@@ -142,6 +162,7 @@ class TrainerPool:
         check_resources(workers, worker_cpus, worker_gpus)
         self.shard_base = check_shard_base(base_model, workers, shard_base)
         self.members: dict[str, list[WorkerSlot]] = {}  # a sharded group's leader -> every member
+        self._groups_made = 0  # sharded groups are named group-0, group-1, ... (never reused)
         self.base_model = canonical_name(base_model)
         self.device = device or ("cuda" if worker_gpus > 0 else "cpu")
         self.worker_cpus, self.worker_gpus = worker_cpus, worker_gpus
@@ -179,17 +200,28 @@ class TrainerPool:
     def _form_groups(self, timeout: float) -> None:
         """Cut the workers into sharded groups of ``shard_base`` (:mod:`opentinker.cluster.shard`):
         each forms its process group and shards its base; only the leaders take models."""
+        k = self.shard_base
+        groups = [self.workers[g * k : (g + 1) * k] for g in range(len(self.workers) // k)]
+        refs = [ref for g, members in enumerate(groups) for ref in self._join(members, f"group-{g}", timeout)]
+        self._await_groups(refs, timeout)
+        self.workers = [m[0] for m in self.members.values()]
+        self._groups_made = len(groups)
+
+    def _join(self, members: list[WorkerSlot], name: str, timeout: float) -> list[Any]:
+        """Ask ``members`` to form sharded group ``name`` (member 0 its leader); their refs."""
         ray = ray_module()
-        k, refs = self.shard_base, []
-        for g in range(len(self.workers) // k):
-            members = self.workers[g * k : (g + 1) * k]
-            address, port = ray.get(members[0].actor.rendezvous.remote(), timeout=timeout)
-            ids = [m.worker_id for m in members]
-            for r, m in enumerate(members):
-                followers = [o.actor for o in members[1:]] if r == 0 else []
-                refs.append(m.actor.shard_join.remote(address, port, r, f"group-{g}", ids, followers))
-            members[0].group = f"group-{g}"
-            self.members[members[0].worker_id] = members
+        address, port = ray.get(members[0].actor.rendezvous.remote(), timeout=timeout)
+        ids = [m.worker_id for m in members]
+        refs = []
+        for r, m in enumerate(members):
+            followers = [o.actor for o in members[1:]] if r == 0 else []
+            refs.append(m.actor.shard_join.remote(address, port, r, name, ids, followers))
+        members[0].group = name
+        self.members[members[0].worker_id] = members
+        return refs
+
+    def _await_groups(self, refs: list[Any], timeout: float) -> None:
+        ray = ray_module()
         try:
             ray.get(refs, timeout=timeout)
         except ray.exceptions.RayTaskError as e:
@@ -197,7 +229,6 @@ class TrainerPool:
             raise ClusterConfigError(
                 f"the sharded groups of {self.base_model} did not form: {cause}"
             ) from None
-        self.workers = [m[0] for m in self.members.values()]
 
     def _wait_placed(self, slots: list[WorkerSlot]) -> None:
         """Every slot's actor placed within the placement timeout, or :class:`ClusterConfigError`
@@ -374,10 +405,7 @@ class TrainerPool:
         if slot is None:
             raise EngineError(f"unknown model {model_id!r}")
         if not slot.alive:
-            raise WorkerLostError(
-                f"{slot.label} was lost ({slot.lost_reason}) with model {model_id!r}; "
-                "restore it from its newest checkpoint"
-            )
+            raise slot.lost_error(model_id)
         return slot
 
     def live_workers(self) -> list[WorkerSlot]:
@@ -446,9 +474,13 @@ class TrainerPool:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as e:  # the actor raised: the cause is the engine's error
             cause = e.cause if isinstance(e.cause, BaseException) else e
+            self.note_group_loss(slot, cause)
             raise cause from None
         except ray.exceptions.RayActorError as e:
             self.mark_lost(slot, type(e).__name__)
+            if slot.group:
+                self.group_lost(slot, slot.worker_id)
+                raise slot.lost_error(model_id) from None
             raise WorkerLostError(
                 f"{slot.label} was lost while serving model {model_id!r}; "
                 "restore it from its newest checkpoint"
@@ -458,6 +490,76 @@ class TrainerPool:
         with self._lock:
             slot.alive = False
             slot.lost_reason = reason or slot.lost_reason
+
+    # ------------------------------------------------------------------ a sharded group's loss
+    def note_group_loss(self, slot: WorkerSlot, error: BaseException) -> None:
+        """``error`` came from ``slot``: where it is the leader of a sharded group reporting a
+        lost member, the whole group is lost (:meth:`group_lost`)."""
+        if slot.group and isinstance(error, WorkerLostError) and error.worker:
+            self.group_lost(slot, error.worker)
+
+    def group_lost(self, leader: WorkerSlot, member: str) -> None:
+        """Sharded group ``leader.group`` lost its member ``member``: its process group and its
+        base are broken, so the whole group is: every model of it answers
+        :class:`WorkerLostError` naming the group and ``member``, and the members still alive
+        are stopped (what they hold is the group's, and their resources go back to the cluster
+        for :meth:`rebuild_group`)."""
+        with self._lock:
+            members = self.members.get(leader.worker_id, [leader])
+            if leader.lost_member:
+                return
+            leader.lost_member = member
+            leader.lost_reason = f"sharded group {leader.group} lost trainer worker {member}"
+            alive = [m for m in members if m.alive]
+            for m in members:
+                m.alive = False
+        ray = ray_module()
+
+        def stop() -> None:  # apart: a loss seen in a Ray callback must not wait on Ray from it
+            for m in alive:
+                ray.kill(m.actor, no_restart=True)
+
+        threading.Thread(target=stop, name="opentinker-group-lost", daemon=True).start()
+
+    def rebuild_group(self, lost: WorkerSlot, timeout: float = STARTUP_TIMEOUT_S) -> WorkerSlot:
+        """A new sharded group of ``shard_base`` fresh workers in place of lost group
+        ``lost.group``: its leader (which takes models from now on). Where the cluster cannot
+        place them, :class:`ClusterConfigError` saying how many workers the group needs and what
+        the cluster has free (it waits a few seconds for the lost group's resources to come back)."""
+        from opentinker.cluster.ray_env import FREED_GRACE_S, Ask, fit_error, resources
+
+        k, ray = self.shard_base, ray_module()
+        ask = [Ask(k, self.worker_cpus, self.worker_gpus, "trainer worker", "--trainer")]
+        deadline = time.monotonic() + FREED_GRACE_S
+        while (why := fit_error(ask, resources(), more=True)) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if why is not None:
+            raise ClusterConfigError(
+                f"sharded group {lost.group} cannot be rebuilt: it needs {k} trainer workers "
+                f"(--shard-base {k}): {why}"
+            )
+        with self._lock:
+            ranks = list(range(self._next_rank, self._next_rank + k))
+            self._next_rank += k
+            name = f"group-{self._groups_made}"
+            self._groups_made += 1
+        slots = [self._start(r) for r in ranks]
+        try:
+            self._wait_placed(slots)
+            ray.get([s.actor.info.remote() for s in slots], timeout=timeout)
+            self._await_groups(self._join(slots, name, timeout), timeout)
+        except Exception as e:
+            for s in slots:
+                ray.kill(s.actor, no_restart=True)
+            self.members.pop(slots[0].worker_id, None)
+            if isinstance(e, ClusterConfigError):
+                raise
+            raise ClusterConfigError(
+                f"sharded group {name} (rebuilding {lost.group}) failed to start: {e}"
+            ) from None
+        with self._lock:
+            self.workers.append(slots[0])
+        return slots[0]
 
     def kill_worker(self, rank: int) -> None:
         """Kill one worker's actor at once (what a crashed node does; the tests' fault)."""

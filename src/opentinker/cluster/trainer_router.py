@@ -48,7 +48,13 @@ from typing import Any
 
 from opentinker.cluster.dp import DataParallelModel, shortfall
 from opentinker.cluster.routed_trainer import RoutedTrainer
-from opentinker.cluster.trainer import TrainerPool, WorkerLostError, WorkerSlot, ray_module
+from opentinker.cluster.trainer import (
+    ClusterConfigError,
+    TrainerPool,
+    WorkerLostError,
+    WorkerSlot,
+    ray_module,
+)
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.engine.trainer import Trainer
 from opentinker.sampling import SamplingBackend
@@ -247,6 +253,20 @@ class RoutedScheduler(Scheduler):
             raise self._translate(e, slot, model_id) from None
         return {"to_worker": slot.worker_id, "data_parallel": 1}
 
+    def rebuild_group(self, worker_id: str) -> str | None:
+        """Where ``worker_id`` led a sharded group now lost, a new group of fresh workers in its
+        place (:meth:`TrainerPool.rebuild_group`; the lost group's models are then restored onto
+        it). None when it was rebuilt (or was no lost group), else why not: how many workers it
+        needs and what the cluster has."""
+        slot = next((w for w in self.pool.workers if w.worker_id == worker_id), None)
+        if slot is None or not slot.group or slot.alive:
+            return None
+        try:
+            self.pool.rebuild_group(slot)
+        except (ClusterConfigError, EngineError) as e:
+            return str(e)
+        return None
+
     def hand_over(self, model_id: str, folder: str) -> Future:
         """Move ``model_id`` off its worker (one being removed) without losing a step, in the
         model's order: the ops sent before finish there, then its whole state goes through
@@ -339,8 +359,16 @@ class RoutedScheduler(Scheduler):
         ray = ray_module()
         if isinstance(e, ray.exceptions.RayTaskError):
             cause = getattr(e, "cause", None)
-            return cause if isinstance(cause, BaseException) else e
-        if isinstance(e, ray.exceptions.RayActorError) and slot is not None:
+            if not isinstance(cause, BaseException):
+                return e
+            if slot is not None:  # a sharded group's leader naming its lost member: the group is lost
+                self.pool.note_group_loss(slot, cause)
+            e = cause
+        if isinstance(e, ray.exceptions.RayActorError) and slot is not None and slot.group:
+            self.pool.mark_lost(slot, type(e).__name__)
+            self.pool.group_lost(slot, slot.worker_id)  # its leader: the group goes with it
+            e = slot.lost_error(model_id)
+        elif isinstance(e, ray.exceptions.RayActorError) and slot is not None:
             self.pool.mark_lost(slot, type(e).__name__)
             e = WorkerLostError(
                 f"{slot.label} was lost while serving model {model_id!r}; "

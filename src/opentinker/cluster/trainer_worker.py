@@ -37,6 +37,7 @@ from opentinker.cluster.shard import (
     release_host_memory,
     shard_model,
 )
+from opentinker.cluster.shard_load import checkpoint_names, materialise
 from opentinker.cluster.shard_sampling import GroupSamplingMember
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, ForwardResult
 from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
@@ -75,9 +76,10 @@ class TrainerWorker(GroupSamplingMember):
         torch.set_num_threads(max(1, threads))
         self.worker_id = worker_id
         self.device = device
-        # a sharded group's worker loads its base on the host and keeps only its shard on the
-        # device, moved there when the group forms (shard_join: FSDP moves shards to the mesh's device)
-        base = load_base_model(base_model, dtype=dtype, device="cpu" if shard_base > 1 else device)
+        # a sharded group's worker builds its base on the meta device (no weight read) and reads
+        # only its own shard of the weights when the group forms (shard_join; cluster/shard_load.py)
+        base = load_base_model(base_model, dtype=dtype, device="meta" if shard_base > 1 else device)
+        self._weight_names = checkpoint_names(base.model) if shard_base > 1 else []
         self.engine = (ShardedEngine if shard_base > 1 else Engine)(base, max_rank=max_rank, device=device)
         # sampling is the rollout workers' job; the scheduler's own sampler is never asked here
         self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
@@ -411,7 +413,8 @@ class TrainerWorker(GroupSamplingMember):
         backend = "nccl" if torch.device(self.device).type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         shard_model(eng.base.model, world, self.device)
-        release_host_memory()
+        materialise(eng.base.model, self._weight_names, eng.base.path, self.device)
+        self._weight_names = []
         eng.join(rank, world, group, worker_ids, followers)
 
     def shard_forward(self, share: list[ForwardRequest], tick: list[str], need_grad: bool) -> list[Any]:
@@ -433,9 +436,13 @@ class TrainerWorker(GroupSamplingMember):
         every member at once)."""
         return self._call("", lambda eng: gather_seconds(eng.base.model, repeats))
 
-    def rss_bytes(self) -> dict[str, int]:
-        """This process's resident memory now and at its peak (bytes; benchmarks read it)."""
+    def rss_bytes(self, trim: bool = False) -> dict[str, int]:
+        """This process's resident memory now and at its peak (bytes; benchmarks read it);
+        ``trim``: after handing freed heap pages back to the system first."""
         import resource
+
+        if trim:
+            release_host_memory()
 
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

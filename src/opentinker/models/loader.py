@@ -61,10 +61,12 @@ def load_base_model(
     default (:mod:`opentinker.models.dtype`). The model is put in eval mode (no dropout: training
     and sampling see the same function) and every base parameter has ``requires_grad=False``; only
     LoRA weights are trained. A model that cannot be served raises :class:`ModelLoadError`.
+    ``device="meta"``: no weight is read; the parameters have no storage (a sharded group's
+    member fills its own shard of them, :mod:`opentinker.cluster.shard_load`).
     """
     from transformers import AutoTokenizer
 
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, "cpu" if str(device) == "meta" else device)
     canonical = canonical_name(name)
     path = resolve_model_path(canonical)
     config = read_config(path)
@@ -77,10 +79,13 @@ def load_base_model(
         vision = Vision.load(path, config) if vl else None
     except (ValueError, OSError) as e:
         raise ModelLoadError(_redact(" ".join(str(e).split()), path)) from None
-    model: Any = model_class(config, vl).from_pretrained(
-        path, config=config, dtype=torch_dtype, attn_implementation=attention_for(config, vl)
-    )
-    model.to(device)
+    if str(device) == "meta":  # no weight read: parameters without storage, buffers computed
+        model = _empty_model(config, vl, torch_dtype)
+    else:
+        model = model_class(config, vl).from_pretrained(
+            path, config=config, dtype=torch_dtype, attn_implementation=attention_for(config, vl)
+        )
+        model.to(device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -96,6 +101,20 @@ def load_base_model(
         name=canonical, path=path, model=model, tokenizer=tokenizer, vocab_size=vocab,
         max_context=max_context, vision=vision,
     )  # fmt: skip
+
+
+def _empty_model(config: Any, vl: bool, dtype: torch.dtype) -> Any:
+    """The model of ``config`` with its parameters on the meta device (shapes and dtypes, no
+    storage) and its buffers (rotary frequencies) computed on the host, its tied weights tied:
+    what a sharded group's member fills with its own shard of the weights."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config, vl).from_config(
+            config, dtype=dtype, attn_implementation=attention_for(config, vl)
+        )
+    model.tie_weights()
+    return model
 
 
 def is_vision_language(config: Any) -> bool:

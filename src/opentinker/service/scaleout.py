@@ -461,7 +461,10 @@ class ScaleOut:
 
     def worker_lost(self, router: Any, worker_id: str, lost: list[str]) -> None:
         """A trainer worker is gone: with ``auto_restore``, each of its models is put back from
-        its newest ``save_state`` checkpoint; :attr:`restored` records how (or why not)."""
+        its newest ``save_state`` checkpoint; :attr:`restored` records how (or why not). A lost
+        sharded group is rebuilt first on fresh workers where the cluster can place them (else
+        its models' reason says how many workers the group needs)."""
+        regroup = router.rebuild_group(worker_id) if self.auto_restore and lost else None
         for model_id in lost:
             rec = self.models.get(model_id)
             if rec is None or rec.deleted:
@@ -484,7 +487,7 @@ class ScaleOut:
             try:
                 where = router.restore(model_id, str(newest.folder)).result()
             except Exception as e:  # reported, not raised: this runs on a background thread
-                entry["reason"] = str(e)
+                entry["reason"] = str(e) if regroup is None else f"{e}; {regroup}"
                 self.restored[model_id] = entry
                 continue
             rec.parent = newest.ref.tinker_path
