@@ -2,7 +2,10 @@
 Qwen3-VL (``tests/vision.py``): an SFT step with an ``ImageChunk`` in the datum (the SDK sends it
 in its protobuf body), a sample with an image prompt (JSON), and the refusals: a wrong
 ``expected_tokens``, a corrupt PNG, an unsupported format and an image on a text-only model each
-name the problem, with no server path or traceback; nothing else in the batch is affected.
+give a 400 naming the problem, with no server path or traceback, in ``sample`` and in
+``forward_backward`` / ``forward`` alike: a refused training call spends its ``seq_id``, so the
+model's next calls run at once, and nothing of the model changed (a twin that never saw the bad
+calls ends bitwise equal).
 """
 
 from __future__ import annotations
@@ -78,20 +81,38 @@ def test_sdk_sft_step_and_sample_with_an_image(
                 "png image is truncated or corrupt": types.ImageChunk(data=bytes(corrupt), format="png", expected_tokens=4),
                 "not a PNG or JPEG image": types.ImageChunk(data=gif.getvalue(), format="png", expected_tokens=4),
             }  # fmt: skip
-            for problem, chunk in bad.items():
-                with pytest.raises(tinker.BadRequestError) as e:
-                    sampler.sample(model_input(chunk, [7]), 1, params).result()
-                assert problem in _message(e.value) and "Traceback" not in _message(e.value)
-                assert str(tmp_path) not in _message(e.value)
+            # a twin of tc: the same steps, never sent a bad image
+            stepped = tc.save_state("stepped").result().path
+            twin = service.create_training_client_from_state_with_optimizer(stepped).result()
+            for client in (tc, twin):
+                client.forward_backward([datum], "cross_entropy").result()  # gradients pending
+            # a format the SDK's types do not allow: the JSON sample body is refused as invalid (422)
+            # before it reaches the model; the protobuf training body carries it to the check
+            gif_chunk = types.ImageChunk.model_construct(data=gif.getvalue(), format="gif", expected_tokens=4)
+            for problem, chunk in [*bad.items(), ("unsupported image format 'gif'", gif_chunk)]:
+                if chunk is not gif_chunk:
+                    with pytest.raises(tinker.BadRequestError) as e:
+                        sampler.sample(model_input(chunk, [7]), 1, params).result()
+                    assert problem in _message(e.value) and "Traceback" not in _message(e.value)
+                    assert str(tmp_path) not in _message(e.value)
                 bad_datum = types.Datum(
                     model_input=model_input(chunk, [7, 8, 9, 10]), loss_fn_inputs=datum.loss_fn_inputs
                 )
-                # a training call is ordered (seq_id): it is taken, and fails through its future as
-                # the user's error (a 400 would leave a gap in the model's sequence)
-                with pytest.raises(tinker.RequestFailedError) as e2:
-                    tc.forward_backward([bad_datum], "cross_entropy").result()
-                assert problem in str(e2.value) and str(tmp_path) not in str(e2.value)
-                assert e2.value.category.name == "User"
+                # a training call too is refused at once, its seq_id spent: later calls do not wait
+                for call in (tc.forward_backward, tc.forward):
+                    with pytest.raises(tinker.BadRequestError) as e2:
+                        call([datum, bad_datum], "cross_entropy").result()
+                    assert e2.value.status_code == 400 and "datum 1: chunk 1: " in _message(e2.value)
+                    assert problem in _message(e2.value)
+                    assert str(tmp_path) not in _message(e2.value)
+            # the model goes on, as if the refused calls had never been sent: its pending
+            # gradients are its twin's, and so are its weights after the next steps
+            for client in (tc, twin):
+                client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+                client.forward_backward([datum], "cross_entropy").result()
+                client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+            ours, theirs = (c.forward([datum], "cross_entropy").result() for c in (tc, twin))
+            assert ours.loss_fn_outputs[0]["logprobs"].data == theirs.loss_fn_outputs[0]["logprobs"].data
             # over the pixel limit (4096 x 4096): a 6000 x 6000 one-bit PNG of a few kB, 413
             big = io.BytesIO()
             Image.new("1", (6000, 6000)).save(big, format="PNG")

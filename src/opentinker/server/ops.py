@@ -300,8 +300,10 @@ class Operations:
                 data = self.stability.resolve(tenant, session, data)
             return op(data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
 
-        ledger, tokens = self.ledger, sum(model_input_length(d.model_input) for d in call.data)
         base = self.reg.runtime.model(call.model_id).base_model
+        # refused now, its seq_id spent (refusals.py): the model's later requests do not wait
+        self._check_images(base, [(d.model_input, f"datum {i}") for i, d in enumerate(call.data)])
+        ledger, tokens = self.ledger, sum(model_input_length(d.model_input) for d in call.data)
         session = call.model_id.split(":train:", 1)[0]
         name = "forward" if call.forward_only else "forward_backward"
 
@@ -400,6 +402,15 @@ class Operations:
         name = "save_weights_external"
         return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
 
+    def _check_images(self, base_model: str, inputs: list[tuple[types.ModelInput, str]]) -> None:
+        """An image the base model cannot take: 400 (413: over the pixel limit) at once, naming it."""
+        vision = self.reg.runtime.vision(base_model)
+        try:
+            for model_input, where in inputs:
+                check_images(model_input, vision, where)
+        except EngineError as e:
+            raise BadRequest(str(e), getattr(e, "status", 400)) from None
+
     def _session_of(self, tenant: str, model_id: str) -> Session:
         return self.reg.session(tenant, model_id.split(":train:", 1)[0], live=False)
 
@@ -448,10 +459,7 @@ class Operations:
             raise BadRequest("asample needs a sampling_session_id (or a base_model)")
         digest = digest_json("asample", req.model_dump(mode="json"))
         self.check_sample(req)
-        try:  # an image the model cannot take: 400 (413: over the pixel limit) at once
-            check_images(req.prompt, self.reg.runtime.vision(client.base_model), "the prompt")
-        except EngineError as e:
-            raise BadRequest(str(e), getattr(e, "status", 400)) from None
+        self._check_images(str(client.base_model), [(req.prompt, "the prompt")])
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
