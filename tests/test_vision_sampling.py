@@ -20,7 +20,7 @@ from opentinker.models.vision import Image
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.decoder import run_to_completion
 from tests.tolerances import assert_logprobs_close
-from tests.vision import SPECIAL, VL_FAMILIES, png, vl_model
+from tests.vision import SPECIAL, VL_FAMILIES, TowerCalls, png, vl_model
 
 
 @pytest.fixture(scope="module", params=sorted(VL_FAMILIES))
@@ -62,27 +62,6 @@ def params(seed: int, n: int = 6) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=1.0, seed=seed, stop=[])
 
 
-class TowerCalls:
-    """Images the real vision tower embeds, per call (a forward hook on ``model.model.visual``)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.calls: list[int] = []
-        visual = engine.base.model.model.visual
-        self.handle = visual.register_forward_hook(
-            lambda _m, args, kw, _o: self._record(kw, args), with_kwargs=True
-        )
-
-    def _record(self, kw: dict[str, Any], args: tuple[Any, ...]) -> None:
-        grid = kw.get("grid_thw", args[1] if len(args) > 1 else None)
-        self.calls.append(int(grid.shape[0]))
-
-    def __enter__(self) -> TowerCalls:
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.handle.remove()
-
-
 def test_sampler_equals_trainer_on_mixed_image_and_text_rows(trained: tuple[Engine, list[str]]) -> None:
     engine, (s1, s2) = trained
     backend = NativeBackend(engine)
@@ -96,11 +75,23 @@ def test_sampler_equals_trainer_on_mixed_image_and_text_rows(trained: tuple[Engi
     ]
     with TowerCalls(engine) as tower:
         results = backend.generate(reqs)
-    # each image embedded exactly once (one prefill; a recurrent family prefills by length groups)
-    assert sum(tower.calls) == 3 and len(tower.calls) <= 2
+    # each distinct image embedded exactly once: i1, in two requests, once (one prefill; a
+    # recurrent family prefills by length groups, and p1's two rows are of one length)
+    assert sum(tower.calls) == 2 and len(tower.calls) <= 2
     for req, res in zip(reqs, results, strict=True):
         assert_matches_trainer(engine, req, res)
     assert results[0].sequences[0].tokens != results[3].sequences[0].tokens  # type: ignore[union-attr]
+
+
+def test_an_image_a_prompt_repeats_is_embedded_once(trained: tuple[Engine, list[str]]) -> None:
+    engine, (s1, _) = trained
+    prompt, images = image_prompt(engine, 11, [5, 6], [7])
+    again = prompt[2:]  # <|vision_start|> image <|vision_end|> 7
+    req = SampleRequest(s1, prompt + again, params(11), num_samples=2, images=images * 2)
+    with TowerCalls(engine) as tower:
+        [res] = NativeBackend(engine, prefix_cache_bytes=0).generate([req])
+    assert tower.calls == [1]  # one distinct image: embedded once, for both samples
+    assert_matches_trainer(engine, req, res)
 
 
 def test_an_image_request_joins_a_running_batch(trained: tuple[Engine, list[str]]) -> None:

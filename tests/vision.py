@@ -6,7 +6,8 @@ size 32, saved with the tiny model's tokenizer (four special tokens added: ``<|v
 ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``, whose ids the config names) and a
 ``preprocessor_config.json`` of transformers' PIL image processor (``Qwen2VLImageProcessorPil``,
 which Qwen2.5-VL, Qwen3-VL and Qwen3.5 share), with small pixel bounds so that a 64x64 image is a
-few tokens. ``png(...)`` / ``jpeg(...)`` make small test images.
+few tokens. ``png(...)`` / ``jpeg(...)`` make small test images; ``TowerCalls`` counts what the
+real vision tower embeds.
 """
 
 from __future__ import annotations
@@ -96,3 +97,24 @@ def jpeg(size: tuple[int, int] = (64, 64), seed: int = 0) -> bytes:
     buf = io.BytesIO()
     image(size, seed).save(buf, format="JPEG")
     return buf.getvalue()
+
+
+class TowerCalls:
+    """Images the real vision tower embeds, per call (a forward hook on ``model.model.visual``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.calls: list[int] = []
+        visual = engine.base.model.model.visual
+        self.handle = visual.register_forward_hook(
+            lambda _m, args, kw, _o: self._record(kw, args), with_kwargs=True
+        )
+
+    def _record(self, kw: dict[str, Any], args: tuple[Any, ...]) -> None:
+        grid = kw.get("grid_thw", args[1] if len(args) > 1 else None)
+        self.calls.append(int(grid.shape[0]))
+
+    def __enter__(self) -> TowerCalls:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.handle.remove()
