@@ -11,15 +11,33 @@ calls ends bitwise equal).
 from __future__ import annotations
 
 import io
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from tests.vision import SPECIAL, jpeg, png, vl_model
 
+KEY = "tml-vision-http"
+
 
 def _message(exc: BaseException) -> str:
     return str(getattr(exc, "body", None) or exc)
+
+
+def _usage(base_url: str) -> dict[str, int]:
+    """The tokens billed to the test's tenant this hour, by kind (``AdminClient``)."""
+    import tinker
+
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    window = ((now - timedelta(hours=2)).isoformat(), (now + timedelta(hours=2)).isoformat())
+    usage = tinker.AdminClient(base_url=base_url, api_key=KEY).get_billing_usage(*window).result()
+    out: dict[str, int] = {}
+    for e in usage.data:
+        out[e.event_info.type] = out.get(e.event_info.type, 0) + int(
+            getattr(e.event_info, "token_count", 0) or 0
+        )
+    return out
 
 
 @pytest.mark.slow
@@ -52,7 +70,7 @@ def test_sdk_sft_step_and_sample_with_an_image(
     assert n == len(targets)
     datum = types.Datum(model_input=mi, loss_fn_inputs={"target_tokens": targets, "weights": weights})
     with local_server(tmp_path_factory, "vl-server", base_model=folder) as srv:
-        service = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-vision-http")
+        service = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
         try:
             tc = service.create_lora_training_client(base_model=folder, rank=4, seed=0).result()
             losses = []
@@ -123,6 +141,16 @@ def test_sdk_sft_step_and_sample_with_an_image(
             pointer = types.ImageAssetPointerChunk(format="png", location="/etc/hosts", expected_tokens=4)
             with pytest.raises(tinker.BadRequestError, match="image_asset_pointer"):
                 sampler.sample(model_input(pointer, [7]), 1, params).result()  # type: ignore[arg-type]
+            # usage counts an image as its processor's tokens, expected_tokens set or not
+            before = _usage(srv.base_url)
+            unset = model_input(types.ImageChunk(data=png(seed=5), format="png"), [7, 8, 9, 10])
+            tc.forward(
+                [types.Datum(model_input=unset, loss_fn_inputs=datum.loss_fn_inputs)], "cross_entropy"
+            ).result()
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1, seed=0, stop=[])).result()
+            after = _usage(srv.base_url)
+            assert after["training"] - before.get("training", 0) == n  # 3 + 4 + 5
+            assert after["sampling_prefill"] - before["sampling_prefill"] == 3 + 4 + 2
             # the model goes on: its next step is served, unaffected
             assert tc.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
         finally:

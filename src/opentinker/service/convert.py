@@ -62,22 +62,14 @@ def model_input_parts(
     return tokens, tuple(images)
 
 
-def check_images(model_input: types.ModelInput, vision: Vision | None, where: str) -> None:
-    """Refuse (``EngineError`` naming the chunk) a ``ModelInput`` whose images cannot run; a
-    text-only one is not looked at."""
-    if any(not isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
-        model_input_parts(model_input, vision, where)
-
-
-def model_input_length(model_input: types.ModelInput) -> int:
-    """``ModelInput.length``, an image without ``expected_tokens`` counted as 0 (its count is
-    known once the image processor has run; the SDK's own ``length`` raises there)."""
-    return sum(
-        (c.expected_tokens or 0)
-        if isinstance(c, types.ImageChunk | types.ImageAssetPointerChunk)
-        else c.length
-        for c in model_input.chunks
-    )
+def checked_length(model_input: types.ModelInput, vision: Vision | None, where: str) -> int:
+    """The positions ``model_input`` takes in the model, each image counted as its image
+    processor's tokens (``expected_tokens`` is only checked against that; unset, the SDK's own
+    ``ModelInput.length`` raises). Refused (``EngineError`` naming the chunk): an image that cannot
+    run. A text-only input is not decoded."""
+    if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
+        return sum(c.length for c in model_input.chunks)
+    return len(model_input_parts(model_input, vision, where)[0])
 
 
 def datum_to_example(datum: types.Datum, index: int, vision: Vision | None = None) -> Example:
