@@ -5,7 +5,8 @@ in its protobuf body), a sample with an image prompt (JSON), and the refusals: a
 give a 400 naming the problem, with no server path or traceback, in ``sample`` and in
 ``forward_backward`` / ``forward`` alike: a refused training call spends its ``seq_id``, so the
 model's next calls run at once, and nothing of the model changed (a twin that never saw the bad
-calls ends bitwise equal).
+calls ends bitwise equal). Usage bills an image as its processor's tokens, and
+``record_stability_info`` on an image prompt records it by content for ``stable_reinforce``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import io
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +40,55 @@ def _usage(base_url: str) -> dict[str, int]:
             getattr(e.event_info, "token_count", 0) or 0
         )
     return out
+
+
+def _stable_reinforce_on_an_image_prompt(service: Any, folder: str, model_input: Any) -> None:
+    """``record_stability_info`` on an image prompt records it by content: datums naming the
+    sampled sequences train with ``stable_reinforce`` (its loss on-policy: -Σ A·log p, the ratio
+    of sampler and learner within invariant 3's bound of 1), and the same datum with another
+    image in the prompt is refused as tokens that differ from the record."""
+    import tinker
+    from tinker import types
+
+    tc = service.create_lora_training_client(base_model=folder, rank=4, seed=2).result()
+    sc = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = model_input(types.ImageChunk(data=png(seed=7), format="png"), [7])
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=1, stop=[])
+    seqs = sc.sample(prompt, 2, params).result().sequences
+    p = 3 + 4 + 2
+
+    def datum(seq: types.SampledSequence, adv: float, image: bytes) -> types.Datum:
+        toks, sid, ob = list(seq.tokens), seq.sequence_id or "", p - 1
+        mi = model_input(types.ImageChunk(data=image, format="png", expected_tokens=4), [7, *toks[:-1]])
+        inputs: Any = {
+            "target_tokens": [0] * ob + toks,
+            "advantages": [0.0] * ob + [adv] * len(toks),
+            "logprobs": [0.0] * ob + list(seq.logprobs or []),
+        }
+        return types.Datum(model_input=mi, loss_fn_inputs=inputs).with_provenance(
+            model_input=[
+                types.PromptProvenanceSpan(sequence_id=sid, length=p),
+                types.SampledProvenanceSpan(sequence_id=sid, length=len(toks) - 1),
+            ],
+            loss_fn_inputs=[
+                types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=ob),
+                types.SampledProvenanceSpan(sequence_id=sid, length=len(toks)),
+            ],
+        )
+
+    data = [datum(s, a, png(seed=7)) for s, a in zip(seqs, (1.0, -0.5), strict=True)]
+    plain = [types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]}) for d in data]  # fmt: skip
+    lps = [
+        o["logprobs"].tolist()[p - 1 :] for o in tc.forward(plain, "cross_entropy").result().loss_fn_outputs
+    ]
+    want = -sum(a * sum(lp) for a, lp in zip((1.0, -0.5), lps, strict=True))
+    got = tc.forward_backward(data, "stable_reinforce").result().metrics["loss:sum"]
+    assert abs(got - want) <= 1e-3 * abs(want)  # the ratio is 1 within exp(1e-4) per sequence
+    other = datum(seqs[0], 1.0, png(seed=8))
+    with pytest.raises(
+        tinker.RequestFailedError, match="span 0: the tokens differ from those the sequence recorded"
+    ):
+        tc.forward_backward([other], "stable_reinforce").result()
 
 
 @pytest.mark.slow
@@ -151,6 +202,7 @@ def test_sdk_sft_step_and_sample_with_an_image(
             after = _usage(srv.base_url)
             assert after["training"] - before.get("training", 0) == n  # 3 + 4 + 5
             assert after["sampling_prefill"] - before["sampling_prefill"] == 3 + 4 + 2
+            _stable_reinforce_on_an_image_prompt(service, folder, model_input)
             # the model goes on: its next step is served, unaffected
             assert tc.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
         finally:

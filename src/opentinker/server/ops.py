@@ -39,7 +39,7 @@ from opentinker.server.wire import (
     encode_sample_response,
 )
 from opentinker.service import EngineError, LoRAConfig, SamplingClient
-from opentinker.service.convert import check_prompt_extras, checked_length, optimizer_type
+from opentinker.service.convert import check_prompt_extras, checked_length, keyed_tokens, optimizer_type
 from opentinker.service.sampling import sampling_client
 from opentinker.service.stability import StabilityRecords
 
@@ -297,7 +297,7 @@ class Operations:
             if call.loss_fn == "custom":  # checked in its turn: a refusal leaves no seq_id gap
                 custom = self.custom_losses.get(tenant, session, call.loss_id)
             elif call.loss_fn == "stable_reinforce":  # provenance -> what the sampler recorded
-                data = self.stability.resolve(tenant, session, data)
+                data = self.stability.resolve(tenant, session, data, self.reg.runtime.vision(base))
             return op(data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
 
         base = self.reg.runtime.model(call.model_id).base_model
@@ -540,9 +540,7 @@ class Operations:
         session = sampler_id.split(":sample:", 1)[0]
         weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
         policy = f"{sampler_id} ({weights})"
-        if any(not isinstance(c, types.EncodedTextChunk) for c in req.prompt.chunks):
-            raise BadRequest("record_stability_info takes text prompts only; this one has an image")
-        prompt = req.prompt.to_ints()
+        prompt = keyed_tokens(req.prompt, self.reg.runtime.vision(str(client.base_model)), "the prompt")
 
         def record(res: types.SampleResponse) -> Any:
             self.stability.record(tenant, session, ids, prompt, res, policy)

@@ -17,6 +17,7 @@ from opentinker.engine import EngineError, Example, ForwardResult
 from opentinker.engine.optim import check_optimizer_config
 from opentinker.models.vision import Image, ImageError, Vision
 from opentinker.sampling import SampleResult, SamplingParams
+from opentinker.sampling.vision import cache_tokens
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -70,6 +71,17 @@ def checked_length(model_input: types.ModelInput, vision: Vision | None, where: 
     if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
         return sum(c.length for c in model_input.chunks)
     return len(model_input_parts(model_input, vision, where)[0])
+
+
+def keyed_tokens(model_input: types.ModelInput, vision: Vision | None, where: str) -> list[int]:
+    """``model_input``'s positions as the model takes them, each image's placeholders an id made
+    from that image's pixel digest (``sampling/vision.py`` ``cache_tokens``, never a vocabulary
+    id): equal lists, equal inputs, images included. Refused as :func:`model_input_parts` refuses."""
+    if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
+        return model_input.to_ints()
+    tokens, images = model_input_parts(model_input, vision, where)
+    assert vision is not None  # an image on a text-only model was refused
+    return cache_tokens(tokens, images, vision.image_token_id)
 
 
 def datum_to_example(datum: types.Datum, index: int, vision: Vision | None = None) -> Example:
