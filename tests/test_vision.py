@@ -109,6 +109,21 @@ def test_an_image_a_request_repeats_is_embedded_once(vl: Engine) -> None:
         assert_logprobs_close(out["logprobs"], want)
 
 
+def test_shared_prefixes_are_bypassed_for_image_rows(vl: Engine) -> None:
+    """Rows of one adapter with the same long tokens and different images: text rows like these
+    would share their common prefix's forward (``engine/prefix.py``, keyed on tokens alone); with
+    images the batch runs as one padded forward, so each row equals itself run alone."""
+    assert vl.share_prefixes
+    text = list(range(20, 36))  # 16 tokens of common prefix: what the prefix plan would share
+    rows = [image_example(vl, seed, text, [7, 8, 9]) for seed in (7, 8, 7)]
+    assert torch.equal(rows[0].tokens_T, rows[1].tokens_T)
+    fused = vl.forward_backward(ForwardRequest(None, rows, backward=False)).outputs
+    for row, out in zip(rows, fused, strict=True):
+        [alone] = vl.forward_backward(ForwardRequest(None, [row], backward=False)).outputs
+        assert_logprobs_close(out["logprobs"], alone["logprobs"])
+    assert float((fused[0]["logprobs"][-3:] - fused[1]["logprobs"][-3:]).abs().max()) > 1e-3
+
+
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling"])
 def test_mixed_text_and_image_batch_equals_separate_runs(vl: Engine, loss_fn: str) -> None:
     a = vl.create_adapter(LoRAConfig(rank=4, seed=1))

@@ -97,6 +97,21 @@ def test_an_image_a_prompt_repeats_is_embedded_once(trained: tuple[Engine, list[
     assert_matches_trainer(engine, req, res)
 
 
+def test_the_shared_prefix_prefill_is_bypassed_for_image_prompts(trained: tuple[Engine, list[str]]) -> None:
+    """Two prompts of one policy, the same long tokens, different images: a batch of text prompts
+    like these would prefill their common prefix once (``common_prompt_prefix``), which keys on
+    tokens alone; with images each row prefills its own, so each is its own trainer's."""
+    engine, (s1, _) = trained
+    text = list(range(20, 36))  # 16 tokens: over the shared-prefix minimum
+    (pa, ia), (pb, ib) = (image_prompt(engine, seed, text, [7, 8]) for seed in (12, 13))
+    assert pa == pb and ia[0].digest != ib[0].digest
+    reqs = [SampleRequest(s1, pa, params(12), images=ia), SampleRequest(s1, pb, params(12), images=ib)]
+    results = NativeBackend(engine, prefix_cache_bytes=0).generate(reqs)
+    for req, res in zip(reqs, results, strict=True):
+        assert_matches_trainer(engine, req, res)
+    assert results[0].sequences[0].logprobs != results[1].sequences[0].logprobs  # type: ignore[union-attr]
+
+
 def test_an_image_request_joins_a_running_batch(trained: tuple[Engine, list[str]]) -> None:
     engine, (s1, s2) = trained
     dec = NativeBackend(engine, prefix_cache_bytes=0).decoder()
