@@ -20,7 +20,7 @@ from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.models import load_base_model
 from tests.tolerances import assert_logprobs_close, assert_rel_close
-from tests.vision import SPECIAL, VL_FAMILIES, png, vl_model
+from tests.vision import SPECIAL, VL_FAMILIES, TowerCalls, png, vl_model
 
 
 @pytest.fixture(scope="module", params=sorted(VL_FAMILIES))
@@ -81,6 +81,47 @@ def test_image_changes_logprobs_after_it_only(vl: Engine) -> None:
     assert_logprobs_close(ra["logprobs"][: first_image - 1], rb["logprobs"][: first_image - 1])
     tail = slice(-4, None)
     assert float((ra["logprobs"][tail] - rb["logprobs"][tail]).abs().max()) > 1e-3
+
+
+def test_an_image_a_request_repeats_is_embedded_once(vl: Engine) -> None:
+    """The same image twice in a datum and again in another datum, beside a second image: the
+    tower embeds the two distinct images in one call, and the logprobs equal the plain HF forward
+    that embeds every copy (``Vision.forward_kwargs``)."""
+    vision = vl.base.vision
+    assert vision is not None
+    once, other = image_example(vl, 5, [5, 6], [7, 8]), image_example(vl, 6, [9], [10])
+    image = once.images[0]
+    twice_seq = [*once.tokens_T.tolist(), *other.tokens_T.tolist()[1:], 11, *once.tokens_T.tolist()[2:]]
+    twice = Example(
+        torch.tensor(twice_seq[:-1]),
+        {"target_tokens": torch.tensor(twice_seq[1:])},
+        (image, other.images[0], image),
+    )
+    again = Example(once.tokens_T, {"target_tokens": once.inputs["target_tokens"]}, once.images)
+    with TowerCalls(vl) as tower:
+        res = vl.forward_backward(ForwardRequest(None, [twice, again], backward=False))
+    assert tower.calls == [2]  # three copies of one image and one other: two embedded, once each
+    for ex, out in zip((twice, again), res.outputs, strict=True):
+        x = ex.tokens_T[None]
+        with torch.no_grad():
+            logits = vl.base.model(input_ids=x, **vision.forward_kwargs(x, list(ex.images))).logits[0]
+        want = logits.log_softmax(-1).gather(-1, ex.inputs["target_tokens"][:, None])[:, 0]
+        assert_logprobs_close(out["logprobs"], want)
+
+
+def test_shared_prefixes_are_bypassed_for_image_rows(vl: Engine) -> None:
+    """Rows of one adapter with the same long tokens and different images: text rows like these
+    would share their common prefix's forward (``engine/prefix.py``, keyed on tokens alone); with
+    images the batch runs as one padded forward, so each row equals itself run alone."""
+    assert vl.share_prefixes
+    text = list(range(20, 36))  # 16 tokens of common prefix: what the prefix plan would share
+    rows = [image_example(vl, seed, text, [7, 8, 9]) for seed in (7, 8, 7)]
+    assert torch.equal(rows[0].tokens_T, rows[1].tokens_T)
+    fused = vl.forward_backward(ForwardRequest(None, rows, backward=False)).outputs
+    for row, out in zip(rows, fused, strict=True):
+        [alone] = vl.forward_backward(ForwardRequest(None, [row], backward=False)).outputs
+        assert_logprobs_close(out["logprobs"], alone["logprobs"])
+    assert float((fused[0]["logprobs"][-3:] - fused[1]["logprobs"][-3:]).abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling"])

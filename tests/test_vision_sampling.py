@@ -20,7 +20,7 @@ from opentinker.models.vision import Image
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.decoder import run_to_completion
 from tests.tolerances import assert_logprobs_close
-from tests.vision import SPECIAL, VL_FAMILIES, png, vl_model
+from tests.vision import SPECIAL, VL_FAMILIES, TowerCalls, png, vl_model
 
 
 @pytest.fixture(scope="module", params=sorted(VL_FAMILIES))
@@ -31,7 +31,10 @@ def trained(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Eng
     for seed in (1, 2):
         aid = engine.create_adapter(LoRAConfig(rank=4, seed=seed))
         prompt, images = image_prompt(engine, seed, [5, 6], [7, 8, 9, 10])
-        ex = Example(torch.tensor(prompt[:-1]), {"target_tokens": torch.tensor(prompt[1:])}, images)
+        pad = engine.base.vision.image_token_id  # type: ignore[union-attr]
+        targets = torch.tensor([0 if t == pad else t for t in prompt[1:]])  # the cookbook's: image
+        inputs = {"target_tokens": targets, "weights": (targets != 0).float()}  # targets 0, weight 0
+        ex = Example(torch.tensor(prompt[:-1]), inputs, images)
         engine.forward_backward(ForwardRequest(aid, [ex]))
         engine.optim_step(aid, AdamParams(learning_rate=5e-2))
         snaps.append(engine.snapshot(aid).snapshot_id)
@@ -62,27 +65,6 @@ def params(seed: int, n: int = 6) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=1.0, seed=seed, stop=[])
 
 
-class TowerCalls:
-    """Images the real vision tower embeds, per call (a forward hook on ``model.model.visual``)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.calls: list[int] = []
-        visual = engine.base.model.model.visual
-        self.handle = visual.register_forward_hook(
-            lambda _m, args, kw, _o: self._record(kw, args), with_kwargs=True
-        )
-
-    def _record(self, kw: dict[str, Any], args: tuple[Any, ...]) -> None:
-        grid = kw.get("grid_thw", args[1] if len(args) > 1 else None)
-        self.calls.append(int(grid.shape[0]))
-
-    def __enter__(self) -> TowerCalls:
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.handle.remove()
-
-
 def test_sampler_equals_trainer_on_mixed_image_and_text_rows(trained: tuple[Engine, list[str]]) -> None:
     engine, (s1, s2) = trained
     backend = NativeBackend(engine)
@@ -96,11 +78,38 @@ def test_sampler_equals_trainer_on_mixed_image_and_text_rows(trained: tuple[Engi
     ]
     with TowerCalls(engine) as tower:
         results = backend.generate(reqs)
-    # each image embedded exactly once (one prefill; a recurrent family prefills by length groups)
-    assert sum(tower.calls) == 3 and len(tower.calls) <= 2
+    # each distinct image embedded exactly once: i1, in two requests, once (one prefill; a
+    # recurrent family prefills by length groups, and p1's two rows are of one length)
+    assert sum(tower.calls) == 2 and len(tower.calls) <= 2
     for req, res in zip(reqs, results, strict=True):
         assert_matches_trainer(engine, req, res)
     assert results[0].sequences[0].tokens != results[3].sequences[0].tokens  # type: ignore[union-attr]
+
+
+def test_an_image_a_prompt_repeats_is_embedded_once(trained: tuple[Engine, list[str]]) -> None:
+    engine, (s1, _) = trained
+    prompt, images = image_prompt(engine, 11, [5, 6], [7])
+    again = prompt[2:]  # <|vision_start|> image <|vision_end|> 7
+    req = SampleRequest(s1, prompt + again, params(11), num_samples=2, images=images * 2)
+    with TowerCalls(engine) as tower:
+        [res] = NativeBackend(engine, prefix_cache_bytes=0).generate([req])
+    assert tower.calls == [1]  # one distinct image: embedded once, for both samples
+    assert_matches_trainer(engine, req, res)
+
+
+def test_the_shared_prefix_prefill_is_bypassed_for_image_prompts(trained: tuple[Engine, list[str]]) -> None:
+    """Two prompts of one policy, the same long tokens, different images: a batch of text prompts
+    like these would prefill their common prefix once (``common_prompt_prefix``), which keys on
+    tokens alone; with images each row prefills its own, so each is its own trainer's."""
+    engine, (s1, _) = trained
+    text = list(range(20, 36))  # 16 tokens: over the shared-prefix minimum
+    (pa, ia), (pb, ib) = (image_prompt(engine, seed, text, [7, 8]) for seed in (12, 13))
+    assert pa == pb and ia[0].digest != ib[0].digest
+    reqs = [SampleRequest(s1, pa, params(12), images=ia), SampleRequest(s1, pb, params(12), images=ib)]
+    results = NativeBackend(engine, prefix_cache_bytes=0).generate(reqs)
+    for req, res in zip(reqs, results, strict=True):
+        assert_matches_trainer(engine, req, res)
+    assert results[0].sequences[0].logprobs != results[1].sequences[0].logprobs  # type: ignore[union-attr]
 
 
 def test_an_image_request_joins_a_running_batch(trained: tuple[Engine, list[str]]) -> None:
@@ -109,8 +118,10 @@ def test_an_image_request_joins_a_running_batch(trained: tuple[Engine, list[str]
     p1, i1 = image_prompt(engine, 5, [5, 6, 7], [8])
     first = SampleRequest(s1, p1, params(4, 12), num_samples=2, images=i1)
     p2, i2 = image_prompt(engine, 6, [9, 10], [11, 12, 13])
+    # seeds whose samples hold no image placeholder id (a random model samples near-uniformly, and
+    # a sampled placeholder cannot go back into a datum as text: the trainer check would refuse it)
     later = [
-        SampleRequest(s2, p2, params(5, 6), num_samples=3, images=i2),
+        SampleRequest(s2, p2, params(15, 6), num_samples=3, images=i2),
         SampleRequest(s1, [3, 4, 5], params(6, 5)),
     ]
     done: dict[int, Any] = {}

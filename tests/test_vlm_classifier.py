@@ -5,10 +5,10 @@ Both recipe entry points run as the README's commands (subprocesses, every call 
 working directory that holds what the recipe asks the hub for, under the same names:
 
 - ``Qwen/Qwen3.6-35B-A3B``: the model (the server serves that folder under that name, so the
-  cookbook's tokenizer, image processor and the training run's ``base_model`` agree). A random
-  ``qwen3_5`` VL model of ``tests/vision.py``'s size, with its image processor config beside it;
-  its tokenizer is the tiny model's plus Qwen3.5's vision tokens and ``<think>``/``</think>`` as
-  single tokens, as in Qwen3.5's own (the ``qwen3_5`` renderer's response parser requires that).
+  cookbook's tokenizer, image processor and the training run's ``base_model`` agree): the random
+  ``qwen3_5`` VL model of ``tests/vision.py``, with its image processor config beside it and
+  ``<think>``/``</think>`` as single tokens, as in Qwen3.5's own tokenizer (the ``qwen3_5``
+  renderer's response parser requires that).
 - ``dpdl-benchmark/caltech101``: the dataset the recipe's ``caltech101`` option loads with
   ``datasets.load_dataset``; here an image folder (``train/<class>/*.png``, ``test/<class>/*.png``,
   whose folder names become the ``ClassLabel``) of coloured squares on grey noise: red, green,
@@ -36,7 +36,7 @@ import pytest
 
 from opentinker.server.local import LocalServer
 from tests.conftest import local_server
-from tests.vision import PROCESSOR, SPECIAL, VL_FAMILIES
+from tests.vision import vl_model
 
 pytest.importorskip(
     "tinker_cookbook.recipes.vlm_classifier.train",
@@ -56,39 +56,6 @@ TRAIN_ARGS = [
     f"eval_every={EVAL_EVERY}", "n_eval=30", "max_tokens=8", "save_every=0",
 ]  # fmt: skip
 STEPS = len(COLOURS) * TRAIN_PER_CLASS // BATCH * EPOCHS
-
-
-def qwen3_5_vl(folder: Path) -> None:
-    """A random 2-layer ``qwen3_5`` VL model with a Qwen3.5-like tokenizer and its image processor."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
-
-    from opentinker.models.registry import tiny_model_dir
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tok.add_tokens(["<think>", "</think>"])
-    start, end, image, video = tok.convert_tokens_to_ids(SPECIAL)
-    spec = VL_FAMILIES["qwen3_5"]
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = AutoConfig.for_model(
-        "qwen3_5",
-        text_config=dict(spec["text"], vocab_size=len(tok), **ids),
-        vision_config=spec["vision"],
-        image_token_id=image,
-        video_token_id=video,
-        vision_start_token_id=start,
-        vision_end_token_id=end,
-        **ids,
-    )
-    torch.manual_seed(0)
-    model: Any = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    patch = spec["vision"]["patch_size"]
-    Qwen2VLImageProcessorPil(
-        patch_size=patch, merge_size=2, temporal_patch_size=2, **PROCESSOR
-    ).save_pretrained(folder)
 
 
 def coloured_squares(folder: Path) -> None:
@@ -112,7 +79,7 @@ def coloured_squares(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("vlm-classifier")
-    qwen3_5_vl(root / MODEL)
+    vl_model(root / MODEL, "qwen3_5")
     coloured_squares(root / DATASET)
     return root
 

@@ -3,10 +3,12 @@
 ``vl_model(folder, family)`` builds one of ``VL_FAMILIES`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5 with its
 vision tower): a 2-layer language model of hidden size 32 and a depth-2 vision tower of hidden
 size 32, saved with the tiny model's tokenizer (four special tokens added: ``<|vision_start|>``,
-``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``, whose ids the config names) and a
+``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``, whose ids the config names, then
+``<think>`` and ``</think>`` as single tokens) and a
 ``preprocessor_config.json`` of transformers' PIL image processor (``Qwen2VLImageProcessorPil``,
 which Qwen2.5-VL, Qwen3-VL and Qwen3.5 share), with small pixel bounds so that a 64x64 image is a
-few tokens. ``png(...)`` / ``jpeg(...)`` make small test images.
+few tokens. ``png(...)`` / ``jpeg(...)`` make small test images; ``TowerCalls`` counts what the
+real vision tower embeds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+THINK = [
+    "<think>",
+    "</think>",
+]  # single tokens, as in Qwen3.5's tokenizer (the cookbook's qwen3_5 renderer needs them)
 
 _TEXT: dict[str, Any] = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -52,6 +58,7 @@ def vl_model(folder: Path, family: str) -> str:
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tok.add_tokens(THINK)
     start, end, image, video = tok.convert_tokens_to_ids(SPECIAL)
     spec = VL_FAMILIES[family]
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -96,3 +103,24 @@ def jpeg(size: tuple[int, int] = (64, 64), seed: int = 0) -> bytes:
     buf = io.BytesIO()
     image(size, seed).save(buf, format="JPEG")
     return buf.getvalue()
+
+
+class TowerCalls:
+    """Images the real vision tower embeds, per call (a forward hook on ``model.model.visual``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.calls: list[int] = []
+        visual = engine.base.model.model.visual
+        self.handle = visual.register_forward_hook(
+            lambda _m, args, kw, _o: self._record(kw, args), with_kwargs=True
+        )
+
+    def _record(self, kw: dict[str, Any], args: tuple[Any, ...]) -> None:
+        grid = kw.get("grid_thw", args[1] if len(args) > 1 else None)
+        self.calls.append(int(grid.shape[0]))
+
+    def __enter__(self) -> TowerCalls:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.handle.remove()

@@ -356,7 +356,7 @@ class Engine:
         for b, ex in enumerate(examples):
             tokens_BT[b, : lengths[b]] = ex.tokens_T.to(self.device)
         with self.routing(policies):
-            images = image_kwargs(self.base.vision, tokens_BT, examples)
+            images = image_kwargs(self.base.model, self.base.vision, tokens_BT, examples)
             logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False, **images).logits.float()
         lse_BT = torch.logsumexp(logits_BTV, dim=-1)
         # One batched gather of every row's targets (K > 1 for soft targets), padded with token

@@ -2,8 +2,9 @@
 
 A datum with images carries them in ``Example.images`` (in token order) and one image placeholder
 id per image token in ``tokens_T``. A batch with any image row runs as one right-padded forward
-with every row's images concatenated in row order: the model's vision tower embeds them and puts
-them in place of the placeholders, and its M-RoPE positions come from the placeholder layout.
+with every row's images concatenated in row order: the model's vision tower embeds them (each
+distinct image of the batch once, so an image a request repeats costs one embedding) and they take
+the place of the placeholders, and its M-RoPE positions come from the placeholder layout.
 The vision tower is frozen, and the placeholder positions are ordinary positions of the datum:
 ``target_tokens``, ``weights`` and ``advantages`` count them (Tinker's ``ModelInput.length``
 counts an image as its ``expected_tokens``; the cookbook gives them target 0 and weight 0).
@@ -34,9 +35,10 @@ def has_images(examples: Sequence[Example]) -> bool:
 
 
 def image_kwargs(
-    vision: Vision | None, tokens_BT: torch.Tensor, examples: Sequence[Example]
+    model: Any, vision: Vision | None, tokens_BT: torch.Tensor, examples: Sequence[Example]
 ) -> dict[str, Any]:
-    """The HF forward's image arguments for a batch whose row ``b`` is ``examples[b]``."""
+    """The HF forward's image arguments for a batch whose row ``b`` is ``examples[b]``: each
+    distinct image of the batch embedded once (``Vision.embedded_kwargs``)."""
     if vision is None or not has_images(examples):
         return {}
-    return vision.forward_kwargs(tokens_BT, [im for ex in examples for im in ex.images])
+    return vision.embedded_kwargs(model, tokens_BT, [im for ex in examples for im in ex.images])

@@ -170,12 +170,38 @@ class Vision:
     def forward_kwargs(self, tokens_BT: torch.Tensor, images: list[Image]) -> dict[str, Any]:
         """The HF forward's image arguments for ``tokens_BT`` whose placeholders take ``images``
         in row-major order: the pixel patches, their grids and the multimodal token types (image
-        positions 1, which the M-RoPE positions read)."""
+        positions 1, which the M-RoPE positions read). The model embeds every image it is given."""
         if not images:
             return {}
         device = tokens_BT.device
         return {
             "pixel_values": torch.cat([im.pixel_values for im in images]).to(device=device, dtype=self.dtype),
+            "image_grid_thw": torch.stack([im.grid_thw for im in images]).to(device),
+            "mm_token_type_ids": (tokens_BT == self.image_token_id).int(),
+        }
+
+    def embedded_kwargs(self, model: Any, tokens_BT: torch.Tensor, images: list[Image]) -> dict[str, Any]:
+        """:meth:`forward_kwargs` with the images already embedded by ``model``'s vision tower, each
+        distinct image (by pixel digest) once: the embeddings go in as ``mm_encoder_outputs``, one
+        entry per image in order, an image used twice sharing its tensors. The tower is frozen, so
+        it runs without autograd. An image's embedding depends on that image alone (the tower
+        attends within each image), so this equals embedding every copy."""
+        if not images:
+            return {}
+        first: dict[str, int] = {}
+        order = [first.setdefault(im.digest, len(first)) for im in images]
+        distinct = list({im.digest: im for im in images}.values())
+        device = tokens_BT.device
+        pixels = torch.cat([im.pixel_values for im in distinct]).to(device=device, dtype=self.dtype)
+        with torch.no_grad():
+            out = model.get_image_features(
+                pixels, torch.stack([im.grid_thw for im in distinct]).to(device), return_dict=True
+            )
+        out.pooler_output = tuple(out.pooler_output[j] for j in order)
+        if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL's per-layer features
+            out.deepstack_features = [tuple(f[j] for j in order) for f in out.deepstack_features]
+        return {
+            "mm_encoder_outputs": {"image": out},
             "image_grid_thw": torch.stack([im.grid_thw for im in images]).to(device),
             "mm_token_type_ids": (tokens_BT == self.image_token_id).int(),
         }

@@ -4,8 +4,9 @@ A prompt with images is its tokens (each image ``n_tokens`` placeholder ids) and
 the sampler does differently for it:
 
 * **The vision tower runs once per request**: at its prefill, on the images whose placeholders
-  that prefill feeds (the model's own forward embeds them and puts them in place of the
-  placeholders). Its ``num_samples`` rows are copies of the prefilled state, and decode steps feed
+  that prefill feeds, each distinct image (by pixel digest) once even where a prompt or the
+  prefill's rows repeat it (``Vision.embedded_kwargs``); the model's forward puts the embeddings
+  in place of the placeholders. Its ``num_samples`` rows are copies of the prefilled state, and decode steps feed
   text tokens only, so neither a sample nor a step runs the tower again.
 * **M-RoPE positions**: the model's own ``get_rope_index`` gives the prompt's 3-D positions once;
   they are passed with the text positions as the 4-row ``position_ids`` the Qwen-VL forwards take
@@ -74,6 +75,7 @@ class VisionRows:
     """A prefill's rows as the VL forward takes them: per row, the images its prefilled part holds
     and that part's M-RoPE positions (None: text positions), and each row's position delta."""
 
+    model: Any
     vision: Vision
     images: list[tuple[Image, ...]]
     pos3: list[torch.Tensor | None]
@@ -81,9 +83,8 @@ class VisionRows:
 
     def subset(self, idx: torch.Tensor) -> VisionRows:
         rows = idx.tolist()
-        return VisionRows(
-            self.vision, [self.images[i] for i in rows], [self.pos3[i] for i in rows], self.deltas[idx]
-        )
+        images, pos3 = [self.images[i] for i in rows], [self.pos3[i] for i in rows]
+        return VisionRows(self.model, self.vision, images, pos3, self.deltas[idx])
 
     def kwargs(self, ids: torch.Tensor, pos: torch.Tensor) -> dict[str, Any]:
         """The forward's image arguments and 4-row ``position_ids`` for left-padded ``ids``."""
@@ -94,8 +95,8 @@ class VisionRows:
                 three[:, b, ids.shape[1] - n :] = p.to(three.device)
         out: dict[str, Any] = {"position_ids": torch.cat([pos[None], three])}
         images = [im for row in self.images for im in row]
-        if images:
-            out.update(self.vision.forward_kwargs(ids, images))
+        if images:  # each distinct image of the prefill embedded once
+            out.update(self.vision.embedded_kwargs(self.model, ids, images))
             del out["mm_token_type_ids"]  # positions given: the model computes none
         return out
 
@@ -118,7 +119,7 @@ def vision_rows(
         p, d = mrope_positions(model, vision, prompt, ims)
         pos3.append(p[:, s:])
         deltas.append(d)
-    return VisionRows(vision, fed, pos3, torch.tensor(deltas, dtype=torch.long))
+    return VisionRows(model, vision, fed, pos3, torch.tensor(deltas, dtype=torch.long))
 
 
 def step_positions(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:

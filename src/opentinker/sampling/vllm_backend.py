@@ -177,7 +177,9 @@ class VLLMBackend(SamplingBackend):
         check_request(req, vocab_size=self.vocab_size, max_context=self.max_context)
         if req.images:
             raise EngineError(
-                "the vLLM sampler backend takes no images here; image prompts need the native one"
+                "the vLLM sampler backend takes no images: vLLM builds a Qwen-VL model's processor "
+                "with torchvision, which has no build for this CPU torch; sample image prompts with "
+                "the native backend (rollout_backend 'native', the default)"
             )
         if req.topk_sample_logprobs > self.max_logprobs:
             raise EngineError(

@@ -61,6 +61,7 @@ from opentinker.server.openai_format import (
     parse_tool_calls,
     usage,
 )
+from opentinker.server.openai_images import image_prompt, inline_images
 from opentinker.server.openai_schemas import (
     MAX_N,
     MAX_PROMPTS,
@@ -244,17 +245,18 @@ class OpenAIRoutes:
         topk: int,
         prompt_topk: int | None = None,
         sink: TokenSink | None = None,
+        model_input: types.ModelInput | None = None,
     ) -> Started:
         """Sample through the Tinker ``asample`` path (see the module docstring); ``prompt_topk``
         not None: with the prompt's logprobs (and that many top logprobs), as its
         ``prompt_logprobs`` / ``topk_prompt_logprobs``; ``sink``: the tokens also go there while
-        they decode (a stream's)."""
+        they decode (a stream's); ``model_input``: the prompt with its images (else ``prompt``'s tokens)."""
         ops, ticket = self.server.ops, 0
 
         def submit() -> Future:
             nonlocal ticket
             ids, want_prompt, k_prompt = (
-                types.ModelInput.from_ints(prompt),
+                model_input or types.ModelInput.from_ints(prompt),
                 prompt_topk is not None,
                 prompt_topk or 0,
             )
@@ -330,11 +332,20 @@ class OpenAIRoutes:
             tools = check_tools(req.tools) if req.tools else None
             client = await self.resolve(tenant, req.model)
             fmt = self.format(client.base_model)
-            prompt = fmt.render(messages, tools, req.chat_template_kwargs)
+            vision = self.reg.runtime.vision(client.base_model)  # image parts: openai_images.py
+            messages, images = inline_images(messages, fmt.tok, vision, client.base_model)
+            prompt, model_input = image_prompt(
+                fmt.render(messages, tools, req.chat_template_kwargs), images, vision
+            )
             params = self.params(req, req.limit(), prompt, client.base_model, "messages")
             k = (req.top_logprobs or 0) if req.logprobs else 0
             feed = Feed() if req.stream else None
-            started = [self.start(tenant, client, prompt, req.n, params, k, sink=feed and feed.sink(0))]
+            started = [
+                self.start(
+                    tenant, client, prompt, req.n, params, k,
+                    sink=feed and feed.sink(0), model_input=model_input,
+                )
+            ]  # fmt: skip
         except Exception as e:
             return self.error(e)
         notes = []

@@ -162,27 +162,34 @@ def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _content(content: Any, where: str, *, optional: bool) -> str | None:
+def _content(content: Any, where: str, *, optional: bool) -> str | list[dict[str, Any]] | None:
+    """A message's content: a string, or (with image parts, which ``openai_images.py`` reads on a
+    VL model) its parts, each image part with its ``where``."""
     if content is None and optional:
         return None
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                parts.append({**part, "where": f"{where}[{j}]"})
+                continue
             if (
                 not isinstance(part, dict)
                 or part.get("type") != "text"
                 or not isinstance(part.get("text"), str)
             ):
                 raise OpenAIError(
-                    f"{where}[{j}] must be a text part ({{'type': 'text', 'text': ...}}); other parts "
-                    "(images, audio, files) are not served by this text model",
+                    f"{where}[{j}] must be a text part ({{'type': 'text', 'text': ...}}) or an image_url "
+                    "part; other parts (audio, files) are not served",
                     param=f"{where}[{j}]",
                 )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise OpenAIError(f"{where} must be a string or a list of text parts", param=where)
+            parts.append({"type": "text", "text": part["text"]})
+        if any(p["type"] == "image_url" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
+    raise OpenAIError(f"{where} must be a string or a list of text and image_url parts", param=where)
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

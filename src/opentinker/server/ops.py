@@ -39,7 +39,7 @@ from opentinker.server.wire import (
     encode_sample_response,
 )
 from opentinker.service import EngineError, LoRAConfig, SamplingClient
-from opentinker.service.convert import check_images, check_prompt_extras, model_input_length, optimizer_type
+from opentinker.service.convert import check_prompt_extras, checked_length, keyed_tokens, optimizer_type
 from opentinker.service.sampling import sampling_client
 from opentinker.service.stability import StabilityRecords
 
@@ -297,11 +297,15 @@ class Operations:
             if call.loss_fn == "custom":  # checked in its turn: a refusal leaves no seq_id gap
                 custom = self.custom_losses.get(tenant, session, call.loss_id)
             elif call.loss_fn == "stable_reinforce":  # provenance -> what the sampler recorded
-                data = self.stability.resolve(tenant, session, data)
+                data = self.stability.resolve(tenant, session, data, self.reg.runtime.vision(base))
             return op(data, call.loss_fn, call.loss_fn_config, custom_loss=custom).future()
 
-        ledger, tokens = self.ledger, sum(model_input_length(d.model_input) for d in call.data)
         base = self.reg.runtime.model(call.model_id).base_model
+        # a bad image is refused now, its seq_id spent (refusals.py): later requests do not wait
+        lengths = self._checked_lengths(
+            base, [(d.model_input, f"datum {i}") for i, d in enumerate(call.data)]
+        )
+        ledger, tokens = self.ledger, sum(lengths)
         session = call.model_id.split(":train:", 1)[0]
         name = "forward" if call.forward_only else "forward_backward"
 
@@ -400,6 +404,15 @@ class Operations:
         name = "save_weights_external"
         return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
 
+    def _checked_lengths(self, base_model: str, inputs: list[tuple[types.ModelInput, str]]) -> list[int]:
+        """Each input's length in the model (an image as its processor's tokens); an image the base
+        model cannot take: 400 (413: over the pixel limit) at once, naming it."""
+        vision = self.reg.runtime.vision(base_model)
+        try:
+            return [checked_length(model_input, vision, where) for model_input, where in inputs]
+        except EngineError as e:
+            raise BadRequest(str(e), getattr(e, "status", 400)) from None
+
     def _session_of(self, tenant: str, model_id: str) -> Session:
         return self.reg.session(tenant, model_id.split(":train:", 1)[0], live=False)
 
@@ -447,11 +460,8 @@ class Operations:
         else:
             raise BadRequest("asample needs a sampling_session_id (or a base_model)")
         digest = digest_json("asample", req.model_dump(mode="json"))
-        self.check_sample(req)
-        try:  # an image the model cannot take: 400 (413: over the pixel limit) at once
-            check_images(req.prompt, self.reg.runtime.vision(client.base_model), "the prompt")
-        except EngineError as e:
-            raise BadRequest(str(e), getattr(e, "status", 400)) from None
+        [prompt_len] = self._checked_lengths(str(client.base_model), [(req.prompt, "the prompt")])
+        self.check_sample(req, prompt_len)
 
         def make() -> dict[str, Any]:
             ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
@@ -463,7 +473,7 @@ class Operations:
                 ticket = client.last_ticket()  # this thread's request, just queued
                 return fut
 
-            encode = self._metered(tenant, client, req)
+            encode = self._metered(tenant, client, req, prompt_len)
             if req.record_stability_info and req.sampling_session_id is not None:
                 encode = self._recording(tenant, req.sampling_session_id, ids, req, client, encode)
             trace: Trace | None = None
@@ -510,11 +520,11 @@ class Operations:
         ).future()
 
     @staticmethod
-    def check_sample(req: S.SampleRequest) -> None:
+    def check_sample(req: S.SampleRequest, prompt_len: int) -> None:
         """The prompt-scoring options, checked when the request arrives (400 naming the field)."""
         try:
             check_prompt_extras(
-                model_input_length(req.prompt),
+                prompt_len,
                 bool(req.prompt_logprobs),
                 _target_tensor(req),
                 req.prompt_alt_tokens_k,
@@ -530,9 +540,7 @@ class Operations:
         session = sampler_id.split(":sample:", 1)[0]
         weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
         policy = f"{sampler_id} ({weights})"
-        if any(not isinstance(c, types.EncodedTextChunk) for c in req.prompt.chunks):
-            raise BadRequest("record_stability_info takes text prompts only; this one has an image")
-        prompt = req.prompt.to_ints()
+        prompt = keyed_tokens(req.prompt, self.reg.runtime.vision(str(client.base_model)), "the prompt")
 
         def record(res: types.SampleResponse) -> Any:
             self.stability.record(tenant, session, ids, prompt, res, policy)
@@ -544,7 +552,7 @@ class Operations:
     def _encode_sample(req: S.SampleRequest) -> Encode:
         return lambda res: encode_sample_response(res, prompt_logprobs_last_n=req.prompt_logprobs_last_n)
 
-    def _metered(self, tenant: str, client: Any, req: S.SampleRequest) -> Encode:
+    def _metered(self, tenant: str, client: Any, req: S.SampleRequest, prompt_len: int) -> Encode:
         """The sample's encoder, counting its prompt and generated tokens once it is done."""
         encode, ledger = self._encode_sample(req), self.ledger
         if ledger is None:
@@ -556,7 +564,7 @@ class Operations:
             ledger.count(
                 tenant,
                 "sampling_prefill",
-                model_input_length(req.prompt),
+                prompt_len,
                 session_id=session,
                 base_model=base,
             )

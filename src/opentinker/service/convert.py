@@ -17,6 +17,7 @@ from opentinker.engine import EngineError, Example, ForwardResult
 from opentinker.engine.optim import check_optimizer_config
 from opentinker.models.vision import Image, ImageError, Vision
 from opentinker.sampling import SampleResult, SamplingParams
+from opentinker.sampling.vision import cache_tokens
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -62,22 +63,25 @@ def model_input_parts(
     return tokens, tuple(images)
 
 
-def check_images(model_input: types.ModelInput, vision: Vision | None, where: str) -> None:
-    """Refuse (``EngineError`` naming the chunk) a ``ModelInput`` whose images cannot run; a
-    text-only one is not looked at."""
-    if any(not isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
-        model_input_parts(model_input, vision, where)
+def checked_length(model_input: types.ModelInput, vision: Vision | None, where: str) -> int:
+    """The positions ``model_input`` takes in the model, each image counted as its image
+    processor's tokens (``expected_tokens`` is only checked against that; unset, the SDK's own
+    ``ModelInput.length`` raises). Refused (``EngineError`` naming the chunk): an image that cannot
+    run. A text-only input is not decoded."""
+    if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
+        return sum(c.length for c in model_input.chunks)
+    return len(model_input_parts(model_input, vision, where)[0])
 
 
-def model_input_length(model_input: types.ModelInput) -> int:
-    """``ModelInput.length``, an image without ``expected_tokens`` counted as 0 (its count is
-    known once the image processor has run; the SDK's own ``length`` raises there)."""
-    return sum(
-        (c.expected_tokens or 0)
-        if isinstance(c, types.ImageChunk | types.ImageAssetPointerChunk)
-        else c.length
-        for c in model_input.chunks
-    )
+def keyed_tokens(model_input: types.ModelInput, vision: Vision | None, where: str) -> list[int]:
+    """``model_input``'s positions as the model takes them, each image's placeholders an id made
+    from that image's pixel digest (``sampling/vision.py`` ``cache_tokens``, never a vocabulary
+    id): equal lists, equal inputs, images included. Refused as :func:`model_input_parts` refuses."""
+    if all(isinstance(c, types.EncodedTextChunk) for c in model_input.chunks):
+        return model_input.to_ints()
+    tokens, images = model_input_parts(model_input, vision, where)
+    assert vision is not None  # an image on a text-only model was refused
+    return cache_tokens(tokens, images, vision.image_token_id)
 
 
 def datum_to_example(datum: types.Datum, index: int, vision: Vision | None = None) -> Example:

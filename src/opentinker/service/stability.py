@@ -3,7 +3,10 @@ resolution of a training datum's provenance spans against it.
 
 Sampling with ``record_stability_info=True`` records each returned sequence under its
 ``sequence_id`` (the id ``/asample`` hands the SDK): its prompt tokens, sampled tokens, the
-sampler's logprob of each, and the policy version (the sampler id and the weights it served).
+sampler's logprob of each, and the policy version (the sampler id and the weights it served). An
+image in the prompt is recorded by content: its positions as ids made from its pixel digest
+(``service/convert.py`` ``keyed_tokens``), so a datum claiming that prompt with another image is
+refused like one with other tokens.
 
 Lifetime, as Tinker documents it: a record belongs to the session that sampled it and can be
 trained on for one day (``ttl_s``) after sampling; each training request that uses it restarts
@@ -34,6 +37,8 @@ from tinker import types
 
 from opentinker.engine import EngineError
 from opentinker.engine.losses import STABILITY_INPUTS
+from opentinker.models.vision import Vision
+from opentinker.service.convert import keyed_tokens
 
 DAY_S = 24 * 3600.0
 
@@ -101,9 +106,12 @@ class StabilityRecords:
         )
 
     # ---------------------------------------------------------------- resolution
-    def resolve(self, tenant: str, session_id: str, data: list[types.Datum]) -> list[types.Datum]:
+    def resolve(
+        self, tenant: str, session_id: str, data: list[types.Datum], vision: Vision | None = None
+    ) -> list[types.Datum]:
         """Each datum with the stability inputs added (see the module docstring); touches every
-        record used, restarting its day. Raises ``EngineError`` and changes nothing on bad spans."""
+        record used, restarting its day. Raises ``EngineError`` and changes nothing on bad spans.
+        ``vision``: the base model's, to key a datum's images as the record keyed its prompt's."""
         out, used = [], []
         for i, d in enumerate(data):
             where = f"datum {i}"
@@ -117,7 +125,7 @@ class StabilityRecords:
                     f"{where}: stable_reinforce needs provenance spans (Datum.with_provenance) naming "
                     "the sampled sequences behind its tokens"
                 )
-            tokens = d.model_input.to_ints()
+            tokens = keyed_tokens(d.model_input, vision, where)
             targets_td = d.loss_fn_inputs.get("target_tokens")
             if targets_td is None:
                 raise EngineError(f"{where}: loss_fn_inputs is missing 'target_tokens'")
