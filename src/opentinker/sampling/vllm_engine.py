@@ -118,12 +118,46 @@ def start_engine(
         raise RuntimeError(f"vLLM could not start on {base_model}: {type(e).__name__}: {e}") from e
 
 
+def _model_class(config: Any) -> tuple[str, Any] | None:
+    """vLLM's model class for HF ``config``'s architecture, with the architecture's name; None
+    where ``config`` names none, or vLLM registers none for it (vLLM then runs the model through
+    its Transformers backend, which serves LoRA). Importing the class may raise (a dependency of
+    its module missing)."""
+    from vllm.model_executor.models.registry import (  # pyright: ignore[reportMissingImports]
+        ModelRegistry,
+    )
+
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    registered = ModelRegistry.models.get(arch) if arch else None
+    return None if registered is None else (arch, registered.load_model_cls())
+
+
+def lora_unsupported_reason(config: Any) -> str | None:
+    """Why vLLM runs the model of HF ``config`` without runtime LoRA, or None when it serves LoRA
+    on it: vLLM loads LoRA only into a model class that implements ``SupportsLoRA`` (without it
+    the engine refuses to start with LoRA enabled: ``v1/worker/lora_model_runner_mixin.py``)."""
+    from vllm.model_executor.models.interfaces import (  # pyright: ignore[reportMissingImports]
+        supports_lora,
+    )
+
+    found = _model_class(config)
+    if found is None or supports_lora(found[1]):
+        return None
+    return f"vLLM's {found[0]} has no runtime LoRA (its model class does not implement SupportsLoRA)"
+
+
 def unservable_reason(config: Any) -> str | None:
-    """Why vLLM cannot run the model of HF ``config`` here at all, or None. vLLM-CPU's attention
-    takes only some head sizes (``CPUAttentionBackend.get_supported_head_sizes``); it starts on
-    any, then dies at the first forward."""
+    """Why vLLM cannot run the model of HF ``config`` here at all, or None: its model class cannot
+    be imported here (vLLM would fail to start on it), or, on CPU, vLLM-CPU's attention does not
+    take its head size (``CPUAttentionBackend.get_supported_head_sizes``; it starts on any, then
+    dies at the first forward)."""
     from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
 
+    try:
+        _model_class(config)
+    except Exception as e:  # a dependency of the model's module missing here
+        arch = config.architectures[0]
+        return f"vLLM's {arch} cannot be imported here ({type(e).__name__}: {e})"
     if not current_platform.is_cpu():
         return None
     from vllm.v1.attention.backends.cpu_attn import (  # pyright: ignore[reportMissingImports]
