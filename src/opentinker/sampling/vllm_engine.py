@@ -127,9 +127,11 @@ def _model_class(config: Any) -> tuple[str, Any] | None:
         ModelRegistry,
     )
 
-    arch = (getattr(config, "architectures", None) or [None])[0]
+    arch: str | None = (getattr(config, "architectures", None) or [None])[0]
     registered = ModelRegistry.models.get(arch) if arch else None
-    return None if registered is None else (arch, registered.load_model_cls())
+    if arch is None or registered is None:
+        return None
+    return arch, registered.load_model_cls()
 
 
 def lora_unsupported_reason(config: Any) -> str | None:
