@@ -83,7 +83,7 @@ def family_rt(request: Any, tmp_path_factory: pytest.TempPathFactory):
     folder = family_model(tmp_path_factory.mktemp(family) / "model", family, **_shape(family))
     rt = Runtime(
         tmp_path_factory.mktemp(f"{family}-rt"), max_rank=16, rollout_backend="vllm",
-        rollout_options={"max_loras": 2, "kv_cache_bytes": 64 << 20},
+        rollout_options={"max_loras": 2, "kv_cache_bytes": 128 << 20},
     )  # fmt: skip
     yield family, folder, rt
     rt.shutdown()
