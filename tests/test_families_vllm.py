@@ -62,6 +62,7 @@ NATIVE: dict[str, tuple[str, str]] = {
     "qwen3_next": ("vllm", _MOE),
     "qwen3_moe": ("vllm", _MOE),
     "olmoe": ("vllm", _MOE),
+    "mixtral": ("vllm", _MOE),
     "gpt_oss": ("vllm", _MOE),
 }
 
