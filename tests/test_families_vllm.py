@@ -9,11 +9,13 @@ sampler's and whose logprobs are the trainer's forward within ``LOGPROB_ATOL`` (
 forwards of the same weights that sum in another order: tests/tolerances.py; the model is
 narrower than the tiny one the bound was measured on, so its rounding is smaller still), while
 the adapter moves those logprobs by far more than that (a wrong or dropped LoRA could not pass).
-For each family vLLM cannot serve (:data:`NATIVE`): the product's reason, and its adapters
-sampling natively, never a failure mid-sample.
+For each family vLLM cannot serve (:data:`NATIVE`): the product's reason (``served_by``), its
+adapters sampling natively and its base model on vLLM where vLLM runs it without LoRA (the
+mixture-of-experts families, GPT-2), never a failure mid-sample; the same two checks hold there.
 
-One vLLM engine per family (start-up is 30-120 s of a 2-core machine's time), shared by every
-assertion on it; the module is in the slow tier.
+One vLLM engine per family vLLM runs (all but the two Qwen3.5 ones, which start none), shared by
+the assertions on it; start-up dominates (~45 s a family on an idle 2-core machine, 1-3 minutes
+on a loaded one), so the module is in the slow tier.
 """
 
 from __future__ import annotations
