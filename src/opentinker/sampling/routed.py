@@ -66,6 +66,7 @@ class RoutedBackend(SamplingBackend):
     ) -> RoutedBackend:
         """vLLM over ``engine``'s base model (``vllm_kwargs``: :meth:`VLLMBackend.for_engine`'s),
         the native backend over ``engine`` itself; vLLM is not started on a model it cannot run."""
+        from opentinker.models.dtype import dtype_name
         from opentinker.sampling.vllm_engine import unservable_reason
 
         native = (
@@ -73,7 +74,8 @@ class RoutedBackend(SamplingBackend):
             if prefix_cache_bytes is None
             else NativeBackend(engine, prefix_cache_bytes=prefix_cache_bytes)
         )
-        off = unservable_reason(engine.base.model.config)
+        dtype = vllm_kwargs.get("dtype") or dtype_name(engine.base.dtype)  # vLLM's, as for_engine sets it
+        off = unservable_reason(engine.base.model.config, dtype)
         if off is not None:
             return cls(None, native, vllm_off=off)
         return cls(VLLMBackend.for_engine(engine, **vllm_kwargs), native)

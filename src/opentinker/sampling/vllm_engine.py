@@ -148,11 +148,12 @@ def lora_unsupported_reason(config: Any) -> str | None:
     return f"vLLM's {found[0]} has no runtime LoRA (its model class does not implement SupportsLoRA)"
 
 
-def unservable_reason(config: Any) -> str | None:
-    """Why vLLM cannot run the model of HF ``config`` here at all, or None: its model class cannot
-    be imported here (vLLM would fail to start on it), or, on CPU, vLLM-CPU's attention does not
-    take its head size (``CPUAttentionBackend.get_supported_head_sizes``; it starts on any, then
-    dies at the first forward)."""
+def unservable_reason(config: Any, dtype: str = "float32") -> str | None:
+    """Why vLLM cannot run the model of HF ``config`` in ``dtype`` here at all, or None: its model
+    class cannot be imported here (vLLM would fail to start on it), or, on CPU, a kernel that
+    starts on any model and then dies at its first forward: vLLM-CPU's attention takes only some
+    head sizes (``CPUAttentionBackend.get_supported_head_sizes``), its Gated DeltaNet only bf16
+    (``model_executor/layers/mamba/ops/cpu/gdn_attention.py``)."""
     from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
 
     try:
@@ -174,4 +175,6 @@ def unservable_reason(config: Any) -> str | None:
         return (
             f"vLLM-CPU's attention takes head sizes {', '.join(map(str, sizes))}, not this model's {head_dim}"
         )
+    if "linear_attention" in (getattr(text, "layer_types", None) or []) and dtype != "bfloat16":
+        return f"vLLM-CPU's Gated DeltaNet layers run in bfloat16 only, not {dtype}"
     return None
