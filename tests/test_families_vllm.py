@@ -13,7 +13,7 @@ For each family vLLM cannot serve (:data:`NATIVE`): the product's reason (``serv
 adapters sampling natively and its base model on vLLM where vLLM runs it without LoRA (the
 mixture-of-experts families, GPT-2), never a failure mid-sample; the same two checks hold there.
 
-One vLLM engine per family vLLM runs (all but the two Qwen3.5 ones, which start none), shared by
+One vLLM engine per family vLLM runs (all but Qwen3.5, Qwen3.5-MoE and Qwen3-Next), shared by
 the assertions on it; start-up dominates (~45 s a family on an idle 2-core machine, 1-3 minutes
 on a loaded one), so the module is in the slow tier.
 """
