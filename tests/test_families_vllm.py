@@ -161,7 +161,9 @@ def _check_served_like_native(rt: Runtime, folder: str, sampler, policy: str | N
     assert_logprobs_close(logprobs, _trainer_logprobs(rt, folder, policy, tokens))
 
 
-def test_a_family_through_the_vllm_backend(family_rt, request: Any) -> None:
+def test_a_family_through_the_vllm_backend(family_rt) -> None:
+    """One step, a snapshot, greedy through the SDK: the adapter and the base model sample what the
+    native sampler does with the trainer's logprobs, on vLLM or natively as the family allows."""
     family, folder, rt = family_rt
     tc, sampler = _trained_sampler(rt, folder)
     policy = sampler.policy

@@ -20,6 +20,7 @@ mismatch figures are vLLM's rows' (native rows sample with the trainer's own for
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from opentinker.sampling.types import SampleRequest, SampleResult
 from opentinker.sampling.vllm_backend import VLLMBackend, VLLMDecoder
 
 VLLM, NATIVE = "vllm", "native"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class RoutedBackend(SamplingBackend):
         dtype = vllm_kwargs.get("dtype") or dtype_name(engine.base.dtype)  # vLLM's, as for_engine sets it
         off = unservable_reason(engine.base.model.config, dtype)
         if off is not None:
+            log.warning("vLLM not started for %s; sampling natively: %s", engine.base.name, off)
             return cls(None, native, vllm_off=off)
         return cls(VLLMBackend.for_engine(engine, **vllm_kwargs), native)
 
@@ -110,6 +113,7 @@ class RoutedBackend(SamplingBackend):
                 p = Placement(policy_id, weights.uid, VLLM, "vLLM's runtime LoRA serves it")
             else:
                 p = Placement(policy_id, weights.uid, NATIVE, f"vLLM cannot serve it: it {reason}")
+                log.info("snapshot %s samples natively: %s", policy_id, p.reason)
             self._placed[policy_id] = p
             return p
 
