@@ -20,6 +20,7 @@ mismatch figures are vLLM's rows' (native rows sample with the trainer's own for
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from opentinker.sampling.types import SampleRequest, SampleResult
 from opentinker.sampling.vllm_backend import VLLMBackend, VLLMDecoder
 
 VLLM, NATIVE = "vllm", "native"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class RoutedBackend(SamplingBackend):
     ) -> RoutedBackend:
         """vLLM over ``engine``'s base model (``vllm_kwargs``: :meth:`VLLMBackend.for_engine`'s),
         the native backend over ``engine`` itself; vLLM is not started on a model it cannot run."""
+        from opentinker.models.dtype import dtype_name
         from opentinker.sampling.vllm_engine import unservable_reason
 
         native = (
@@ -73,8 +76,10 @@ class RoutedBackend(SamplingBackend):
             if prefix_cache_bytes is None
             else NativeBackend(engine, prefix_cache_bytes=prefix_cache_bytes)
         )
-        off = unservable_reason(engine.base.model.config)
+        dtype = vllm_kwargs.get("dtype") or dtype_name(engine.base.dtype)  # vLLM's, as for_engine sets it
+        off = unservable_reason(engine.base.model.config, dtype)
         if off is not None:
+            log.warning("vLLM not started for %s; sampling natively: %s", engine.base.name, off)
             return cls(None, native, vllm_off=off)
         return cls(VLLMBackend.for_engine(engine, **vllm_kwargs), native)
 
@@ -108,6 +113,7 @@ class RoutedBackend(SamplingBackend):
                 p = Placement(policy_id, weights.uid, VLLM, "vLLM's runtime LoRA serves it")
             else:
                 p = Placement(policy_id, weights.uid, NATIVE, f"vLLM cannot serve it: it {reason}")
+                log.info("snapshot %s samples natively: %s", policy_id, p.reason)
             self._placed[policy_id] = p
             return p
 

@@ -33,9 +33,10 @@ from opentinker.sampling.vllm_engine import (
     DEFAULT_MAX_LORA_RANK,
     check_max_lora_rank,
     import_vllm,
+    lora_unsupported_reason,
     start_engine,
 )
-from opentinker.sampling.vllm_lora import LoraTable
+from opentinker.sampling.vllm_lora import NO_LORA_REASON, LoraTable, no_lora_reason
 from opentinker.sampling.vllm_requests import Job, result_of, sampling_params, sequence_of
 from opentinker.sampling.vllm_scoring import (
     PromptLogprobs,
@@ -72,7 +73,7 @@ class VLLMBackend(SamplingBackend):
         export_dir: str | Path | None = None,
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
-        lora: bool = True,
+        no_lora: str | None = None,
     ) -> None:
         """A vLLM engine over the HF model folder ``model_path`` (``base_model`` its canonical
         name, ``groups`` the LoRA target groups the adapters' tensors are stored by, as
@@ -80,8 +81,9 @@ class VLLMBackend(SamplingBackend):
         not published here (the training engine's snapshots, in process); ``trainer``: scores
         finished rows for the mismatch figures (None: not measured). ``multiprocessing``: run
         vLLM's engine core in a child process (then the caller's ``__main__`` must be guarded).
-        ``kv_cache_bytes``: the KV cache's size (see :mod:`~opentinker.sampling.vllm_engine`). ``lora`` False: vLLM runs without runtime LoRA, serving the base model only (every
-        adapter refused, :data:`~opentinker.sampling.vllm_lora.NO_LORA_REASON`)."""
+        ``kv_cache_bytes``: the KV cache's size (see :mod:`~opentinker.sampling.vllm_engine`). ``no_lora``: why vLLM runs without runtime LoRA, serving the base model only (every
+        adapter refused with it, e.g. :data:`~opentinker.sampling.vllm_lora.NO_LORA_REASON`); None:
+        with LoRA."""
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
@@ -107,7 +109,7 @@ class VLLMBackend(SamplingBackend):
             multiprocessing=multiprocessing,
             seed=seed,
             engine_kwargs=engine_kwargs,
-            lora=lora,
+            lora=no_lora is None,
         )
         self.loras = LoraTable(
             self.llm,
@@ -117,7 +119,7 @@ class VLLMBackend(SamplingBackend):
             max_lora_rank=max_lora_rank,
             export_dir=self.export_dir,
             resolve=resolve,
-            lora=lora,
+            no_lora=no_lora,
         )
         self._request_ids = itertools.count(1)
         self._stash: dict[str, Any] = {}  # outputs of requests another decoder owns (one engine)
@@ -133,8 +135,7 @@ class VLLMBackend(SamplingBackend):
         from opentinker.sampling.native import _eos_ids
 
         kwargs.setdefault("dtype", dtype_name(engine.base.dtype))
-        # a mixture-of-experts model: vLLM runs it without LoRA (vllm_lora.EXPERTS_REASON)
-        kwargs.setdefault("lora", not any(g.experts for g in engine.lora.groups.values()))
+        kwargs.setdefault("no_lora", _no_lora(engine))
 
         def resolve(policy: str) -> LoRAWeights:
             if engine.has_adapter(policy):
@@ -305,6 +306,15 @@ class VLLMDecoder:
             b.mismatch_last = mismatch_of(b.trainer, scored)
             b.mismatch_total = (b.mismatch_total or Mismatch()).merged(b.mismatch_last)
         return finished
+
+
+def _no_lora(engine: Engine) -> str | None:
+    """Why vLLM runs ``engine``'s base model without LoRA, or None: a mixture-of-experts model
+    (:data:`~opentinker.sampling.vllm_lora.EXPERTS_REASON`), an architecture vLLM has no LoRA for."""
+    if any(g.experts for g in engine.lora.groups.values()):
+        return NO_LORA_REASON
+    why = lora_unsupported_reason(engine.base.model.config)
+    return None if why is None else no_lora_reason(why)
 
 
 def _export_dir(export_dir: str | Path | None) -> Path:

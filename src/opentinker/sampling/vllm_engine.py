@@ -118,12 +118,49 @@ def start_engine(
         raise RuntimeError(f"vLLM could not start on {base_model}: {type(e).__name__}: {e}") from e
 
 
-def unservable_reason(config: Any) -> str | None:
-    """Why vLLM cannot run the model of HF ``config`` here at all, or None. vLLM-CPU's attention
-    takes only some head sizes (``CPUAttentionBackend.get_supported_head_sizes``); it starts on
-    any, then dies at the first forward."""
+def _model_class(config: Any) -> tuple[str, Any] | None:
+    """vLLM's model class for HF ``config``'s architecture, with the architecture's name; None
+    where ``config`` names none, or vLLM registers none for it (vLLM then runs the model through
+    its Transformers backend, which serves LoRA). Importing the class may raise (a dependency of
+    its module missing)."""
+    from vllm.model_executor.models.registry import (  # pyright: ignore[reportMissingImports]
+        ModelRegistry,
+    )
+
+    arch: str | None = (getattr(config, "architectures", None) or [None])[0]
+    registered = ModelRegistry.models.get(arch) if arch else None
+    if arch is None or registered is None:
+        return None
+    return arch, registered.load_model_cls()
+
+
+def lora_unsupported_reason(config: Any) -> str | None:
+    """Why vLLM runs the model of HF ``config`` without runtime LoRA, or None when it serves LoRA
+    on it: vLLM loads LoRA only into a model class that implements ``SupportsLoRA`` (without it
+    the engine refuses to start with LoRA enabled: ``v1/worker/lora_model_runner_mixin.py``)."""
+    from vllm.model_executor.models.interfaces import (  # pyright: ignore[reportMissingImports]
+        supports_lora,
+    )
+
+    found = _model_class(config)
+    if found is None or supports_lora(found[1]):
+        return None
+    return f"vLLM's {found[0]} has no runtime LoRA (its model class does not implement SupportsLoRA)"
+
+
+def unservable_reason(config: Any, dtype: str = "float32") -> str | None:
+    """Why vLLM cannot run the model of HF ``config`` in ``dtype`` here at all, or None: its model
+    class cannot be imported here (vLLM would fail to start on it), or, on CPU, a kernel that
+    starts on any model and then dies at its first forward: vLLM-CPU's attention takes only some
+    head sizes (``CPUAttentionBackend.get_supported_head_sizes``), its Gated DeltaNet only bf16
+    (``model_executor/layers/mamba/ops/cpu/gdn_attention.py``)."""
     from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
 
+    try:
+        _model_class(config)
+    except Exception as e:  # a dependency of the model's module missing here
+        arch = config.architectures[0]
+        return f"vLLM's {arch} cannot be imported here ({type(e).__name__}: {e})"
     if not current_platform.is_cpu():
         return None
     from vllm.v1.attention.backends.cpu_attn import (  # pyright: ignore[reportMissingImports]
@@ -131,6 +168,8 @@ def unservable_reason(config: Any) -> str | None:
     )
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):  # MLA: vLLM's MLA backends' own sizes
+        return _mla_reason(text.kv_lora_rank + text.qk_rope_head_dim)
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     sizes = list(CPUAttentionBackend.get_supported_head_sizes())
@@ -138,4 +177,23 @@ def unservable_reason(config: Any) -> str | None:
         return (
             f"vLLM-CPU's attention takes head sizes {', '.join(map(str, sizes))}, not this model's {head_dim}"
         )
+    if "linear_attention" in (getattr(text, "layer_types", None) or []) and dtype != "bfloat16":
+        return f"vLLM-CPU's Gated DeltaNet layers run in bfloat16 only, not {dtype}"
     return None
+
+
+def _mla_reason(head_size: int) -> str | None:
+    """Why vLLM's MLA attention cannot run a latent of ``head_size`` (``kv_lora_rank +
+    qk_rope_head_dim``), or None: it takes only some (``MLACommonBackend``), checked at the first
+    forward."""
+    from vllm.model_executor.layers.attention.mla_attention import (  # pyright: ignore[reportMissingImports]
+        MLACommonBackend,
+    )
+
+    sizes = list(MLACommonBackend.get_supported_head_sizes())
+    if head_size in sizes:
+        return None
+    return (
+        f"vLLM's MLA attention takes head sizes {', '.join(map(str, sizes))} (kv_lora_rank + "
+        f"qk_rope_head_dim), not this model's {head_size}"
+    )

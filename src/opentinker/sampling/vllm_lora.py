@@ -43,6 +43,11 @@ NO_LORA_REASON = (
 )
 
 
+def no_lora_reason(why: str) -> str:
+    """The refusal of every adapter where vLLM runs the base model without LoRA (``why``)."""
+    return f"is an adapter of a model vLLM serves here as the base model only (without LoRA): {why}"
+
+
 def refusal(weights: LoRAWeights, groups: dict[str, TargetGroup], max_lora_rank: int) -> str | None:
     """Why vLLM's runtime LoRA cannot serve ``weights`` (``groups``: the model's target groups),
     as a phrase after "snapshot X", or None when it can. Every case the vLLM LoRA path refuses:
@@ -92,12 +97,13 @@ class LoraTable:
         max_lora_rank: int,
         export_dir: Path,
         resolve: Callable[[str], LoRAWeights] | None,
-        lora: bool = True,
+        no_lora: str | None = None,
     ) -> None:
         """The LoRAs of ``llm`` (vLLM's ``LLMEngine``; ``lora_request`` its ``LoRARequest`` class),
         exported under ``export_dir``; ``resolve``: the owner a policy id is looked up in when it
-        was not published here (None: only what was published); ``lora`` False: ``llm`` runs
-        without LoRA (a mixture-of-experts model), so every adapter is refused."""
+        was not published here (None: only what was published); ``no_lora``: ``llm`` runs
+        without LoRA (a mixture-of-experts model, an architecture vLLM has no LoRA for), so every
+        adapter is refused with this reason (a phrase after "snapshot X")."""
         self.llm = llm
         self._LoRARequest = lora_request
         self.base_model = base_model
@@ -105,7 +111,7 @@ class LoraTable:
         self.max_lora_rank = max_lora_rank
         self.export_dir = export_dir
         self.resolve = resolve
-        self.lora = lora
+        self.no_lora = no_lora
         self._published: dict[str, VLLMLora] = {}
         self._by_uid: dict[int, VLLMLora] = {}
         self._lora_ids = itertools.count(1)
@@ -154,8 +160,8 @@ class LoraTable:
 
     def refusal(self, weights: LoRAWeights) -> str | None:
         """Why this table cannot serve ``weights`` (see :func:`refusal`), or None."""
-        if not self.lora:
-            return NO_LORA_REASON
+        if self.no_lora is not None:
+            return self.no_lora
         return refusal(weights, self.groups, self.max_lora_rank)
 
     def _check_adapter(self, policy_id: str, weights: LoRAWeights) -> None:
