@@ -61,7 +61,7 @@ def decode_image(data: bytes, fmt: str, *, max_pixels: int = MAX_IMAGE_PIXELS) -
     from PIL import UnidentifiedImageError
 
     if fmt not in FORMATS:
-        raise ImageError(f"unsupported image format {fmt!r}: send png or jpeg")
+        raise ImageError(unsupported_format(fmt))
     if not data:
         raise ImageError("the image has no data")
     try:
@@ -91,6 +91,11 @@ def decode_image(data: bytes, fmt: str, *, max_pixels: int = MAX_IMAGE_PIXELS) -
         raise ImageError(f"the {fmt} image is truncated or corrupt: {_reason(e)}") from None
 
 
+def unsupported_format(fmt: object) -> str:
+    """The refusal of an image ``format`` other than png or jpeg."""
+    return f"unsupported image format {fmt!r}: send png or jpeg"
+
+
 def _reason(e: BaseException) -> str:
     """A library error's own words, without a path (PIL's messages name none, but be sure)."""
     text = " ".join(str(e).split()) or type(e).__name__
@@ -108,8 +113,10 @@ class Vision:
         self.dtype = torch.float32  # the vision tower's (the loader sets it)
         self._kept: OrderedDict[tuple[str, str, int], Image] = OrderedDict()
         self._lock = threading.Lock()
-        self.special_ids = {
-            int(i) for i in (self.image_token_id, getattr(config, "video_token_id", None)) if i is not None
+        # the image and video placeholders and the vision start/end markers: never sampled
+        names = ("video_token_id", "vision_start_token_id", "vision_end_token_id")
+        self.special_ids = {self.image_token_id} | {
+            int(i) for i in (getattr(config, n, None) for n in names) if i is not None
         }
 
     @classmethod
