@@ -61,7 +61,7 @@ def decode_image(data: bytes, fmt: str, *, max_pixels: int = MAX_IMAGE_PIXELS) -
     from PIL import UnidentifiedImageError
 
     if fmt not in FORMATS:
-        raise ImageError(unsupported_format(fmt))
+        raise ImageError(f"unsupported image format {fmt!r}: send png or jpeg")
     if not data:
         raise ImageError("the image has no data")
     try:
@@ -89,11 +89,6 @@ def decode_image(data: bytes, fmt: str, *, max_pixels: int = MAX_IMAGE_PIXELS) -
         return img.convert("RGB")
     except Exception as e:  # truncated data, a bad CRC, a broken stream
         raise ImageError(f"the {fmt} image is truncated or corrupt: {_reason(e)}") from None
-
-
-def unsupported_format(fmt: object) -> str:
-    """The refusal of an image ``format`` other than png or jpeg."""
-    return f"unsupported image format {fmt!r}: send png or jpeg"
 
 
 def _reason(e: BaseException) -> str:

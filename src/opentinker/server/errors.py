@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from opentinker.models.vision import unsupported_format
 from opentinker.service import EngineError
 
 Category = Literal["user", "server"]
@@ -147,5 +146,6 @@ def image_format_refusal(errors: Sequence[Any]) -> str | None:
             where = [str(x) for x in loc[:-2] if x != "body"]
             if len(where) >= 2 and where[-2] == "chunks":  # prompt.chunks.1 -> prompt: chunk 1
                 where = [*where[:-2], f"chunk {where[-1]}"]
-            return f"{': '.join(where)}: {unsupported_format(err.get('input'))}"
+            # worded as the engine's own refusal of a format (models/vision.py, decode_image)
+            return f"{': '.join(where)}: unsupported image format {err.get('input')!r}: send png or jpeg"
     return None
