@@ -5,8 +5,9 @@ A sampled token's logprob is ``log softmax(logits / T)`` of that token (T = 1 wh
 T = 1 it equals the trainer's logprob of it (invariant 3); top-k / top-p only restrict which tokens
 can be drawn. Likewise the ``banned`` ids (a VL base model's image and vision markers, which a
 completion must never contain: it could not go back into a datum as text) are never chosen, not
-even greedily, while the logprob reported stays the unmasked one. Every row draws its uniforms from its own seeded generator, so a row's tokens do not
-depend on which other rows share its batch.
+even greedily, while the logprob reported stays the unmasked one. Every row draws its uniforms
+from its own seeded generator, so a row's tokens do not depend on which other rows share its
+batch.
 """
 
 from __future__ import annotations
