@@ -155,15 +155,14 @@ def test_sdk_sft_step_and_sample_with_an_image(
             twin = service.create_training_client_from_state_with_optimizer(stepped).result()
             for client in (tc, twin):
                 client.forward_backward([datum], "cross_entropy").result()  # gradients pending
-            # a format the SDK's types do not allow: the JSON sample body is refused as invalid (422)
-            # before it reaches the model; the protobuf training body carries it to the check
+            # a format the SDK's types do not allow (sent anyway): a 400 naming it, the JSON sample
+            # body's schema check and the protobuf training body's alike
             gif_chunk = types.ImageChunk.model_construct(data=gif.getvalue(), format="gif", expected_tokens=4)
             for problem, chunk in [*bad.items(), ("unsupported image format 'gif'", gif_chunk)]:
-                if chunk is not gif_chunk:
-                    with pytest.raises(tinker.BadRequestError) as e:
-                        sampler.sample(model_input(chunk, [7]), 1, params).result()
-                    assert problem in _message(e.value) and "Traceback" not in _message(e.value)
-                    assert str(tmp_path) not in _message(e.value)
+                with pytest.raises(tinker.BadRequestError) as e:
+                    sampler.sample(model_input(chunk, [7]), 1, params).result()
+                assert problem in _message(e.value) and "Traceback" not in _message(e.value)
+                assert str(tmp_path) not in _message(e.value)
                 bad_datum = types.Datum(
                     model_input=model_input(chunk, [7, 8, 9, 10]), loss_fn_inputs=datum.loss_fn_inputs
                 )
@@ -207,3 +206,33 @@ def test_sdk_sft_step_and_sample_with_an_image(
             assert tc.forward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
         finally:
             service.close("success").result()
+
+
+def test_an_unsupported_image_format_in_a_json_body_is_a_400(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The SDK's types refuse ``format="gif"`` client-side, so raw HTTP: the JSON ``asample`` body's
+    schema check refuses it with a 400 naming the chunk and the format, not pydantic's 422 dump
+    (the body is checked before any model is involved: the text-only tiny model serves)."""
+    import base64
+
+    import httpx
+
+    from tests.conftest import local_server
+
+    gif = base64.b64encode(b"GIF89a\x01\x00\x01\x00").decode()
+    body = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6]},
+                              {"type": "image", "data": gif, "format": "gif", "expected_tokens": 4}]},
+        "sampling_params": {"max_tokens": 2},
+        "num_samples": 1,
+        "base_model": "x",
+    }  # fmt: skip
+    with local_server(tmp_path_factory, "gif-json") as srv:
+        r = httpx.post(f"{srv.base_url}/api/v1/asample", json=body, headers={"X-API-Key": KEY}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json() == {"detail": "prompt: chunk 1: unsupported image format 'gif': send png or jpeg"}
+        body["prompt"]["chunks"][1]["format"] = "png"  # type: ignore[index]
+        body["sampling_params"] = {"max_tokens": "many"}
+        r = httpx.post(f"{srv.base_url}/api/v1/asample", json=body, headers={"X-API-Key": KEY}, timeout=60)
+        assert r.status_code == 422  # any other schema error keeps FastAPI's answer

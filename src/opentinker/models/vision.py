@@ -108,8 +108,10 @@ class Vision:
         self.dtype = torch.float32  # the vision tower's (the loader sets it)
         self._kept: OrderedDict[tuple[str, str, int], Image] = OrderedDict()
         self._lock = threading.Lock()
-        self.special_ids = {
-            int(i) for i in (self.image_token_id, getattr(config, "video_token_id", None)) if i is not None
+        # the image and video placeholders and the vision start/end markers: never sampled
+        names = ("video_token_id", "vision_start_token_id", "vision_end_token_id")
+        self.special_ids = {self.image_token_id} | {
+            int(i) for i in (getattr(config, n, None) for n in names) if i is not None
         }
 
     @classmethod

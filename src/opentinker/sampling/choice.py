@@ -3,8 +3,11 @@ and the logprobs the sampler reports.
 
 A sampled token's logprob is ``log softmax(logits / T)`` of that token (T = 1 when greedy), so at
 T = 1 it equals the trainer's logprob of it (invariant 3); top-k / top-p only restrict which tokens
-can be drawn. Every row draws its uniforms from its own seeded generator, so a row's tokens do not
-depend on which other rows share its batch.
+can be drawn. Likewise the ``banned`` ids (a VL base model's image and vision markers, which a
+completion must never contain: it could not go back into a datum as text) are never chosen, not
+even greedily, while the logprob reported stays the unmasked one. Every row draws its uniforms
+from its own seeded generator, so a row's tokens do not depend on which other rows share its
+batch.
 """
 
 from __future__ import annotations
@@ -46,35 +49,38 @@ class Row:
         return self._uniforms.pop()
 
 
-def choose_tokens(logits_SV: torch.Tensor, rows: list[Row]) -> list[tuple[int, float]]:
-    """Pick one token per row (rows sharing sampling parameters are processed together); return
-    each with its logprob under softmax(logits / T) (T = 1 when greedy)."""
+def choose_tokens(
+    logits_SV: torch.Tensor, rows: list[Row], banned: torch.Tensor | None = None
+) -> list[tuple[int, float]]:
+    """Pick one token per row (rows sharing sampling parameters are processed together), never one
+    of ``banned`` (token ids; None = none); return each with its logprob under softmax(logits / T)
+    (T = 1 when greedy), the unmasked distribution, as the trainer computes it."""
     groups: dict[tuple[float, int, float], list[int]] = {}
     for j, row in enumerate(rows):
         p = row.params
         groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
     if len(groups) == 1:  # every row alike: no gather, no scatter back
         [(key, _)] = groups.items()
-        return _choose(logits_SV, rows, *key)
+        return _choose(logits_SV, rows, *key, banned)
     out: list[tuple[int, float]] = [(0, 0.0)] * len(rows)
     for key, idx in groups.items():
-        for j, picked in zip(idx, _choose(logits_SV[idx], [rows[j] for j in idx], *key), strict=True):
+        for j, picked in zip(idx, _choose(logits_SV[idx], [rows[j] for j in idx], *key, banned), strict=True):
             out[j] = picked
     return out
 
 
 def _choose(
-    logits: torch.Tensor, rows: list[Row], temp: float, top_k: int, top_p: float
+    logits: torch.Tensor, rows: list[Row], temp: float, top_k: int, top_p: float, banned: torch.Tensor | None
 ) -> list[tuple[int, float]]:
     """One token per row of ``logits`` [n, V] under one set of sampling parameters."""
     if temp == 0:
-        toks = logits.argmax(-1)
+        toks = (logits if banned is None else logits.index_fill(-1, banned, -math.inf)).argmax(-1)
         lps = torch.log_softmax(logits, -1).gather(-1, toks[:, None]).squeeze(-1)
         return list(zip(toks.tolist(), lps.tolist(), strict=True))
     logp = torch.log_softmax(logits if temp == 1 else logits / temp, -1)
-    filtered = logp
+    filtered = logp if banned is None else logp.index_fill(-1, banned, -math.inf)
     if 0 < top_k < logp.shape[-1]:
-        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, -math.inf)
     if top_p < 1.0:
         sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)

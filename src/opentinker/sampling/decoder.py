@@ -141,6 +141,8 @@ class StepDecoder:
         self._plan: LoRABatch | None = None
         self._rows: list[Row] = []
         self._jobs: dict[int, _Job] = {}
+        vision = engine.base.vision  # its image and vision markers are never sampled (choice.py)
+        self._banned = None if vision is None else torch.tensor(sorted(vision.special_ids), dtype=torch.long)
         self._weights: dict[PolicyRef, LoRAWeights | None] = {}
         self.steps = 0  # decode steps run
 
@@ -371,7 +373,10 @@ class StepDecoder:
         of the cache (:func:`~opentinker.sampling.kv_cache.fill_holes`)."""
         ctx = self.engine.max_context
         topk = topk_logprobs(last, rows) if any(row.topk for row in rows) else None
-        for j, (row, (tok, lp)) in enumerate(zip(rows, choose_tokens(last, rows), strict=True)):
+        if self._banned is not None and self._banned.device != last.device:
+            self._banned = self._banned.to(last.device)
+        chosen = choose_tokens(last, rows, self._banned)
+        for j, (row, (tok, lp)) in enumerate(zip(rows, chosen, strict=True)):
             row.tokens.append(tok)
             row.logprobs.append(lp)
             if topk is not None and (top := topk[j]) is not None:

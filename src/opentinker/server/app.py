@@ -40,7 +40,7 @@ from opentinker.server import (
     routes,
 )
 from opentinker.server.config import ServerConfig
-from opentinker.server.errors import ApiError, error_message
+from opentinker.server.errors import ApiError, error_message, image_format_refusal
 from opentinker.server.limits import BODY_KEY, BodyLimit
 from opentinker.server.refusals import note_refused
 from opentinker.server.state import Server
@@ -101,6 +101,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        if (message := image_format_refusal(exc.errors())) is not None:  # a gif ImageChunk: 400
+            await refused(request, 400)
+            return JSONResponse({"detail": message}, status_code=400)
         await refused(request, 422)
         return await request_validation_exception_handler(request, exc)
 

@@ -18,9 +18,9 @@ inside a checkpoint folder become the checkpoint's ``tinker://`` path, the data 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from opentinker.service import EngineError
 
@@ -134,3 +134,18 @@ def _hide(m: re.Match[str]) -> str:
     text = m.group(0)
     tail = len(text) - len(text.rstrip(".:"))  # sentence punctuation after the path stays
     return "<server path>" + text[len(text) - tail :]
+
+
+def image_format_refusal(errors: Sequence[Any]) -> str | None:
+    """For a JSON body refused by its schema (pydantic's ``errors()``) because an ``ImageChunk``
+    has a ``format`` other than png or jpeg: the 400's message naming the chunk and the format, as
+    the protobuf training body's check words it; else None (the schema's own 422 stands)."""
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "literal_error" and loc[-2:] == ("ImageChunk", "format"):
+            where = [str(x) for x in loc[:-2] if x != "body"]
+            if len(where) >= 2 and where[-2] == "chunks":  # prompt.chunks.1 -> prompt: chunk 1
+                where = [*where[:-2], f"chunk {where[-1]}"]
+            # worded as the engine's own refusal of a format (models/vision.py, decode_image)
+            return f"{': '.join(where)}: unsupported image format {err.get('input')!r}: send png or jpeg"
+    return None
