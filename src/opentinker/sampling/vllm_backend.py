@@ -32,6 +32,7 @@ from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResu
 from opentinker.sampling.vllm_engine import (
     DEFAULT_MAX_LORA_RANK,
     check_max_lora_rank,
+    check_tensor_parallel,
     import_vllm,
     start_engine,
 )
@@ -73,6 +74,7 @@ class VLLMBackend(SamplingBackend):
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
         lora: bool = True,
+        tensor_parallel: int = 1,
     ) -> None:
         """A vLLM engine over the HF model folder ``model_path`` (``base_model`` its canonical
         name, ``groups`` the LoRA target groups the adapters' tensors are stored by, as
@@ -81,7 +83,8 @@ class VLLMBackend(SamplingBackend):
         finished rows for the mismatch figures (None: not measured). ``multiprocessing``: run
         vLLM's engine core in a child process (then the caller's ``__main__`` must be guarded).
         ``kv_cache_bytes``: the KV cache's size (see :mod:`~opentinker.sampling.vllm_engine`). ``lora`` False: vLLM runs without runtime LoRA, serving the base model only (every
-        adapter refused, :data:`~opentinker.sampling.vllm_lora.NO_LORA_REASON`)."""
+        adapter refused, :data:`~opentinker.sampling.vllm_lora.NO_LORA_REASON`).
+        ``tensor_parallel``: vLLM's tensor-parallel size (:func:`~opentinker.sampling.vllm_engine.tensor_parallel_args`)."""
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
@@ -108,6 +111,7 @@ class VLLMBackend(SamplingBackend):
             seed=seed,
             engine_kwargs=engine_kwargs,
             lora=lora,
+            tensor_parallel=tensor_parallel,
         )
         self.loras = LoraTable(
             self.llm,
@@ -133,6 +137,7 @@ class VLLMBackend(SamplingBackend):
         from opentinker.sampling.native import _eos_ids
 
         kwargs.setdefault("dtype", dtype_name(engine.base.dtype))
+        check_tensor_parallel(kwargs.get("tensor_parallel", 1), engine.base.model.config)
         # a mixture-of-experts model: vLLM runs it without LoRA (vllm_lora.EXPERTS_REASON)
         kwargs.setdefault("lora", not any(g.experts for g in engine.lora.groups.values()))
 
