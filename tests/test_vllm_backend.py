@@ -117,10 +117,19 @@ def test_tensor_parallel_without_vllm_is_refused_at_start(
 pytest.importorskip("vllm")
 
 
-def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused(tmp_path: Path) -> None:
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The tiny model has 4 query and 2 key/value heads: 3 splits neither, 0 is no size; both are
     refused before vLLM starts, naming the heads (``serve`` loads its base models at start)."""
     from opentinker.engine import EngineError
+    from opentinker.server.main import serve
+
+    argv = ["--dev", "--base-model", TEST_MODEL, "--data-dir", str(tmp_path / "srv")]
+    assert serve([*argv, "--rollout-backend", "vllm", "--rollout-tensor-parallel", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "does not split this model's 4 attention heads" in err and "--shard-sampling group" in err
+    assert str(tmp_path) not in err
 
     for n, why in ((3, "does not split this model's 4 attention heads"), (0, "positive integer")):
         rt = Runtime(tmp_path / f"rt{n}", rollout_backend="vllm", rollout_tensor_parallel=n)
