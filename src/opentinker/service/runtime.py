@@ -169,11 +169,8 @@ class Runtime:
                     "training group (--shard-sampling group)"
                 )
             return dict(self.config.rollout_options)
-        return {
-            "max_lora_rank": self.config.vllm_max_lora_rank,
-            "tensor_parallel": tp,
-            **self.config.rollout_options,
-        }
+        rank = self.config.vllm_max_lora_rank
+        return {"max_lora_rank": rank, "tensor_parallel": tp, **self.config.rollout_options}
 
     def base_stack(self, base_model: str) -> BaseStack:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
