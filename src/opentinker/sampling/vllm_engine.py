@@ -118,6 +118,9 @@ def start_engine(
         return LLMEngine.from_engine_args(args, enable_multiprocessing=multiprocessing)
     except Exception as e:
         raise RuntimeError(f"vLLM could not start on {base_model}: {type(e).__name__}: {e}") from e
+    finally:  # the binding was this engine's (its workers are started): not the next engine's
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == _SET_BINDING.pop("value", None):
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 def unservable_reason(config: Any) -> str | None:
@@ -159,6 +162,9 @@ def check_tensor_parallel(n: Any, config: Any) -> None:
         )
 
 
+_SET_BINDING: dict[str, str] = {}  # the binding tensor_parallel_args set, removed once its engine started
+
+
 def tensor_parallel_args(n: int) -> dict[str, Any]:
     """vLLM's engine options for tensor parallelism ``n``: one process (``uni``) at 1, else ``n``
     worker processes (``mp``). On vLLM-CPU these bind their OpenMP threads to CPUs: its own
@@ -178,5 +184,6 @@ def tensor_parallel_args(n: int) -> dict[str, Any]:
             )
         per = len(cpus) // n
         lists = [cpus[i * per : (i + 1) * per] for i in range(n)]
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in lists)
+        binding = "|".join(",".join(map(str, c)) for c in lists)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _SET_BINDING["value"] = binding
     return {"distributed_executor_backend": "mp", "tensor_parallel_size": n}
