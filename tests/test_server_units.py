@@ -345,7 +345,7 @@ def test_every_runtime_setting_has_one_name_from_flag_to_runtime(tmp_path: Any) 
 
     flags = {a.dest: a.option_strings for a in build_parser()._actions}
     flagged = [f.name for f in dataclasses.fields(RuntimeConfig) if f.metadata.get("help")]
-    assert len(flagged) == 17
+    assert len(flagged) == 18
     for name in flagged:
         want = "--prefix-cache-mb" if name == "prefix_cache_bytes" else "--" + name.replace("_", "-")
         assert flags[name] == [want], name
@@ -356,13 +356,13 @@ def test_every_runtime_setting_has_one_name_from_flag_to_runtime(tmp_path: Any) 
     argv += ["--vllm-max-lora-rank", "8", "--ray", "--worker-cpus", "2", "--worker-gpus", "0.5"]
     argv += ["--trainer-workers", "2", "--data-parallel", "2", "--trainer-cpus", "0.5"]
     argv += ["--trainer-gpus", "0.25", "--placement-timeout", "7", "--auto-restore"]
-    argv += ["--shard-sampling", "front"]
+    argv += ["--shard-sampling", "front", "--rollout-tensor-parallel", "2"]
     got = config_from_args(build_parser().parse_args(argv)).runtime
     assert got == RuntimeConfig(
         device="cpu", dtype="float32", prefix_cache_bytes=8 << 20, rollout_workers=3,
         rollout_backend="native", vllm_max_lora_rank=8, ray="local", worker_cpus=2.0, worker_gpus=0.5,
         trainer_workers=2, data_parallel=2, trainer_cpus=0.5, trainer_gpus=0.25, placement_timeout=7.0,
-        auto_restore=True, shard_sampling="front",
+        auto_restore=True, shard_sampling="front", rollout_tensor_parallel=2,
     )  # fmt: skip
     defaults = config_from_args(build_parser().parse_args(argv[:2])).runtime
     assert defaults == RuntimeConfig()

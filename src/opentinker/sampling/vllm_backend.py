@@ -32,6 +32,7 @@ from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResu
 from opentinker.sampling.vllm_engine import (
     DEFAULT_MAX_LORA_RANK,
     check_max_lora_rank,
+    check_tensor_parallel,
     import_vllm,
     lora_unsupported_reason,
     start_engine,
@@ -74,6 +75,7 @@ class VLLMBackend(SamplingBackend):
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
         no_lora: str | None = None,
+        tensor_parallel: int = 1,
     ) -> None:
         """A vLLM engine over the HF model folder ``model_path`` (``base_model`` its canonical
         name, ``groups`` the LoRA target groups the adapters' tensors are stored by, as
@@ -83,7 +85,8 @@ class VLLMBackend(SamplingBackend):
         vLLM's engine core in a child process (then the caller's ``__main__`` must be guarded).
         ``kv_cache_bytes``: the KV cache's size (see :mod:`~opentinker.sampling.vllm_engine`). ``no_lora``: why vLLM runs without runtime LoRA, serving the base model only (every
         adapter refused with it, e.g. :data:`~opentinker.sampling.vllm_lora.NO_LORA_REASON`); None:
-        with LoRA."""
+        with LoRA. ``tensor_parallel``: vLLM's tensor-parallel size
+        (:func:`~opentinker.sampling.vllm_engine.tensor_parallel_args`)."""
         vllm = import_vllm()
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
 
@@ -110,6 +113,7 @@ class VLLMBackend(SamplingBackend):
             seed=seed,
             engine_kwargs=engine_kwargs,
             lora=no_lora is None,
+            tensor_parallel=tensor_parallel,
         )
         self.loras = LoraTable(
             self.llm,
@@ -135,6 +139,7 @@ class VLLMBackend(SamplingBackend):
         from opentinker.sampling.native import _eos_ids
 
         kwargs.setdefault("dtype", dtype_name(engine.base.dtype))
+        check_tensor_parallel(kwargs.get("tensor_parallel", 1), engine.base.model.config)
         kwargs.setdefault("no_lora", _no_lora(engine))
 
         def resolve(policy: str) -> LoRAWeights:

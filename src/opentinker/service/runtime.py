@@ -158,9 +158,19 @@ class Runtime:
         """The keywords of the vLLM backend: ``vllm_max_lora_rank`` and ``rollout_options``."""
         if "max_lora_rank" in self.config.rollout_options:
             raise ValueError("set vllm_max_lora_rank, not rollout_options['max_lora_rank']")
+        if "tensor_parallel" in self.config.rollout_options:
+            raise ValueError("set rollout_tensor_parallel, not rollout_options['tensor_parallel']")
+        tp = self.config.rollout_tensor_parallel
         if self.config.rollout_backend != "vllm":
+            if tp != 1:
+                raise ValueError(
+                    f"rollout_tensor_parallel {tp} needs rollout_backend 'vllm' (vLLM's tensor "
+                    "parallelism); to split the native sampler over devices, shard it over the "
+                    "training group (--shard-sampling group)"
+                )
             return dict(self.config.rollout_options)
-        return {"max_lora_rank": self.config.vllm_max_lora_rank, **self.config.rollout_options}
+        rank = self.config.vllm_max_lora_rank
+        return {"max_lora_rank": rank, "tensor_parallel": tp, **self.config.rollout_options}
 
     def base_stack(self, base_model: str) -> BaseStack:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
