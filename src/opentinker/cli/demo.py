@@ -1,7 +1,7 @@
 """The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
-Each adapter gets questions from the same pool but its own objective: reply in about 1, 3, 9 or
-27 words, on the question's topic (the ``reply_length`` task: a dense reward on the ratio of words
+Each adapter gets questions from the same pool but its own objective: reply in about 2, 5, 12 or
+30 words, on the question's topic (the ``reply_length`` task: a dense reward on the ratio of words
 to target, 0 for a reply off topic), with a per-token KL penalty to the base model
 (:data:`KL_COEF`) that keeps the replies in the base model's language. All of them
 sample in one mixed batch and train in one fused forward/backward per scheduler tick, through
@@ -33,17 +33,17 @@ from typing import Any
 
 from tinker import types
 
-# a factor 3 apart: a reply on one target earns < 0.3 for its neighbours, and each adapter's
-# "nearest" band spans a factor 3 (sqrt 3 either side). At 2 / 5 / 12 / 30 (a factor 2.5) the
-# 5-word adapter overshot to 3.2 words, into the 2-word one's band, in one of the runs.
-TARGETS = (1, 3, 9, 27)
-# SmolLM2 writes ~1.3 tokens a word: 27 words fit in ~36 tokens, and a reply cut at 64 tokens
-# (~49 words, reward 0) is nearly twice the largest target, so the cut does not push the 27-word
+# about a factor 2.5 apart: each adapter's "nearest" band spans that factor. With the topic check
+# and the KL penalty, 1 / 3 / 9 / 27 separated one seed of three at 24 steps: an on-topic 1-word
+# reply is the topic word alone, slow to learn (3.5 and 4.8 held-out words on seeds 1 and 2), and
+# the 3-word adapter broke at lr 1.5e-3. 2 / 5 / 12 / 30 at 30 steps separated 3 of 3 seeds.
+TARGETS = (2, 5, 12, 30)
+# SmolLM2 writes ~1.3 tokens a word: 30 words fit in ~40 tokens, and a reply cut at 64 tokens
+# (~49 words, reward 0) is over 1.6 times the largest target, so the cut does not push the 30-word
 # adapter towards shorter replies.
 MAX_TOKENS = 64
-# an on-topic 1-word reply takes longer to learn than any 1-word reply: at 18 steps the 1-word
-# adapter was still falling (2.3 held-out words, nearest 3); at 24 it was at 1.3
-STEPS = 24
+# the shortest adapter converges last: at 24 steps it was often still falling
+STEPS = 30
 RANK = 8
 LR = 1e-3
 # per token, on the sampler's log-ratio to the base: the replies stayed in the base model's English
