@@ -182,7 +182,14 @@ def unservable_reason(config: Any, dtype: str = "float32") -> str | None:
         return (
             f"vLLM-CPU's attention takes head sizes {', '.join(map(str, sizes))}, not this model's {head_dim}"
         )
-    if "linear_attention" in (getattr(text, "layer_types", None) or []) and dtype != "bfloat16":
+    # Gated DeltaNet (Qwen3-Next, Qwen3.5): its linear-attention layers have value heads; a Mamba2
+    # hybrid (Nemotron-H) also names its SSM layers "linear_attention" and runs in fp32
+    gated_deltanet = hasattr(text, "linear_num_value_heads")
+    if (
+        gated_deltanet
+        and "linear_attention" in (getattr(text, "layer_types", None) or [])
+        and dtype != "bfloat16"
+    ):
         return f"vLLM-CPU's Gated DeltaNet layers run in bfloat16 only, not {dtype}"
     return None
 
