@@ -109,11 +109,12 @@ def main() -> None:
 
 def worker_mode(args: argparse.Namespace) -> None:
     from opentinker.workers.pool import WorkerPool
+    from opentinker.workers.wire import WorkerOptions
 
     torch.manual_seed(0)
     engine = Engine(load_base_model(args.model))
     pin = NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0).decoder(snapshots_only=True).pin
-    pool = WorkerPool(engine, pin, 1, base_model=args.model, prefix_cache_bytes=0)
+    pool = WorkerPool(engine, pin, 1, WorkerOptions(args.model, prefix_cache_bytes=0))
     try:
         aid = engine.create_adapter(LoRAConfig(rank=args.rank, seed=0))
         g = torch.Generator().manual_seed(0)

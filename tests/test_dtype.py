@@ -19,6 +19,7 @@ from opentinker.models import BaseModel, load_base_model
 from opentinker.models import dtype as dtypes
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.service.runtime import Runtime
+from opentinker.workers.wire import WorkerOptions
 from opentinker.workers.worker import WorkerCore
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import (
@@ -191,7 +192,7 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
     if rt.dtype != "bfloat16":
         pytest.skip("this CPU has no native bf16: the runtime fell back to float32")
     assert rt.base_stack(TEST_MODEL).engine.base.dtype == torch.bfloat16
-    core = WorkerCore(0, TEST_MODEL, dtype=rt.dtype, prefix_cache_bytes=0)
+    core = WorkerCore(0, WorkerOptions(TEST_MODEL, dtype=rt.dtype, prefix_cache_bytes=0))
     assert core.engine.base.dtype == torch.bfloat16
     from opentinker.cluster.trainer_worker import TrainerWorker  # a Ray trainer worker's body
 
@@ -201,7 +202,7 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
 
     class Pool:  # what the runtime hands a rollout worker pool (its workers' WorkerCore options)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            captured.update(kwargs)
+            captured.update(options=args[3])
 
     import opentinker.service.scaleout as scaleout
 
@@ -211,7 +212,7 @@ def test_the_runtime_and_its_workers_load_the_base_at_its_dtype(tmp_path: Any) -
         rt.scaleout.rollout_pool(rt.base_stack(TEST_MODEL).engine, TEST_MODEL)
     finally:
         scaleout.WorkerPool = pool  # type: ignore[misc]
-    assert captured["dtype"] == "bfloat16"
+    assert captured["options"].dtype == "bfloat16"
 
 
 def test_vllm_is_started_at_the_engines_dtype(bf16_engine: Engine) -> None:

@@ -42,7 +42,7 @@ from opentinker.server.local import LocalServer, free_port  # noqa: E402
 from opentinker.service.runtime import Runtime  # noqa: E402
 from opentinker.workers.pool import WorkerPool  # noqa: E402
 from opentinker.workers.process import WorkerStartError  # noqa: E402
-from opentinker.workers.wire import to_bytes  # noqa: E402
+from opentinker.workers.wire import WorkerOptions, to_bytes  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 from tests.test_rollout_workers import Served as ProcessServed  # noqa: E402
 from tests.test_rollout_workers import _probe, _requests, _same, _same_up_to_near_ties, _wait  # noqa: E402
@@ -255,9 +255,7 @@ def test_an_actor_that_cannot_start_fails_the_pool_naming_it(engine: Engine) -> 
             engine,
             pin,
             1,
-            base_model=TEST_MODEL,
-            backend="no-such-backend",
-            max_rank=engine.max_rank,
+            WorkerOptions(TEST_MODEL, backend="no-such-backend", max_rank=engine.max_rank),
             transport=RayTransport(CPUS),
         )
     _wait(lambda: _actors() == actors)

@@ -38,6 +38,7 @@ from opentinker.server.local import free_port  # noqa: E402
 from opentinker.service.runtime import Runtime  # noqa: E402
 from opentinker.workers.pool import WorkerPool  # noqa: E402
 from opentinker.workers.process import WorkerStartError  # noqa: E402
+from opentinker.workers.wire import WorkerOptions  # noqa: E402
 from tests.conftest import TEST_MODEL  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Ray instances, a serve process, actors loading the base model
@@ -136,8 +137,7 @@ def test_a_rollout_worker_still_unplaced_after_the_timeout_fails_the_pool_naming
             engine,
             pin,
             2,
-            base_model=TEST_MODEL,
-            max_rank=engine.max_rank,
+            WorkerOptions(TEST_MODEL, max_rank=engine.max_rank),
             transport=RayTransport(2.0, placement_timeout=PLACEMENT),
         )
     _wait(lambda: not _actors() and ray.available_resources().get("CPU", 0.0) == 2.0)

@@ -31,7 +31,16 @@ from opentinker.server.local import LocalServer
 from opentinker.service.runtime import Runtime
 from opentinker.workers.pool import WorkerPool
 from opentinker.workers.process import WorkerStartError
-from opentinker.workers.wire import Cancel, LoRABytes, Publish, Published, Sample, from_bytes, to_bytes
+from opentinker.workers.wire import (
+    Cancel,
+    LoRABytes,
+    Publish,
+    Published,
+    Sample,
+    WorkerOptions,
+    from_bytes,
+    to_bytes,
+)
 from opentinker.workers.worker import WorkerCore
 from tests.conftest import TEST_MODEL, make_examples
 from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
@@ -290,7 +299,9 @@ def test_a_worker_that_cannot_start_fails_at_start_up_naming_it(tmp_path: Path, 
         WorkerStartError,
         match=r"rollout worker 0 could not start: .*unknown rollout backend 'no-such-backend'",
     ):
-        WorkerPool(engine, pin, 1, base_model=TEST_MODEL, backend="no-such-backend", max_rank=engine.max_rank)
+        WorkerPool(
+            engine, pin, 1, WorkerOptions(TEST_MODEL, backend="no-such-backend", max_rank=engine.max_rank)
+        )
     assert time.monotonic() - t < 120
 
 
@@ -298,7 +309,7 @@ def test_worker_core_publishes_whole_snapshots_and_cancels_waiting_requests(
     served: Served, snaps: list[str | None]
 ) -> None:
     """The transport-agnostic core, driven by messages in this process."""
-    core = WorkerCore(7, TEST_MODEL, prefix_cache_bytes=0)
+    core = WorkerCore(7, WorkerOptions(TEST_MODEL, prefix_cache_bytes=0))
     cfg, data = to_bytes(served.engine.adapter_weights(snaps[0]))
     assert core.handle(Publish("s#1", LoRABytes(cfg, data))) == [Published("s#1")]
     req = SampleRequest("s#1", [1, 5, 9, 20, 7], GREEDY)
@@ -351,7 +362,7 @@ def test_a_handoff_cut_by_a_dying_worker_is_sent_again(
 def test_a_torn_snapshot_payload_is_never_registered(served: Served, snaps: list[str | None]) -> None:
     """Bytes that are not a whole snapshot are refused before anything is registered, so no request
     can run on part of one; the whole payload sent afterwards serves."""
-    core = WorkerCore(8, TEST_MODEL, prefix_cache_bytes=0)
+    core = WorkerCore(8, WorkerOptions(TEST_MODEL, prefix_cache_bytes=0))
     cfg, data = to_bytes(served.engine.adapter_weights(snaps[1]))
     with pytest.raises(EngineError, match="snapshot 's#2' arrived incomplete"):
         core.handle(Publish("s#2", LoRABytes(cfg, data[: len(data) // 2])))

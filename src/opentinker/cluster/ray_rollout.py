@@ -29,6 +29,7 @@ start-up timeout, is killed, its worker's start failing with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -54,7 +55,17 @@ from opentinker.cluster.ray_env import (
 )
 from opentinker.lora import LoRAWeights
 from opentinker.workers.process import WorkerDied, WorkerStartError
-from opentinker.workers.wire import Done, Inbound, LoRABytes, Outbound, Publish, Ready, Stop, to_bytes
+from opentinker.workers.wire import (
+    Done,
+    Inbound,
+    LoRABytes,
+    Outbound,
+    Publish,
+    Ready,
+    Stop,
+    WorkerOptions,
+    to_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +77,13 @@ ACTOR_THREADS = 4  # the actor's method threads: sends, polls and the handshake 
 class RolloutActor:
     """A rollout worker inside a Ray actor (see the module docstring)."""
 
-    def __init__(self, index: int, options: dict[str, Any]) -> None:
+    def __init__(self, index: int, options: WorkerOptions) -> None:
         import torch
 
         from opentinker.workers.worker import WorkerCore
 
-        options = dict(options)
-        torch.set_num_threads(int(options.pop("threads", None) or 1))
-        self.core = WorkerCore(index, **options)
+        torch.set_num_threads(int(options.threads or 1))
+        self.core = WorkerCore(index, options)
         self._cv = threading.Condition()
         self._inbox: list[Inbound] = []
         self._early: dict[int, list[Inbound]] = {}  # sends that overtook an earlier one
@@ -186,10 +196,9 @@ class RayTransport:
         self.generation = itertools.count()
         self.puts = 0  # snapshots put in the object store
 
-    def worker(self, index: int, options: dict[str, Any], startup_timeout: float) -> RayWorker:
-        options = {**options, "threads": max(1, int(self.cpus))}
-        if self.gpus > 0:
-            options["device"] = "cuda"
+    def worker(self, index: int, options: WorkerOptions, startup_timeout: float) -> RayWorker:
+        device = "cuda" if self.gpus > 0 else options.device
+        options = dataclasses.replace(options, threads=max(1, int(self.cpus)), device=device)
         return RayWorker(index, options, self, startup_timeout)
 
     def payload(self, weights: LoRAWeights) -> LoRABytes:
@@ -205,7 +214,7 @@ class RayWorker:
     """The pool's handle on one rollout actor (see the module docstring)."""
 
     def __init__(
-        self, index: int, options: dict[str, Any], transport: RayTransport, startup_timeout: float
+        self, index: int, options: WorkerOptions, transport: RayTransport, startup_timeout: float
     ) -> None:
         self.index = index
         self.options = options

@@ -31,6 +31,7 @@ from opentinker.sampling import SamplingBackend
 from opentinker.sampling.loop import SamplingService
 from opentinker.scheduler import Scheduler
 from opentinker.workers.pool import WorkerPool
+from opentinker.workers.wire import WorkerOptions
 
 if TYPE_CHECKING:
     from opentinker.cluster.trainer_router import RoutedScheduler
@@ -252,12 +253,14 @@ class ScaleOut:
             engine,
             pin,
             self.rollout_workers,
-            base_model=name,
-            backend=self.config.rollout_backend,
-            device=self.config.device,
-            dtype=self.dtype,
-            max_rank=self.config.max_rank,
-            prefix_cache_bytes=self.config.prefix_cache_bytes,
+            WorkerOptions(
+                base_model=name,
+                backend=self.config.rollout_backend,
+                device=self.config.device,
+                dtype=self.dtype,
+                max_rank=self.config.max_rank,
+                prefix_cache_bytes=self.config.prefix_cache_bytes,
+            ),
             startup_timeout=self.worker_startup_timeout,
             transport=self.transport(),
         )

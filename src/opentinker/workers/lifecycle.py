@@ -23,12 +23,11 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
 
 from opentinker.workers.process import WorkerStartError
 from opentinker.workers.slots import Req, Slot, start_all
 from opentinker.workers.transport import Transport, WorkerHandle
-from opentinker.workers.wire import Ready, Rows
+from opentinker.workers.wire import Ready, Rows, WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class WorkerLifecycle:
     """The worker half of :class:`~opentinker.workers.pool.WorkerPool` (module docstring)."""
 
     transport: Transport
-    options: dict[str, Any]
+    options: WorkerOptions
     startup_timeout: float
     ready: list[Ready]
     _lock: threading.RLock
@@ -110,9 +109,7 @@ class WorkerLifecycle:
         self.transport.check_capacity(n)
         with self._lock:
             first = len(self._slots)
-        handles = [
-            self.transport.worker(first + i, dict(self.options), self.startup_timeout) for i in range(n)
-        ]
+        handles = [self.transport.worker(first + i, self.options, self.startup_timeout) for i in range(n)]
         self.ready += start_all(handles)
         with self._lock:
             if self._stopped:
@@ -202,7 +199,7 @@ class WorkerLifecycle:
                 return
             with self._lock:
                 slot.state = "starting"
-            handle = self.transport.worker(slot.index, dict(self.options), self.startup_timeout)
+            handle = self.transport.worker(slot.index, self.options, self.startup_timeout)
             try:
                 handle.start()
             except WorkerStartError as e:

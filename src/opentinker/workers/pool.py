@@ -83,6 +83,7 @@ from opentinker.workers.wire import (
     Rows,
     Sample,
     Tokens,
+    WorkerOptions,
 )
 
 log = logging.getLogger(__name__)
@@ -99,15 +100,8 @@ class WorkerPool(WorkerLifecycle):
         engine: Engine,
         pin: Callable[[SampleRequest], Pinned],
         workers: int,
+        options: WorkerOptions,
         *,
-        base_model: str,
-        backend: str = "native",
-        device: str = "cpu",
-        dtype: str = "float32",
-        max_rank: int = 128,
-        prefix_cache_bytes: int = 512 << 20,
-        max_rows: int = 256,
-        threads: int | None = None,
         startup_timeout: float = 300.0,
         transport: Transport | None = None,
     ) -> None:
@@ -122,20 +116,10 @@ class WorkerPool(WorkerLifecycle):
         self.transport.check_capacity(workers)
         self.engine = engine
         self.pin = pin
-        self.max_rows = max_rows
+        self.max_rows = options.max_rows
         self.startup_timeout = startup_timeout
-        self.options: dict[str, Any] = dict(
-            base_model=base_model,
-            backend=backend,
-            device=device,
-            dtype=dtype,  # the trainer's: its snapshots' logprobs must mean the same there
-            max_rank=max_rank,
-            prefix_cache_bytes=prefix_cache_bytes,
-            max_rows=max_rows,
-        )
-        if threads:
-            self.options["threads"] = threads
-        self.prefix_routing = prefix_cache_bytes > 0
+        self.options = options
+        self.prefix_routing = options.prefix_cache_bytes > 0
         self._lock = threading.RLock()
         self._slots: list[Slot] = []
         self._inbox: deque[Req] = deque()
@@ -153,7 +137,7 @@ class WorkerPool(WorkerLifecycle):
         self._scaling = threading.Lock()  # one scale at a time
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self.ready: list[Ready] = []
-        handles = [self.transport.worker(i, dict(self.options), startup_timeout) for i in range(workers)]
+        handles = [self.transport.worker(i, self.options, startup_timeout) for i in range(workers)]
         self.ready = start_all(handles)
         self._slots = [Slot(i, h, "ready") for i, h in enumerate(handles)]
         self._thread = threading.Thread(target=self._loop, name="opentinker-rollout-pool", daemon=True)

@@ -23,7 +23,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from opentinker.workers.wire import Failed, Inbound, Outbound, Ready, Stop
+from opentinker.workers.wire import Failed, Inbound, Outbound, Ready, Stop, WorkerOptions
 
 
 class WorkerStartError(RuntimeError):
@@ -37,7 +37,7 @@ class WorkerDied(RuntimeError):
 class ProcessWorker:
     """The pool's handle on one worker process (see the module docstring)."""
 
-    def __init__(self, index: int, options: dict[str, Any], *, startup_timeout: float = 300.0) -> None:
+    def __init__(self, index: int, options: WorkerOptions, *, startup_timeout: float = 300.0) -> None:
         self.index = index
         self.options = options
         self.startup_timeout = startup_timeout
@@ -137,17 +137,16 @@ class ProcessWorker:
             self.conn = None
 
 
-def worker_main(index: int, options: dict[str, Any], conn: Connection) -> None:
+def worker_main(index: int, options: WorkerOptions, conn: Connection) -> None:
     """The worker process: handshake, then serve messages until :class:`Stop` or the pipe closes."""
     try:
-        threads = options.pop("threads", None)
-        if threads:
+        if options.threads:
             import torch
 
-            torch.set_num_threads(int(threads))
+            torch.set_num_threads(int(options.threads))
         from opentinker.workers.worker import WorkerCore
 
-        core = WorkerCore(index, **options)
+        core = WorkerCore(index, options)
     except BaseException as e:  # the handshake carries the cause; the pool raises it
         reason = f"{type(e).__name__}: {e}"
         if os.environ.get("OPENTINKER_DEBUG"):

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from opentinker.lora import LoRAWeights
 from opentinker.workers.process import ProcessWorker
-from opentinker.workers.wire import Inbound, LoRABytes, Outbound, Ready, to_bytes
+from opentinker.workers.wire import Inbound, LoRABytes, Outbound, Ready, WorkerOptions, to_bytes
 
 
 class WorkerHandle(Protocol):
@@ -51,7 +51,7 @@ class WorkerHandle(Protocol):
 class Transport(Protocol):
     name: str
 
-    def worker(self, index: int, options: dict[str, Any], startup_timeout: float) -> WorkerHandle:
+    def worker(self, index: int, options: WorkerOptions, startup_timeout: float) -> WorkerHandle:
         """A handle on worker ``index`` (not started)."""
         ...
 
@@ -70,7 +70,7 @@ class ProcessTransport:
 
     name = "process"
 
-    def worker(self, index: int, options: dict[str, Any], startup_timeout: float) -> WorkerHandle:
+    def worker(self, index: int, options: WorkerOptions, startup_timeout: float) -> WorkerHandle:
         return ProcessWorker(index, options, startup_timeout=startup_timeout)
 
     def payload(self, weights: LoRAWeights) -> LoRABytes:

@@ -60,6 +60,22 @@ class LoRABytes(NamedTuple):
 
 
 @dataclass(frozen=True)
+class WorkerOptions:
+    """What each worker of a pool is started with (the same for every worker; it travels to a
+    process or an actor as is). ``dtype`` is the trainer's: its snapshots' logprobs must mean the
+    same there. ``threads``: torch's intra-op threads in the worker (None: torch's default)."""
+
+    base_model: str
+    backend: str = "native"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_rank: int = 128
+    prefix_cache_bytes: int = 512 << 20
+    max_rows: int = 256
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
 class Cancel:
     """Drop request ``rid`` if it has not been admitted (answered by a :class:`Done` with
     :class:`~opentinker.sampling.loop.SampleCancelled`); an admitted one runs on."""

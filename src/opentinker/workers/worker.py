@@ -37,6 +37,7 @@ from opentinker.workers.wire import (
     Retire,
     Rows,
     Sample,
+    WorkerOptions,
     from_bytes,
 )
 
@@ -44,26 +45,16 @@ BACKENDS = ("native",)  # the rollout backends a worker can run
 
 
 class WorkerCore:
-    def __init__(
-        self,
-        worker: int,
-        base_model: str,
-        *,
-        backend: str = "native",
-        device: str = "cpu",
-        dtype: str = "float32",
-        max_rank: int = 128,
-        prefix_cache_bytes: int = 512 << 20,
-        max_rows: int = 256,
-    ) -> None:
-        if backend not in BACKENDS:
-            raise EngineError(f"unknown rollout backend {backend!r} (known: {', '.join(BACKENDS)})")
+    def __init__(self, worker: int, options: WorkerOptions) -> None:
+        o = options
+        if o.backend not in BACKENDS:
+            raise EngineError(f"unknown rollout backend {o.backend!r} (known: {', '.join(BACKENDS)})")
         t = time.perf_counter()
         self.worker = worker
-        base = load_base_model(base_model, dtype=dtype, device=device)
-        self.engine = Engine(base, max_rank=max_rank, device=device)
-        self.backend = NativeBackend(self.engine, prefix_cache_bytes=prefix_cache_bytes)
-        self.core = SamplingCore(self.backend.decoder(), self.backend, max_rows=max_rows)
+        base = load_base_model(o.base_model, dtype=o.dtype, device=o.device)
+        self.engine = Engine(base, max_rank=o.max_rank, device=o.device)
+        self.backend = NativeBackend(self.engine, prefix_cache_bytes=o.prefix_cache_bytes)
+        self.core = SamplingCore(self.backend.decoder(), self.backend, max_rows=o.max_rows)
         self.load_s = time.perf_counter() - t
         self._rows = Rows(0, 0, 0, 0)  # what the pool was last told of the running batch
 
