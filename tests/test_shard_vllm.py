@@ -34,7 +34,7 @@ def test_a_sharded_base_on_vllm_needs_front_and_a_family_vllm_cannot_serve_is_re
     from tests.families import family_model
 
     with pytest.raises(
-        ValueError, match=r"rollout_backend='vllm' samples elsewhere: give shard_sampling='front'"
+        ValueError, match=r"rollout_backend='vllm' samples on vLLM's own copy .* give shard_sampling='front'"
     ):
         Runtime(tmp_path / "rt", trainer_workers=2, shard_base=2, rollout_backend="vllm")
     # a family vLLM-CPU cannot run (qwen3_moe, head_dim 8): the front-end has no copy to fall back on

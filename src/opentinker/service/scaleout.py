@@ -197,16 +197,16 @@ class ScaleOut:
             else None
         )
         if other is not None:
+            where = (
+                "vLLM's own copy of the base (tensor-parallel with rollout_tensor_parallel; the "
+                "front-end then holds none)"
+                if other.startswith("rollout_backend")
+                else "whole copies of the base"
+            )
             raise ValueError(
                 f"a sharded base samples on its group (shard_sampling='group', the default with "
-                f"shard_base), but {other} samples elsewhere: give shard_sampling='front' "
+                f"shard_base), but {other} samples on {where}: give shard_sampling='front' "
                 "(--shard-sampling front) for that"
-                + (
-                    " (vLLM loads its own copy of the base, tensor-parallel with "
-                    "rollout_tensor_parallel; the front-end holds none)"
-                    if other.startswith("rollout_backend")
-                    else " (whole copies of the base)"
-                )
             )
         return True
 
