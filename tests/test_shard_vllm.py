@@ -1,5 +1,5 @@
 """A sharded base (``shard_base=2``) sampled by vLLM (``rollout_backend="vllm"``,
-``shard_sampling="front"``): the group trains, vLLM loads its own copy of the base and samples,
+``shard_sampling="front"``, tensor-parallel over 2): the group trains, vLLM loads its own copy of the base and samples,
 and the front-end's base stays on the meta device (no weight of it loaded there). What would need
 the front-end's weights (the native fallback for a family or snapshot vLLM cannot serve, prompt
 logprobs) is refused with a reason naming ``shard_sampling='group'``, never run on meta tensors.
@@ -53,7 +53,7 @@ def test_vllm_samples_a_sharded_base_with_no_weight_on_the_front_end(tmp_path: P
     ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
     rt = Runtime(
         tmp_path, trainer_workers=2, shard_base=2, trainer_cpus=0.5, rollout_backend="vllm",
-        shard_sampling="front", max_rank=16, rollout_options={"kv_cache_bytes": 1 << 28, "max_loras": 2},
+        shard_sampling="front", rollout_tensor_parallel=2, max_rank=16, rollout_options={"kv_cache_bytes": 1 << 28, "max_loras": 2},
     )  # fmt: skip
     try:
         client = opentinker.ServiceClient(runtime=rt)
