@@ -1,6 +1,7 @@
 """A sharded base (``shard_base=2``) sampled by vLLM (``rollout_backend="vllm"``,
-``shard_sampling="front"``, tensor-parallel over 2): the group trains, vLLM loads its own copy of the base and samples,
-and the front-end's base stays on the meta device (no weight of it loaded there). What would need
+``shard_sampling="front"``, tensor-parallel over 2): the group trains, vLLM loads its own copy of
+the base and samples, and the front-end's base stays on the meta device (no weight of it loaded
+there). What would need
 the front-end's weights (the native fallback for a family or snapshot vLLM cannot serve, prompt
 logprobs) is refused with a reason naming ``shard_sampling='group'``, never run on meta tensors.
 
