@@ -51,9 +51,14 @@ class Placement:
 
 
 class RoutedBackend(SamplingBackend):
-    def __init__(self, vllm: VLLMBackend | None, native: NativeBackend, *, vllm_off: str = "") -> None:
+    def __init__(
+        self, vllm: VLLMBackend | None, native: NativeBackend, *, vllm_off: str = "", native_off: str = ""
+    ) -> None:
         """``vllm`` and ``native`` over one training engine (``native.engine``); ``vllm`` None:
-        vLLM cannot run this base model at all (``vllm_off`` says why), so everything is native."""
+        vLLM cannot run this base model at all (``vllm_off`` says why), so everything is native.
+        ``native_off``: why the native backend cannot sample here (the engine holds no weights:
+        :data:`WEIGHTLESS`), so a snapshot vLLM cannot serve is refused, not sampled natively."""
+        self.native_off = native_off
         self.vllm = vllm
         self.native = native
         self.engine = native.engine
@@ -78,10 +83,31 @@ class RoutedBackend(SamplingBackend):
         )
         dtype = vllm_kwargs.get("dtype") or dtype_name(engine.base.dtype)  # vLLM's, as for_engine sets it
         off = unservable_reason(engine.base.model.config, dtype)
+        if weightless(engine):
+            return cls._weightless(engine, native, off, vllm_kwargs)
         if off is not None:
             log.warning("vLLM not started for %s; sampling natively: %s", engine.base.name, off)
             return cls(None, native, vllm_off=off)
         return cls(VLLMBackend.for_engine(engine, **vllm_kwargs), native)
+
+    @classmethod
+    def _weightless(
+        cls, engine: Engine, native: NativeBackend, off: str | None, vllm_kwargs: dict[str, Any]
+    ) -> RoutedBackend:
+        """vLLM alone over ``engine``, whose base is on the meta device (a sharded base: no whole
+        copy on the front-end): ``ValueError`` where the native fallback would be needed for every
+        snapshot. vLLM scores nothing against the engine's forward (it has none here)."""
+        from opentinker.sampling.vllm_backend import _no_lora
+
+        why = off if off is not None else _no_lora(engine)
+        if why is not None:
+            family = engine.base.model.config.model_type
+            raise ValueError(
+                f"{engine.base.name} ({family}) cannot be sampled by vLLM here: {why}; "
+                f"{WEIGHTLESS}: serve it with shard_sampling='group' (--shard-sampling group)"
+            )
+        vllm = VLLMBackend.for_engine(engine, measure_mismatch=False, engine_forward=False, **vllm_kwargs)
+        return cls(vllm, native, native_off=WEIGHTLESS)
 
     # ---------------------------------------------------------------- placement
     def refusal(self, weights: LoRAWeights) -> str | None:
@@ -111,6 +137,11 @@ class RoutedBackend(SamplingBackend):
             reason = self.refusal(weights)
             if reason is None:
                 p = Placement(policy_id, weights.uid, VLLM, "vLLM's runtime LoRA serves it")
+            elif self.native_off:
+                raise EngineError(
+                    f"snapshot {policy_id!r} {reason}, and {self.native_off}: train it with "
+                    "what vLLM serves, or serve with shard_sampling='group' (--shard-sampling group)"
+                )
             else:
                 p = Placement(policy_id, weights.uid, NATIVE, f"vLLM cannot serve it: it {reason}")
                 log.info("snapshot %s samples natively: %s", policy_id, p.reason)
@@ -207,6 +238,17 @@ class RoutedDecoder:
 
 
 ROLLOUT_BACKENDS = ("native", "vllm")
+
+# why the native fallback is off where the engine's base is on the meta device
+WEIGHTLESS = (
+    "the base is sharded (shard_base) and sampled by vLLM, so the front-end holds no copy of it "
+    "for the native sampler"
+)
+
+
+def weightless(engine: Engine) -> bool:
+    """Whether ``engine``'s base model is on the meta device (no weights: a sharded base's front-end)."""
+    return any(p.is_meta for p in engine.base.model.parameters())
 
 
 def check_rollout_options(

@@ -130,9 +130,12 @@ class VLLMBackend(SamplingBackend):
         self.mismatch_total = Mismatch()
 
     @classmethod
-    def for_engine(cls, engine: Engine, *, measure_mismatch: bool = True, **kwargs: Any) -> VLLMBackend:
+    def for_engine(
+        cls, engine: Engine, *, measure_mismatch: bool = True, engine_forward: bool = True, **kwargs: Any
+    ) -> VLLMBackend:
         """A vLLM backend over the training engine's base model: requests name the engine's
-        snapshots (published on first use), and the engine's forward scores the mismatch. vLLM
+        snapshots (published on first use), and the engine's forward scores the mismatch and the
+        prompt logprobs (``engine_forward`` False: neither, the engine holding no weights). vLLM
         loads the base in the engine's dtype unless ``dtype`` is given (a bf16 trainer sampled
         by an fp32 vLLM, or the reverse, would mismatch by far more than either's rounding)."""
         from opentinker.models.dtype import dtype_name
@@ -158,8 +161,8 @@ class VLLMBackend(SamplingBackend):
             vocab_size=engine.vocab_size,
             eos_ids=_eos_ids(engine),
             resolve=resolve,
-            trainer=engine_logprobs(engine) if measure_mismatch else None,
-            prompt_scorer=engine_prompt_logprobs(engine),
+            trainer=engine_logprobs(engine) if measure_mismatch and engine_forward else None,
+            prompt_scorer=engine_prompt_logprobs(engine) if engine_forward else None,
             **kwargs,
         )
 

@@ -39,7 +39,11 @@ def fill_prompt_logprobs(job: Job, scorer: PromptLogprobs | None) -> None:
     """Give ``job`` the prompt logprobs its request asks for, from ``scorer``."""
     req = job.pinned.req
     if scorer is None:
-        raise EngineError("prompt logprobs need the training engine's forward (VLLMBackend.for_engine)")
+        raise EngineError(
+            "prompt logprobs (and compute_logprobs) need the training engine's forward, which this "
+            "vLLM sampler does not have (a sharded base sampled by vLLM holds no weights on the "
+            "front-end); serve with shard_sampling='group' (--shard-sampling group) for them"
+        )
     [(lps, tops)] = scorer([(job.pinned.weights, req.prompt, req.topk_prompt_logprobs)])
     if req.prompt_logprobs:
         job.prompt_logprobs = lps

@@ -154,7 +154,8 @@ class RuntimeConfig:
         "group",
         "where a sharded base (--shard-base K) samples: on its group, no whole copy of the base "
         "anywhere (group; slow: every layer gathered for every forward), or on the front-end's "
-        "whole copy or --rollout-workers (front; the base must fit one device)",
+        "whole copy or --rollout-workers (front; the base must fit one device), or with "
+        "--rollout-backend vllm on vLLM's own copy, the front-end holding none (front)",
         choices=("group", "front"),
     )
     trainer_cpus: float = setting(1.0, "CPUs of each trainer worker (Ray)", type=non_negative_float)

@@ -198,18 +198,25 @@ class ScaleOut:
             else None
         )
         if other is not None:
+            where = (
+                "vLLM's own copy of the base (tensor-parallel with rollout_tensor_parallel; the "
+                "front-end then holds none)"
+                if other.startswith("rollout_backend")
+                else "whole copies of the base"
+            )
             raise ValueError(
                 f"a sharded base samples on its group (shard_sampling='group', the default with "
-                f"shard_base), but {other} samples on whole copies of the base: give "
-                "shard_sampling='front' (--shard-sampling front) for that"
+                f"shard_base), but {other} samples on {where}: give shard_sampling='front' "
+                "(--shard-sampling front) for that"
             )
         return True
 
     def front_base(self, name: str) -> Any:
-        """The front-end's base model of ``name`` when its group samples (its config and
-        tokenizer, the model on the meta device: no whole copy of a sharded base is loaded
-        anywhere), else None (the runtime loads it whole)."""
-        if not self.sample_on_group:
+        """The front-end's base model of ``name`` when its group samples, or vLLM does (its config
+        and tokenizer, the model on the meta device: the front-end loads no copy of a sharded
+        base), else None (the runtime loads it whole)."""
+        vllm_samples = self.shard_base > 1 and self.config.rollout_backend == "vllm"
+        if not (self.sample_on_group or vllm_samples):
             return None
         from opentinker.cluster.shard_sampling import front_base
 
