@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--group-size", type=int, default=d.GROUP_SIZE, help="replies per question")
     demo.add_argument("--log-dir", default="runs/demo")
     demo.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-        help="the frozen base's dtype (auto: bfloat16 on a CUDA GPU, else float32)",
+        "--dtype", default=d.DTYPE, choices=("auto", "float32", "bfloat16"),
+        help="the frozen base's dtype (bfloat16: float32 where the device has no native bf16; "
+        "auto: bfloat16 on a CUDA GPU, else float32)",
     )  # fmt: skip
     demo.set_defaults(run=_demo)
 
