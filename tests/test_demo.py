@@ -115,9 +115,9 @@ def test_typical_words_is_the_geometric_mean() -> None:
         typical_words([])
 
 
-def test_separated_means_nearest_own_target_and_above_base() -> None:
-    def h(target: int, w: float, reward: float = 0.8, base: float = 0.1) -> HeldOut:
-        return HeldOut(target=target, words=w, reward=reward, on_topic=1.0, base_reward=base, texts=[])
+def test_separated_means_nearest_own_target_above_base_and_on_topic() -> None:
+    def h(target: int, w: float, reward: float = 0.8, base: float = 0.1, on_topic: float = 1.0) -> HeldOut:
+        return HeldOut(target=target, words=w, reward=reward, on_topic=on_topic, base_reward=base, texts=[])
 
     targets = [3, 8, 20, 40]
     assert nearest_target(4.8, targets) == 3 and nearest_target(5.0, targets) == 8  # sqrt(24) = 4.9
@@ -127,6 +127,9 @@ def test_separated_means_nearest_own_target_and_above_base() -> None:
     assert separated(good)
     assert not separated([*good[:3], h(40, 12.0)])  # the 40-word adapter collapsed towards 20
     assert not separated([*good[:3], h(40, 40.0, reward=0.1, base=0.2)])  # no better than the base
+    # right length and better than the base, but most replies off topic: the adapter lost the task
+    assert not separated([h(3, 3.0, reward=0.35, on_topic=0.35), *good[1:]])
+    assert separated([h(3, 3.0, on_topic=0.75), *good[1:]])
 
 
 def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

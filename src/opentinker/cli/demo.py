@@ -11,7 +11,8 @@ prints each adapter's typical reply length, share on topic and reward there and 
 adapters *separated*:
 
     every adapter's held-out typical word count is nearer (as a ratio) to its own target than to
-    any other adapter's target, and its held-out reward is above the base model's for that target.
+    any other adapter's target, its held-out reward is above the base model's for that target, and
+    at least 75% of its held-out replies are on the question's topic.
 
 "Typical" is the geometric mean of the replies' word counts: the reward and "nearer" both judge
 ratios (twice the target costs as much as half of it), so lengths are averaged on that scale too,
@@ -53,11 +54,14 @@ GROUPS_PER_STEP = 2  # questions per adapter per step
 GROUP_SIZE = 4  # replies per question
 HELD_OUT_SAMPLES = 4  # replies per held-out question and policy
 HELD_OUT_SEED = 1234
-# the frozen base in bf16 where the device computes it natively (this machine's AVX512-BF16 CPU, a
-# CUDA GPU): at these defaults the demo ran in 353 s against 532 s in fp32 on an idle 2-core
-# machine (seed 0), and separated 3 of 3 seeds as fp32 did. RL's importance ratios see the wider
-# sampler-trainer gap (models/dtype.py), the adapters learn alike. Elsewhere fp32, with a warning.
-DTYPE = "bfloat16"
+# the frozen base in fp32 (``auto`` on a CPU). A bf16 base ran the demo in 353 s against 532 s on
+# an idle 2-core AVX512-BF16 machine (seed 0), but on seed 1 the 2-word adapter lost the language
+# ('wys.ends.wys.wys...', 35% of its held-out replies on topic) and on seed 2 the 5-word one
+# wandered: RL's importance ratios see a sampler-trainer gap of ~0.06 nats a token there
+# (models/dtype.py). ``--dtype bfloat16`` runs it so.
+DTYPE = "auto"
+# an adapter whose held-out replies leave the topic more often than this has lost the task
+MIN_ON_TOPIC = 0.75
 
 
 @dataclass
@@ -92,9 +96,13 @@ def nearest_target(words: float, targets: list[int]) -> int:
 
 
 def separated(held: list[HeldOut]) -> bool:
-    """Each adapter nearest its own target, and above the base model's reward for it."""
+    """Each adapter nearest its own target, above the base model's reward for it, and on topic in
+    at least :data:`MIN_ON_TOPIC` of its replies."""
     targets = [h.target for h in held]
-    return all(nearest_target(h.words, targets) == h.target and h.reward > h.base_reward for h in held)
+    return all(
+        nearest_target(h.words, targets) == h.target and h.reward > h.base_reward and h.on_topic >= MIN_ON_TOPIC
+        for h in held
+    )
 
 
 def check_settings(targets: list[int], **counts: float) -> None:
@@ -230,7 +238,10 @@ def report_held_out(log_dir: str, names: list[str], held: list[HeldOut], base_te
     }  # fmt: skip
     (Path(log_dir) / "held_out.json").write_text(json.dumps(record, indent=1))
     verdict = "yes" if separated(held) else "NO"
-    print(f"separated: {verdict} (each adapter nearest its own target, reward above the base model's)")
+    print(
+        f"separated: {verdict} (each adapter nearest its own target, reward above the base model's, "
+        f"{MIN_ON_TOPIC:.0%} or more of its replies on topic)"
+    )
     question = reply_length.EVAL[0]
     print(f"\n{question!r}")
     examples = [(n, h.texts[0]) for n, h in zip(names, held, strict=True)] + [("base model", base_texts[0])]
