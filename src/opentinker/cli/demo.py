@@ -100,7 +100,9 @@ def separated(held: list[HeldOut]) -> bool:
     at least :data:`MIN_ON_TOPIC` of its replies."""
     targets = [h.target for h in held]
     return all(
-        nearest_target(h.words, targets) == h.target and h.reward > h.base_reward and h.on_topic >= MIN_ON_TOPIC
+        nearest_target(h.words, targets) == h.target
+        and h.reward > h.base_reward
+        and h.on_topic >= MIN_ON_TOPIC
         for h in held
     )
 
