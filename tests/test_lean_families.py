@@ -51,6 +51,9 @@ LEAN_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", dict(sliding_window=6)),
     "gemma3_text": ("gemma3_text", {}),  # window 4 on its first (local) layer
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe_dense_first": ("qwen3_moe", dict(mlp_only_layers=[0])),  # a dense MLP layer, then MoE
+    "mixtral": ("mixtral", dict(sliding_window=6)),
 }
 FALLBACK_FAMILIES = ["phi3", "olmo2", "granite", "gpt2"]
 MAX_TOKENS = 14
