@@ -5,7 +5,9 @@ Random 2-layer models of transformers' own config classes (tests/families.py) wh
 and biases are made random too (HF initialises them to ones and zeros, which would hide a
 missing ``q|k|v`` bias, q/k norm or Gemma sandwich norm), with sliding windows shorter than the
 sequences sampled (Mistral, Qwen2's windowed layers, Gemma 3's local layer), so that a wrong
-window changes the result:
+window changes the result, and the MoE families (Qwen3-MoE, also with a dense MLP first layer
+before a MoE one; Mixtral) with every adapter training every routed expert, so a row on the wrong
+adapter's expert pairs changes the result:
 
 * a batch mixing three adapters and the base model, prompts of different lengths (left padding),
   greedy and seeded rows, ``num_samples`` > 1: lean = ``NativeBackend(lean_decode=False)`` (the
@@ -55,7 +57,7 @@ LEAN_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe_dense_first": ("qwen3_moe", dict(mlp_only_layers=[0])),  # a dense MLP layer, then MoE
     "mixtral": ("mixtral", dict(sliding_window=6)),
 }
-FALLBACK_FAMILIES = ["phi3", "olmo2", "granite", "gpt2"]
+FALLBACK_FAMILIES = ["phi3", "olmo2", "granite", "gpt2", "olmoe"]  # OLMoE: q/k norms over all heads at once
 MAX_TOKENS = 14
 
 

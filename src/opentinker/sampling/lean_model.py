@@ -1,4 +1,5 @@
-"""The lean forward of the sampler: prefill and KV-cache decode steps of the common dense families.
+"""The lean forward of the sampler: prefill and KV-cache decode steps of the common dense families
+(Llama, Mistral, Qwen2, Qwen3, Gemma 3) and of the MoE families Qwen3-MoE and Mixtral.
 
 HF's module tree costs more than the arithmetic of a small model's decode step: every step walks
 ~20 modules per layer, grows a ``DynamicCache`` by ``torch.cat`` (a copy of the whole cache, every
@@ -19,12 +20,18 @@ tensor ops per layer, built from the model's own modules and weights:
   the model has several, e.g. Gemma 3's local and global bases), ``rotate_half`` as a roll with
   the sign folded into the ``sin`` table (exact).
 * **Multi-LoRA** from the engine's routing plan (:mod:`opentinker.sampling.lean_lora`).
+* **MoE blocks** (``MOE_BLOCKS``): the router's softmax and top-k with HF's arithmetic, then the
+  routed experts through :func:`~opentinker.lora.experts.experts_forward`, the function the
+  engine's ``MultiLoRAExperts`` runs, fed each row's entry and the (expert, entry) LoRA pairs
+  from the same routing plan. A model may mix MoE and dense MLP layers (Qwen3-MoE's
+  ``mlp_only_layers`` / ``decoder_sparse_step``); a block with anything beside its router and
+  experts (a shared expert: Qwen3.5-MoE, GLM-4 MoE, DeepSeek V3) is refused.
 
 What differs between the families it serves is data, read from the modules: biases on ``q|k|v``
 (Qwen2), an RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3), Gemma's ``(1 + w)``
 norms computed in fp32, its sandwich norms (after attention and after the MLP), its scaled
 embedding, ``query_pre_attn_scalar`` (the attention module's own ``scaling``), its final logit
-soft-cap, the MLP's own activation module, and a **sliding window** per layer (Mistral, Gemma 3's
+soft-cap, the MLP's own activation module, and a **sliding window** per layer (Mistral, Mixtral, Gemma 3's
 local layers, Qwen2/3's windowed layers): a key is visible to a query at most ``window - 1``
 positions before it, HF's rule. The lean cache keeps every column and masks the older ones
 (positions counted over a row's real columns: every row holds its whole sequence from position
