@@ -16,7 +16,7 @@ adapter's expert pairs changes the result:
 * continuous batching: requests admitted into a running lean batch mid-decode, rows leaving as
   they stop, get what the HF path gives them in one batch;
 * the base model's greedy tokens and logprobs = HF ``generate`` on the same model, row by row;
-* on a bf16 base (Qwen3, Gemma 3), sampled logprobs = the trainer's within the bf16 bounds.
+* on a bf16 base (Qwen3, Gemma 3, Qwen3-MoE), sampled logprobs = the trainer's within the bf16 bounds.
 """
 
 from __future__ import annotations
@@ -210,9 +210,9 @@ def test_a_covered_family_with_an_unsupported_part_falls_back(tmp_path: Path) ->
     assert len(_ok(res[0]).sequences[0].tokens) == 4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_moe"])
 def test_lean_on_a_bf16_base_matches_the_trainer(family: str, tmp_path: Path) -> None:
-    """bf16 base weights: the lean path's q/k norms and Gemma's fp32-scaled norms in bf16; its
+    """bf16 base weights: the lean path's q/k norms, Gemma's fp32-scaled norms and the router in bf16; its
     sampled logprobs against the trainer's within the bf16 bounds (tests/tolerances.py)."""
     base = load_base_model(family_model(tmp_path, family), dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
