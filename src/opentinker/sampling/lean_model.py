@@ -31,8 +31,8 @@ What differs between the families it serves is data, read from the modules: bias
 (Qwen2), an RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3), Gemma's ``(1 + w)``
 norms computed in fp32, its sandwich norms (after attention and after the MLP), its scaled
 embedding, ``query_pre_attn_scalar`` (the attention module's own ``scaling``), its final logit
-soft-cap, the MLP's own activation module, and a **sliding window** per layer (Mistral, Mixtral, Gemma 3's
-local layers, Qwen2/3's windowed layers): a key is visible to a query at most ``window - 1``
+soft-cap, the MLP's own activation module, and a **sliding window** per layer (Mistral, Mixtral,
+Gemma 3's local layers, Qwen2/3's windowed layers): a key is visible to a query at most ``window - 1``
 positions before it, HF's rule. The lean cache keeps every column and masks the older ones
 (positions counted over a row's real columns: every row holds its whole sequence from position
 0, so a column's position is the number of real columns up to it, minus one).
@@ -69,9 +69,9 @@ FAMILIES: dict[str, str] = {
     "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
-# the MoE blocks computed (router softmax, top-k, the top-k renormalised where the router's
-# ``norm_topk_prob`` says, Mixtral's always; then the routed experts, nothing shared beside them)
-# -> whether the router rounds the top-k weights to the logits' dtype (Qwen3-MoE) or keeps fp32
+# MoE block class -> whether its router rounds the top-k weights to the logits' dtype (Qwen3-MoE)
+# or keeps them in fp32 (Mixtral). Both: softmax in fp32, top-k, renormalised if the router's
+# ``norm_topk_prob`` (Mixtral has none: always), then the routed experts and nothing beside them
 MOE_BLOCKS: dict[str, bool] = {"Qwen3MoeSparseMoeBlock": True, "MixtralSparseMoeBlock": False}
 GEMMA_NORMS = frozenset({"gemma3_text"})  # RMSNorm scaled by (1 + w), computed in fp32
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # a fixed table per position
@@ -166,6 +166,8 @@ def _moe_problems(block: Any) -> list[str]:
         return [f"MoE block {name}"]
     if {n for n, _ in block.named_children()} != {"gate", "experts"}:
         return [f"{name} with modules beside its router and experts"]
+    if not (hasattr(block.gate, "top_k") and isinstance(getattr(block.gate, "weight", None), torch.Tensor)):
+        return [f"router {type(block.gate).__name__}"]
     if not is_known_experts(_module(block.experts)):
         return [f"experts layout {type(_module(block.experts)).__name__}"]
     return []
