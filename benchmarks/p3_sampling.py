@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
-        "--no-lean", action="store_true", help="sample through the HF module tree, not the lean Llama path"
+        "--no-lean", action="store_true", help="sample through the HF module tree, not the lean forward"
     )
     ap.add_argument("--backend", choices=("native", "vllm"), default="native")
     ap.add_argument("--vllm-memory", type=float, default=0.15, help="vLLM's gpu_memory_utilization")

@@ -5,7 +5,9 @@ Random 2-layer models of transformers' own config classes (tests/families.py) wh
 and biases are made random too (HF initialises them to ones and zeros, which would hide a
 missing ``q|k|v`` bias, q/k norm or Gemma sandwich norm), with sliding windows shorter than the
 sequences sampled (Mistral, Qwen2's windowed layers, Gemma 3's local layer), so that a wrong
-window changes the result:
+window changes the result, and the MoE families (Qwen3-MoE, also with a dense MLP first layer
+before a MoE one; Mixtral) with every adapter training every routed expert, so a row on the wrong
+adapter's expert pairs changes the result:
 
 * a batch mixing three adapters and the base model, prompts of different lengths (left padding),
   greedy and seeded rows, ``num_samples`` > 1: lean = ``NativeBackend(lean_decode=False)`` (the
@@ -14,7 +16,7 @@ window changes the result:
 * continuous batching: requests admitted into a running lean batch mid-decode, rows leaving as
   they stop, get what the HF path gives them in one batch;
 * the base model's greedy tokens and logprobs = HF ``generate`` on the same model, row by row;
-* on a bf16 base (Qwen3, Gemma 3), sampled logprobs = the trainer's within the bf16 bounds.
+* on a bf16 base (Qwen3, Gemma 3, Qwen3-MoE), sampled logprobs = the trainer's within the bf16 bounds.
 """
 
 from __future__ import annotations
@@ -51,8 +53,11 @@ LEAN_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", dict(sliding_window=6)),
     "gemma3_text": ("gemma3_text", {}),  # window 4 on its first (local) layer
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe_dense_first": ("qwen3_moe", dict(mlp_only_layers=[0])),  # a dense MLP layer, then MoE
+    "mixtral": ("mixtral", dict(sliding_window=6)),
 }
-FALLBACK_FAMILIES = ["phi3", "olmo2", "granite", "gpt2"]
+FALLBACK_FAMILIES = ["phi3", "olmo2", "granite", "gpt2", "olmoe"]  # OLMoE: q/k norms over all heads at once
 MAX_TOKENS = 14
 
 
@@ -205,9 +210,9 @@ def test_a_covered_family_with_an_unsupported_part_falls_back(tmp_path: Path) ->
     assert len(_ok(res[0]).sequences[0].tokens) == 4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_moe"])
 def test_lean_on_a_bf16_base_matches_the_trainer(family: str, tmp_path: Path) -> None:
-    """bf16 base weights: the lean path's q/k norms and Gemma's fp32-scaled norms in bf16; its
+    """bf16 base weights: the lean path's q/k norms, Gemma's fp32-scaled norms and the router in bf16; its
     sampled logprobs against the trainer's within the bf16 bounds (tests/tolerances.py)."""
     base = load_base_model(family_model(tmp_path, family), dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)

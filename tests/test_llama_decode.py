@@ -24,7 +24,7 @@ from opentinker.lora import LoRABatch, LoRAConfig, MultiLoRA
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling import native as native_mod
 from opentinker.sampling.lean_lora import FUSED, LeanLoRA, _plus_lora
-from opentinker.sampling.lean_model import lean_model, unsupported_reason
+from opentinker.sampling.lean_model import _Mlp, lean_model, unsupported_reason
 from opentinker.sampling.types import SampleResult
 from tests.conftest import make_examples
 from tests.tolerances import assert_greedy_equal, assert_logprobs_close, assert_rel_close
@@ -239,7 +239,10 @@ def test_only_supported_models_take_the_lean_path(engine: Engine) -> None:
         return same and torch.equal(rows, fused)
 
     assert shares(lean.layers[0].w_qkv, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-    assert shares(lean.layers[0].w_gu, mlp.gate_proj.weight, mlp.up_proj.weight)  # no extra memory
+    dense = lean.layers[0].mlp
+    assert isinstance(dense, _Mlp) and shares(
+        dense.w_gu, mlp.gate_proj.weight, mlp.up_proj.weight
+    )  # one copy
     with torch.no_grad():  # a base weight written in place: the fused weights are rebuilt
         attn.k_proj.weight.mul_(1.0)
     rebuilt = lean_model(model, groups)

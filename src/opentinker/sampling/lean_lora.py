@@ -10,11 +10,13 @@ input (``q|k|v``, ``gate|up``) share one batched matmul on ``[A_q|A_k|A_v]``; se
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
 
 from opentinker.lora import LoRABatch, TargetGroup
+from opentinker.lora.experts import ExpertPairs
 
 # fused projection -> the LoRA groups it is made of (in output order)
 FUSED: dict[str, tuple[str, ...]] = {
@@ -24,7 +26,24 @@ FUSED: dict[str, tuple[str, ...]] = {
     "down": ("mlp.down_proj",),
     "lm_head": ("lm_head",),
 }
-KNOWN_GROUPS = frozenset(g for names in FUSED.values() for g in names)
+# a routed-experts module's fused parameter -> its LoRA group (``LoRABatch.expert_weights``)
+EXPERT_GROUPS: dict[str, str] = {
+    "gate_up_proj": "mlp.experts.gate_up_proj",
+    "up_proj": "mlp.experts.up_proj",
+    "down_proj": "mlp.experts.down_proj",
+}
+KNOWN_GROUPS = frozenset([*(g for names in FUSED.values() for g in names), *EXPERT_GROUPS.values()])
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _positions(group: TargetGroup) -> dict[int, int]:
+    """The model layer of each of ``group``'s layers -> its index in the group (they differ where
+    only some layers have the group: the dense MLP layers of a mostly-MoE model)."""
+    out = {}
+    for pos, path in enumerate(group.paths):
+        m = _LAYER_INDEX.search(f".{path}.")
+        out[int(m.group(1)) if m else 0] = pos
+    return out
 
 
 # The LoRA term of one fused projection in a decode step (:meth:`LeanLoRA.step_terms`), with
@@ -86,15 +105,16 @@ class LeanLoRA:
         self._a: dict[tuple[str, int], tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None] = {}
         self._diag: dict[tuple[str, int], torch.Tensor] = {}
         self._terms: tuple[StepTerm | None, ...] | None = None
+        self._pos = {name: _positions(g) for name, g in groups.items()}
 
     def _a_side(self, key: str, layer: int) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None:
         """(``A^T`` of the members present, side by side; each present member's ``scale·B^T``)."""
         if (key, layer) in self._a:
             return self._a[(key, layer)]
-        present = [n for n in FUSED[key] if n in self.plan.a]
+        present = [n for n in FUSED[key] if n in self.plan.a and layer in self._pos[n]]
         out = None
         if present:
-            parts = [self.plan._weights(n, layer, self.dtype) for n in present]
+            parts = [self.plan._weights(n, self._pos[n][layer], self.dtype) for n in present]
             a = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts], dim=-1)
             out = (a, [(n, p[1]) for n, p in zip(present, parts, strict=True)])
         self._a[(key, layer)] = out
@@ -143,6 +163,25 @@ class LeanLoRA:
         nb = b_all.shape[1]
         a_rep = a if nb == len(bs) else a.index_select(-1, torch.cat(cols))
         return a_rep, b_all.reshape(-1, r, c).contiguous(), nb
+
+    def experts(self, layer: int) -> tuple[torch.Tensor, int, ExpertPairs] | None:
+        """For the routed experts of model layer ``layer``: each row's entry [B], the number of
+        entries and the pairs callable of :func:`~opentinker.lora.experts.experts_forward` (what
+        the engine's ``MultiLoRAExperts`` gives it), or None if no entry trains them."""
+        plan = self.plan
+        at = {
+            p: (g, self._pos[g][layer])
+            for p, g in EXPERT_GROUPS.items()
+            if g in plan.a and layer in self._pos[g]
+        }
+        if not at:
+            return None
+
+        def pairs(param: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+            hit = at.get(param)
+            return None if hit is None else plan.expert_weights(hit[0], hit[1], dtype)
+
+        return plan.row_index, len(plan.entries), pairs
 
     def step_terms(self, n_layers: int) -> tuple[StepTerm | None, ...]:
         """The LoRA terms of a decode step (one row per plan row, T = 1) for :meth:`LeanModel.decode`:

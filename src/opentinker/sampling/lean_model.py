@@ -1,4 +1,5 @@
-"""The lean forward of the sampler: prefill and KV-cache decode steps of the common dense families.
+"""The lean forward of the sampler: prefill and KV-cache decode steps of the common dense families
+(Llama, Mistral, Qwen2, Qwen3, Gemma 3) and of the MoE families Qwen3-MoE and Mixtral.
 
 HF's module tree costs more than the arithmetic of a small model's decode step: every step walks
 ~20 modules per layer, grows a ``DynamicCache`` by ``torch.cat`` (a copy of the whole cache, every
@@ -19,13 +20,19 @@ tensor ops per layer, built from the model's own modules and weights:
   the model has several, e.g. Gemma 3's local and global bases), ``rotate_half`` as a roll with
   the sign folded into the ``sin`` table (exact).
 * **Multi-LoRA** from the engine's routing plan (:mod:`opentinker.sampling.lean_lora`).
+* **MoE blocks** (``MOE_BLOCKS``): the router's softmax and top-k with HF's arithmetic, then the
+  routed experts through :func:`~opentinker.lora.experts.experts_forward`, the function the
+  engine's ``MultiLoRAExperts`` runs, fed each row's entry and the (expert, entry) LoRA pairs
+  from the same routing plan. A model may mix MoE and dense MLP layers (Qwen3-MoE's
+  ``mlp_only_layers`` / ``decoder_sparse_step``); a block with anything beside its router and
+  experts (a shared expert: Qwen3.5-MoE, GLM-4 MoE, DeepSeek V3) is refused.
 
 What differs between the families it serves is data, read from the modules: biases on ``q|k|v``
 (Qwen2), an RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3), Gemma's ``(1 + w)``
 norms computed in fp32, its sandwich norms (after attention and after the MLP), its scaled
 embedding, ``query_pre_attn_scalar`` (the attention module's own ``scaling``), its final logit
-soft-cap, the MLP's own activation module, and a **sliding window** per layer (Mistral, Gemma 3's
-local layers, Qwen2/3's windowed layers): a key is visible to a query at most ``window - 1``
+soft-cap, the MLP's own activation module, and a **sliding window** per layer (Mistral, Mixtral,
+Gemma 3's local layers, Qwen2/3's windowed layers): a key is visible to a query at most ``window - 1``
 positions before it, HF's rule. The lean cache keeps every column and masks the older ones
 (positions counted over a row's real columns: every row holds its whole sequence from position
 0, so a column's position is the number of real columns up to it, minus one).
@@ -48,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from opentinker.lora import TargetGroup
+from opentinker.lora.experts import experts_forward, is_known_experts
 from opentinker.sampling.kv_cache import LeanCache
 from opentinker.sampling.lean_lora import KNOWN_GROUPS, LeanLoRA, _plus_lora
 
@@ -57,11 +65,36 @@ FAMILIES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+# MoE block class -> whether its router rounds the top-k weights to the logits' dtype (Qwen3-MoE)
+# or keeps them in fp32 (Mixtral). Both: softmax in fp32, top-k, renormalised if the router's
+# ``norm_topk_prob`` (Mixtral has none: always), then the routed experts and nothing beside them
+MOE_BLOCKS: dict[str, bool] = {"Qwen3MoeSparseMoeBlock": True, "MixtralSparseMoeBlock": False}
 GEMMA_NORMS = frozenset({"gemma3_text"})  # RMSNorm scaled by (1 + w), computed in fp32
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # a fixed table per position
 _CACHE_ATTR = "_opentinker_lean"
+
+
+@dataclass
+class _Mlp:
+    w_gu: torch.Tensor  # [2·I, H]
+    b_gu: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+    act: Callable[[torch.Tensor], torch.Tensor]
+    inter: int  # I
+
+
+@dataclass
+class _Moe:
+    router: torch.Tensor  # [E, H]
+    top_k: int
+    norm: bool  # renormalise the top-k probabilities
+    cast: bool  # round them to the logits' dtype
+    experts: Any  # the routed-experts module (transformers' fused layout)
 
 
 @dataclass
@@ -74,12 +107,8 @@ class _Layer:
     b_o: torch.Tensor | None
     post_attn: torch.Tensor | None  # a norm of the attention's output (Gemma's sandwich)
     ln2: torch.Tensor  # the MLP's input norm
-    w_gu: torch.Tensor  # [2·I, H]
-    b_gu: torch.Tensor | None
-    w_down: torch.Tensor
-    b_down: torch.Tensor | None
+    mlp: _Mlp | _Moe
     post_mlp: torch.Tensor | None
-    act: Callable[[torch.Tensor], torch.Tensor]
     scaling: float
     window: int | None  # sliding window (None: full attention)
     rope: str  # its RoPE table's key
@@ -109,8 +138,9 @@ def _module(m: Any) -> Any:
 def _window(model: Any, attn: Any) -> int | None:
     if hasattr(attn, "sliding_window"):
         w = attn.sliding_window
-    else:  # Mistral's attention reads its config's
-        w = getattr(model.config, "sliding_window", None) if model.config.model_type == "mistral" else None
+    else:  # Mistral's and Mixtral's attention read their config's
+        mistral = model.config.model_type in ("mistral", "mixtral")
+        w = getattr(model.config, "sliding_window", None) if mistral else None
     return None if w is None else int(w)
 
 
@@ -123,9 +153,24 @@ def _layer_problems(layer: Any) -> list[str]:
         bad.append("attention soft-capping")
     elif not getattr(attn, "is_causal", True):
         bad.append("bidirectional attention")
-    if mlp is None or not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+    if hasattr(mlp, "experts"):
+        bad += _moe_problems(mlp)
+    elif mlp is None or not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         bad.append("gated MLP")
     return bad
+
+
+def _moe_problems(block: Any) -> list[str]:
+    name = type(block).__name__
+    if name not in MOE_BLOCKS:
+        return [f"MoE block {name}"]
+    if {n for n, _ in block.named_children()} != {"gate", "experts"}:
+        return [f"{name} with modules beside its router and experts"]
+    if not (hasattr(block.gate, "top_k") and isinstance(getattr(block.gate, "weight", None), torch.Tensor)):
+        return [f"router {type(block.gate).__name__}"]
+    if not is_known_experts(_module(block.experts)):
+        return [f"experts layout {type(_module(block.experts)).__name__}"]
+    return []
 
 
 def unsupported_reason(model: Any, groups: dict[str, TargetGroup]) -> str | None:
@@ -157,6 +202,10 @@ def lean_model(model: Any, groups: dict[str, TargetGroup]) -> LeanModel | None:
         lean = LeanModel(model)
         object.__setattr__(model, _CACHE_ATTR, lean)
     return lean
+
+
+def _no_pairs(param: str, dtype: torch.dtype) -> None:
+    return None
 
 
 def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
@@ -198,7 +247,6 @@ class LeanModel:
         self.n_kv = int(config.num_key_value_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.n_heads)
         self.hidden = int(config.hidden_size)
-        self.inter = int(config.intermediate_size)
         self.eps = float(config.rms_norm_eps)
         self.gemma = config.model_type in GEMMA_NORMS
         self.max_positions = int(config.max_position_embeddings)
@@ -227,34 +275,53 @@ class LeanModel:
         self._sources.append(w)
         return (1.0 + w.float()) if self.gemma else w
 
-    def _layer(self, model: Any, layer: Any, kind: str) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    def _mlp(self, mlp: Any) -> _Mlp | _Moe:
+        if hasattr(mlp, "experts"):
+            router = _module(mlp.gate).weight
+            self._sources.append(router)
+            return _Moe(
+                router=router,
+                top_k=int(mlp.gate.top_k),
+                norm=bool(getattr(mlp.gate, "norm_topk_prob", True)),
+                cast=MOE_BLOCKS[type(mlp).__name__],
+                experts=_module(mlp.experts),
+            )
         gu = [mlp.gate_proj, mlp.up_proj]
-        parts = [_module(m).weight for m in (*qkv, *gu)]
-        self._sources += [*parts, _module(attn.o_proj).weight, _module(mlp.down_proj).weight]
-        b_qkv, b_gu = _fuse_biases(qkv), _fuse_biases(gu)  # before the weights move
+        parts = [_module(m).weight for m in gu]
+        self._sources += [*parts, _module(mlp.down_proj).weight]
+        b_gu = _fuse_biases(gu)  # before the weights move
+        act = mlp.act_fn
+        return _Mlp(
+            w_gu=_fuse(parts),
+            b_gu=b_gu,
+            w_down=_module(mlp.down_proj).weight,
+            b_down=_module(mlp.down_proj).bias,
+            act=F.silu if isinstance(act, torch.nn.SiLU) else act,
+            inter=int(parts[0].shape[0]),
+        )
+
+    def _layer(self, model: Any, layer: Any, kind: str) -> _Layer:
+        attn = layer.self_attn
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        parts = [_module(m).weight for m in qkv]
+        self._sources += [*parts, _module(attn.o_proj).weight]
+        b_qkv = _fuse_biases(qkv)  # before the weights move
         qk_norm = None
         if hasattr(attn, "q_norm"):
             q, k = self._norm(attn.q_norm), self._norm(attn.k_norm)
             qk_norm = torch.cat([q.expand(self.n_heads, -1), k.expand(self.n_kv, -1)])
         sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: norms after attention and MLP too
-        act = mlp.act_fn
         return _Layer(
             ln1=self._norm(layer.input_layernorm),
-            w_qkv=_fuse(parts[:3]),
+            w_qkv=_fuse(parts),
             b_qkv=b_qkv,
             qk_norm=qk_norm,
             w_o=_module(attn.o_proj).weight,
             b_o=_module(attn.o_proj).bias,
             post_attn=self._norm(layer.post_attention_layernorm) if sandwich else None,
             ln2=self._norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
-            w_gu=_fuse(parts[3:]),
-            b_gu=b_gu,
-            w_down=_module(mlp.down_proj).weight,
-            b_down=_module(mlp.down_proj).bias,
+            mlp=self._mlp(layer.mlp),
             post_mlp=self._norm(layer.post_feedforward_layernorm) if sandwich else None,
-            act=F.silu if isinstance(act, torch.nn.SiLU) else act,
             scaling=float(attn.scaling),
             window=_window(model, attn),
             rope=kind if self._layer_type else "",
@@ -313,6 +380,32 @@ class LeanModel:
             y = torch.tanh(y / self.softcap) * self.softcap
         return y
 
+    def _dense(self, x: torch.Tensor, mlp: _Mlp, lora: LeanLoRA | None, i: int) -> torch.Tensor:
+        """The gated MLP of layer ``i`` on ``x`` [B, T, H]."""
+        gu = F.linear(x, mlp.w_gu, mlp.b_gu)
+        if lora is not None:
+            gu = lora.apply(gu, x, "gu", i)
+        act = mlp.act(gu[..., : mlp.inter]) * gu[..., mlp.inter :]
+        d = F.linear(act, mlp.w_down, mlp.b_down)
+        return d if lora is None else lora.apply(d, act, "down", i)
+
+    def _moe(self, x: torch.Tensor, moe: _Moe, lora: LeanLoRA | None, i: int, t: int) -> torch.Tensor:
+        """The MoE block of layer ``i`` on ``x`` [B·T, H] (``t`` tokens a row, rows row-major):
+        its router's top-k (HF's arithmetic), then every routed expert with its entry's LoRA
+        pair (:func:`~opentinker.lora.experts.experts_forward`, as the engine's LoRA layer)."""
+        logits = F.linear(x, moe.router)
+        top, index = torch.topk(torch.softmax(logits, -1, dtype=torch.float), moe.top_k, dim=-1)
+        if moe.norm:
+            top = top / top.sum(-1, keepdim=True)
+        weights = top.to(logits.dtype) if moe.cast else top
+        routed = None if lora is None else lora.experts(i)
+        if routed is None:
+            entry, n_ent, pairs = index.new_zeros(x.shape[0]), 1, _no_pairs
+        else:
+            rows, n_ent, pairs = routed
+            entry = rows if t == 1 else rows.repeat_interleave(t)
+        return experts_forward(moe.experts, x, index, weights, entry, n_ent, pairs)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = F.embedding(ids, self.embed)
         return h if self.embed_scale is None else h * self.embed_scale
@@ -368,13 +461,10 @@ class LeanModel:
                 o = lora.apply(o, att, "o", i)
             h = h + (o if layer.post_attn is None else self._rms(o, layer.post_attn))
             x = self._rms(h, layer.ln2)
-            gu = F.linear(x, layer.w_gu, layer.b_gu)
-            if lora is not None:
-                gu = lora.apply(gu, x, "gu", i)
-            act = layer.act(gu[..., : self.inter]) * gu[..., self.inter :]
-            d = F.linear(act, layer.w_down, layer.b_down)
-            if lora is not None:
-                d = lora.apply(d, act, "down", i)
+            if isinstance(layer.mlp, _Moe):
+                d = self._moe(x.view(B * T, -1), layer.mlp, lora, i, T).view(B, T, -1)
+            else:
+                d = self._dense(x, layer.mlp, lora, i)
             h = h + (d if layer.post_mlp is None else self._rms(d, layer.post_mlp))
         if keep:
             h = h[:, -keep:]
@@ -413,9 +503,12 @@ class LeanModel:
             att = torch.bmm(torch.softmax(scores, -1), v3).view(B, nq * D)
             o = _plus_lora(F.linear(att, layer.w_o, layer.b_o), att, terms, 4 * i + 1)
             h = h + (o if layer.post_attn is None else self._rms(o, layer.post_attn))
-            x = self._rms(h, layer.ln2)
-            gu = _plus_lora(F.linear(x, layer.w_gu, layer.b_gu), x, terms, 4 * i + 2)
-            act = layer.act(gu[:, : self.inter]) * gu[:, self.inter :]
-            d = _plus_lora(F.linear(act, layer.w_down, layer.b_down), act, terms, 4 * i + 3)
+            x, mlp = self._rms(h, layer.ln2), layer.mlp
+            if isinstance(mlp, _Moe):
+                d = self._moe(x, mlp, lora, i, 1)
+            else:
+                gu = _plus_lora(F.linear(x, mlp.w_gu, mlp.b_gu), x, terms, 4 * i + 2)
+                act = mlp.act(gu[:, : mlp.inter]) * gu[:, mlp.inter :]
+                d = _plus_lora(F.linear(act, mlp.w_down, mlp.b_down), act, terms, 4 * i + 3)
             h = h + (d if layer.post_mlp is None else self._rms(d, layer.post_mlp))
         return self._logits(h, None, terms)
