@@ -11,8 +11,11 @@ at temperature 1, no early stop), interleaved (A B C, C B A, ...) after a warm-u
   GQA) and then one step per further token (scores, softmax and values as two batched matmuls
   over a preallocated KV cache written in place), the MLP's ``silu(gate)·up``, the residual adds,
   the layers' and the final RMSNorm (``F.rms_norm``: without them the hidden states of real
-  weights overflow), the logits of the last position and the token choice (softmax,
-  ``multinomial``; HF's count: one prefill and ``new_tokens - 1`` steps). It leaves out RoPE and
+  weights overflow), the logits of the last position and the token choice (HF's count: one
+  prefill and ``new_tokens - 1`` steps). The choice is the inverse CDF at one uniform per row
+  (softmax, cumulative sum, ``searchsorted``: ~1.3 ms for 16 rows of a 49152-token vocabulary
+  on this CPU), as the native sampler does; HF's ``multinomial`` draws one exponential per
+  vocabulary entry (~20 ms). It leaves out RoPE and
   the q/k norms (elementwise work on the heads that a fused kernel folds into the GEMMs). Qwen3.5's Gated DeltaNet layers are
   approximated: their projections' matmuls, and in a decode step the state's read-out and
   rank-1 update (two batched matmuls on a [64, 64] state per value head); the short convolution,
@@ -125,7 +128,10 @@ class Floor:
         self.state = p.new_zeros(n_lin, rows * self.hv, self.dk, self.dv)
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(torch.softmax(logits.float(), -1), 1)  # [B, 1]
+        """One token per row at temperature 1 ([B, 1]): the inverse CDF at one uniform per row."""
+        cdf = torch.softmax(logits.float(), -1).cumsum_(-1)
+        u = torch.rand(cdf.shape[0], 1) * cdf[:, -1:]
+        return torch.searchsorted(cdf, u).clamp_(max=cdf.shape[-1] - 1)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
