@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from timing import add_device_args, clock, device_of, sync, write_json
@@ -31,25 +33,24 @@ from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 RANK = 8  # every adapter's LoRA rank
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="opentinker/tiny")
-    ap.add_argument("--adapters", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument(
-        "--no-lean", action="store_true", help="sample through the HF module tree, not the lean forward"
-    )
-    ap.add_argument("--backend", choices=("native", "vllm"), default="native")
-    ap.add_argument("--vllm-memory", type=float, default=0.15, help="vLLM's gpu_memory_utilization")
-    add_device_args(ap)
-    args = ap.parse_args()
-    if args.cpu_time and args.backend == "vllm":
-        raise SystemExit("--cpu-time counts this process only: vLLM computes in processes of its own")
-    dev, dtype = device_of(args)
-    torch.manual_seed(0)
+@dataclass
+class P3Arms:
+    """P3's arms (:func:`p3_arms`) and what they were built from."""
 
+    ours: Callable[[], float]
+    theirs: Callable[[], float]
+    engine: Engine
+    ids: list[str]
+    prompts: list[list[int]]
+    params: SamplingParams
+    hf: Any
+
+
+def p3_arms(args: argparse.Namespace, dev: torch.device, dtype: torch.dtype) -> P3Arms:
+    """P3's two timed arms on ``args``' model, batch and dtype: ours (every row on its own adapter,
+    the native sampler) and HF ``generate`` on one model (merged weights), each returning its
+    seconds; plus the engine, the adapters, the prompts and the HF model."""
+    torch.manual_seed(0)
     base = load_base_model(args.model, dtype=dtype, device=dev)
     engine = Engine(base, dtype=dtype)
     unembed = args.backend == "native"
@@ -99,6 +100,29 @@ def main() -> None:
         assert out.shape[1] == args.prompt_len + args.new_tokens
         return dt
 
+    return P3Arms(ours, theirs, engine, ids, prompts, params, hf)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="opentinker/tiny")
+    ap.add_argument("--adapters", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--no-lean", action="store_true", help="sample through the HF module tree, not the lean forward"
+    )
+    ap.add_argument("--backend", choices=("native", "vllm"), default="native")
+    ap.add_argument("--vllm-memory", type=float, default=0.15, help="vLLM's gpu_memory_utilization")
+    add_device_args(ap)
+    args = ap.parse_args()
+    if args.cpu_time and args.backend == "vllm":
+        raise SystemExit("--cpu-time counts this process only: vLLM computes in processes of its own")
+    dev, dtype = device_of(args)
+    p3 = p3_arms(args, dev, dtype)
+    engine, ids, prompts, params = p3.engine, p3.ids, p3.prompts, p3.params
+    ours, theirs = p3.ours, p3.theirs
     runs: list[Callable[[], float]] = [ours, theirs]
     if args.backend == "vllm":
         from opentinker.sampling.vllm_backend import VLLMBackend

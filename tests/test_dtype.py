@@ -134,6 +134,29 @@ def test_sampler_matches_trainer_on_a_bf16_base(bf16_engine: Engine, lean: bool)
     assert abs(kl_v1) <= BF16_KL_V1, f"kl_sample_train_v1 {kl_v1:.3g} > {BF16_KL_V1}"
 
 
+def test_lean_decode_with_a_row_per_adapter_on_a_bf16_base(bf16_engine: Engine) -> None:
+    """Every row on its own adapter: the lean decode step's LoRA terms are one GEMV per output
+    block, kept in fp32 on a CPU (faster there than bf16's at this size); the sampled logprobs
+    equal the trainer's within the bf16 bounds."""
+    ids = [bf16_engine.create_adapter(LoRAConfig(rank=4, seed=i)) for i in range(3)]
+    for i, aid in enumerate(ids):
+        _train(bf16_engine, aid, 3 + i, steps=1)
+    tok = bf16_engine.base.tokenizer
+    prompts = [tok.encode("Hello there, how are you"), tok.encode("1 2 3 4"), tok.encode("The cat sat")]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=0, stop=[])
+    sampler = NativeBackend(bf16_engine)
+    d = _agreement(
+        bf16_engine, sampler, [SampleRequest(a, p, params) for a, p in zip(ids, prompts, strict=True)]
+    )
+    assert_logprobs_close(d, torch.zeros_like(d), atol=BF16_LOGPROB_ATOL)
+    assert_mean_abs_close(d, BF16_LOGPROB_MEAN)
+    [(_, lora)] = sampler._lora_cache._loras.values()
+    terms = [t for t in lora.step_terms(bf16_engine.base.model.config.num_hidden_layers) if t is not None]
+    assert "blocks" in {t[0] for t in terms}
+    want = torch.float32 if bf16_engine.device.type == "cpu" else torch.bfloat16
+    assert {t[1].dtype for t in terms} == {t[2].dtype for t in terms} == {want}
+
+
 # -------------------------------------------------------------------- checkpoints across dtypes
 @pytest.mark.parametrize("trained_on", ["bfloat16", "float32"])
 def test_a_checkpoint_moves_between_a_bf16_and_an_fp32_base(

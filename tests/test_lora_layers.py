@@ -110,6 +110,21 @@ def test_fresh_adapter_is_identity_and_attach_is_idempotent(device: torch.device
     assert torch.equal(base, out)  # B = 0 at init
 
 
+def test_a_strided_input_is_not_multiplied_by_a_weight_copied_per_row() -> None:
+    """HF slices the last positions (``logits_to_keep``) before the unembedding: a strided
+    [B, 1, H] input. Torch's CPU matmul would expand the weight to [B, H, V] (a copy per row) and
+    run a bmm (with a frozen weight, as the engine's base); the wrapped projection feeds its base
+    a contiguous input, so one mm runs."""
+    model = _models()["llama"].eval().requires_grad_(False)
+    MultiLoRA.attach(model)
+    h = torch.randn(4, 6, 32)[:, -1:]
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        y = model.lm_head(h)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::bmm" not in ops and "aten::expand" not in ops, sorted(ops)
+    assert torch.allclose(y, h @ model.lm_head.weight.T)
+
+
 def test_seed_reproduces_adapter_and_ranks_are_exact() -> None:
     model = _models()["llama"]
     ml = MultiLoRA.attach(model)

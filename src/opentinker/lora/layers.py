@@ -254,6 +254,8 @@ class MultiLoRALinear(nn.Module):
         return self.base.weight  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 2 and not x.is_contiguous():  # e.g. HF's hidden_states[:, -k:] into lm_head:
+            x = x.contiguous()  # torch's CPU matmul would copy the weight once per row instead
         y = self.base(x)
         batch: LoRABatch | None = self._owner.batch  # type: ignore[attr-defined]
         if batch is None:
