@@ -241,6 +241,9 @@ def _step(
             for t, old in zip([flat, avg, sq], kept, strict=False):
                 t.copy_(old)
             return problem
+    # the fused kernel does not count as an in-place write: mark one, as copy_ would (what caches
+    # of the weights, such as the stacks of experts pairs, read to see them change)
+    torch.autograd.graph.increment_version(flat)
     opt.state = {"step": step, "exp_avg": avg, "exp_avg_sq": sq}
     return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}
 

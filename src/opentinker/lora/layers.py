@@ -67,7 +67,7 @@ class LoRABatch:
         stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.entries = entries
-        # experts groups: transposed for grouped matmuls, A^T [L, E, K, in, r_max], B^T [L, E, K, r_max, out]
+        # experts groups, (expert, entry)-major: A [L, E, K, r_max, in], B^T [L, E, K, r_max, out]
         self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
         self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
         self.scale: dict[str, torch.Tensor] = {}  # group -> [K]
@@ -93,7 +93,7 @@ class LoRABatch:
                 a_list.append(F.pad(e.a[name], (0, 0, 0, pad)) if pad else e.a[name])
                 b_list.append(F.pad(e.b[name], (0, pad)) if pad else e.b[name])
                 scales.append(e.scale)
-            if group.experts:  # [L, E, K, r, in]: each layer's (expert, entry) pairs already in order
+            if group.experts:  # [L, E, K, ...]: each layer's (expert, entry) pairs already in order
                 self.a[name], self.b[name] = _stack_experts(entries, name, a_list, b_list, stacks)
                 self.layers[name] = (self.a[name].unbind(0), self.b[name].unbind(0))
             else:
@@ -163,17 +163,17 @@ class LoRABatch:
         self, group: str, layer: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """An experts group's pairs at ``layer`` for grouped matmuls over (expert, entry) segments,
-        expert-major: A^T [E·K, in, r], B^T [E·K, r, out], and each entry's scale [K]. Cached
+        expert-major: A [E·K, r, in], B^T [E·K, r, out], and each entry's scale [K]. Cached
         without autograd, like :meth:`_weights`."""
         key = (group, -1 - layer)
         hit = self._cache.get(key)
         if hit is not None:
             return hit[0], hit[1], hit[2]
         a_layers, b_layers = self.layers[group]
-        a, b = a_layers[layer], b_layers[layer]  # [E, K, in, r], [E, K, r, out]: views, no copy
-        a_t = a.reshape(-1, *a.shape[2:]).to(dtype)
+        a, b = a_layers[layer], b_layers[layer]  # [E, K, r, in], [E, K, r, out]: views, no copy
+        a_e = a.reshape(-1, *a.shape[2:]).to(dtype)
         b_t = b.reshape(-1, *b.shape[2:]).to(dtype)
-        out = (a_t, b_t, self.scale[group].to(dtype))
+        out = (a_e, b_t, self.scale[group].to(dtype))
         if not torch.is_grad_enabled():
             self._cache[key] = out
         return out
@@ -209,10 +209,11 @@ def _stack_experts(
     b_list: list[torch.Tensor],
     stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An experts group's K pairs stacked (expert, entry)-major and transposed, A^T [L, E, K, in, r]
-    and B^T [L, E, K, r, out]: each layer's [E·K, in, r] is then one contiguous tensor, for grouped
-    matmuls and for fast row gathers (``index_select``) alike, and the stack is one copy of whole
-    per-expert blocks, not a strided concatenation. Without autograd the stack is kept in
+    """An experts group's K pairs stacked (expert, entry)-major, A [L, E, K, r, in] as stored and B
+    transposed, B^T [L, E, K, r, out] (the layouts :data:`~opentinker.lora.experts.ExpertPairs`
+    names): each layer's [E·K, r, in] is then one contiguous tensor, for grouped matmuls and for
+    fast row gathers (``index_select``) alike, and the stack is one copy of whole per-expert blocks,
+    not a strided concatenation (A's a plain copy, its gradient's way back too). Without autograd the stack is kept in
     ``stacks`` (the last STACKS_KEPT) for a later batch on the same weights (each entry's uid and
     its tensors' version counters, which an optimizer step or a load bumps), so repeated forwards
     on one set of adapters stack nothing."""
@@ -227,9 +228,9 @@ def _stack_experts(
         stacks[key] = hit  # the most recently used last
         return hit
     lead, k = a_list[0].shape[:2], len(entries)  # [L, E]
-    a = torch.stack([t.transpose(-1, -2).reshape(lead.numel(), -1) for t in a_list], 1)
+    a = torch.stack([t.reshape(lead.numel(), -1) for t in a_list], 1)
     b = torch.stack([t.transpose(-1, -2).reshape(lead.numel(), -1) for t in b_list], 1)
-    a = a.view(*lead, k, a_list[0].shape[3], a_list[0].shape[2])
+    a = a.view(*lead, k, a_list[0].shape[2], a_list[0].shape[3])
     b = b.view(*lead, k, b_list[0].shape[3], b_list[0].shape[2])
     if cacheable and stacks is not None:
         stacks[key] = (a, b)
