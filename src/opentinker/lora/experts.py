@@ -59,6 +59,10 @@ EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
 # With more rows the grouped matmul wins on CPU time, also at E·K = 512 segments of ~4 rows (the
 # MoE benchmark's mixed forward), as did ``bmm`` over zero-padded tiles of each segment's rows
 GATHER_BELOW = 2
+# with over 1/SKIP_EMPTY_ABOVE of the (expert, adapter) segments empty (many adapters, skewed
+# routing), the grouped matmuls visit only the others: a gather of their pairs costs less than the
+# per-segment calls (one ``mm`` each on CPU, 4 a layer forward and 8 more backward) it saves
+SKIP_EMPTY_ABOVE = 4
 # what transformers' ``use_experts_implementation`` sets on every experts class it knows
 _EXPERTS_ATTRS = ("has_gate", "has_bias", "is_transposed", "num_experts")
 
@@ -115,8 +119,14 @@ class _Segments:
 
     def __init__(self, key_sorted: torch.Tensor, entry_sorted: torch.Tensor, n_seg: int) -> None:
         self.key, self.entry = key_sorted, entry_sorted
-        self.gather = key_sorted.numel() * GATHER_BELOW < n_seg
-        self.offs = None if self.gather else _offsets(key_sorted, n_seg)
+        self.offs: torch.Tensor | None = None  # the grouped matmul's segment ends
+        self.used: torch.Tensor | None = None  # the segments it visits, if not all of them
+        if key_sorted.numel() * GATHER_BELOW >= n_seg:
+            counts = torch.bincount(key_sorted, minlength=n_seg)
+            used = counts.nonzero().squeeze(1)
+            if (n_seg - used.numel()) * SKIP_EMPTY_ABOVE > n_seg:
+                self.used, counts = used, counts[used]
+            self.offs = counts.cumsum(0).to(torch.int32)
 
     def lora(
         self, inp: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, scale: torch.Tensor
@@ -128,6 +138,8 @@ class _Segments:
             a_rows, b_rows = a.index_select(0, self.key), b_t.index_select(0, self.key)
             h = torch.bmm(x[:, None, :], a_rows.transpose(1, 2)) * scale[self.entry, None, None]
             return torch.bmm(h, b_rows).squeeze(1)
+        if self.used is not None:  # only the segments with rows
+            a, b_t = a.index_select(0, self.used), b_t.index_select(0, self.used)
         a_t = a.transpose(1, 2)  # [S, in, r], a view
         if (a.shape[2] * a.element_size()) % 16:  # its stride breaks grouped_mm's alignment
             a_t = a_t.contiguous()
