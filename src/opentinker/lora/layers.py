@@ -154,9 +154,9 @@ class LoRABatch:
         elif self.run_len is not None:  # equal runs: one batched matmul pair, slots = runs
             n = self.run_len
             xr = x3.reshape(rows // n, n * x3.shape[1], shape[-1])  # [R, n·T, in]
-            out = torch.bmm(torch.bmm(xr, a_t), b_t).reshape(rows, x3.shape[1], -1)
+            out = torch.bmm(_shrink(xr, a_t), b_t).reshape(rows, x3.shape[1], -1)
         else:
-            out = torch.bmm(torch.bmm(x3, a_t), b_t)
+            out = torch.bmm(_shrink(x3, a_t), b_t)
         return out.reshape(*shape[:-1], -1)
 
     def expert_weights(
@@ -194,12 +194,20 @@ class LoRABatch:
         else:
             if self.slots is not None:
                 a, b, scale = a[self.slots], b[self.slots], scale[self.slots]
-            a_s = a.transpose(1, 2)  # [S, in, r]
-            b_s = b.transpose(1, 2) * scale[:, None, None]  # [S, r, out]
+            a_s = a.transpose(1, 2)  # [S, in, r], a view
+            # [S, r, out] contiguous: the expand's backward (dy B, r columns) runs 2x faster by it
+            b_s = (b * scale[:, None, None]).transpose(1, 2).contiguous()
             out = (a_s.to(dtype), b_s.to(dtype))
         if not torch.is_grad_enabled():
             self._cache[key] = out
         return out
+
+
+def _shrink(x: torch.Tensor, a_t: torch.Tensor) -> torch.Tensor:
+    """``bmm(x, a_t)`` ([S, n, in] by [S, in, r], ``a_t`` a transposed view of a contiguous A),
+    computed as ``(A x^T)^T``: on CPU this and its backward (A's gradient ``dh^T x``) run 2-3x
+    faster than the r-column products of ``bmm(x, a_t)`` and its ``x^T dh``."""
+    return torch.bmm(a_t.transpose(1, 2), x.transpose(1, 2)).transpose(1, 2)
 
 
 def _stack_experts(
