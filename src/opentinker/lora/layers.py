@@ -236,11 +236,8 @@ def _stack_experts(
     if cacheable and stacks is not None and (hit := stacks.pop(key, None)) is not None:
         stacks[key] = hit  # the most recently used last
         return hit
-    lead, k = a_list[0].shape[:2], len(entries)  # [L, E]
-    a = torch.stack([t.reshape(lead.numel(), -1) for t in a_list], 1)
-    b = torch.stack([t.transpose(-1, -2).reshape(lead.numel(), -1) for t in b_list], 1)
-    a = a.view(*lead, k, a_list[0].shape[2], a_list[0].shape[3])
-    b = b.view(*lead, k, b_list[0].shape[3], b_list[0].shape[2])
+    a = torch.stack(a_list, 2)  # [L, E, K, r, in]
+    b = torch.stack([t.transpose(-1, -2) for t in b_list], 2)  # one copy, transposing on the way
     if cacheable and stacks is not None:
         stacks[key] = (a, b)
         for old in list(stacks)[: max(0, len(stacks) - STACKS_KEPT)]:
