@@ -98,8 +98,13 @@ class AdapterOptimizer:
         self.state: State = {}
 
     def flat_grads(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``grads`` (name -> tensor like the param) as one buffer in this optimizer's order."""
-        return torch.cat([grads[name].reshape(-1) for name in self.params])
+        """``grads`` (name -> tensor like the param) as one buffer in this optimizer's order: each
+        copied once into its place (a gradient that is a strided view, as an experts stack's
+        backward gives, would be copied twice by a concatenation of its flattened copy)."""
+        out = torch.empty_like(self.flat, requires_grad=False)
+        for name, view in self.views(out).items():
+            view.copy_(grads[name])
+        return out
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """A flat buffer in this optimizer's order as name -> tensor like the param (views)."""
