@@ -31,7 +31,9 @@ Compute, for a batch mixing K entries: every (token, expert) assignment is sorte
 (expert, entry). The base projections run as one grouped matmul over the E expert segments, the
 LoRA terms as two grouped matmuls over the E·K (expert, entry) segments (``torch.nn.functional.
 grouped_mm``), the segments worked out once per layer for both projections, so no Python loop runs
-over experts, adapters or tokens, whatever K is. When the rows are few beside the E·K segments (a
+over experts, adapters or tokens, whatever K is. On CPU ``grouped_mm`` runs one ``mm`` per segment
+(~2 µs each, most of what mixing K adapters adds): where many segments are empty (many adapters,
+skewed routing) only the others are visited. When the rows are few beside the E·K segments (a
 decode step), each row gathers its own expert's pair for two batched matmuls instead.
 """
 
