@@ -142,8 +142,8 @@ class LoRABatch:
         if group not in self.a:
             return None
         a_t, b_t = self._weights(group, layer, x.dtype)
-        if self.single is not None:  # one entry for every row: plain matmuls
-            return (x @ a_t) @ b_t
+        if self.single is not None:  # one entry for every row: plain matmuls (shrink as in _shrink)
+            return (a_t.T @ x.transpose(-1, -2)).transpose(-1, -2) @ b_t
         shape, rows = x.shape, self.row_index.numel()
         # [B, T, in]; also when a layer calls its projection on the rows flattened to [B·T, in]
         # (the shared experts of a MoE block), which keeps the tokens row-major
