@@ -47,6 +47,14 @@ from opentinker.lora.experts import (
 )
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_of(path: str) -> int | None:
+    """The model layer a module path names (``model.layers.3.mlp.up_proj`` -> 3), or None."""
+    m = _LAYER_INDEX.search(f".{path}.")
+    return None if m is None else int(m.group(1))
+
+
 # routers and gates that pick or weigh experts: never adapted (see opentinker.lora.experts)
 ROUTERS = frozenset({"gate", "router", "shared_expert_gate"})
 # stacks of experts pairs kept between forwards (a trainer's and a sampler's batches alternate),

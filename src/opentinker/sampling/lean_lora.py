@@ -10,13 +10,13 @@ input (``q|k|v``, ``gate|up``) share one batched matmul on ``[A_q|A_k|A_v]``; se
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
 
 from opentinker.lora import LoRABatch, TargetGroup
 from opentinker.lora.experts import ExpertPairs
+from opentinker.lora.layers import layer_of
 
 # fused projection -> the LoRA groups it is made of (in output order)
 FUSED: dict[str, tuple[str, ...]] = {
@@ -33,17 +33,12 @@ EXPERT_GROUPS: dict[str, str] = {
     "down_proj": "mlp.experts.down_proj",
 }
 KNOWN_GROUPS = frozenset([*(g for names in FUSED.values() for g in names), *EXPERT_GROUPS.values()])
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 def _positions(group: TargetGroup) -> dict[int, int]:
     """The model layer of each of ``group``'s layers -> its index in the group (they differ where
     only some layers have the group: the dense MLP layers of a mostly-MoE model)."""
-    out = {}
-    for pos, path in enumerate(group.paths):
-        m = _LAYER_INDEX.search(f".{path}.")
-        out[int(m.group(1)) if m else 0] = pos
-    return out
+    return {layer_of(path) or 0: pos for pos, path in enumerate(group.paths)}
 
 
 # The LoRA term of one fused projection in a decode step (:meth:`LeanLoRA.step_terms`), with
