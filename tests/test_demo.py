@@ -174,6 +174,7 @@ def test_demo_command_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFi
         (["--targets", "three"], "--targets expects comma-separated word counts"),
         (["--steps", "0"], "steps must be >= 1"),
         (["--kl-coef", "-0.1"], "--kl-coef must be a number >= 0"),
+        (["--loss-fn", "nope"], "--loss-fn must be one of importance_sampling, ppo"),
     ],
 )
 def test_demo_usage_errors_exit_2(

@@ -54,12 +54,15 @@ GROUPS_PER_STEP = 2  # questions per adapter per step
 GROUP_SIZE = 4  # replies per question
 HELD_OUT_SAMPLES = 4  # replies per held-out question and policy
 HELD_OUT_SEED = 1234
-# the frozen base in fp32 (``auto`` on a CPU). A bf16 base ran the demo in 353 s against 532 s on
-# an idle 2-core AVX512-BF16 machine (seed 0), but on seed 1 the 2-word adapter lost the language
-# ('wys.ends.wys.wys...', 35% of its held-out replies on topic) and on seed 2 the 5-word one
-# wandered: RL's importance ratios see a sampler-trainer gap of ~0.06 nats a token there
-# (models/dtype.py). ``--dtype bfloat16`` runs it so.
-DTYPE = "auto"
+# the frozen base in bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the base
+# falls back to fp32), with PPO's clipped importance ratios. bf16 ran the demo 1.5x faster than fp32
+# (353 s against 532 s on an idle 2-core machine) but widens the sampler-trainer gap that RL's
+# importance ratios see (~0.06 nats a token, models/dtype.py): with the unclipped
+# ``importance_sampling`` loss one adapter of three seeds lost the language ('wys.ends.wys...') and
+# another wandered; with ``ppo``'s clip every seed separated, 85-100% of replies on topic
+# (benchmarks/RESULTS.md). ``--dtype float32 --loss-fn importance_sampling`` runs it as before.
+DTYPE = "bfloat16"
+LOSS_FN = "ppo"
 # an adapter whose held-out replies leave the topic more often than this has lost the task
 MIN_ON_TOPIC = 0.75
 
@@ -130,6 +133,7 @@ def run_demo(
     group_size: int = GROUP_SIZE,
     log_dir: str = "runs/demo",
     dtype: str = DTYPE,
+    loss_fn: str = LOSS_FN,
 ) -> int:
     """Train one adapter per target at once, print progress and the held-out result. Returns 0."""
     import opentinker
@@ -156,7 +160,7 @@ def run_demo(
         cfg = RLConfig(
             base_model=base_model, log_dir=str(Path(log_dir) / name), steps=steps,
             groups_per_step=groups_per_step, group_size=group_size, lora_rank=rank, learning_rate=lr,
-            max_tokens=max_tokens, normalize_std=True, kl_coef=kl_coef, eval_every=0, seed=seed * 1000 + i,
+            max_tokens=max_tokens, normalize_std=True, kl_coef=kl_coef, loss_fn=loss_fn, eval_every=0, seed=seed * 1000 + i,
             progress=False, name=name, plot_keys=("reward/mean", "env/words"),
             extra={"target_words": target},
         )  # fmt: skip

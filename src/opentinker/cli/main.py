@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )  # fmt: skip
 
+    _add_demo(sub)
+
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+def _add_demo(sub: Any) -> None:
+    """The ``demo`` subcommand, its defaults read from the demo's module."""
     from opentinker.cli import demo as d  # the demo's defaults live beside the demo
 
     demo = sub.add_parser(
@@ -82,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the frozen base's dtype (bfloat16: float32 where the device has no native bf16; "
         "auto: bfloat16 on a CUDA GPU, else float32)",
     )  # fmt: skip
+    demo.add_argument(
+        "--loss-fn", default=d.LOSS_FN, help="the RL objective (a Tinker loss: ppo, importance_sampling, ...)"
+    )
     demo.set_defaults(run=_demo)
-
-    args = parser.parse_args(argv)
-    return int(args.run(args) or 0)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -110,6 +119,10 @@ def _demo(args: argparse.Namespace) -> int:
         )  # fmt: skip
         if not (args.lr > 0 and math.isfinite(args.lr)):
             raise ValueError(f"--lr must be a positive number, got {args.lr}")
+        from opentinker.rl.loop import LOSSES
+
+        if args.loss_fn not in LOSSES:
+            raise ValueError(f"--loss-fn must be one of {', '.join(LOSSES)}, got {args.loss_fn!r}")
         if not (args.kl_coef >= 0 and math.isfinite(args.kl_coef)):
             raise ValueError(f"--kl-coef must be a number >= 0, got {args.kl_coef}")
     except ValueError as e:
@@ -118,7 +131,7 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(
         base_model=args.base_model, targets=targets, steps=args.steps, rank=args.rank, lr=args.lr,
         kl_coef=args.kl_coef, seed=args.seed, max_tokens=args.max_tokens, groups_per_step=args.groups_per_step,
-        group_size=args.group_size, log_dir=args.log_dir, dtype=args.dtype,
+        group_size=args.group_size, log_dir=args.log_dir, dtype=args.dtype, loss_fn=args.loss_fn,
     )  # fmt: skip
 
 

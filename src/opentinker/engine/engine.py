@@ -41,10 +41,10 @@ from opentinker.engine.checkpoint import (
 )
 from opentinker.engine.custom_loss import reduce_metrics
 from opentinker.engine.export import export_merged, export_peft
-from opentinker.engine.images import check_images, has_images, image_kwargs
+from opentinker.engine.images import check_images
 from opentinker.engine.losses import LOSSES, resolve_config
 from opentinker.engine.optim import AdapterOptimizer, finite_each, step_many
-from opentinker.engine.prefix import plan_shared_prefixes, shared_prefix_logprobs
+from opentinker.engine.passes import fused_logprobs
 from opentinker.engine.tinker_format import export_tinker
 from opentinker.engine.types import (
     AdamParams,
@@ -339,34 +339,22 @@ class Engine:
         lengths: list[int],
     ) -> list[torch.Tensor]:
         """Each row's logprobs of its targets, ``[T, K]``: with shared prefixes computed once when
-        that saves enough (see ``engine/prefix.py``), else in one right-padded forward."""
+        that saves enough (see ``engine/prefix.py``), else in one right-padded forward, rows of very
+        different lengths in separate passes (``engine/passes.py``)."""
         examples = [reqs[i].examples[j] for i, j in rows]
         targets = [
             ex.inputs["target_tokens"].long().reshape(n, -1).to(self.device)
             for ex, n in zip(examples, lengths, strict=False)
         ]
-        plan = None
-        if self.share_prefixes and len(rows) > 1 and not has_images(examples):
-            plan = plan_shared_prefixes([ex.tokens_T.tolist() for ex in examples], list(policies))
-        if plan is not None:
-            toks = [ex.tokens_T.to(self.device) for ex in examples]
-            return shared_prefix_logprobs(self.base.model, self.routing, list(policies), toks, targets, plan)
-        # Right padding needs no attention mask: causal attention never lets a real token see a pad.
-        tokens_BT = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=self.device)
-        for b, ex in enumerate(examples):
-            tokens_BT[b, : lengths[b]] = ex.tokens_T.to(self.device)
-        with self.routing(policies):
-            images = image_kwargs(self.base.model, self.base.vision, tokens_BT, examples)
-            logits_BTV = self.base.model(input_ids=tokens_BT, use_cache=False, **images).logits.float()
-        lse_BT = torch.logsumexp(logits_BTV, dim=-1)
-        # One batched gather of every row's targets (K > 1 for soft targets), padded with token
-        # 0: a per-row gather would give each row a full [B, T, V] zero gradient in backward.
-        width = max(int(t.shape[1]) for t in targets)
-        tgt_BTK = torch.zeros(len(rows), tokens_BT.shape[1], width, dtype=torch.long, device=self.device)
-        for b, t in enumerate(targets):
-            tgt_BTK[b, : lengths[b], : t.shape[1]] = t
-        lp_BTK = logits_BTV.gather(-1, tgt_BTK) - lse_BT[..., None]
-        return [lp_BTK[b, : lengths[b], : int(t.shape[1])] for b, t in enumerate(targets)]
+        return fused_logprobs(
+            self.base.model,
+            self.routing,
+            self.base.vision,
+            list(policies),
+            examples,
+            targets,
+            self.share_prefixes,
+        )
 
     def _accumulate(
         self,

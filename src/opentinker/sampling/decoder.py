@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 
 from opentinker.engine import Engine, EngineError
+from opentinker.engine.passes import length_buckets
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
 from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs, topk_logprobs
@@ -107,6 +108,17 @@ class _Job:
     result: SampleResult = field(default_factory=lambda: SampleResult(sequences=[]))
     seqs: list[SampledSequence | None] = field(default_factory=list)
     left: int = 0  # rows still decoding
+
+
+def admission_parts(items: list[tuple[int, Pinned]]) -> list[list[tuple[int, Pinned]]]:
+    """The prefills of one admission: the requests that sample as one, and those that want their
+    prompt's logprobs (``compute_logprobs``: every position's logits, no prefix cache) apart, in
+    length buckets (``engine/passes.py``), so that a short prompt is not padded to a long one's
+    width, nor does a logprob request take the prefix cache from the others."""
+    plain = [it for it in items if not it[1].req.wants_prompt]
+    scored = [it for it in items if it[1].req.wants_prompt]
+    buckets = length_buckets([[len(p.req.prompt)] for _, p in scored])
+    return ([plain] if plain else []) + [[scored[u] for u in b] for b in buckets]
 
 
 class StepDecoder:
@@ -241,16 +253,17 @@ class StepDecoder:
     @torch.no_grad()
     def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
         """Prefill ``items`` (request id, pinned request) and merge their rows into the running
-        batch; returns the requests that finished already (their first token stopped them)."""
-        if not items:
-            return []
-        try:
-            return self._admit(items)
-        except Exception as e:  # a failed prefill fails its group, never the running batch
-            for rid, _ in items:
-                self._jobs.pop(rid, None)
-            failed: list[Finished] = [(rid, e) for rid, _ in items]
-            return failed
+        batch; returns the requests that finished already (their first token stopped them).
+        Prefills run in the groups :func:`admission_parts` makes; a failed one fails its group."""
+        out: list[Finished] = []
+        for part in admission_parts(items):
+            try:
+                out += self._admit(part)
+            except Exception as e:  # a failed prefill fails its group, never the running batch
+                for rid, _ in part:
+                    self._jobs.pop(rid, None)
+                out += [(rid, e) for rid, _ in part]
+        return out
 
     def _admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
         eng, dev = self.engine, self.engine.device
