@@ -207,9 +207,10 @@ def step_many(
             hp.validate()
         except EngineError as e:
             refused[k] = e
-    # per adapter: its grad norm (accumulated in double) and clip factor
+    # per adapter: its grad norm, accumulated in double (of a double copy: the same value, bitwise,
+    # as ``vector_norm(g, dtype=float64)``, which converts element by element, 3x slower on CPU)
     norms = [
-        float(torch.linalg.vector_norm(g, dtype=torch.float64)) if k not in refused else 0.0
+        float(torch.linalg.vector_norm(g.double())) if k not in refused else 0.0
         for k, (_, g, _) in enumerate(items)
     ]
     return [
