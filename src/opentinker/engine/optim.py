@@ -153,7 +153,7 @@ class AdapterOptimizer:
         step count, or nothing at all (a fresh optimizer). A mismatch changes nothing."""
         have = [name for name in self.params if f"{name}.exp_avg" in tensors]
         if not have:
-            self.state = {}
+            self.state, self.bounds = {}, None
             return
         missing = [
             n for n in self.params for k in ("exp_avg", "exp_avg_sq", "step") if f"{n}.{k}" not in tensors
@@ -178,6 +178,7 @@ class AdapterOptimizer:
                 self.flat.device, self.flat.dtype
             )
 
+        self.bounds = None  # (they would hold the replaced moments alive until the next step)
         self.state = {
             "step": torch.tensor(steps.pop(), dtype=torch.float32),
             "exp_avg": flat("exp_avg"),
