@@ -32,6 +32,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from opentinker.client import Runtime, ServiceClient
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.engine.checkpoint import clean_partial_writes, read_checkpoint, write_checkpoint
+from opentinker.engine.optim import AdapterOptimizer, _proven_bounds, step_many
 from opentinker.lora import LoRAConfig
 from opentinker.server.auth import Authenticator, keys_main
 from opentinker.server.errors import BadRequest, Redactor, Unauthorized
@@ -263,6 +264,79 @@ def test_first_step_refused_leaves_no_optimizer_state(engine: Engine) -> None:
     with pytest.raises(EngineError, match="it was not applied"):
         engine.optim_step(aid, AdamParams(learning_rate=1e39))
     assert engine.optimizer_state(aid) == {} and _bitwise_equal(_state(engine, aid), before)
+
+
+def _twin_optimizers(engine: Engine) -> tuple[AdapterOptimizer, AdapterOptimizer, torch.Tensor]:
+    """Two optimizers on bitwise-equal copies of a trained adapter, and a real gradient of it."""
+    aid = engine.create_adapter(LoRAConfig(rank=4, seed=3))
+    engine.forward_backward(ForwardRequest(aid, make_examples(2, engine.vocab_size, seed=4)))
+    engine.optim_step(aid, AdamParams(learning_rate=1e-2))  # B no longer 0: every gradient non-zero
+    engine.forward_backward(ForwardRequest(aid, make_examples(2, engine.vocab_size, seed=5)))
+    grads = engine.pending_gradients(aid)
+    assert grads is not None
+    weights = engine.adapter_weights(aid)
+    one, two = AdapterOptimizer(weights.clone()), AdapterOptimizer(weights.clone())
+    return one, two, one.flat_grads(grads)
+
+
+def _opt_state(opt: AdapterOptimizer) -> dict[str, torch.Tensor]:
+    return {"flat": opt.flat.detach().clone(), **{k: v.clone() for k, v in opt.state_tensors().items()}}
+
+
+def test_a_step_proven_finite_skips_the_undo_copy_and_is_bitwise_the_undoable_step(engine: Engine) -> None:
+    """A step whose bounds prove it finite runs without the scratch copy (and the look for
+    non-finite values after it): weights, moments and metrics bitwise those of the same step
+    made undoable, fresh and stepped moments, clipping, weight decay; the bounds it keeps hold."""
+    proven, undoable, grad = _twin_optimizers(engine)
+    hps = [
+        AdamParams(learning_rate=1e-2),
+        AdamParams(learning_rate=3e-3, weight_decay=0.1, beta1=0.8),
+        AdamParams(learning_rate=1e-2, grad_clip_norm=1e-3, eps=1e-6),
+        AdamParams(learning_rate=5e-4, beta2=0.99),
+    ]
+    for k, hp in enumerate(hps):
+        g = grad * (k - 1.5)
+        assert step_many([(proven, g, hp)]) == step_many([(undoable, g, hp)], prove=False)
+        assert proven.bounds is not None and undoable.bounds is None  # which way each went
+        assert _bitwise_equal(_opt_state(proven), _opt_state(undoable))
+        avg, sq = proven.state["exp_avg"], proven.state["exp_avg_sq"]
+        assert float(proven.flat.abs().max()) <= proven.bounds.weights
+        assert float(avg.abs().max()) <= proven.bounds.exp_avg and float(sq.max()) <= proven.bounds.exp_avg_sq
+
+
+def test_a_step_its_bounds_cannot_clear_is_undone_bitwise_if_it_overflows(engine: Engine) -> None:
+    """Where the bounds cannot prove a step finite it is made undoable: undone bitwise when it
+    overflows (a learning rate past fp32, negative second moments loaded from a checkpoint, a
+    weight written past the bounds after they were taken), applied bitwise as the undoable step
+    when it does not (an eps too small for the bound)."""
+    opt, twin, grad = _twin_optimizers(engine)
+    for o in (opt, twin):
+        step_many([(o, grad, AdamParams(learning_rate=1e-2))])
+    assert opt.bounds is not None
+    before = _opt_state(opt)
+    huge = AdamParams(learning_rate=3e37)
+    assert _proven_bounds(opt, huge, 2.0, 1.0) is None
+    [out] = step_many([(opt, grad, huge)])
+    assert isinstance(out, EngineError) and _bitwise_equal(_opt_state(opt), before)
+    # finite, but too small an eps for the bound: run undoable, and applied
+    tiny_eps = AdamParams(learning_rate=1e-2, eps=1e-44)
+    assert step_many([(opt, grad, tiny_eps)]) == step_many([(twin, grad, tiny_eps)], prove=False)
+    assert opt.bounds is None and _bitwise_equal(_opt_state(opt), _opt_state(twin))
+    # a weight written after the bounds were taken: they are taken again, and it is seen
+    step_many([(opt, grad, AdamParams(learning_rate=1e-2))])
+    assert opt.bounds is not None
+    with torch.no_grad():
+        opt.flat[0] = 3e38
+    assert _proven_bounds(opt, AdamParams(learning_rate=1e-2), 4.0, 1.0) is None
+    assert opt.bounds.weights == float(opt.flat[0])
+    # negative second moments (loaded as they were saved): sqrt gives NaN, refused, unchanged
+    tensors = opt.state_tensors()
+    name = next(k for k in tensors if k.endswith(".exp_avg_sq"))
+    opt.load_state_tensors({**tensors, name: -tensors[name].abs() - 1.0})
+    before = _opt_state(opt)
+    [out] = step_many([(opt, grad, AdamParams(learning_rate=1e-2))])
+    assert isinstance(out, EngineError) and "NaN or inf" in str(out)
+    assert _bitwise_equal(_opt_state(opt), before)
 
 
 # ---------------------------------------------------------------------------- unit: keys
