@@ -54,15 +54,14 @@ GROUPS_PER_STEP = 2  # questions per adapter per step
 GROUP_SIZE = 4  # replies per question
 HELD_OUT_SAMPLES = 4  # replies per held-out question and policy
 HELD_OUT_SEED = 1234
-# the frozen base in bf16 where the CPU computes it natively (AVX512-BF16 or AMX; elsewhere the base
-# falls back to fp32), with PPO's clipped importance ratios. bf16 ran the demo 1.5x faster than fp32
-# (353 s against 532 s on an idle 2-core machine) but widens the sampler-trainer gap that RL's
-# importance ratios see (~0.06 nats a token, models/dtype.py): with the unclipped
-# ``importance_sampling`` loss one adapter of three seeds lost the language ('wys.ends.wys...') and
-# another wandered; with ``ppo``'s clip every seed separated, 85-100% of replies on topic
-# (benchmarks/RESULTS.md). ``--dtype float32 --loss-fn importance_sampling`` runs it as before.
-DTYPE = "bfloat16"
-LOSS_FN = "ppo"
+# the frozen base in fp32 (``auto`` on a CPU) with the unclipped importance-sampling loss. A bf16
+# base ran the demo 1.5x faster (353-379 s against 532 s on an idle 2-core AVX512-BF16 machine), but
+# RL's importance ratios then see a sampler-trainer gap of ~0.06 nats a token (models/dtype.py):
+# with this loss one adapter of three seeds lost the language ('wys.ends.wys...'); with ``ppo``'s
+# clip three seeds separated at one thread, yet seed 0 at two threads did not (its 2-word adapter
+# learned to echo the question: 'Why do cats purr?)'). ``--dtype bfloat16 --loss-fn ppo`` runs it so.
+DTYPE = "auto"
+LOSS_FN = "importance_sampling"
 # an adapter whose held-out replies leave the topic more often than this has lost the task
 MIN_ON_TOPIC = 0.75
 
