@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opentinker.engine import Engine, Example, ForwardRequest, passes
+from opentinker.engine import Engine, ForwardRequest, passes
 from opentinker.engine.passes import length_buckets
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.decoder import run_to_completion
-from tests.test_shared_prefix import check_equal, perturbed_adapter
+from tests.test_shared_prefix import check_equal, grouped_examples, perturbed_adapter
 from tests.tolerances import assert_logprobs_close
 
 
@@ -29,37 +29,15 @@ def test_buckets_cut_where_padding_costs_more_than_a_pass() -> None:
     assert length_buckets([]) == []
 
 
-def rl_rows(vocab: int, *, seed: int, prompts: int, group: int, reply: tuple[int, int]) -> list[Example]:
-    """``group`` replies of ``reply[0]``..``reply[1]`` tokens to each of ``prompts`` 24-token
-    prompts that share a 12-token head (a chat template's system turn), with RL inputs."""
-    g = torch.Generator().manual_seed(seed)
-    head = torch.randint(3, vocab, (12,), generator=g).tolist()
-    out = []
-    for _ in range(prompts):
-        prompt = head + torch.randint(3, vocab, (12,), generator=g).tolist()
-        for _ in range(group):
-            n_reply = int(torch.randint(reply[0], reply[1] + 1, (1,), generator=g))
-            seq = prompt + torch.randint(3, vocab, (n_reply,), generator=g).tolist()
-            n = len(seq) - 1
-            act = torch.tensor([0.0] * (len(prompt) - 1) + [1.0] * n_reply)
-            inputs = {
-                "target_tokens": torch.tensor(seq[1:]),
-                "advantages": act * torch.randn(n, generator=g),
-                "logprobs": -torch.rand(n, generator=g) - 1,
-            }
-            out.append(Example(torch.tensor(seq[:-1]), inputs))
-    return out
-
-
 @pytest.mark.parametrize("share", [False, True])
 def test_bucketed_passes_equal_one_padded_pass(engine: Engine, monkeypatch, share: bool) -> None:
     vocab = engine.vocab_size
     short, long = perturbed_adapter(engine, 8, 1), perturbed_adapter(engine, 4, 2)
     reqs = [
         ForwardRequest(
-            short, rl_rows(vocab, seed=0, prompts=2, group=4, reply=(2, 5)), "importance_sampling"
+            short, grouped_examples(vocab, seed=0, prompts=2, reply=(2, 5)), "importance_sampling"
         ),
-        ForwardRequest(long, rl_rows(vocab, seed=1, prompts=2, group=4, reply=(50, 64)), "ppo"),
+        ForwardRequest(long, grouped_examples(vocab, seed=1, prompts=2, reply=(50, 64)), "ppo"),
     ]
     engine.share_prefixes = share
     calls = []

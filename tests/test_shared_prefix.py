@@ -15,10 +15,16 @@ from tests.tolerances import assert_rel_close, assert_scalar_close
 
 
 def grouped_examples(
-    vocab: int, *, seed: int, prompts: int = 3, group: int = 4, soft: bool = False
+    vocab: int,
+    *,
+    seed: int,
+    prompts: int = 3,
+    group: int = 4,
+    soft: bool = False,
+    reply: tuple[int, int] = (1, 8),
 ) -> list[Example]:
-    """``group`` completions (1-8 tokens) of each of ``prompts`` prompts of different lengths that
-    share their first 10 tokens (like a chat template's system turn)."""
+    """``group`` completions (``reply[0]``-``reply[1]`` tokens) of each of ``prompts`` prompts of
+    different lengths that share their first 10 tokens (like a chat template's system turn)."""
     g = torch.Generator().manual_seed(seed)
     head = torch.randint(3, vocab, (10,), generator=g).tolist()
     out = []
@@ -26,7 +32,7 @@ def grouped_examples(
         prompt = head + torch.randint(3, vocab, (12 + 5 * p,), generator=g).tolist()
         for _ in range(group):
             comp = torch.randint(
-                3, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g
+                3, vocab, (int(torch.randint(reply[0], reply[1] + 1, (1,), generator=g)),), generator=g
             ).tolist()
             seq = prompt + comp
             n = len(seq) - 1

@@ -12,6 +12,7 @@ joins them, so one backward covers all. Results equal one padded pass up to floa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -35,14 +36,10 @@ def length_buckets(units: list[list[int]], pass_cost: int | None = None) -> list
     cost = PASS_COST if pass_cost is None else pass_cost
     order = sorted(range(len(units)), key=lambda u: -max(units[u]))
     width = [max(units[u]) for u in order]
-    rows = [0]
-    for u in order:
-        rows.append(rows[-1] + len(units[u]))
+    rows = [0, *itertools.accumulate(len(units[u]) for u in order)]
     n = len(order)
-    best, cut = (
-        [0] + [0] * n,
-        [0] * (n + 1),
-    )  # best[j]: cost of the first j units; cut[j]: its last pass's start
+    best = [0] * (n + 1)  # best[j]: the cost of the first j units
+    cut = [0] * (n + 1)  # cut[j]: where the last pass of that best starts
     for j in range(1, n + 1):
         best[j], cut[j] = min((best[i] + (rows[j] - rows[i]) * width[i] + cost, i) for i in range(j))
     passes: list[list[int]] = []
@@ -65,15 +62,16 @@ def fused_logprobs(
     """Each row's logprobs of its targets ``[T, K]`` (``targets[b]``), in length buckets; within
     a bucket with shared prefixes computed once when that saves enough, else one right-padded pass."""
     lengths = [int(ex.tokens_T.shape[0]) for ex in examples]
+    images = has_images(examples)
     plan = None
-    if share_prefixes and len(examples) > 1 and not has_images(examples):
+    if share_prefixes and len(examples) > 1 and not images:
         plan = plan_shared_prefixes([ex.tokens_T.tolist() for ex in examples], list(policies))
     members = [g.rows for g in plan] if plan is not None else [[b] for b in range(len(examples))]
-    if has_images(examples):  # a vision batch stays one pass (its image rows are laid out together)
+    if images:  # a vision batch stays one pass (its image rows are laid out together)
         buckets = [list(range(len(members)))]
     else:
         buckets = length_buckets([[lengths[b] for b in m] for m in members])
-    out: list[torch.Tensor | None] = [None] * len(examples)
+    out: dict[int, torch.Tensor] = {}
     for bucket in buckets:
         rows = [b for u in bucket for b in members[u]]
         sub = [policies[b] for b in rows]
@@ -87,8 +85,7 @@ def fused_logprobs(
             lps = one_pass_logprobs(model, route, vision, sub, exs, tgts)
         for b, lp in zip(rows, lps, strict=True):
             out[b] = lp
-    assert all(lp is not None for lp in out)
-    return out  # type: ignore[return-value]
+    return [out[b] for b in range(len(examples))]
 
 
 def one_pass_logprobs(
