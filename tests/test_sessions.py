@@ -453,3 +453,66 @@ def test_session_metadata_is_the_same_embedded_and_over_http(server: LocalServer
         bad = tinker.ServiceClient(base_url=server.base_url, api_key=KEY_A, project_id="../x")
         bad.create_lora_training_client(base_model=TEST_MODEL, rank=2).result()
     over_http.close("success").result()
+
+
+def _close_program(service: Any, rest: Any, tokens: list[int]) -> tuple[str, list[str]]:
+    """One SDK program: a model, a checkpoint, then ``with``'s exit on an error; returns the
+    session id and the checkpoint's path."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    with pytest.raises(KeyError, match="mid-run"), service:
+        tc = _sdk_value(service.create_lora_training_client(base_model=TEST_MODEL, rank=2, seed=0))
+        tc.forward_backward([datum], "cross_entropy").result()
+        path = tc.save_state("before-close").result().path
+        raise KeyError("mid-run")
+    with pytest.raises(Exception):  # noqa: B017 - the SDK's client refuses; embedded, the freed model
+        tc.forward_backward([datum], "cross_entropy").result()
+    with pytest.raises(RuntimeError, match="ServiceClient is closed"):
+        _sdk_value(service.create_lora_training_client(base_model=TEST_MODEL, rank=2))
+    service.close("success").result()  # a second close changes nothing: the first reason stays
+    return tc.model_id, [path]
+
+
+def test_closing_a_service_client_finishes_its_session_embedded_as_over_http(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    """``with ServiceClient(...)`` leaving on an exception finishes the session as ``errored``,
+    frees its models' adapters (later calls on them fail) but keeps their checkpoints, and the
+    client makes nothing more; the same embedded as over HTTP. A bad status is refused."""
+    import opentinker
+    from opentinker.service import Runtime, TrainingClient
+
+    tokens = list(range(5, 17))
+    over_http = tinker.ServiceClient(base_url=server.base_url, api_key=KEY_A)
+    http_model, http_paths = _close_program(over_http, _rest(server), tokens)
+    http_sid = http_model.split(":train:", 1)[0]
+    with _http(server) as http:  # the model was freed with its session
+        assert http.post("/get_info", json={"model_id": http_model}).status_code == 404
+    found = _rest(server).search_sessions(types.SessionSearchRequest(session_id=http_sid)).result()
+    [row] = [s for s in found.sessions if s.session_id == http_sid]
+    assert row.status == types.ClientSessionFinished(reason=types.ClientSessionFinishErrored())
+    runtime = Runtime(tmp_path / "data")
+    try:
+        embedded = opentinker.ServiceClient(runtime=runtime)
+        emb_model, emb_paths = _close_program(embedded, embedded.create_rest_client(), tokens)
+        assert runtime.models[emb_model].deleted
+        with pytest.raises(Exception, match="deleted|unknown"):
+            TrainingClient(runtime, emb_model).get_info()
+        rec = runtime.sessions.get(embedded.tenant, embedded.session_id)
+        assert rec.finished == "errored"
+        assert runtime.sessions.status(rec, 60.0) == {
+            "type": "client_finished",
+            "reason": {"type": "errored"},
+        }
+        again = opentinker.ServiceClient(runtime=runtime)  # the runtime goes on; the checkpoint stays
+        tc = again.create_training_client_from_state(emb_paths[0])
+        assert tc.get_info().model_data.model_name == TEST_MODEL
+        with pytest.raises(ValueError, match="status must be one of success, errored, interrupted"):
+            again.close("done")
+        again.close("success").result()
+        assert runtime.sessions.get(again.tenant, again.session_id).finished == "success"
+    finally:
+        runtime.shutdown()
+    assert _rest(server).get_weights_info_by_tinker_path(http_paths[0]).result().base_model == TEST_MODEL

@@ -22,6 +22,7 @@ from opentinker.service.custom_loss import CustomLoss, trace_custom_loss
 from opentinker.service.futures import ready
 from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.service.sampling import SamplingClient, sampling_client
+from opentinker.service.sessions import FINISH_REASONS
 from opentinker.service.training import TrainingClient
 
 __all__ = ["LOCAL_TENANT", "ReleasesModels", "RestClient", "ServiceClient"]
@@ -54,6 +55,16 @@ class ServiceClient:
         self.tenant = tenant
         meta = {"user_metadata": user_metadata, "project_id": project_id, "display_name": display_name}
         self.session_id = self.runtime.sessions.create(tenant, meta).id
+        self._models: list[str] = []  # made through this client: freed when it closes
+        self._closed = False
+
+    def _new_model_id(self) -> str:
+        """A model id in this client's session, remembered so :meth:`close` frees it."""
+        if self._closed:
+            raise RuntimeError("ServiceClient is closed")
+        model_id = self.runtime.new_model_id(self.session_id)
+        self._models.append(model_id)
+        return model_id
 
     # ---------------------------------------------------------------- training clients
     def create_lora_training_client(
@@ -73,7 +84,7 @@ class ServiceClient:
         config = LoRAConfig(
             rank=rank, seed=seed, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed
         )
-        model_id = self.runtime.new_model_id(self.session_id)
+        model_id = self._new_model_id()
         self.runtime.create_model(
             model_id,
             base_model,
@@ -97,7 +108,7 @@ class ServiceClient:
     def _from_state(
         self, path: str, base_model: str | None, user_metadata: Any, *, optimizer: bool
     ) -> TrainingClient:
-        model_id = self.runtime.new_model_id(self.session_id)
+        model_id = self._new_model_id()
         self.runtime.create_model_from_checkpoint(
             model_id,
             path,
@@ -123,6 +134,8 @@ class ServiceClient:
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, **_: Any
     ) -> SamplingClient:
+        if self._closed:
+            raise RuntimeError("ServiceClient is closed")
         return sampling_client(self.runtime, self.tenant, model_path=model_path, base_model=base_model)
 
     # ---------------------------------------------------------------- misc
@@ -134,14 +147,38 @@ class ServiceClient:
     def create_rest_client(self) -> RestClient:
         return RestClient(self.runtime, self.tenant)
 
-    def close(self, *_: Any, **__: Any) -> None:
-        """Nothing to release: the embedded runtime outlives its clients."""
+    def close(self, status: str = "success", detail: str | None = None) -> AwaitableConcurrentFuture[None]:
+        """Finish the session with ``status`` (``success``, ``errored`` or ``interrupted``; the
+        first reason stays) and free the adapters of the models made through this client, as the
+        server's ``/sessions/{id}/finish`` does for the SDK's ``close``: their checkpoints stay, the
+        runtime goes on, and this client makes nothing more (``RuntimeError``). A second call does
+        nothing. Returns a finished future, as the SDK's ``close`` does. ``detail`` is not kept."""
+        if status not in FINISH_REASONS:
+            raise ValueError(f"status must be one of {', '.join(FINISH_REASONS)}, got {status!r}")
+        if self._closed:
+            return ready(None)
+        self._closed = True
+        self.runtime.sessions.finish(self.session_id, status)
+        freed = [m for m in self._models if m in self.runtime.models and not self.runtime.models[m].deleted]
+        for f in [self.runtime.delete_model(m, self.tenant) for m in freed]:
+            f.result()  # queued after what each model still had to run
+        return ready(None)
 
     def __enter__(self) -> ServiceClient:
+        if self._closed:
+            raise RuntimeError("ServiceClient is closed")
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """``success`` without an exception, ``errored`` for an ``Exception``, else ``interrupted``
+        (a ``KeyboardInterrupt``), as the SDK's ``with ServiceClient(...)`` finishes its session."""
+        if exc_type is None:
+            status = "success"
+        elif issubclass(exc_type, Exception):
+            status = "errored"
+        else:
+            status = "interrupted"
+        self.close(status)
 
     async def create_lora_training_client_async(self, *a: Any, **k: Any) -> TrainingClient:
         return self.create_lora_training_client(*a, **k)
@@ -151,7 +188,7 @@ class ServiceClient:
     ) -> TrainingClient:
         """The model is made on the scheduler's thread while the event loop stays free (many
         concurrent calls are made in one tick)."""
-        model_id = self.runtime.new_model_id(self.session_id)
+        model_id = self._new_model_id()
         fut = self.runtime.create_model_from_checkpoint(
             model_id,
             path,
