@@ -22,7 +22,7 @@ from opentinker.service.custom_loss import CustomLoss, trace_custom_loss
 from opentinker.service.futures import ready
 from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.service.sampling import SamplingClient, sampling_client
-from opentinker.service.sessions import FINISH_REASONS
+from opentinker.service.sessions import FINISH_REASONS, session_of
 from opentinker.service.training import TrainingClient
 
 __all__ = ["LOCAL_TENANT", "ReleasesModels", "RestClient", "ServiceClient"]
@@ -55,16 +55,13 @@ class ServiceClient:
         self.tenant = tenant
         meta = {"user_metadata": user_metadata, "project_id": project_id, "display_name": display_name}
         self.session_id = self.runtime.sessions.create(tenant, meta).id
-        self._models: list[str] = []  # made through this client: freed when it closes
         self._closed = False
 
     def _new_model_id(self) -> str:
-        """A model id in this client's session, remembered so :meth:`close` frees it."""
+        """A model id in this client's session (refused once the client is closed)."""
         if self._closed:
             raise RuntimeError("ServiceClient is closed")
-        model_id = self.runtime.new_model_id(self.session_id)
-        self._models.append(model_id)
-        return model_id
+        return self.runtime.new_model_id(self.session_id)
 
     # ---------------------------------------------------------------- training clients
     def create_lora_training_client(
@@ -149,7 +146,7 @@ class ServiceClient:
 
     def close(self, status: str = "success", detail: str | None = None) -> AwaitableConcurrentFuture[None]:
         """Finish the session with ``status`` (``success``, ``errored`` or ``interrupted``; the
-        first reason stays) and free the adapters of the models made through this client, as the
+        first reason stays) and free the adapters of the session's models, as the
         server's ``/sessions/{id}/finish`` does for the SDK's ``close``: their checkpoints stay, the
         runtime goes on, and this client makes nothing more (``RuntimeError``). A second call does
         nothing. Returns a finished future, as the SDK's ``close`` does. ``detail`` is not kept."""
@@ -159,8 +156,12 @@ class ServiceClient:
             return ready(None)
         self._closed = True
         self.runtime.sessions.finish(self.session_id, status)
-        freed = [m for m in self._models if m in self.runtime.models and not self.runtime.models[m].deleted]
-        for f in [self.runtime.delete_model(m, self.tenant) for m in freed]:
+        live = [
+            m
+            for m, rec in self.runtime.models.items()
+            if session_of(m) == self.session_id and not rec.deleted
+        ]
+        for f in [self.runtime.delete_model(m, self.tenant) for m in live]:
             f.result()  # queued after what each model still had to run
         return ready(None)
 
@@ -229,7 +230,7 @@ class RestClient:
         """The session's models (in creation order) and what it was made with; another tenant's
         session is unknown (``UnknownSession``). Embedded samplers have no ids: ``sampler_ids`` is empty."""
         row = self.runtime.sessions.get(self.tenant, session_id)
-        models = [m for m in self.runtime.models if m.split(":train:", 1)[0] == row.id]
+        models = [m for m in self.runtime.models if session_of(m) == row.id]
         return ready(
             types.GetSessionResponse(
                 training_run_ids=models,

@@ -38,6 +38,7 @@ from opentinker.service.checkpoints import KINDS, CheckpointStore, checkpoint_re
 from opentinker.service.external import KIND as EXTERNAL
 from opentinker.service.external import ExternalRecord, ExternalStore
 from opentinker.service.runtime import checkpoint_owner
+from opentinker.service.sessions import session_of
 
 log = logging.getLogger(__name__)
 MIN_TTL_S = 3600  # 1 hour, the SDK's documented lower bound
@@ -97,7 +98,7 @@ def reconcile(disk: CheckpointStore, store: Store, external: ExternalStore | Non
             added += 1
         if store.model(rec.ref.model_id) is None:
             t = rec.time.timestamp()
-            session = rec.ref.model_id.split(":train:", 1)[0]
+            session = session_of(rec.ref.model_id)
             row = ModelRow(
                 rec.ref.model_id,
                 tenant,

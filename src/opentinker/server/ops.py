@@ -41,6 +41,7 @@ from opentinker.server.wire import (
 from opentinker.service import EngineError, LoRAConfig, SamplingClient
 from opentinker.service.convert import check_prompt_extras, checked_length, keyed_tokens, optimizer_type
 from opentinker.service.sampling import sampling_client
+from opentinker.service.sessions import session_of
 from opentinker.service.stability import StabilityRecords
 
 Submit = Callable[[], Future]
@@ -101,7 +102,7 @@ class Operations:
             base: str | None = self.reg.runtime.model(model_id).base_model
         except Exception:  # not (or no longer) in memory: traced without its ticks
             base = None
-        return (model_id.split(":train:", 1)[0], name, model_id, base, seq_id)
+        return (session_of(model_id), name, model_id, base, seq_id)
 
     def _admit(self, tenant: str, request_id: str, out: Future, submit: Submit, encode: Encode) -> None:
         self.futures.hooks(
@@ -306,7 +307,7 @@ class Operations:
             base, [(d.model_input, f"datum {i}") for i, d in enumerate(call.data)]
         )
         ledger, tokens = self.ledger, sum(lengths)
-        session = call.model_id.split(":train:", 1)[0]
+        session = session_of(call.model_id)
         name = "forward" if call.forward_only else "forward_backward"
 
         def encode(out: Any) -> Any:
@@ -414,7 +415,7 @@ class Operations:
             raise BadRequest(str(e), getattr(e, "status", 400)) from None
 
     def _session_of(self, tenant: str, model_id: str) -> Session:
-        return self.reg.session(tenant, model_id.split(":train:", 1)[0], live=False)
+        return self.reg.session(tenant, session_of(model_id), live=False)
 
     # ------------------------------------------------------------------ sampling
     def create_sampling_session(self, tenant: str, req: S.CreateSamplingSessionRequest) -> Callable[[], str]:

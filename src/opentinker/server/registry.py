@@ -43,7 +43,7 @@ from opentinker.service import (
 )
 from opentinker.service.checkpoints import CheckpointRef, parse_tinker_path
 from opentinker.service.runtime import BaseModelInfo, ModelRecord
-from opentinker.service.sessions import UnknownSession
+from opentinker.service.sessions import UnknownSession, session_of
 
 log = logging.getLogger(__name__)
 GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights went (the newest)
@@ -236,7 +236,7 @@ class Registry:
         if tc is None:
             tc = self.trainers[model_id] = TrainingClient(self.runtime, model_id)
         self.touch(model_id, self.store.touch_model, model_id)
-        self.seen(model_id.split(":train:", 1)[0])
+        self.seen(session_of(model_id))
         return tc
 
     def _is_copy(self, row: ModelRow) -> bool:

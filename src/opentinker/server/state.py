@@ -30,7 +30,7 @@ from opentinker.server.tokens import TokenSigner, load_secret
 from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
 from opentinker.service import Runtime
-from opentinker.service.sessions import Sessions
+from opentinker.service.sessions import Sessions, session_of
 
 
 class Server:
@@ -83,7 +83,7 @@ class Server:
                 row = self.store.checkpoint(extra["tinker_path"])
                 if row is not None:
                     extra |= {"size_bytes": row.size_bytes, "base_model": row.meta.get("base_model")}
-                    extra |= {"session_id": row.model_id.split(":train:", 1)[0]}
+                    extra |= {"session_id": session_of(row.model_id)}
             self.usage.record(tenant, event, **extra)
 
         self.usage.after(f"{request_id}:{event}", self.futures.future_of(request_id), record)

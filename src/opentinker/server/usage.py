@@ -41,6 +41,7 @@ from opentinker.server.projects import check_project
 from opentinker.server.store import DEFAULT_PROJECT
 from opentinker.service import EngineError
 from opentinker.service.checkpoints import CheckpointStore, parse_tinker_path
+from opentinker.service.sessions import session_of
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit_events (
@@ -293,7 +294,7 @@ class Ledger:
                         size += st.st_size
             except (EngineError, OSError):
                 continue
-            project = self._project_of(ref.model_id.split(":train:", 1)[0])
+            project = self._project_of(session_of(ref.model_id))
             if project_id is not None and project != project_id:
                 continue
             groups[project][0] += 1

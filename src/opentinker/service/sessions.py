@@ -56,6 +56,11 @@ def check_tenant(name: str) -> str:
     return name
 
 
+def session_of(model_id: str) -> str:
+    """The session a model id belongs to: model ids are ``<session_id>:train:<seq>``."""
+    return model_id.split(":train:", 1)[0]
+
+
 @dataclass(frozen=True)
 class SessionRecord:
     id: str
