@@ -1,7 +1,7 @@
 """The main job, embedded: several LoRA policies trained with RL at once over one base model.
 
-Each adapter gets questions from the same pool but its own objective: reply in about 2, 5, 12 or
-30 words, on the question's topic (the ``reply_length`` task: a dense reward on the ratio of words
+Each adapter gets questions from the same pool but its own objective: reply in about 2, 5, 10 or
+20 words, on the question's topic (the ``reply_length`` task: a dense reward on the ratio of words
 to target, 0 for a reply off topic), with a per-token KL penalty to the base model
 (:data:`KL_COEF`) that keeps the replies in the base model's language. All of them
 sample in one mixed batch and train in one fused forward/backward per scheduler tick, through
@@ -34,17 +34,21 @@ from typing import Any
 
 from tinker import types
 
-# about a factor 2.5 apart: each adapter's "nearest" band spans that factor. With the topic check
-# and the KL penalty, 1 / 3 / 9 / 27 separated one seed of three at 24 steps: an on-topic 1-word
-# reply is the topic word alone, slow to learn (3.5 and 4.8 held-out words on seeds 1 and 2), and
-# the 3-word adapter broke at lr 1.5e-3. 2 / 5 / 12 / 30 at 30 steps separated 3 of 3 seeds.
-TARGETS = (2, 5, 12, 30)
-# SmolLM2 writes ~1.3 tokens a word: 30 words fit in ~40 tokens, and a reply cut at 64 tokens
-# (~49 words, reward 0) is over 1.6 times the largest target, so the cut does not push the 30-word
-# adapter towards shorter replies.
-MAX_TOKENS = 64
-# the shortest adapter converges last: at 24 steps it was often still falling
-STEPS = 30
+# With the topic check and the KL penalty, 1 / 3 / 9 / 27 separated one seed of three at 24 steps:
+# an on-topic 1-word reply is the topic word alone, slow to learn (3.5 and 4.8 held-out words on
+# seeds 1 and 2), and the 3-word adapter broke at lr 1.5e-3. 2 / 5 / 12 / 30 with 64 tokens and 30
+# steps separated 5 runs of 6 in ~9 minutes here: a decode step costs about the same for 8 rows as
+# for 32 (it streams every weight), so the longest replies set the pace. 2 / 5 / 10 / 20 with 40
+# tokens and 24 steps separated 6 runs of 7 in 5.4 minutes. Its bands are a factor 2 wide (they
+# meet at 3.2, 7.1 and 14.1 words), and the held-out lengths spread about ±30% around the targets.
+TARGETS = (2, 5, 10, 20)
+# SmolLM2 writes ~1.3 tokens a word: 20 words fit in ~26 tokens, and a reply cut at 40 tokens
+# (~30 words, reward 0) is 1.5 times the largest target. The base model starts at ~26 words, so
+# from the first step the cut pays every adapter to be shorter, which all of them must learn.
+MAX_TOKENS = 40
+# checkpoints of three seeds separated at 18, 24 and 30 steps but for one 2-word adapter at 30 (72%
+# on topic); the first ten steps, on the base model's long replies, take half the time
+STEPS = 24
 RANK = 8
 LR = 1e-3
 # per token, on the sampler's log-ratio to the base: the replies stayed in the base model's English
@@ -54,12 +58,13 @@ GROUPS_PER_STEP = 2  # questions per adapter per step
 GROUP_SIZE = 4  # replies per question
 HELD_OUT_SAMPLES = 4  # replies per held-out question and policy
 HELD_OUT_SEED = 1234
-# the frozen base in fp32 (``auto`` on a CPU) with the unclipped importance-sampling loss. A bf16
-# base ran the demo 1.5x faster (353-379 s against 532 s on an idle 2-core AVX512-BF16 machine), but
-# RL's importance ratios then see a sampler-trainer gap of ~0.06 nats a token (models/dtype.py):
-# with this loss one adapter of three seeds lost the language ('wys.ends.wys...'); with ``ppo``'s
-# clip three seeds separated at one thread, yet seed 0 at two threads did not (its 2-word adapter
-# learned to echo the question: 'Why do cats purr?)'). ``--dtype bfloat16 --loss-fn ppo`` runs it so.
+# the frozen base in fp32 (``auto`` on a CPU) with the unclipped importance-sampling loss. On the
+# earlier 2 / 5 / 12 / 30 workload a bf16 base ran 1.5x faster (353-379 s against 532 s on an idle
+# 2-core AVX512-BF16 machine), but RL's importance ratios then see a sampler-trainer gap of ~0.06
+# nats a token (models/dtype.py): with this loss one adapter of three seeds lost the language
+# ('wys.ends.wys...'); with ``ppo``'s clip three seeds separated at one thread, yet seed 0 at two
+# threads did not (its 2-word adapter learned to echo the question: 'Why do cats purr?)').
+# ``--dtype bfloat16 --loss-fn ppo`` runs it so.
 DTYPE = "auto"
 LOSS_FN = "importance_sampling"
 # an adapter whose held-out replies leave the topic more often than this has lost the task
