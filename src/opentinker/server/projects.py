@@ -129,9 +129,9 @@ class ProjectApi:
             check_project(req.destination_project_id)
         src, meta = self.reg.checkpoint(tenant, req.source_path)  # another tenant's: 404
         if in_session:
-            assert req.session_id is not None
+            assert req.session_id is not None and req.model_seq_id is not None
             sess = self.reg.session(tenant, req.session_id)
-            model_id = f"{sess.id}:train:{req.model_seq_id}"
+            model_id = sessions.model_id_in(sess.id, req.model_seq_id)
             if model_id in self.reg.runtime.models or self.store.model(model_id) is not None:
                 raise BadRequest(
                     f"model {model_id!r} already exists (model_seq_id {req.model_seq_id} was used)"
@@ -140,7 +140,7 @@ class ProjectApi:
             project = req.destination_project_id
             sess = self.reg.create_session(tenant, {"project_id": project, "created_by": "copy_weights"})
             self.reg.finish_session(sess, "success")  # it only holds the copy: nothing runs in it
-            model_id = f"{sess.id}:train:0"
+            model_id = sessions.model_id_in(sess.id, 0)
         dst = CheckpointRef(model_id, src.kind, src.name)
         new_meta = copy_meta(meta, tenant, src, dst, req.ttl_seconds)
         self.reg.runtime.store.link(src, dst, new_meta)

@@ -43,7 +43,7 @@ from opentinker.service import (
 )
 from opentinker.service.checkpoints import CheckpointRef, parse_tinker_path
 from opentinker.service.runtime import BaseModelInfo, ModelRecord
-from opentinker.service.sessions import UnknownSession, session_of
+from opentinker.service.sessions import UnknownSession, model_id_in, session_of
 
 log = logging.getLogger(__name__)
 GONE_KEPT = 10_000  # inflight samplers whose 404 still says why their weights went (the newest)
@@ -348,7 +348,7 @@ class Registry:
         The runtime makes the model; here it is recorded durably, on the scheduler thread right
         after the engine made its adapter (before any later request for it can run).
         """
-        model_id = f"{sess.id}:train:{model_seq_id}"
+        model_id = model_id_in(sess.id, model_seq_id)
         if model_id in self.runtime.models or self.store.model(model_id) is not None:
             raise UserError(f"model {model_id!r} already exists (model_seq_id {model_seq_id} was used)")
 

@@ -47,7 +47,7 @@ from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse
 from opentinker.service.config import RuntimeConfig, runtime_config
 from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
 from opentinker.service.scaleout import ScaleOut, data_parallel_of
-from opentinker.service.sessions import MemorySessionStore, Sessions
+from opentinker.service.sessions import MemorySessionStore, Sessions, model_id_in
 
 WEIGHTS_CACHE = 4  # checkpoints whose weights stay in memory for weight-only loads (per runtime)
 LOCAL_TENANT = "local"  # the tenant of embedded clients, and of checkpoints that name none
@@ -231,7 +231,7 @@ class Runtime:
         return None if b is None else b.scheduler.tick_record(tick)
 
     def new_model_id(self, session_id: str) -> str:
-        return f"{session_id}:train:{next(self._model_seq)}"
+        return model_id_in(session_id, next(self._model_seq))
 
     # ------------------------------------------------------------------ models
     def model(self, model_id: str, tenant: str | None = None) -> ModelRecord:

@@ -56,8 +56,13 @@ def check_tenant(name: str) -> str:
     return name
 
 
+def model_id_in(session_id: str, seq: int) -> str:
+    """The id of a session's model number ``seq``: ``<session_id>:train:<seq>`` (the SDK's form)."""
+    return f"{session_id}:train:{seq}"
+
+
 def session_of(model_id: str) -> str:
-    """The session a model id belongs to: model ids are ``<session_id>:train:<seq>``."""
+    """The session a model id belongs to (the inverse of :func:`model_id_in`)."""
     return model_id.split(":train:", 1)[0]
 
 

@@ -6,7 +6,7 @@ sharp enough that neighbouring targets (a factor 2-3 apart) earn clearly less th
 symmetric so that undershoot costs as much as overshoot, and still ranks replies far from the
 target, so a policy that starts at ~90 words (SmolLM2's habit) gets a direction from the start.
 A reply cut by the token limit or an empty one earns 0, below every finished reply: with a token
-limit well above the largest target, a cut reply overshoots every target anyway.
+limit above the largest target (the demo: ~1.5 times), a cut reply overshoots every target anyway.
 
 A reply must also keep to the question's topic (:func:`on_topic`: it uses one of the question's
 topic words in :data:`TOPICS`, and neither asks a question nor repeats the question: a
