@@ -287,7 +287,8 @@ def test_snapshots_held_for_inflight_samplers_are_released_when_the_model_goes(
         samplers.append(
             _answer(http, http.post("/save_weights_for_sampler", json=body))["sampling_session_id"]
         )
-    target = reg.inflight[model_id]
+    life = reg.life
+    target = life.inflight.targets[model_id]
     held = [target.current, target.previous]
     assert None not in held and set(held) <= set(engine.snapshot_ids())
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]}
@@ -304,13 +305,13 @@ def test_snapshots_held_for_inflight_samplers_are_released_when_the_model_goes(
     elif how == "eviction":
         time.sleep(0.01)
         assert reg.evict_idle(0.0) == [model_id]
-        _until(lambda: model_id in reg.evicted)
+        _until(lambda: model_id in life.evicted)
         why = "was evicted"
     else:
         assert http.post(f"/sessions/{sid}/finish", json={"reason": {"type": "success"}}).status_code == 200
         why = "is finished"
     _until(lambda: not set(held) & set(engine.snapshot_ids()))
-    assert model_id not in reg.inflight
+    assert model_id not in life.inflight.targets
     for sampler_id in samplers[:2]:
         r = sample(sampler_id)
         assert r.status_code == 404 and why in r.json()["detail"], r.text
@@ -325,9 +326,9 @@ def test_only_the_newest_gone_reasons_are_kept(
     """Why an inflight sampler's weights went is kept for the newest ``GONE_KEPT`` samplers only
     (a long-running server does not grow without end); an older one gets the 404 of any sampler
     of in-memory weights that are gone (as after a restart), never the base model's samples."""
-    from opentinker.server import registry
+    from opentinker.service import inflight
 
-    monkeypatch.setattr(registry, "GONE_KEPT", 1)
+    monkeypatch.setattr(inflight, "GONE_KEPT", 1)
     http, _ = app_runtime
     reg = http.app.state.server.registry  # type: ignore[attr-defined]
     sid = http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
@@ -339,7 +340,7 @@ def test_only_the_newest_gone_reasons_are_kept(
         for seq in range(2)
     ]  # fmt: skip
     _answer(http, http.post("/unload_model", json={"model_id": model_id}))
-    assert len(reg.gone) == 1
+    assert len(reg.life.inflight.gone) == 1
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 17, 42]}]}
     said = []
     for sampler_id in samplers:

@@ -498,7 +498,7 @@ def test_closing_a_service_client_finishes_its_session_embedded_as_over_http(
         embedded = opentinker.ServiceClient(runtime=runtime)
         emb_model, emb_paths = _close_program(embedded, embedded.create_rest_client(), tokens)
         assert runtime.models[emb_model].deleted
-        with pytest.raises(Exception, match="deleted|unknown"):
+        with pytest.raises(Exception, match="is closed \\(its session .* is finished\\)"):
             TrainingClient(runtime, emb_model).get_info()
         rec = runtime.sessions.get(embedded.tenant, embedded.session_id)
         assert rec.finished == "errored"

@@ -20,6 +20,7 @@ from opentinker.service.checkpoints import CheckpointRecord, parse_tinker_path
 from opentinker.service.convert import optimizer_type
 from opentinker.service.custom_loss import CustomLoss, trace_custom_loss
 from opentinker.service.futures import ready
+from opentinker.service.lifecycle import lifecycle_of
 from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.service.sampling import SamplingClient, sampling_client
 from opentinker.service.sessions import FINISH_REASONS, session_of
@@ -55,6 +56,8 @@ class ServiceClient:
         self.tenant = tenant
         meta = {"user_metadata": user_metadata, "project_id": project_id, "display_name": display_name}
         self.session_id = self.runtime.sessions.create(tenant, meta).id
+        self._life = lifecycle_of(self.runtime)
+        self._life.seen(self.session_id)
         self._closed = False
 
     def _new_model_id(self) -> str:
@@ -118,7 +121,7 @@ class ServiceClient:
 
     def delete_model(self, model_id: str) -> None:
         """Drop a training model (OpenTinker extension): its adapter is freed; checkpoints stay."""
-        self.runtime.delete_model(model_id, self.tenant).result()
+        self._life.free(model_id, "the model was deleted", tenant=self.tenant).result()
 
     # ---------------------------------------------------------------- sampling clients
     def create_custom_loss(
@@ -155,13 +158,7 @@ class ServiceClient:
         if self._closed:
             return ready(None)
         self._closed = True
-        self.runtime.sessions.finish(self.session_id, status)
-        live = [
-            m
-            for m, rec in self.runtime.models.items()
-            if session_of(m) == self.session_id and not rec.deleted
-        ]
-        for f in [self.runtime.delete_model(m, self.tenant) for m in live]:
+        for f in self._life.finish(self.session_id, status):
             f.result()  # queued after what each model still had to run
         return ready(None)
 
@@ -203,7 +200,7 @@ class ServiceClient:
 
     async def delete_model_async(self, model_id: str) -> None:
         """:meth:`delete_model`, waiting without holding the event loop."""
-        await asyncio.wrap_future(self.runtime.delete_model(model_id, self.tenant))
+        await asyncio.wrap_future(self._life.free(model_id, "the model was deleted", tenant=self.tenant))
 
     async def create_training_client_from_state_with_optimizer_async(
         self, *a: Any, **k: Any

@@ -1,21 +1,23 @@
-"""Embedded ``kind="inflight"`` sampling clients: the SDK's inflight contract, in process.
+"""``kind="inflight"`` samplers: the SDK's inflight contract, embedded and over HTTP alike.
 
-``TrainingClient.save_weights_and_get_sampling_client(kind="inflight")`` snapshots the model's
-weights and makes them the model's **inflight target**, shared by every inflight sampling client
-of that model: the ones returned earlier serve their next requests on the new weights (their
-``policy`` moves to the new snapshot), and their requests still decoding move to it from their
-next token with keys and values kept (``StepDecoder.switch``'s rule). Each returned client is a
-sampling session with a **KV-cache namespace** of its own (``SamplingClient.kv_namespace``): its
-requests' finished sequences are kept in the prefix cache under that namespace, not under the
-weights, so a later request of the same client reuses the keys and values of a cached prefix
-even when they were computed under earlier weights. That is the approximation the SDK states
-("active generation may span updates and use KV computed under earlier weights"); different
-clients never share entries, and a new save makes a new namespace.
+``TrainingClient.save_weights_and_get_sampling_client(kind="inflight")`` (and the server's
+``save_weights_for_sampler`` with ``kind="inflight"``) snapshots the model's weights and makes them
+the model's **inflight target**, shared by every inflight sampling client of that model: the ones
+returned earlier serve their next requests on the new weights (their ``policy`` moves to the new
+snapshot), and their requests still decoding move to it from their next token with keys and
+values kept (``StepDecoder.switch``'s rule). Each returned client is a sampling session with a
+**KV-cache namespace** of its own (``SamplingClient.kv_namespace``): its requests' finished
+sequences are kept in the prefix cache under that namespace, not under the weights, so a later
+request of the same client reuses the keys and values of a cached prefix even when they were
+computed under earlier weights. That is the approximation the SDK states ("active generation may
+span updates and use KV computed under earlier weights"); different clients never share entries,
+and a new save makes a new namespace.
 
 The target keeps its current snapshot and the one before (a request that read the old one just
 before the save still finds it); older ones are released, queued after the model's requests.
-When the last inflight client of a model is gone, its target's snapshots are released. The
-server's registry does the same for its inflight samplers (``server/registry.py``).
+When the last inflight client of a model is collected, or the model leaves memory
+(:meth:`InflightTargets.drop`), its target's snapshots are released; the samplers it served are
+then retired, and why is kept for the newest :data:`GONE_KEPT` of them.
 """
 
 from __future__ import annotations
@@ -28,17 +30,23 @@ from dataclasses import dataclass, field
 from opentinker.service.runtime import Runtime
 from opentinker.service.sampling import SamplingClient
 
+GONE_KEPT = 10_000  # retired inflight samplers whose refusal still says why their weights went
+
 _ids = itertools.count(1)
 _lock = threading.Lock()
-_targets: weakref.WeakKeyDictionary[Runtime, dict[str, _Target]] = weakref.WeakKeyDictionary()
+_of: weakref.WeakKeyDictionary[Runtime, InflightTargets] = weakref.WeakKeyDictionary()
 
 
 @dataclass
-class _Target:
+class InflightTarget:
+    """The shared weights of one training model's inflight samplers."""
+
     base_model: str
+    owner: str  # the training model (the snapshots' queue)
     current: str
     previous: str | None = None
     clients: weakref.WeakSet[SamplingClient] = field(default_factory=weakref.WeakSet)
+    sampler_ids: list[str] = field(default_factory=list)  # the ids the server gave them
 
 
 def new_namespace() -> str:
@@ -46,43 +54,78 @@ def new_namespace() -> str:
     return f"inflight-{next(_ids)}"
 
 
-def inflight_client(runtime: Runtime, base_model: str, model_id: str, snapshot_id: str) -> SamplingClient:
-    """A new inflight sampling client of ``model_id`` on ``snapshot_id``, which becomes the
-    target of every earlier one (the module docstring's contract)."""
-    client = SamplingClient(runtime, base_model, snapshot_id)
-    client.follow = model_id
-    client.kv_namespace = new_namespace()
-    stale: list[str] = []
-    with _lock:
-        targets = _targets.setdefault(runtime, {})
-        target = targets.get(model_id)
-        if target is None:
-            target = targets[model_id] = _Target(base_model, snapshot_id)
-        else:
-            if target.previous is not None:
-                stale.append(target.previous)
-            target.previous, target.current = target.current, snapshot_id
-        for other in target.clients:
-            other.policy = snapshot_id
-        target.clients.add(client)
-    weakref.finalize(client, _client_gone, weakref.ref(runtime), model_id, target)
-    runtime.follow_inflight(base_model, model_id, snapshot_id)
-    for snap in stale:
-        runtime.release_snapshot(base_model, snap, queue=model_id)
-    return client
+class InflightTargets:
+    """Every training model's inflight target in one runtime (the module docstring's contract)."""
 
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.targets: dict[str, InflightTarget] = {}  # training model -> its target
+        self.gone: dict[str, str] = {}  # retired sampler id -> why its weights went (newest first out)
+        self._lock = threading.Lock()
 
-def _client_gone(runtime_ref: weakref.ref[Runtime], model_id: str, target: _Target) -> None:
-    """An inflight client was collected: the last one releases its target's snapshots."""
-    runtime = runtime_ref()
-    if runtime is None:
-        return
-    with _lock:
-        if len(target.clients) > 0:
-            return
-        targets = _targets.get(runtime, {})
-        if targets.get(model_id) is target:
-            del targets[model_id]
-    for snap in (target.current, target.previous):
-        if snap is not None:
-            runtime.release_snapshot(target.base_model, snap, queue=model_id)
+    @staticmethod
+    def of(runtime: Runtime) -> InflightTargets:
+        """The one set of inflight targets of ``runtime`` (made on first use)."""
+        with _lock:
+            targets = _of.get(runtime)
+            if targets is None:
+                targets = _of[runtime] = InflightTargets(runtime)
+            return targets
+
+    def follow(
+        self, base_model: str, model_id: str, snapshot_id: str, *, sampler_id: str | None = None
+    ) -> SamplingClient:
+        """A new inflight sampling client of ``model_id`` on ``snapshot_id``, which becomes the
+        target of every earlier one; ``sampler_id``: the id it is served under (its KV-cache
+        namespace is then ``sampler:<id>``, else a fresh one)."""
+        client = SamplingClient(self.runtime, base_model, snapshot_id)
+        client.follow = model_id
+        client.kv_namespace = f"sampler:{sampler_id}" if sampler_id is not None else new_namespace()
+        stale = None
+        with self._lock:
+            target = self.targets.get(model_id)
+            if target is None:
+                target = self.targets[model_id] = InflightTarget(base_model, model_id, snapshot_id)
+            else:
+                stale, target.previous, target.current = target.previous, target.current, snapshot_id
+            for other in target.clients:
+                other.policy = snapshot_id
+            target.clients.add(client)
+            if sampler_id is not None:
+                target.sampler_ids.append(sampler_id)
+        weakref.finalize(client, self._collected, model_id, target)
+        self.runtime.follow_inflight(base_model, model_id, snapshot_id)
+        if stale is not None:
+            self.runtime.release_snapshot(base_model, stale, queue=model_id)
+        return client
+
+    def drop(self, model_id: str, why: str) -> list[str]:
+        """``model_id`` left memory: release its target's snapshots and retire the samplers that
+        followed it (returned); their refusal says ``why``. Requests already decoding finish (their
+        rows keep the weights alive)."""
+        with self._lock:
+            target = self.targets.pop(model_id, None)
+            if target is None:
+                return []
+            for sampler_id in target.sampler_ids:
+                self.gone[sampler_id] = (
+                    f"sampler {sampler_id!r} followed the inflight weights of model {model_id!r}, which "
+                    f"are gone: {why}; save weights for a sampler again"
+                )
+            for old in list(itertools.islice(self.gone, max(0, len(self.gone) - GONE_KEPT))):
+                del self.gone[old]  # the oldest reasons: such a sampler then gets a plain refusal
+        self._release(target)
+        return list(target.sampler_ids)
+
+    def _collected(self, model_id: str, target: InflightTarget) -> None:
+        """An inflight client was collected: the last one releases its target's snapshots."""
+        with self._lock:
+            if len(target.clients) > 0 or self.targets.get(model_id) is not target:
+                return
+            del self.targets[model_id]
+        self._release(target)
+
+    def _release(self, target: InflightTarget) -> None:
+        for snapshot_id in (target.current, target.previous):
+            if snapshot_id is not None:
+                self.runtime.release_snapshot(target.base_model, snapshot_id, queue=target.owner)

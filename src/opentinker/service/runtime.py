@@ -72,6 +72,7 @@ class ModelRecord:
     user_metadata: dict[str, str] | None = None  # what its creator attached (SDK user_metadata)
     sampled_versions: set[str] = field(default_factory=set)  # its snapshots sampled since last save
     deleted: bool = False
+    gone: str | None = None  # why it left memory (its later requests are refused saying so)
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Runtime:
         if rec is None or (tenant is not None and rec.tenant != tenant):
             raise UnknownPolicyError(f"unknown model {model_id!r}")
         if rec.deleted:
-            raise EngineError(f"model {model_id!r} was deleted")
+            raise EngineError(rec.gone or f"model {model_id!r} was deleted")
         return rec
 
     def create_model(
@@ -348,11 +349,13 @@ class Runtime:
 
         return self.base_stack(rec.base_model).scheduler.submit_call(model_id, load)
 
-    def delete_model(self, model_id: str, tenant: str | None = None) -> Future[None]:
-        """Drop model ``model_id``: refused from now on; its adapter is freed after the requests
-        already queued for it have run. Its checkpoints stay."""
+    def delete_model(
+        self, model_id: str, tenant: str | None = None, *, why: str | None = None
+    ) -> Future[None]:
+        """Drop model ``model_id``: refused from now on (saying ``why``, default "was deleted");
+        its adapter is freed after the requests already queued for it have run. Its checkpoints stay."""
         rec = self.model(model_id, tenant)
-        rec.deleted = True
+        rec.deleted, rec.gone = True, why
         return self.base_stack(rec.base_model).scheduler.submit_call(
             model_id, lambda eng: eng.delete_adapter(model_id)
         )

@@ -61,9 +61,15 @@ def model_id_in(session_id: str, seq: int) -> str:
     return f"{session_id}:train:{seq}"
 
 
-def session_of(model_id: str) -> str:
-    """The session a model id belongs to (the inverse of :func:`model_id_in`)."""
-    return model_id.split(":train:", 1)[0]
+def sampler_id_in(session_id: str, seq: int) -> str:
+    """The id of a session's sampler number ``seq``: ``<session_id>:sample:<seq>`` (the SDK's form)."""
+    return f"{session_id}:sample:{seq}"
+
+
+def session_of(model_or_sampler_id: str) -> str:
+    """The session a model or sampler id belongs to (the inverse of :func:`model_id_in` and
+    :func:`sampler_id_in`)."""
+    return model_or_sampler_id.split(":train:", 1)[0].split(":sample:", 1)[0]
 
 
 @dataclass(frozen=True)
