@@ -59,6 +59,12 @@ def check_ttl(ttl_seconds: object) -> int | None:
     return ttl_seconds
 
 
+def is_public(store: Store, path: str) -> bool:
+    """Whether the checkpoint at ``path`` is published (readable by every tenant) and unexpired."""
+    row = store.checkpoint(path)
+    return row is not None and row.public and not row.expired()
+
+
 def expiry(ttl_seconds: int | None, now: float | None = None) -> float | None:
     return None if ttl_seconds is None else (time.time() if now is None else now) + ttl_seconds
 
@@ -198,8 +204,7 @@ class CheckpointApi:
         return row
 
     def is_public(self, path: str) -> bool:
-        row = self.store.checkpoint(path)
-        return row is not None and row.public and not row.expired()
+        return is_public(self.store, path)
 
     @staticmethod
     def path_of(model_id: str, kind: str, name: str) -> str:

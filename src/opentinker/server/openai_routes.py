@@ -77,6 +77,7 @@ from opentinker.server.registry import SamplerNotLoaded
 from opentinker.server.state import Server
 from opentinker.service import EngineError, SamplingClient
 from opentinker.service.sampling import TokenSink
+from opentinker.service.sessions import is_sampler_id
 
 log = logging.getLogger(__name__)
 CACHED_CLIENTS = 1024  # checkpoint samplers kept loaded for the OpenAI routes (least recently used go)
@@ -161,7 +162,7 @@ class OpenAIRoutes:
         try:
             if model.startswith("tinker://"):
                 return await self._checkpoint_client(tenant, model)
-            if ":sample:" in model:
+            if is_sampler_id(model):
                 try:
                     return self.reg.sampler(tenant, model).client
                 except SamplerNotLoaded as e:

@@ -41,7 +41,7 @@ from opentinker.server.wire import (
 from opentinker.service import EngineError, LoRAConfig, SamplingClient
 from opentinker.service.convert import check_prompt_extras, checked_length, keyed_tokens, optimizer_type
 from opentinker.service.sampling import sampling_client
-from opentinker.service.sessions import session_of
+from opentinker.service.sessions import sampler_id_in, session_of
 from opentinker.service.stability import StabilityRecords
 
 Submit = Callable[[], Future]
@@ -373,7 +373,7 @@ class Operations:
         if req.sampling_session_seq_id is None:
             raise BadRequest("save_weights_for_sampler needs a path, or a sampling_session_seq_id")
         sess = self._session_of(tenant, req.model_id)
-        sampler_id = f"{sess.id}:sample:{req.sampling_session_seq_id}"
+        sampler_id = sampler_id_in(sess.id, req.sampling_session_seq_id)
         base = self.reg.runtime.model(req.model_id).base_model
 
         def snapshot() -> Future:
@@ -421,7 +421,7 @@ class Operations:
     def create_sampling_session(self, tenant: str, req: S.CreateSamplingSessionRequest) -> Callable[[], str]:
         """Checks now; returns the (blocking: it may load weights) part to run in a worker thread."""
         sess = self.reg.session(tenant, req.session_id)
-        sampler_id = f"{sess.id}:sample:{req.sampling_session_seq_id}"
+        sampler_id = sampler_id_in(sess.id, req.sampling_session_seq_id)
         digest = digest_json("create_sampling_session", req.model_dump(mode="json"))
         if self.once.check(
             ("sampler", sampler_id), digest, f"sampling_session_seq_id {req.sampling_session_seq_id}"
@@ -479,7 +479,7 @@ class Operations:
                 encode = self._recording(tenant, req.sampling_session_id, ids, req, client, encode)
             trace: Trace | None = None
             if req.sampling_session_id is not None:
-                session = req.sampling_session_id.split(":sample:", 1)[0]
+                session = session_of(req.sampling_session_id)
                 trace = (session, "sample", req.sampling_session_id, str(client.base_model), req.seq_id)
             rid = self._run(tenant, submit, encode, trace)
             out = self.futures.future_of(rid)
@@ -538,7 +538,7 @@ class Operations:
         self, tenant: str, sampler_id: str, ids: list[str], req: S.SampleRequest, client: Any, encode: Encode
     ) -> Encode:
         """``encode``, recording each returned sequence first (``service/stability.py``)."""
-        session = sampler_id.split(":sample:", 1)[0]
+        session = session_of(sampler_id)
         weights = getattr(client, "model_path", None) or getattr(client, "policy", None) or "base"
         policy = f"{sampler_id} ({weights})"
         prompt = keyed_tokens(req.prompt, self.reg.runtime.vision(str(client.base_model)), "the prompt")
@@ -558,7 +558,7 @@ class Operations:
         encode, ledger = self._encode_sample(req), self.ledger
         if ledger is None:
             return encode
-        session = (req.sampling_session_id or "").split(":sample:", 1)[0]
+        session = session_of(req.sampling_session_id or "")
 
         def metered(res: Any) -> Any:
             base = str(client.base_model)

@@ -9,10 +9,11 @@ only authenticate, parse and delegate to what it holds.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from opentinker.server.auth import Authenticator
-from opentinker.server.checkpoints import CheckpointApi, reconcile
+from opentinker.server.checkpoints import CheckpointApi, is_public, reconcile
 from opentinker.server.config import ServerConfig
 from opentinker.server.downloads import Downloads
 from opentinker.server.errors import Redactor
@@ -38,9 +39,14 @@ class Server:
 
     def __init__(self, config: ServerConfig, runtime: Runtime | None = None) -> None:
         self.config = config
-        self.runtime = runtime or Runtime(config.data_dir, config.runtime)
         self.store = Store(config.data_dir)
-        self.runtime.sessions = Sessions(self.store)  # the server's sessions outlive its process
+        sessions = Sessions(self.store)  # the server's sessions outlive its process
+        published = partial(is_public, self.store)  # published checkpoints: readable by all
+        if runtime is None:
+            runtime = Runtime(config.data_dir, config.runtime, sessions=sessions, is_public=published)
+        else:  # a runtime made before the server (embedded_app): it serves the server's records now
+            runtime.sessions, runtime.is_public = sessions, published
+        self.runtime = runtime
         self.redact = Redactor([config.data_dir, self.runtime.data_dir])  # every message to a client
         signer = (
             TokenSigner(load_secret(config.data_dir), config.token_ttl_s) if config.token_ttl_s > 0 else None
@@ -58,7 +64,6 @@ class Server:
         self.ops = Operations(config, self.registry, self.futures, self.sequencer, self.usage, self.traces)
         self.lifecycle = Lifecycle(config, self.registry, self.futures, self.ops)
         self.checkpoints = CheckpointApi(self.runtime.store, self.store, self.runtime.external)
-        self.runtime.is_public = self.checkpoints.is_public  # published checkpoints: readable by all
         signer = UrlSigner(config.data_dir)
         self.downloads = Downloads(self.checkpoints, self.runtime.external, signer, self.traces, self.store)
         self.sessions = SessionApi(self.runtime.sessions, self.store, config.session_inactive_s)

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from opentinker.models.paths import cache_dir
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
 
 
@@ -221,3 +224,9 @@ def runtime_config(config: RuntimeConfig | None, settings: dict[str, Any]) -> Ru
 
 
 __all__ = ["RuntimeConfig", "add_runtime_args", "runtime_config", "runtime_config_from_args"]
+
+
+def default_data_dir() -> Path:
+    """Where a runtime keeps its data unless told: ``$OPENTINKER_HOME``, else the cache's ``data``."""
+    env = os.environ.get("OPENTINKER_HOME")
+    return Path(env) if env else cache_dir() / "data"

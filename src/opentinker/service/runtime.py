@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import threading
 import time
 import uuid
@@ -35,7 +34,6 @@ from opentinker.engine.optim import check_optimizer_config
 from opentinker.lora import LoRAConfig
 from opentinker.models import BUILTIN_MODELS, load_base_model
 from opentinker.models.dtype import dtype_name, resolve_dtype
-from opentinker.models.paths import cache_dir
 from opentinker.models.registry import canonical_name
 from opentinker.models.vision import Vision
 from opentinker.sampling import NativeBackend, SamplingBackend
@@ -44,7 +42,7 @@ from opentinker.sampling.loop import SamplingCore, SamplingLoop, SamplingService
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
-from opentinker.service.config import RuntimeConfig, runtime_config
+from opentinker.service.config import RuntimeConfig, default_data_dir, runtime_config
 from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
 from opentinker.service.scaleout import ScaleOut, data_parallel_of
 from opentinker.service.sessions import MemorySessionStore, Sessions, model_id_in
@@ -108,14 +106,15 @@ def _str_dict(d: Mapping[str, Any] | None) -> dict[str, str] | None:
     return None if d is None else {str(k): str(v) for k, v in d.items()}
 
 
-def default_data_dir() -> Path:
-    env = os.environ.get("OPENTINKER_HOME")
-    return Path(env) if env else cache_dir() / "data"
-
-
 class Runtime:
     def __init__(
-        self, data_dir: str | Path | None = None, config: RuntimeConfig | None = None, **settings: Any
+        self,
+        data_dir: str | Path | None = None,
+        config: RuntimeConfig | None = None,
+        *,
+        sessions: Sessions | None = None,
+        is_public: Callable[[str], bool] | None = None,
+        **settings: Any,
     ) -> None:
         """A runtime over ``data_dir`` (default :func:`default_data_dir`) with ``config`` (default:
         every :class:`~opentinker.service.config.RuntimeConfig` default), its fields named in
@@ -129,10 +128,10 @@ class Runtime:
             cfg.rollout_workers, cfg.sample_in_ticks, cfg.rollout_backend, self._vllm_options()
         )
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-        # tinker path -> readable by every tenant (published); the server sets it from its store
-        self.is_public: Callable[[str], bool] = lambda path: False
+        # the server passes its store's published check and its durable sessions
+        self.is_public: Callable[[str], bool] = is_public or (lambda path: False)
+        self.sessions = sessions or Sessions(MemorySessionStore())
         self.models: dict[str, ModelRecord] = {}
-        self.sessions = Sessions(MemorySessionStore())  # the server puts its durable store here
         self._stacks: dict[str, BaseStack] = {}
         self._lock = threading.RLock()
         self._model_seq = itertools.count(1)
@@ -352,8 +351,8 @@ class Runtime:
     def delete_model(
         self, model_id: str, tenant: str | None = None, *, why: str | None = None
     ) -> Future[None]:
-        """Drop model ``model_id``: refused from now on (saying ``why``, default "was deleted");
-        its adapter is freed after the requests already queued for it have run. Its checkpoints stay."""
+        """Drop model ``model_id``: refused from now on (saying ``why``, default "was deleted"), its
+        adapter freed after the requests already queued for it. Its checkpoints stay."""
         rec = self.model(model_id, tenant)
         rec.deleted, rec.gone = True, why
         return self.base_stack(rec.base_model).scheduler.submit_call(

@@ -66,6 +66,11 @@ def sampler_id_in(session_id: str, seq: int) -> str:
     return f"{session_id}:sample:{seq}"
 
 
+def is_sampler_id(name: str) -> bool:
+    """Whether ``name`` has the form of a sampler id (:func:`sampler_id_in`)."""
+    return ":sample:" in name
+
+
 def session_of(model_or_sampler_id: str) -> str:
     """The session a model or sampler id belongs to (the inverse of :func:`model_id_in` and
     :func:`sampler_id_in`)."""
