@@ -32,12 +32,11 @@ import tinker
 import torch
 from tinker import types
 
-from opentinker.server.checkpoints import MAX_TTL_S, MIN_TTL_S, check_ttl, reconcile
-from opentinker.server.errors import UserError
+from opentinker.server.checkpoints import reconcile
 from opentinker.server.local import LocalServer
 from opentinker.server.signing import SECRET_FILE, UrlSigner, load_secret
 from opentinker.server.store import Store
-from opentinker.service.checkpoints import CheckpointStore
+from opentinker.service.checkpoints import MAX_TTL_S, MIN_TTL_S, CheckpointStore, InvalidTTL, check_ttl
 from opentinker.service.external import ExternalStore
 from tests.conftest import TEST_MODEL, local_server
 from tests.tolerances import assert_logprobs_close
@@ -67,10 +66,10 @@ def test_signing_secret_is_made_once_with_mode_0600(tmp_path: Path) -> None:
 def test_check_ttl_accepts_the_documented_range_only() -> None:
     assert check_ttl(None) is None and check_ttl(MIN_TTL_S) == MIN_TTL_S and check_ttl(MAX_TTL_S) == MAX_TTL_S
     for bad in (MIN_TTL_S - 1, MAX_TTL_S + 1, -5, 0):
-        with pytest.raises(UserError, match="between 3600"):
+        with pytest.raises(InvalidTTL, match="between 3600"):
             check_ttl(bad)
     for bad in (True, 3600.5, "3600"):
-        with pytest.raises(UserError, match="integer"):
+        with pytest.raises(InvalidTTL, match="integer"):
             check_ttl(bad)
 
 

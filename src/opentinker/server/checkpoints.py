@@ -7,7 +7,7 @@ store at start-up, so checkpoints written by an earlier process — even one kil
 listed and loadable after a restart, and deleted folders drop out of the index.
 
 **TTL.** Every save may name ``ttl_seconds`` and ``set_checkpoint_ttl`` changes it later (``None``
-removes it); the documented range is 1 hour to 10 years (:data:`MIN_TTL_S`, :data:`MAX_TTL_S`),
+removes it); the documented range is 1 hour to 10 years (``service/checkpoints.py``: ``check_ttl``),
 anything else is refused before anything is saved or changed. From its expiry time on a checkpoint
 is gone from every listing and can no longer be loaded, sampled or downloaded (404). Its files are
 deleted by :meth:`CheckpointApi.sweep`, which the server runs at start-up and then every
@@ -31,32 +31,17 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from opentinker.server.errors import BadRequest, NotFound, UserError
+from opentinker.server.errors import BadRequest, NotFound
 from opentinker.server.store import CheckpointRow, ModelRow, Store
 from opentinker.service import EngineError
-from opentinker.service.checkpoints import KINDS, CheckpointStore, checkpoint_ref
+from opentinker.service.checkpoints import KINDS, CheckpointStore, check_ttl, checkpoint_ref
 from opentinker.service.external import KIND as EXTERNAL
 from opentinker.service.external import ExternalRecord, ExternalStore
 from opentinker.service.runtime import checkpoint_owner
 from opentinker.service.sessions import session_of
 
 log = logging.getLogger(__name__)
-MIN_TTL_S = 3600  # 1 hour, the SDK's documented lower bound
-MAX_TTL_S = 315_576_000  # 10 years of 365.25 days, the documented upper bound
 CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", EXTERNAL: "external"}
-
-
-def check_ttl(ttl_seconds: object) -> int | None:
-    """``ttl_seconds`` if it is None or an integer in the documented range, else a user error."""
-    if ttl_seconds is None:
-        return None
-    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int):
-        raise UserError(f"ttl_seconds must be an integer number of seconds, got {ttl_seconds!r}")
-    if not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
-        raise UserError(
-            f"ttl_seconds must be between {MIN_TTL_S} (1 hour) and {MAX_TTL_S} (10 years), got {ttl_seconds}"
-        )
-    return ttl_seconds
 
 
 def is_public(store: Store, path: str) -> bool:
@@ -232,10 +217,7 @@ class CheckpointApi:
 
     def set_ttl(self, tenant: str, model_id: str, kind: str, name: str, ttl_seconds: object) -> None:
         path = self.path_of(model_id, kind, name)
-        try:
-            ttl = check_ttl(ttl_seconds)
-        except UserError as e:
-            raise BadRequest(str(e)) from None
+        ttl = check_ttl(ttl_seconds)  # InvalidTTL: 400 naming the range
         self._row(tenant, path)
         self.store.set_checkpoint_expiry(path, expiry(ttl))
 

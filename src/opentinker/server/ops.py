@@ -21,7 +21,6 @@ from tinker.types.optimizer import OptimParamsBase
 
 from opentinker.server import schemas as S
 from opentinker.server.admission import Admission
-from opentinker.server.checkpoints import check_ttl
 from opentinker.server.completions import CLONE_BLOCK, CompletionQueues
 from opentinker.server.config import ServerConfig
 from opentinker.server.custom_losses import CreateCustomLossRequest, CustomLosses
@@ -39,6 +38,7 @@ from opentinker.server.wire import (
     encode_sample_response,
 )
 from opentinker.service import EngineError, LoRAConfig, SamplingClient
+from opentinker.service.checkpoints import check_ttl
 from opentinker.service.convert import check_prompt_extras, checked_length, keyed_tokens, optimizer_type
 from opentinker.service.sampling import sampling_client
 from opentinker.service.sessions import sampler_id_in, session_of

@@ -22,13 +22,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opentinker.server.checkpoints import MAX_TTL_S, MIN_TTL_S
 from opentinker.server.errors import BadRequest, NotFound
 from opentinker.server.registry import Registry
 from opentinker.server.schemas import MAX_SEQ
 from opentinker.server.store import ModelRow
 from opentinker.service import sessions
-from opentinker.service.checkpoints import CheckpointRef
+from opentinker.service.checkpoints import CheckpointRef, check_ttl
 
 
 def check_project(value: object) -> str:
@@ -52,13 +51,6 @@ class CopyWeightsRequest(BaseModel):
     model_seq_id: int | None = Field(default=None, ge=0, le=MAX_SEQ)
     ttl_seconds: int | None = None
     weights_access_token: str | None = None
-
-
-def check_ttl(ttl_seconds: int | None) -> None:
-    if ttl_seconds is not None and not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
-        raise BadRequest(
-            f"ttl_seconds must be between {MIN_TTL_S} (1 hour) and {MAX_TTL_S} (10 years), got {ttl_seconds}"
-        )
 
 
 def copy_meta(source_meta: dict[str, Any], tenant: str, src: CheckpointRef, dst: CheckpointRef,

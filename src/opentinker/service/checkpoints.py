@@ -57,6 +57,10 @@ class CheckpointRecord:
     meta: dict[str, Any]
 
 
+MIN_TTL_S = 3600  # 1 hour, the SDK's documented lower bound of a checkpoint's TTL
+MAX_TTL_S = 315_576_000  # 10 years of 365.25 days, the documented upper bound
+
+
 def check_id(value: object, what: str = "checkpoint name") -> str:
     """``value`` if it is a valid checkpoint name or model id, else an :class:`EngineError`."""
     if not isinstance(value, str):
@@ -74,6 +78,24 @@ def check_id(value: object, what: str = "checkpoint name") -> str:
             "(starting with a letter or digit, no '..')"
         )
     return value
+
+
+class InvalidTTL(EngineError):
+    """A checkpoint TTL outside the documented range (or not a whole number of seconds)."""
+
+
+def check_ttl(ttl_seconds: object) -> int | None:
+    """``ttl_seconds`` if it is None or an integer in [:data:`MIN_TTL_S`, :data:`MAX_TTL_S`],
+    else :class:`InvalidTTL` naming the range."""
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int):
+        raise InvalidTTL(f"ttl_seconds must be an integer number of seconds, got {ttl_seconds!r}")
+    if not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise InvalidTTL(
+            f"ttl_seconds must be between {MIN_TTL_S} (1 hour) and {MAX_TTL_S} (10 years), got {ttl_seconds}"
+        )
+    return ttl_seconds
 
 
 def check_name(name: str) -> str:
