@@ -76,6 +76,7 @@ from opentinker.server.openai_stream import Feed, Live
 from opentinker.server.registry import SamplerNotLoaded
 from opentinker.server.state import Server
 from opentinker.service import EngineError, SamplingClient
+from opentinker.service.metering import meter_sample
 from opentinker.service.sampling import TokenSink
 from opentinker.service.sessions import is_sampler_id
 
@@ -285,9 +286,9 @@ class OpenAIRoutes:
 
         def counted(res: types.SampleResponse) -> types.SampleResponse:
             if ops.ledger is not None:
-                base, generated = str(client.base_model), sum(len(s.tokens) for s in res.sequences)
-                ops.ledger.count(tenant, "sampling_prefill", len(prompt), session_id="", base_model=base)
-                ops.ledger.count(tenant, "sampling_sample", generated, session_id="", base_model=base)
+                meter_sample(
+                    ops.ledger, tenant, res, len(prompt), session_id="", base_model=str(client.base_model)
+                )
             return res
 
         rid = ops.run(tenant, submit, counted)

@@ -40,6 +40,7 @@ from opentinker.server.wire import (
 from opentinker.service import EngineError, LoRAConfig, SamplingClient
 from opentinker.service.checkpoints import check_ttl
 from opentinker.service.convert import check_prompt_extras, checked_length, keyed_tokens, optimizer_type
+from opentinker.service.metering import meter_sample, meter_training
 from opentinker.service.sampling import sampling_client
 from opentinker.service.sessions import sampler_id_in, session_of
 from opentinker.service.stability import StabilityRecords
@@ -312,7 +313,7 @@ class Operations:
 
         def encode(out: Any) -> Any:
             if ledger is not None:
-                ledger.count(tenant, "training", tokens, session_id=session, base_model=base)
+                meter_training(ledger, tenant, tokens, session_id=session, base_model=base)
             if not call.forward_only:
                 self.history.forward(call.model_id, out.metrics)
             return encode_forward_output(out)
@@ -561,18 +562,9 @@ class Operations:
         session = session_of(req.sampling_session_id or "")
 
         def metered(res: Any) -> Any:
-            base = str(client.base_model)
-            ledger.count(
-                tenant,
-                "sampling_prefill",
-                prompt_len,
-                session_id=session,
-                base_model=base,
+            meter_sample(
+                ledger, tenant, res, prompt_len, session_id=session, base_model=str(client.base_model)
             )
-            generated = sum(len(s.tokens) for s in res.sequences)
-            ledger.count(tenant, "sampling_sample", generated, session_id=session, base_model=base)
-            hits = int(getattr(res, "prompt_cache_hit_tokens", 0) or 0)
-            ledger.observe(tenant, "prompt_cache_hit", hits, base_model=base)  # /metrics only
             return encode(res)
 
         return metered
