@@ -16,14 +16,14 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from opentinker.service import LoRAConfig, UnknownPolicyError
-from opentinker.service.checkpoints import CheckpointRecord, parse_tinker_path
+from opentinker.service.checkpoints import CheckpointRecord, checkpoint_view, parse_tinker_path
 from opentinker.service.convert import optimizer_type
 from opentinker.service.custom_loss import CustomLoss, trace_custom_loss
 from opentinker.service.futures import ready
 from opentinker.service.lifecycle import lifecycle_of
 from opentinker.service.runtime import LOCAL_TENANT, Runtime, default_runtime
 from opentinker.service.sampling import SamplingClient, sampling_client
-from opentinker.service.sessions import FINISH_REASONS, session_of
+from opentinker.service.sessions import FINISH_REASONS, session_of, session_view
 from opentinker.service.training import TrainingClient
 
 __all__ = ["LOCAL_TENANT", "ReleasesModels", "RestClient", "ServiceClient"]
@@ -228,14 +228,7 @@ class RestClient:
         session is unknown (``UnknownSession``). Embedded samplers have no ids: ``sampler_ids`` is empty."""
         row = self.runtime.sessions.get(self.tenant, session_id)
         models = [m for m in self.runtime.models if session_of(m) == row.id]
-        return ready(
-            types.GetSessionResponse(
-                training_run_ids=models,
-                sampler_ids=[],
-                user_metadata=row.user_metadata,
-                display_name=row.display_name,
-            )
-        )
+        return ready(types.GetSessionResponse.model_validate(session_view(row, models, [])))
 
     def list_sessions(
         self, limit: int = 20, offset: int = 0, *_: Any, **__: Any
@@ -272,13 +265,10 @@ class RestClient:
 
 
 def _checkpoint(rec: CheckpointRecord) -> types.Checkpoint:
-    return types.Checkpoint(
-        checkpoint_id=f"{rec.ref.kind}/{rec.ref.name}",
-        checkpoint_type="training" if rec.ref.kind == "weights" else "sampler",
-        time=rec.time,
-        tinker_path=rec.ref.tinker_path,
-        size_bytes=rec.size_bytes,
+    view = checkpoint_view(
+        rec.ref.kind, rec.ref.name, rec.time.timestamp(), rec.ref.tinker_path, rec.size_bytes
     )
+    return types.Checkpoint.model_validate(view)
 
 
 @runtime_checkable

@@ -34,14 +34,13 @@ from typing import Any
 from opentinker.server.errors import BadRequest, NotFound
 from opentinker.server.store import CheckpointRow, ModelRow, Store
 from opentinker.service import EngineError
-from opentinker.service.checkpoints import KINDS, CheckpointStore, check_ttl, checkpoint_ref
+from opentinker.service.checkpoints import KINDS, CheckpointStore, check_ttl, checkpoint_ref, checkpoint_view
 from opentinker.service.external import KIND as EXTERNAL
 from opentinker.service.external import ExternalRecord, ExternalStore
 from opentinker.service.runtime import checkpoint_owner
 from opentinker.service.sessions import session_of
 
 log = logging.getLogger(__name__)
-CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", EXTERNAL: "external"}
 
 
 def is_public(store: Store, path: str) -> bool:
@@ -110,15 +109,15 @@ def reconcile(disk: CheckpointStore, store: Store, external: ExternalStore | Non
 
 
 def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
-    return {
-        "checkpoint_id": f"{row.kind}/{row.name}",
-        "checkpoint_type": CHECKPOINT_TYPES.get(row.kind, "sampler"),
-        "time": _iso(row.created),
-        "tinker_path": row.tinker_path,
-        "size_bytes": row.size_bytes,
-        "public": row.public,
-        "expires_at": None if row.expires_at is None else _iso(row.expires_at),
-    }
+    return checkpoint_view(
+        row.kind,
+        row.name,
+        row.created,
+        row.tinker_path,
+        row.size_bytes,
+        public=row.public,
+        expires_at=row.expires_at,
+    )
 
 
 class CheckpointApi:

@@ -26,7 +26,7 @@ from tinker.types import SearchOwner, SessionStatusQuery
 from opentinker.server.errors import NotFound
 from opentinker.server.projects import check_project
 from opentinker.server.store import Store
-from opentinker.service.sessions import SessionRecord, Sessions, UnknownSession
+from opentinker.service.sessions import SessionRecord, Sessions, UnknownSession, session_view
 
 
 class SearchCursor(BaseModel):
@@ -78,12 +78,7 @@ class SessionApi:
     def get(self, tenant: str, session_id: str) -> dict[str, Any]:
         row = self._row(tenant, session_id)
         models, samplers, _, _ = self.store.session_contents(row.id)
-        return {
-            "training_run_ids": models,
-            "sampler_ids": samplers,
-            "user_metadata": row.user_metadata,
-            "display_name": row.display_name,
-        }
+        return session_view(row, models, samplers)
 
     def list(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
         return {"sessions": [r.id for r in self.sessions.list(tenant, limit=limit, offset=offset)]}

@@ -80,6 +80,35 @@ def check_id(value: object, what: str = "checkpoint name") -> str:
     return value
 
 
+CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+
+
+def checkpoint_view(
+    kind: str,
+    name: str,
+    created: float,
+    tinker_path: str,
+    size_bytes: int | None,
+    *,
+    public: bool = False,
+    expires_at: float | None = None,
+) -> dict[str, Any]:
+    """A checkpoint as the SDK's ``Checkpoint`` reads it (JSON), embedded and over HTTP alike."""
+    return {
+        "checkpoint_id": f"{kind}/{name}",
+        "checkpoint_type": CHECKPOINT_TYPES.get(kind, "sampler"),
+        "time": _iso(created),
+        "tinker_path": tinker_path,
+        "size_bytes": size_bytes,
+        "public": public,
+        "expires_at": None if expires_at is None else _iso(expires_at),
+    }
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat()
+
+
 class InvalidTTL(EngineError):
     """A checkpoint TTL outside the documented range (or not a whole number of seconds)."""
 

@@ -101,6 +101,16 @@ class SessionRecord:
         return None if md is None else {str(k): str(v) for k, v in dict(md).items()}
 
 
+def session_view(row: SessionRecord, models: list[str], samplers: list[str]) -> dict[str, Any]:
+    """A session as the SDK's ``GetSessionResponse`` reads it (JSON), embedded and over HTTP alike."""
+    return {
+        "training_run_ids": models,
+        "sampler_ids": samplers,
+        "user_metadata": row.user_metadata,
+        "display_name": row.display_name,
+    }
+
+
 class SessionStore(Protocol):
     """Where session records live (the server's SQLite store is one)."""
 
