@@ -16,7 +16,8 @@ request id. Files, in the order a request meets them:
 - ``schemas.py``     JSON request bodies; ``wire.py`` protobuf bodies and results
 - ``ops.py``         each operation mapped onto the embedded clients
 - ``ordering.py``    per-model ``seq_id`` reorder buffer and idempotency
-- ``registry.py``    live sessions, models and samplers per tenant (404 for others' ids)
+- ``registry.py``    resolves session, model and sampler ids per tenant (404 for others' ids);
+  ``records.py`` makes what they name and writes it down (the lifecycle: ``service/lifecycle.py``)
 - ``futures.py``     request id → future of the encoded result; long-poll; pending limits
 - ``checkpoints.py`` the REST checkpoint routes' logic; re-indexing checkpoints at start-up
 - ``store.py``       SQLite (WAL): tenants, keys, sessions, models, samplers, checkpoints

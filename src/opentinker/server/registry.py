@@ -3,7 +3,8 @@
 Each SDK session's models are the service's ``TrainingClient``s and its sampler sessions the
 service's ``SamplingClient``s (what the embedded client hands out too), all over the one shared
 :class:`~opentinker.service.Runtime`. This module resolves the ids the SDK sends to those objects —
-refusing with 404 any id that is unknown *or another tenant's* — and records them in the store.
+refusing with 404 any id that is unknown *or another tenant's*; :mod:`.records` makes them and
+writes them down.
 Their lifecycle (a session's finish, eviction of a quiet session's models, inflight targets) is
 the service's :class:`~opentinker.service.lifecycle.Lifecycle`, which the embedded client calls
 too; this module hears of each model leaving memory and forgets its ids.
@@ -11,53 +12,31 @@ too; this module hears of each model leaving memory and forgets its ids.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.server.checkpoints import expiry, external_row
 from opentinker.server.errors import Gone, NotFound, UserError
 from opentinker.server.ordering import Sequencer
-from opentinker.server.store import CheckpointRow, ModelRow, SamplerRow, Store
+from opentinker.server.records import Records, Sampler, Session
+from opentinker.server.store import ModelRow, SamplerRow, Store
 from opentinker.service import (
     CheckpointError,
     EngineError,
-    LoRAConfig,
     Runtime,
     SamplingClient,
-    SnapshotInfo,
     TrainingClient,
     UnknownPolicyError,
     canonical_name,
 )
-from opentinker.service.checkpoints import CheckpointRef, parse_tinker_path
+from opentinker.service.checkpoints import CheckpointRef
 from opentinker.service.lifecycle import lifecycle_of
-from opentinker.service.runtime import BaseModelInfo, ModelRecord
-from opentinker.service.sessions import UnknownSession, model_id_in, session_of
+from opentinker.service.runtime import BaseModelInfo
+from opentinker.service.sessions import UnknownSession, session_of
 
 
-@dataclass
-class Session:
-    id: str
-    tenant: str
-    samplers: set[str] = field(default_factory=set)
-    finished: bool = False
-
-
-@dataclass
-class Sampler:
-    id: str
-    tenant: str
-    client: SamplingClient
-    model_path: str | None
-    owner: str | None = None  # the model an ephemeral snapshot was taken from
-    foreign: bool = False  # made from another tenant's published checkpoint
-
-
-class Registry:
+class Registry(Records):
     def __init__(self, runtime: Runtime, store: Store, sequencer: Sequencer, base_models: list[str]) -> None:
         self.runtime = runtime
         self.store = store
@@ -196,67 +175,6 @@ class Registry:
         )
         return self.life.free(model_id, "the model was unloaded", tenant=tenant, refusal=refusal)
 
-    def new_model(
-        self,
-        sess: Session,
-        model_seq_id: int,
-        base_model: str,
-        *,
-        config: LoRAConfig | None = None,
-        optimizer_type: str = "adamw",
-        checkpoint: str | None = None,
-        optimizer: bool = False,
-        user_metadata: dict[str, Any] | None = None,
-    ) -> Future[ModelRecord]:
-        """Create ``<session>:train:<seq>`` fresh (``config``, ``optimizer_type``) or from the
-        tinker path ``checkpoint`` (with its optimizer state if ``optimizer``), through the same
-        runtime methods as the embedded client: ``user_metadata`` is kept on the model and its
-        ``{"data_parallel": "k"}`` picks the degree (default: the server's ``--data-parallel``).
-
-        The runtime makes the model; here it is recorded durably, on the scheduler thread right
-        after the engine made its adapter (before any later request for it can run).
-        """
-        model_id = model_id_in(sess.id, model_seq_id)
-        if model_id in self.runtime.models or self.store.model(model_id) is not None:
-            raise UserError(f"model {model_id!r} already exists (model_seq_id {model_seq_id} was used)")
-
-        def created(rec: ModelRecord) -> None:
-            now = time.time()
-            row = ModelRow(
-                model_id,
-                sess.tenant,
-                sess.id,
-                rec.base_model,
-                dataclasses.asdict(rec.lora),
-                rec.parent,
-                now,
-                now,
-                rec.user_metadata,
-            )
-            self.store.add_model(row)
-            self.seq.open(model_id)
-
-        if checkpoint is not None:
-            return self.runtime.create_model_from_checkpoint(
-                model_id,
-                checkpoint,
-                tenant=sess.tenant,
-                optimizer=optimizer,
-                base_model=base_model,
-                on_created=created,
-                user_metadata=user_metadata,
-            )
-        assert config is not None
-        return self.runtime.create_model(
-            model_id,
-            base_model,
-            config,
-            tenant=sess.tenant,
-            optimizer_type=optimizer_type,
-            on_created=created,
-            user_metadata=user_metadata,
-        )
-
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, tenant: str, path: str) -> tuple[CheckpointRef, dict[str, Any]]:
         """The checkpoint at ``path`` and its manifest metadata, if ``tenant`` owns it or it is
@@ -271,69 +189,6 @@ class Registry:
         if row is not None and row.expired():
             raise NotFound(f"unknown checkpoint {path!r} (it expired)")
         return found
-
-    def record_external(self, path: str, *, ttl_seconds: int | None = None) -> int:
-        """Index the external weights just written at ``path``; returns their size in bytes."""
-        model_id, _, name = path.removeprefix("tinker://").partition("/external_weights/")
-        rec = self.runtime.external.record(model_id, name)
-        assert rec is not None
-        self.store.add_checkpoint(external_row(rec, expiry(ttl_seconds)))
-        return rec.size_bytes
-
-    def in_use_checkpoints(self) -> set[str]:
-        """Tinker paths that a live sampler was made from (the TTL sweep keeps their files)."""
-        with self._lock:
-            return {s.model_path for s in self.samplers.values() if s.model_path is not None}
-
-    def record_checkpoint(self, tenant: str, path: str, *, ttl_seconds: int | None = None) -> None:
-        rec = self.runtime.store.record(parse_tinker_path(path))
-        row = CheckpointRow.from_record(rec, tenant, expiry(ttl_seconds))
-        self.store.add_checkpoint(row)
-
-    # ------------------------------------------------------------------ samplers
-    def add_sampler(
-        self,
-        sess: Session,
-        sampler_id: str,
-        client: SamplingClient,
-        *,
-        owner: str | None = None,
-        ephemeral: bool = False,
-    ) -> Sampler:
-        """Serve ``client`` as ``sampler_id`` and record it; ``ephemeral``: it serves in-memory
-        weights (an owned snapshot, or an inflight target), which another process cannot serve
-        again (its row says so: never served again as a base-model sampler)."""
-        sampler = Sampler(sampler_id, sess.tenant, client, client.model_path, owner)
-        if client.model_path is not None:
-            row = self.store.checkpoint(client.model_path)
-            sampler.foreign = row is not None and row.tenant != sess.tenant
-        self.store.add_sampler(
-            SamplerRow(
-                sampler_id, sess.tenant, sess.id, client.base_model, client.model_path,
-                ephemeral or owner is not None,
-            )
-        )  # fmt: skip
-        with self._lock:
-            self.samplers[sampler_id] = sampler
-            sess.samplers.add(sampler_id)
-        return sampler
-
-    def snapshot_sampler(
-        self, sess: Session, sampler_id: str, snap: SnapshotInfo, base_model: str
-    ) -> Sampler:
-        client = SamplingClient(self.runtime, base_model, snap.snapshot_id)
-        self.life.hold(sess.id, base_model, snap.snapshot_id, snap.adapter_id)
-        return self.add_sampler(sess, sampler_id, client, owner=snap.adapter_id)
-
-    def inflight_sampler(
-        self, sess: Session, sampler_id: str, snap: SnapshotInfo, base_model: str
-    ) -> Sampler:
-        """A ``kind="inflight"`` sampler: ``snap`` becomes its model's inflight target, which
-        every inflight sampler of that model follows (``service/inflight.py``)."""
-        client = self.life.inflight.follow(
-            base_model, snap.adapter_id, snap.snapshot_id, sampler_id=sampler_id
-        )
-        return self.add_sampler(sess, sampler_id, client, ephemeral=True)
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
         with self._lock:
