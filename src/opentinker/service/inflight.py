@@ -25,7 +25,9 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from opentinker.service.runtime import Runtime
 from opentinker.service.sampling import SamplingClient
@@ -33,8 +35,22 @@ from opentinker.service.sampling import SamplingClient
 GONE_KEPT = 10_000  # retired inflight samplers whose refusal still says why their weights went
 
 _ids = itertools.count(1)
-_lock = threading.Lock()
-_of: weakref.WeakKeyDictionary[Runtime, InflightTargets] = weakref.WeakKeyDictionary()
+T = TypeVar("T")
+
+
+class PerRuntime(Generic[T]):
+    """One ``T`` per runtime, made by ``make(runtime)`` on first use and gone with the runtime."""
+
+    def __init__(self, make: Callable[[Runtime], T]) -> None:
+        self._make = make
+        self._of: weakref.WeakKeyDictionary[Runtime, T] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, runtime: Runtime) -> T:
+        with self._lock:
+            if runtime not in self._of:
+                self._of[runtime] = self._make(runtime)
+            return self._of[runtime]
 
 
 @dataclass
@@ -62,15 +78,6 @@ class InflightTargets:
         self.targets: dict[str, InflightTarget] = {}  # training model -> its target
         self.gone: dict[str, str] = {}  # retired sampler id -> why its weights went (newest first out)
         self._lock = threading.Lock()
-
-    @staticmethod
-    def of(runtime: Runtime) -> InflightTargets:
-        """The one set of inflight targets of ``runtime`` (made on first use)."""
-        with _lock:
-            targets = _of.get(runtime)
-            if targets is None:
-                targets = _of[runtime] = InflightTargets(runtime)
-            return targets
 
     def follow(
         self, base_model: str, model_id: str, snapshot_id: str, *, sampler_id: str | None = None
@@ -114,6 +121,11 @@ class InflightTargets:
                 )
             for old in list(itertools.islice(self.gone, max(0, len(self.gone) - GONE_KEPT))):
                 del self.gone[old]  # the oldest reasons: such a sampler then gets a plain refusal
+            for client in target.clients:
+                client.retired = (
+                    f"this sampling client followed the inflight weights of model {model_id!r}, which "
+                    f"are gone: {why}; save weights for a sampler again"
+                )
         self._release(target)
         return list(target.sampler_ids)
 
@@ -129,3 +141,6 @@ class InflightTargets:
         for snapshot_id in (target.current, target.previous):
             if snapshot_id is not None:
                 self.runtime.release_snapshot(target.base_model, snapshot_id, queue=target.owner)
+
+
+inflight_of = PerRuntime(InflightTargets)  # the one set of inflight targets of a runtime

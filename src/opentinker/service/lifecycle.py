@@ -18,14 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from opentinker.engine import EngineError, UnknownPolicyError
-from opentinker.service.inflight import InflightTargets
+from opentinker.service.inflight import PerRuntime, inflight_of
 from opentinker.service.runtime import ModelRecord, Runtime
 from opentinker.service.sessions import session_of
 from opentinker.service.training import TrainingClient
@@ -35,9 +34,6 @@ log = logging.getLogger(__name__)
 # (model id, why it left, the inflight samplers retired with it)
 Departure = Callable[[str, str, list[str]], None]
 Saved = Callable[[str, str], None]  # (tenant, tinker path): an eviction saved a model's state
-
-_lock = threading.Lock()
-_of: weakref.WeakKeyDictionary[Runtime, Lifecycle] = weakref.WeakKeyDictionary()
 
 
 class ModelEvicting(EngineError):
@@ -53,19 +49,10 @@ class Held:
     queue: str  # the model it was taken from
 
 
-def lifecycle_of(runtime: Runtime) -> Lifecycle:
-    """The one :class:`Lifecycle` of ``runtime`` (made on first use)."""
-    with _lock:
-        life = _of.get(runtime)
-        if life is None:
-            life = _of[runtime] = Lifecycle(runtime)
-        return life
-
-
 class Lifecycle:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.inflight = InflightTargets.of(runtime)
+        self.inflight = inflight_of(runtime)
         self._lock = threading.Lock()
         self._seen: dict[str, float] = {}  # session id -> monotonic time of its last heartbeat/request
         self._held: dict[str, list[Held]] = {}
@@ -191,3 +178,6 @@ class Lifecycle:
             log.info("inactive model %s saved to %s and evicted", model_id, path)
 
         fut.add_done_callback(saved)
+
+
+lifecycle_of = PerRuntime(Lifecycle)  # the one lifecycle of a runtime, both front-ends' entry

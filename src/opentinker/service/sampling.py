@@ -33,6 +33,7 @@ class SamplingClient(ReadyClient):
         # an inflight sampler's KV-cache namespace: its requests' prefix-cache entries are keyed by
         # it, not by the weights, so they survive the weights it follows (service/inflight.py)
         self.kv_namespace: str | None = None
+        self.retired: str | None = None  # why it serves nothing more (inflight weights gone)
 
     @classmethod
     def for_checkpoint(cls, runtime: Runtime, model_path: str, *, tenant: str) -> SamplingClient:
@@ -106,6 +107,7 @@ class SamplingClient(ReadyClient):
         prompt_alt_tokens_k: int,
         prompt_logprobs_last_n: int | None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        self._check_live()
         ids, images = model_input_parts(prompt, self._runtime.vision(self.base_model), "the prompt")
         targets = check_prompt_extras(
             len(ids),
@@ -143,6 +145,7 @@ class SamplingClient(ReadyClient):
         return await self.sample(*args, **kwargs)
 
     def compute_logprobs(self, prompt: types.ModelInput) -> AwaitableConcurrentFuture[list[float | None]]:
+        self._check_live()
         ids, images = model_input_parts(prompt, self._runtime.vision(self.base_model), "the prompt")
         req = SampleRequest(
             self.policy,
@@ -198,6 +201,10 @@ class SamplingClient(ReadyClient):
 
     async def get_base_model_async(self) -> str:
         return self.base_model
+
+    def _check_live(self) -> None:
+        if self.retired is not None:
+            raise EngineError(self.retired)
 
     def _note_use(self) -> None:
         """Lineage: remember that data may now come from this policy version."""

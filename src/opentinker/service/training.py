@@ -21,7 +21,7 @@ from opentinker.engine.optim import check_step_params
 from opentinker.service.checkpoints import CheckpointRef, check_name
 from opentinker.service.convert import datum_to_example, forward_output
 from opentinker.service.futures import ClientFuture, ReadyClient, client_future, map_future
-from opentinker.service.inflight import InflightTargets
+from opentinker.service.inflight import inflight_of
 from opentinker.service.runtime import ModelRecord, Runtime
 from opentinker.service.sampling import SamplingClient
 
@@ -207,7 +207,7 @@ class TrainingClient(ReadyClient):
         return await self.save_weights_and_get_sampling_client(name, kind=kind)
 
     def _inflight_client(self, snap: SnapshotInfo) -> SamplingClient:
-        return InflightTargets.of(self._runtime).follow(self._base_model, self.model_id, snap.snapshot_id)
+        return inflight_of(self._runtime).follow(self._base_model, self.model_id, snap.snapshot_id)
 
     def _sampling_client(self, snap: SnapshotInfo) -> SamplingClient:
         client = SamplingClient(self._runtime, self._base_model, snap.snapshot_id)
