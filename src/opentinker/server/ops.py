@@ -13,6 +13,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tinker import types
@@ -51,6 +53,22 @@ Encode = Callable[[Any], Any]
 Trace = tuple[str, str, str, str | None, int | None]
 
 
+@dataclass
+class Operation:
+    """One request as the pipeline (:meth:`Operations.execute`) runs it."""
+
+    tenant: str
+    submit: Submit  # queues the work (called when admission lets it in)
+    encode: Encode  # the result, for the wire
+    trace: Trace | None = None  # its span in its session's trace
+    key: tuple[Any, ...] | None = None  # an idempotent request's id: its retries get the same answer
+    what: str = ""  # how that id reads in a conflict ("model_seq_id 3")
+    digest: str = ""  # the request body's digest: a retry with another body is a conflict
+    model_id: str | None = None  # a training operation: run in this model's ``seq_id`` order
+    seq_id: int | None = None
+    answer: Callable[[str, Future], Any] = lambda request_id, _: request_id  # what the caller gets
+
+
 class Operations:
     def __init__(
         self,
@@ -74,36 +92,52 @@ class Operations:
         self.history = History()  # loss / grad norm / learning rate per run, from their results
         self.traces = traces  # each session's requests on a timeline (export_session_trace)
 
-    # ------------------------------------------------------------------ plumbing
+    # ------------------------------------------------------------------ the pipeline
     def run(self, tenant: str, submit: Submit, encode: Encode) -> str:
         """An unordered operation: submit now; a request id for its encoded result."""
-        return self._run(tenant, submit, encode)
+        return self.execute(Operation(tenant, submit, encode))
 
-    def _run(self, tenant: str, submit: Submit, encode: Encode, trace: Trace | None = None) -> str:
-        """An unordered operation: submit now (or when the tenant's admission lets it); a request
-        id for its encoded result."""
-        request_id, out = self.futures.create(tenant)
-        submit, encode = self._traced(request_id, out, submit, encode, trace)
-        self._admit(tenant, request_id, out, submit, encode)
-        return request_id
+    def execute(self, op: Operation) -> Any:
+        """Run ``op`` through the one pipeline: an idempotent retry (``op.key``) or an ordered one
+        (``op.model_id``'s ``seq_id``) gets its first answer again; else a request id is made, its
+        span traced, and ``op.submit`` goes to the tenant's admission — at once, or for an ordered
+        operation when its model's turn comes. Returns ``op.answer`` of the request id."""
+        if op.key is not None:
+            hit = self.once.check(op.key, op.digest, op.what)
+            if hit is not None:
+                return hit
+        turn = (op.model_id, op.seq_id) if op.model_id is not None and op.seq_id is not None else None
+        if turn is not None:
+            hit = self.seq.lookup(*turn, op.digest)
+            if hit is not None:
+                return hit
+        # the one its model's held requests wait for must get in, or they would hold the
+        # tenant's pending slots while it is refused for want of one
+        exempt = turn is not None and self.seq.awaited(*turn)
+        request_id, out = self.futures.create(op.tenant, exempt=exempt)
+        submit, encode = self._traced(request_id, out, op)
+        start = partial(self._admit, op.tenant, request_id, out, submit, encode)
+        if turn is None:
+            start()
+        else:
+            try:
+                self.seq.submit(*turn, op.digest, request_id, out, start)
+            except BaseException as e:
+                fail(out, e)
+                raise
+        answer = op.answer(request_id, out)
+        if op.key is not None:
+            self.once.remember(op.key, op.digest, answer)
+        return answer
 
-    def _traced(
-        self, request_id: str, out: Future, submit: Submit, encode: Encode, trace: Trace | None
-    ) -> tuple[Submit, Encode]:
-        """``submit`` and ``encode``, recording the request's span in its session's trace."""
-        if self.traces is None or trace is None:
-            return submit, encode
-        session, name, track, base, seq_id = trace
+    def _traced(self, request_id: str, out: Future, op: Operation) -> tuple[Submit, Encode]:
+        """``op``'s submit and encode, recording the request's span in its session's trace."""
+        if self.traces is None or op.trace is None:
+            return op.submit, op.encode
+        session, name, track, base, seq_id = op.trace
         span = self.traces.begin(session, request_id, name, track, base, seq_id)
         self.traces.finish_with(session, span, out)
-        return self.traces.submit(span, submit), self.traces.encode(span, encode)
-
-    def _model_trace(self, name: str, model_id: str, seq_id: int | None) -> Trace:
-        try:
-            base: str | None = self.reg.runtime.model(model_id).base_model
-        except Exception:  # not (or no longer) in memory: traced without its ticks
-            base = None
-        return (session_of(model_id), name, model_id, base, seq_id)
+        return self.traces.submit(span, op.submit), self.traces.encode(span, op.encode)
 
     def _admit(self, tenant: str, request_id: str, out: Future, submit: Submit, encode: Encode) -> None:
         self.futures.hooks(
@@ -113,7 +147,7 @@ class Operations:
         )
         self.admit.submit(tenant, out, lambda: chain(submit(), out, encode))
 
-    def _ordered(
+    def _training(
         self,
         tenant: str,
         model_id: str,
@@ -121,39 +155,17 @@ class Operations:
         digest: str,
         submit: Submit,
         encode: Encode,
-        name: str = "",
+        name: str,
     ) -> str:
-        """A training operation, run in its model's ``seq_id`` order; retries get the same id."""
-        trace = self._model_trace(name, model_id, seq_id) if name else None
-        if seq_id is None:
-            return self._run(tenant, submit, encode, trace)
-        hit = self.seq.lookup(model_id, seq_id, digest)
-        if hit is not None:
-            return hit
-        # the one its model's held requests wait for must get in, or they would hold the
-        # tenant's pending slots while it is refused for want of one
-        request_id, out = self.futures.create(tenant, exempt=self.seq.awaited(model_id, seq_id))
-        submit, encode = self._traced(request_id, out, submit, encode, trace)
+        """A training operation on ``model_id``: in its ``seq_id`` order, traced on its track."""
         try:
-            self.seq.submit(
-                model_id,
-                seq_id,
-                digest,
-                request_id,
-                out,
-                lambda: self._admit(tenant, request_id, out, submit, encode),
-            )
-        except BaseException as e:
-            fail(out, e)
-            raise
-        return request_id
-
-    def _once(self, key: tuple[Any, ...], digest: str, what: str, make: Callable[[], Any]) -> Any:
-        hit = self.once.check(key, digest, what)
-        if hit is None:
-            hit = make()
-            self.once.remember(key, digest, hit)
-        return hit
+            base: str | None = self.reg.runtime.model(model_id).base_model
+        except Exception:  # not (or no longer) in memory: traced without its ticks
+            base = None
+        trace = (session_of(model_id), name, model_id, base, seq_id)
+        return self.execute(
+            Operation(tenant, submit, encode, trace, model_id=model_id, seq_id=seq_id, digest=digest)
+        )
 
     # ------------------------------------------------------------------ models
     def create_model(self, tenant: str, req: S.CreateModelRequest) -> str:
@@ -161,33 +173,35 @@ class Operations:
         digest = digest_json("create_model", req.model_dump(mode="json"))
         self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400 at once, nothing made
 
-        def make() -> str:
-            def submit() -> Future:
-                lora = req.lora_config or S.LoraConfig(rank=32)
-                config = LoRAConfig(
-                    rank=lora.rank,
-                    seed=lora.seed,
-                    train_attn=lora.train_attn,
-                    train_mlp=lora.train_mlp,
-                    train_unembed=lora.train_unembed,
-                )
-                base = self.reg.base_model(req.base_model)
-                return self.reg.new_model(
-                    sess,
-                    req.model_seq_id,
-                    base,
-                    config=config,
-                    optimizer_type=optimizer_type(req.optimizer_config),
-                    user_metadata=req.user_metadata,
-                )
-
-            trace = (sess.id, "create_model", sess.id, req.base_model, req.model_seq_id)
-            return self._run(
-                tenant, submit, lambda rec: {"model_id": rec.model_id, "type": "create_model"}, trace
+        def submit() -> Future:
+            lora = req.lora_config or S.LoraConfig(rank=32)
+            config = LoRAConfig(
+                rank=lora.rank,
+                seed=lora.seed,
+                train_attn=lora.train_attn,
+                train_mlp=lora.train_mlp,
+                train_unembed=lora.train_unembed,
+            )
+            base = self.reg.base_model(req.base_model)
+            return self.reg.new_model(
+                sess,
+                req.model_seq_id,
+                base,
+                config=config,
+                optimizer_type=optimizer_type(req.optimizer_config),
+                user_metadata=req.user_metadata,
             )
 
-        return self._once(
-            ("model", sess.id, req.model_seq_id), digest, f"model_seq_id {req.model_seq_id}", make
+        return self.execute(
+            Operation(
+                tenant,
+                submit,
+                lambda rec: {"model_id": rec.model_id, "type": "create_model"},
+                (sess.id, "create_model", sess.id, req.base_model, req.model_seq_id),
+                ("model", sess.id, req.model_seq_id),
+                f"model_seq_id {req.model_seq_id}",
+                digest,
+            )
         )
 
     def _data_parallel(self, user_metadata: dict[str, Any] | None) -> int | None:
@@ -212,42 +226,34 @@ class Operations:
             ref, meta = self.reg.checkpoint(tenant, req.path)
             self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400 at once
 
-            def make() -> str:
-                def submit() -> Future:
-                    optimizer_type(req.optimizer_config)  # refuse what this engine does not run
-                    base = self.reg.base_model(meta.get("base_model", ""))
-                    if req.base_model is not None and self.reg.base_model(req.base_model) != base:
-                        raise UserError(
-                            f"checkpoint {req.path} was trained on {base!r}, not {req.base_model!r}"
-                        )
-                    return self.reg.new_model(
-                        sess,
-                        req.model_seq_id or 0,
-                        base,
-                        checkpoint=ref.tinker_path,
-                        optimizer=req.optimizer,
-                        user_metadata=req.user_metadata,
-                    )
+            def submit() -> Future:
+                optimizer_type(req.optimizer_config)  # refuse what this engine does not run
+                base = self.reg.base_model(meta.get("base_model", ""))
+                if req.base_model is not None and self.reg.base_model(req.base_model) != base:
+                    raise UserError(f"checkpoint {req.path} was trained on {base!r}, not {req.base_model!r}")
+                return self.reg.new_model(
+                    sess,
+                    req.model_seq_id or 0,
+                    base,
+                    checkpoint=ref.tinker_path,
+                    optimizer=req.optimizer,
+                    user_metadata=req.user_metadata,
+                )
 
-                def done(
-                    rec: Any,
-                ) -> dict[str, Any]:  # the degree it came at, and why if not its checkpoint's
-                    out = {"path": req.path, "model_id": rec.model_id, "type": "load_weights"}
-                    return {
-                        **out,
-                        "data_parallel": rec.data_parallel,
-                        **({"note": rec.note} if rec.note else {}),
-                    }
+            def done(rec: Any) -> dict[str, Any]:  # the degree it came at, and why if not its checkpoint's
+                out = {"path": req.path, "model_id": rec.model_id, "type": "load_weights"}
+                return {**out, "data_parallel": rec.data_parallel, **({"note": rec.note} if rec.note else {})}
 
-                return self._run(
+            return self.execute(
+                Operation(
                     tenant,
                     submit,
                     done,
                     (sess.id, "create_model_from_state", sess.id, req.base_model, req.model_seq_id),
+                    ("model", sess.id, req.model_seq_id),
+                    f"model_seq_id {req.model_seq_id}",
+                    digest,
                 )
-
-            return self._once(
-                ("model", sess.id, req.model_seq_id), digest, f"model_seq_id {req.model_seq_id}", make
             )
         if req.model_id is None:
             raise BadRequest("load_weights needs model_id (+ seq_id), or session_id + model_seq_id")
@@ -258,7 +264,7 @@ class Operations:
             ref, _ = self.reg.checkpoint(tenant, req.path)  # another tenant's checkpoint is unknown
             return load(ref.tinker_path).future()
 
-        return self._ordered(
+        return self._training(
             tenant,
             req.model_id,
             req.seq_id,
@@ -273,18 +279,21 @@ class Operations:
         sess = self.reg.session(tenant, req.session_id)
         digest = digest_json("create_custom_loss", req.model_dump(mode="json"))
 
-        def make() -> str:
-            def submit() -> Future:
-                done: Future = Future()
-                done.set_result(self.custom_losses.create(tenant, sess.id, req))
-                return done
+        def submit() -> Future:
+            done: Future = Future()
+            done.set_result(self.custom_losses.create(tenant, sess.id, req))
+            return done
 
-            return self._run(
-                tenant, submit, lambda loss_id: {"loss_id": loss_id, "type": "create_custom_loss"}
+        return self.execute(
+            Operation(
+                tenant,
+                submit,
+                lambda loss_id: {"loss_id": loss_id, "type": "create_custom_loss"},
+                key=("custom_loss", sess.id, req.custom_loss_seq_id),
+                what=f"custom_loss_seq_id {req.custom_loss_seq_id}",
+                digest=digest,
             )
-
-        key = ("custom_loss", sess.id, req.custom_loss_seq_id)
-        return self._once(key, digest, f"custom_loss_seq_id {req.custom_loss_seq_id}", make)
+        )
 
     def forward_backward(self, tenant: str, body: bytes) -> str:
         call = decode_forward_backward(body)
@@ -318,7 +327,7 @@ class Operations:
                 self.history.forward(call.model_id, out.metrics)
             return encode_forward_output(out)
 
-        return self._ordered(tenant, call.model_id, call.seq_id, call.digest, submit, encode, name)
+        return self._training(tenant, call.model_id, call.seq_id, call.digest, submit, encode, name)
 
     def optim_step(self, tenant: str, req: S.OptimStepRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
@@ -337,7 +346,7 @@ class Operations:
             self.history.optim(str(req.model_id), metrics)
             return r.model_dump(mode="json", exclude_none=True)
 
-        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, encode, "optim_step")
+        return self._training(tenant, req.model_id, req.seq_id, digest, submit, encode, "optim_step")
 
     def save_weights(self, tenant: str, req: S.SaveWeightsRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
@@ -352,7 +361,7 @@ class Operations:
             check_ttl(req.ttl_seconds)  # refused in the model's order: nothing is saved
             return tc.save_state(name, overwrite=req.overwrite).future()
 
-        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, "save_weights")
+        return self._training(tenant, req.model_id, req.seq_id, digest, submit, saved, "save_weights")
 
     def save_weights_for_sampler(self, tenant: str, req: S.SaveWeightsForSamplerRequest) -> str:
         tc = self.reg.model(tenant, req.model_id)
@@ -368,7 +377,7 @@ class Operations:
                 return tc.save_weights_for_sampler(req.path or "").future()
 
             name = "save_weights_for_sampler"
-            return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
+            return self._training(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
         # ephemeral: an in-memory snapshot served by a new sampler session; kind "inflight" makes
         # it the model's inflight target, which all its inflight samplers follow (registry)
         if req.sampling_session_seq_id is None:
@@ -386,7 +395,7 @@ class Operations:
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         name = "save_weights_for_sampler"
-        return self._ordered(tenant, req.model_id, req.seq_id, digest, snapshot, served, name)
+        return self._training(tenant, req.model_id, req.seq_id, digest, snapshot, served, name)
 
     def save_weights_external(self, tenant: str, req: S.SaveWeightsExternalRequest) -> str:
         """The adapter in PEFT format at ``tinker://<model_id>/external_weights/<name>``."""
@@ -404,7 +413,7 @@ class Operations:
             ).future()
 
         name = "save_weights_external"
-        return self._ordered(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
+        return self._training(tenant, req.model_id, req.seq_id, digest, submit, saved, name)
 
     def _checked_lengths(self, base_model: str, inputs: list[tuple[types.ModelInput, str]]) -> list[int]:
         """Each input's length in the model (an image as its processor's tokens); an image the base
@@ -465,44 +474,42 @@ class Operations:
         [prompt_len] = self._checked_lengths(str(client.base_model), [(req.prompt, "the prompt")])
         self.check_sample(req, prompt_len)
 
-        def make() -> dict[str, Any]:
-            ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
-            ticket = 0
+        ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
+        ticket = 0
 
-            def submit() -> Future:
-                nonlocal ticket
-                fut = self._sample(client, req)
-                ticket = client.last_ticket()  # this thread's request, just queued
-                return fut
+        def submit() -> Future:
+            nonlocal ticket
+            fut = self._sample(client, req)
+            ticket = client.last_ticket()  # this thread's request, just queued
+            return fut
 
-            encode = self._metered(tenant, client, req, prompt_len)
-            if req.record_stability_info and req.sampling_session_id is not None:
-                encode = self._recording(tenant, req.sampling_session_id, ids, req, client, encode)
-            trace: Trace | None = None
-            if req.sampling_session_id is not None:
-                session = session_of(req.sampling_session_id)
-                trace = (session, "sample", req.sampling_session_id, str(client.base_model), req.seq_id)
-            rid = self._run(tenant, submit, encode, trace)
-            out = self.futures.future_of(rid)
-            if out is not None:  # held by admission first, then (once queued) by the sampler
+        def answer(rid: str, out: Future) -> dict[str, Any]:
+            # held by admission first, then (once queued) by the sampler
+            def state() -> tuple[QueueState, str | None]:
+                held = self.admit.state(tenant, out)
+                return held if held[0] != "active" or not ticket else _capacity_state(client, ticket)
 
-                def state() -> tuple[QueueState, str | None]:
-                    held = self.admit.state(tenant, out)
-                    return held if held[0] != "active" or not ticket else _capacity_state(client, ticket)
+            def cancel() -> bool:
+                return self.admit.cancel(tenant, out) or (ticket > 0 and client.cancel(ticket))
 
-                def cancel() -> bool:
-                    return self.admit.cancel(tenant, out) or (ticket > 0 and client.cancel(ticket))
-
-                self.futures.hooks(rid, state=state, cancel=cancel)
-            if req.sampling_session_id is not None and out is not None:
-                clone = max(req.seq_id or 0, 0) // CLONE_BLOCK
-                self.completions.track((req.sampling_session_id, clone), rid, out)
+            self.futures.hooks(rid, state=state, cancel=cancel)
+            if sampler_id is not None:
+                self.completions.track((sampler_id, max(req.seq_id or 0, 0) // CLONE_BLOCK), rid, out)
             return {"request_id": rid, "sample_sequence_ids": ids}
 
-        if req.seq_id is None or req.sampling_session_id is None:
-            return make()
-        key = ("sample", req.sampling_session_id, req.seq_id)
-        return self._once(key, digest, f"seq_id {req.seq_id} of sampler {req.sampling_session_id}", make)
+        sampler_id = req.sampling_session_id
+        encode = self._metered(tenant, client, req, prompt_len)
+        op = Operation(tenant, submit, encode, answer=answer, digest=digest)
+        if sampler_id is not None:
+            if req.record_stability_info:
+                op.encode = self._recording(tenant, sampler_id, ids, req, client, encode)
+            op.trace = (session_of(sampler_id), "sample", sampler_id, str(client.base_model), req.seq_id)
+            if req.seq_id is not None:
+                op.key, op.what = (
+                    ("sample", sampler_id, req.seq_id),
+                    f"seq_id {req.seq_id} of sampler {sampler_id}",
+                )
+        return self.execute(op)
 
     def _sample(self, client: Any, req: S.SampleRequest) -> Future:
         if not 1 <= req.num_samples <= self.config.max_num_samples:
