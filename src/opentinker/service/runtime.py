@@ -1,12 +1,12 @@
-"""The embedded service: engines per base model, and the one owner of model lifecycle and tenancy.
+"""The embedded service: engines per base model, their models' records, checkpoints' tenancy.
 
 One ``Runtime`` per process is created on first use (``default_runtime()``); every embedded
 ``ServiceClient`` shares it, so many clients in many threads share one base model and one batch
 per base model. Its data dir defaults to ``$OPENTINKER_HOME`` or ``~/.cache/opentinker/data``.
 
 Model creation (fresh or from a checkpoint), deletion, snapshots, and the rule "a tenant sees only
-its own models and checkpoints" are written here once; the embedded clients and the HTTP server
-both call these methods, so neither reaches into the engine for them. Engine work is queued on the
+its own models and checkpoints" are written here once (when models leave memory: ``lifecycle.py``);
+the embedded clients and the HTTP server both call them, never the engine. Engine work is queued on the
 base model's scheduler in the model's order and comes back as a ``concurrent.futures.Future``:
 the embedded clients wait on it, the server chains it to a request id.
 """
