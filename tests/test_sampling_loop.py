@@ -304,27 +304,29 @@ def test_sampling_beside_a_training_thread(engine: Engine, snaps: list[str | Non
 
 def test_embedded_sdk_samples_on_the_rollout_loop(tmp_path) -> None:
     """Through the embedded SDK clients, sampling runs on the sampling loop (not in the training
-    ticks) and gives what the serialized in-tick sampler gives; ``topk_sample_logprobs`` comes
-    back per sampled token."""
-    out = {}
-    for mode, in_ticks in (("loop", False), ("ticks", True)):
-        rt = Runtime(tmp_path / mode, sample_in_ticks=in_ticks)
-        try:
-            service = opentinker.ServiceClient(runtime=rt)
-            tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0).result()
-            sampler = tc.save_weights_and_get_sampling_client()
-            res = sampler.sample(
-                types.ModelInput.from_ints([5, 6, 7, 8]),
-                num_samples=2,
-                sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3),
-                topk_sample_logprobs=3,
-            ).result()
-            assert (rt.base_stack(TEST_MODEL).scheduler.rollout is None) == in_ticks
-            out[mode] = res
-        finally:
-            rt.shutdown()
-    for got, ref in zip(out["loop"].sequences, out["ticks"].sequences, strict=True):
-        assert got.tokens == ref.tokens
-        assert_logprobs_close(got.logprobs, ref.logprobs)
-        assert got.topk_logprobs is not None and len(got.topk_logprobs) == len(got.tokens)
-        assert all(len(top or []) == 3 for top in got.topk_logprobs)
+    ticks) and gives what the backend's own one-batch ``generate`` gives; ``topk_sample_logprobs``
+    comes back per sampled token."""
+    rt = Runtime(tmp_path / "data")
+    try:
+        service = opentinker.ServiceClient(runtime=rt)
+        tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0).result()
+        sampler = tc.save_weights_and_get_sampling_client()
+        got = sampler.sample(
+            types.ModelInput.from_ints([5, 6, 7, 8]),
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3),
+            topk_sample_logprobs=3,
+        ).result()
+        stack = rt.base_stack(TEST_MODEL)
+        assert isinstance(stack.scheduler.rollout, SamplingLoop)
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+        [ref] = stack.sampler.generate(
+            [SampleRequest(sampler.policy, [5, 6, 7, 8], params, num_samples=2, topk_sample_logprobs=3)]
+        )
+    finally:
+        rt.shutdown()
+    for g, r in zip(got.sequences, _ok(ref).sequences, strict=True):
+        assert g.tokens == r.tokens
+        assert_logprobs_close(g.logprobs, r.logprobs)
+        assert g.topk_logprobs is not None and len(g.topk_logprobs) == len(g.tokens)
+        assert all(len(top or []) == 3 for top in g.topk_logprobs)

@@ -337,6 +337,8 @@ class SamplingService(Protocol):
     ``follow`` moves inflight requests to newer weights where it can (else they finish on the
     weights they started with). Both stream a request's tokens to its ``stream`` sink."""
 
+    max_rows: int  # sampled sequences decoded together at most (per worker)
+
     def submit(self, req: SampleRequest) -> Future: ...
     def last_request(self) -> int: ...
     def state(self, rid: int) -> str: ...
@@ -377,6 +379,10 @@ class SamplingLoop:
     @property
     def stats(self) -> SamplingStats:
         return self.core.stats
+
+    @property
+    def max_rows(self) -> int:
+        return self.core.max_rows
 
     def submit(self, req: SampleRequest) -> Future:
         """Sample ``req``, pinned now to the weights its policy names (see the module docstring)."""

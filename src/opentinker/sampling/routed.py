@@ -252,12 +252,10 @@ def weightless(engine: Engine) -> bool:
 
 
 def check_rollout_options(
-    rollout_workers: int, sample_in_ticks: bool, rollout_backend: str, rollout_options: dict[str, Any]
+    rollout_workers: int, rollout_backend: str, rollout_options: dict[str, Any]
 ) -> None:
     """Refuse a runtime's sampling settings that cannot work together (or a vLLM that is not
     installed), naming them, before anything starts."""
-    if rollout_workers and sample_in_ticks:
-        raise ValueError("rollout_workers and sample_in_ticks exclude each other")
     if rollout_backend not in ROLLOUT_BACKENDS:
         raise ValueError(
             f"unknown rollout backend {rollout_backend!r}; choose one of {', '.join(ROLLOUT_BACKENDS)}"

@@ -124,9 +124,7 @@ class Runtime:
         (:class:`~opentinker.service.scaleout.ScaleOut`)."""
         cfg = self.config = runtime_config(config, settings)
         self.dtype = dtype_name(resolve_dtype(cfg.dtype, cfg.device))  # a name: it travels to workers as is
-        check_rollout_options(
-            cfg.rollout_workers, cfg.sample_in_ticks, cfg.rollout_backend, self._vllm_options()
-        )
+        check_rollout_options(cfg.rollout_workers, cfg.rollout_backend, self._vllm_options())
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         # tinker path -> readable by every tenant (published); the server sets it from its store
         self.is_public: Callable[[str], bool] = lambda path: False
@@ -184,13 +182,12 @@ class Runtime:
                 )
                 engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
                 sampler, decoder = self._sampler(engine)
-                # sampling on its own thread, continuous batching (None: in the scheduler's ticks)
-                loop: Callable[[], SamplingService] | None = (
-                    None
-                    if self.config.sample_in_ticks
-                    else lambda: SamplingLoop(SamplingCore(decoder(), sampler))
-                )
-                b = BaseStack(engine, sampler, self.scaleout.scheduler_for(name, engine, sampler, loop))
+
+                # sampling on its own thread, continuous batching
+                def loop() -> SamplingService:
+                    return SamplingLoop(SamplingCore(decoder(), sampler))
+
+                b = BaseStack(engine, sampler, self.scaleout.scheduler_for(name, engine, loop))
                 self._stacks[name] = b
             return b
 
