@@ -12,37 +12,59 @@ the same time.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-from opentinker.sampling import SampleRequest, SamplingBackend
-from opentinker.sampling.loop import SampleCancelled
+from opentinker.sampling import SampleRequest, SampleResult, SamplingBackend
+from opentinker.sampling.decoder import Pinned
+from opentinker.sampling.handles import RequestBook, SampleState
 from opentinker.scheduler import Scheduler
 
 
-class TickSampling:
+class TickSampling(RequestBook[Future]):
     """A sampling service whose batches run inside ``scheduler``'s ticks (module docstring)."""
 
-    def __init__(self, scheduler: Scheduler, backend: SamplingBackend, *, max_rows: int = 256) -> None:
-        self.scheduler, self.backend, self.max_rows = scheduler, backend, max_rows
-        self._waiting: deque[tuple[int, SampleRequest, Future]] = deque()
-        self._lock = threading.Lock()
-        self._ids = 0
+    what = "the in-tick sampler"
 
-    def submit(self, req: SampleRequest) -> Future:
-        fut: Future = Future()
+    def __init__(self, scheduler: Scheduler, backend: SamplingBackend, *, max_rows: int = 256) -> None:
+        super().__init__()
+        self.scheduler, self.backend, self.max_rows = scheduler, backend, max_rows
+        self._waiting: deque[tuple[int, SampleRequest]] = deque()
+
+    def _pin(self, req: SampleRequest) -> Pinned:
+        return Pinned(req, None)  # ``generate`` resolves the policy when the batch runs
+
+    def _enqueue(self, rid: int, pinned: Pinned, future: Future[SampleResult]) -> Future:
+        self._waiting.append((rid, pinned.req))
+        return future
+
+    def _woken(self) -> None:
+        # one call per request on its client's queue, in that client's order with its training;
+        # the first to run takes every waiting request, the later ones find fewer (or none)
         with self._lock:
-            self._ids += 1
-            self._waiting.append((self._ids, req, fut))
-        client = "" if req.policy is None else req.policy.partition("@")[0]
-        self.scheduler.submit_call(client, self._batch)
-        return fut
+            policy = self._waiting[-1][1].policy if self._waiting else None
+        self.scheduler.submit_call("" if policy is None else policy.partition("@")[0], self._batch)
+
+    @staticmethod
+    def _future(entry: Future) -> Future:
+        return entry
+
+    def _where(self, rid: int) -> SampleState:
+        return "queued" if any(r == rid for r, _ in self._waiting) else "taken"
+
+    def _unqueue(self, rid: int) -> bool:
+        item = next((it for it in self._waiting if it[0] == rid), None)
+        if item is not None:
+            self._waiting.remove(item)
+        return item is not None
+
+    def _stop(self, rid: int) -> None:
+        """A batch runs to its end; the aborted request's answer is dropped."""
 
     def _batch(self, _trainer: Any) -> None:
         """One tick's samples: every waiting request that fits, as one batch."""
-        take: list[tuple[int, SampleRequest, Future]] = []
+        take: list[tuple[int, SampleRequest]] = []
         rows = 0
         with self._lock:
             while self._waiting and (not take or rows + self._waiting[0][1].num_samples <= self.max_rows):
@@ -51,42 +73,27 @@ class TickSampling:
         if not take:
             return
         try:
-            outs: list[Any] = self.backend.generate([r for _, r, _ in take])
+            outs: list[Any] = self.backend.generate([r for _, r in take])
         except Exception as e:  # fails the batch's requests, never the scheduler
             outs = [e] * len(take)
-        for (_, _, fut), out in zip(take, outs, strict=True):
+        with self._lock:
+            futs = [self._answered(rid) for rid, _ in take]
+        for fut, out in zip(futs, outs, strict=True):
+            if fut is None:  # aborted meanwhile
+                continue
             if isinstance(out, BaseException):
                 fut.set_exception(out)
             else:
                 fut.set_result(out)
-
-    def last_request(self) -> int:
-        return self._ids
-
-    def state(self, rid: int) -> str:
-        with self._lock:
-            return "queued" if any(r == rid for r, _, _ in self._waiting) else "taken"
-
-    def cancel(self, rid: int) -> bool:
-        with self._lock:
-            item = next((it for it in self._waiting if it[0] == rid), None)
-            if item is None:
-                return False
-            self._waiting.remove(item)
-        item[2].set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
-        return True
-
-    def abort(self, rid: int) -> bool:
-        return self.cancel(rid)
 
     def follow(self, group: str, policy_id: str) -> None:
         """Nothing: a batch runs to completion on the weights it started with."""
 
     def shutdown(self) -> None:
         with self._lock:
-            left = list(self._waiting)
+            left = self._close()
             self._waiting.clear()
-        for _, _, fut in left:
+        for fut in left:
             fut.set_exception(RuntimeError("the in-tick sampler was shut down"))
 
 

@@ -79,7 +79,7 @@ def run_stream(loop: SamplingLoop, reqs: list[tuple[float, SampleRequest]]) -> l
         if delay > 0:
             time.sleep(delay)
         sent = time.perf_counter()
-        fut = loop.submit(req)
+        fut = loop.submit(req).future
         fut.add_done_callback(lambda _f, i=i, sent=sent: ttr.__setitem__(i, time.perf_counter() - sent))
         futs.append(fut)
     for f in futs:
@@ -106,7 +106,7 @@ def overlap(
     data = train_data(engine.vocab_size, args.train_rows, args.train_len)
     try:
         t = time.perf_counter()
-        futs = [sched.submit_sample(r) for r in reqs]
+        futs = [sched.submit_sample(r).future for r in reqs]
         for _ in range(args.train_steps):
             futs.append(sched.submit_forward(aid, ForwardRequest(aid, data)))
             futs.append(sched.submit_optim(aid, AdamParams(learning_rate=1e-4)))

@@ -45,7 +45,9 @@ from transformers import AutoTokenizer
 import opentinker
 from opentinker.client import Runtime
 from opentinker.models.registry import tiny_model_dir
-from opentinker.sampling import SampleRequest, SamplingBackend
+from opentinker.sampling import SampleRequest, SampleResult, SamplingBackend
+from opentinker.sampling.decoder import Pinned
+from opentinker.sampling.handles import RequestBook, SampleState
 from opentinker.server.app import embedded_app
 from opentinker.server.local import LocalServer
 from tests.conftest import TEST_MODEL, local_server, other_family_model
@@ -701,30 +703,43 @@ def test_a_stream_whose_tokens_come_with_the_result_is_one_piece_per_token(tmp_p
         assert [ch.finish_reason for ch in mine] == [None] * 15 + ["length"]
 
 
-class _WholeResults:
+class _WholeResults(RequestBook[Future]):
     """A sampling service that streams nothing: each request is decoded whole by the backend's
     ``generate`` on a thread of its own, its tokens coming only with its result."""
 
     max_rows = 256
 
     def __init__(self, backend: SamplingBackend) -> None:
+        super().__init__()
         self.backend = backend
         self._pool = ThreadPoolExecutor(1)
 
-    def submit(self, req: SampleRequest) -> Future:
-        return self._pool.submit(lambda: self.backend.generate([req])[0])
+    def _pin(self, req: SampleRequest) -> Pinned:
+        return Pinned(req, None)  # ``generate`` resolves the policy
 
-    def last_request(self) -> int:
-        return 0
+    def _enqueue(self, rid: int, pinned: Pinned, future: Future) -> Future:
+        self._pool.submit(self._run, rid, pinned.req)
+        return future
 
-    def state(self, rid: int) -> str:
+    def _run(self, rid: int, req: SampleRequest) -> None:
+        [out] = self.backend.generate([req])
+        with self._lock:
+            fut = self._answered(rid)
+        if fut is not None:
+            fut.set_result(out) if isinstance(out, SampleResult) else fut.set_exception(out)
+
+    @staticmethod
+    def _future(entry: Future) -> Future:
+        return entry
+
+    def _where(self, rid: int) -> SampleState:
         return "taken"
 
-    def cancel(self, rid: int) -> bool:
+    def _unqueue(self, rid: int) -> bool:
         return False
 
-    def abort(self, rid: int) -> bool:
-        return False
+    def _stop(self, rid: int) -> None:
+        pass  # it runs to its end, unanswered
 
     def follow(self, group: str, policy_id: str) -> None:
         pass

@@ -302,19 +302,19 @@ def test_unknown_and_retired_snapshots_fail_alone(rt: Runtime, trained) -> None:
     assert loop is not None
     gone = tc.save_weights_and_get_sampling_client()
     policy = _policy(gone)
-    ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8, stop=[])))
+    ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8, stop=[]))).future
     rt.base_stack(TEST_MODEL).engine.release_snapshot(
         policy
     )  # what the runtime does when the last client lets go
-    retired = loop.submit(SampleRequest(policy, PROMPT, SamplingParams(max_tokens=8)))
-    unknown = loop.submit(SampleRequest("nobody@v9", PROMPT, SamplingParams(max_tokens=8)))
+    retired = loop.submit(SampleRequest(policy, PROMPT, SamplingParams(max_tokens=8))).future
+    unknown = loop.submit(SampleRequest("nobody@v9", PROMPT, SamplingParams(max_tokens=8))).future
     over = loop.submit(
         SampleRequest(
             _policy(sampler),
             list(range(3, 3 + rt.base_stack(TEST_MODEL).engine.max_context)),
             SamplingParams(max_tokens=8),
         )
-    )
+    ).future
     with pytest.raises(Exception, match=f"unknown adapter or snapshot '{policy}'"):
         retired.result(timeout=60)
     with pytest.raises(Exception, match="unknown adapter or snapshot 'nobody@v9'"):

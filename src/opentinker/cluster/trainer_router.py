@@ -57,7 +57,7 @@ from opentinker.cluster.trainer import (
 )
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.engine.trainer import Trainer
-from opentinker.sampling.loop import SamplingService
+from opentinker.sampling.handles import SamplingService
 from opentinker.scheduler import Scheduler
 
 

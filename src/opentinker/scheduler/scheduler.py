@@ -54,7 +54,7 @@ from typing import Any, Literal
 
 from opentinker.engine import AdamParams, Engine, ForwardRequest, Trainer
 from opentinker.sampling import SampleRequest
-from opentinker.sampling.loop import SamplingService
+from opentinker.sampling.handles import SampleHandle, SampleState, SamplingService
 
 OpKind = Literal["forward", "optim", "call"]
 
@@ -132,7 +132,9 @@ class Scheduler:
         trainer is :attr:`engine`; over trainer workers, the router's (``engine/trainer.py``)."""
         return self._submit(model_id, _Op("call", fn, Future()))
 
-    def submit_sample(self, req: SampleRequest) -> Future:
+    def submit_sample(self, req: SampleRequest) -> SampleHandle:
+        """Hand ``req`` to the sampling service: its handle (request id and future) says where it
+        stands (:meth:`sample_state`) and cancels or aborts it."""
         rollout = self._sampling()
         with self._cv:
             self._check_open()
@@ -140,23 +142,18 @@ class Scheduler:
             self._last_sources.discard(_client(req.policy))
         return rollout.submit(req)
 
-    def last_sample_ticket(self) -> int:
-        """The id of the last sample request this thread submitted (0: none)."""
-        return self._sampling().last_request()
+    def sample_state(self, handle: SampleHandle) -> SampleState:
+        return self._sampling().state(handle)
 
-    def sample_state(self, ticket: int) -> Literal["queued", "held_back", "taken"]:
-        state = self._sampling().state(ticket)
-        return "queued" if state == "queued" else "held_back" if state == "held_back" else "taken"
-
-    def cancel_sample(self, ticket: int) -> bool:
+    def cancel_sample(self, handle: SampleHandle) -> bool:
         """Drop a sample request that the sampler has not taken yet (True), else False."""
-        return self._sampling().cancel(ticket)
+        return self._sampling().cancel(handle)
 
-    def abort_sample(self, ticket: int) -> bool:
+    def abort_sample(self, handle: SampleHandle) -> bool:
         """Drop a sample request wherever it is, decoding included (its rows leave the running
         batch, in process or on the rollout worker decoding it: ``SamplingService.abort``). True
         if dropped."""
-        return self._sampling().abort(ticket)
+        return self._sampling().abort(handle)
 
     @property
     def max_sample_rows(self) -> int:

@@ -40,7 +40,8 @@ from opentinker.models.registry import canonical_name
 from opentinker.models.vision import Vision
 from opentinker.sampling import NativeBackend, SamplingBackend
 from opentinker.sampling.decoder import Decoder
-from opentinker.sampling.loop import SamplingCore, SamplingLoop, SamplingService
+from opentinker.sampling.handles import SamplingService
+from opentinker.sampling.loop import SamplingCore, SamplingLoop
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from opentinker.engine import DataParallelTrainer, Engine, EngineError, Trainer
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
-from opentinker.sampling.loop import SamplingService
+from opentinker.sampling.handles import SamplingService
 from opentinker.scheduler import Scheduler
 from opentinker.workers.pool import WorkerPool
 from opentinker.workers.wire import WorkerOptions
