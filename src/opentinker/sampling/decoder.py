@@ -83,20 +83,44 @@ class Pinned:
 
 class Decoder(Protocol):
     """What the sampling loop drives: :class:`StepDecoder`, or another backend's step-wise decoder
-    (e.g. :class:`~opentinker.sampling.vllm_backend.VLLMDecoder`)."""
+    (:class:`~opentinker.sampling.vllm_backend.VLLMDecoder`, and
+    :class:`~opentinker.sampling.routed.RoutedDecoder` over both). Every one implements all of it;
+    where a backend cannot do a thing in place, its method says what it does instead."""
 
     steps: int
 
     @property
     def live_rows(self) -> int: ...
 
-    def running(self) -> list[int]: ...
+    def running(self) -> list[int]:
+        """The ids of the requests with rows in the running batch."""
+        ...
 
-    def pin(self, req: SampleRequest) -> Pinned: ...
+    def pin(self, req: SampleRequest) -> Pinned:
+        """Validate ``req`` and resolve its weights now (``EngineError`` naming the problem)."""
+        ...
 
-    def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]: ...
+    def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
+        """Start ``items`` (request id, pinned request); returns those that finished or failed."""
+        ...
 
-    def step(self) -> list[Finished]: ...
+    def step(self) -> list[Finished]:
+        """One decode step of every running row; returns the requests that finished."""
+        ...
+
+    def drop(self, rid: int) -> bool:
+        """Take request ``rid``'s rows out of the running batch now (its caller is gone); True
+        if it had rows here."""
+        ...
+
+    def switch(self, group: str, pinned: Pinned) -> int:
+        """Move the running requests following ``group`` to ``pinned``'s weights from the next
+        step on; returns how many moved."""
+        ...
+
+    def progress(self, rids: Collection[int]) -> dict[int, list[Progress]]:
+        """Of requests ``rids``, those with rows here: each sample's tokens so far."""
+        ...
 
 
 @dataclass

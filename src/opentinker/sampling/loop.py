@@ -31,14 +31,17 @@ thread, against the engine's snapshots. The rows hold those weights until they s
 gets its samples' new tokens after every tick (:meth:`SamplingCore.progress`: what the tick's
 prefill and step added, as :class:`~opentinker.sampling.types.Tokens`), on the loop's thread, while
 its rows decode; the tokens of the step that finishes it come only with its result. A worker sends
-them to its pool as messages. Decoders without ``progress`` (vLLM) stream nothing.
+them to its pool as messages. A row decoding on vLLM (``--rollout-backend vllm``) hands its tokens
+over when it finishes (vLLM returns a request's output whole): a sample at a time there, every
+step on the native fallback beside it.
 
 **Inflight requests switch weights mid-decode.** A request with ``follow`` set (a
 ``kind="inflight"`` sampler's) is pinned like any other, but a :class:`FollowInflight` for its group moves
 it to newer weights in place: rows decoding switch at the next decode step, keeping their keys and
 values (the rule: :meth:`StepDecoder.switch`); rows waiting for admission prefill on the new ones.
-Pinned requests in the same batch are untouched. Decoders without ``switch`` (vLLM) and worker
-pools finish such rows on the weights they started with.
+Pinned requests in the same batch are untouched. Rows decoding on vLLM (it cannot change a
+running request's adapter) and on rollout workers finish on the weights they started with; the
+native fallback's rows beside them switch.
 
 **Threads and data races.** The loop thread reads: the frozen base weights (never written after
 load; the lean decoder's fused copies are built before the thread starts), snapshot weights
@@ -118,7 +121,7 @@ class FollowInflight:
 class Abort:
     """Drop request ``rid`` wherever it is (its caller is gone and was answered already): still
     waiting, or decoding, when its rows leave the running batch before the next decode step
-    (:meth:`StepDecoder.drop`; a decoder without ``drop`` lets them finish, unanswered)."""
+    (:meth:`Decoder.drop`: on vLLM, its requests aborted there)."""
 
     rid: int
 
@@ -211,18 +214,14 @@ class SamplingCore:
         self._streams.pop(rid, None)
         if self.cancel(rid):
             return
-        drop = getattr(self.decoder, "drop", None)
-        if drop is not None and drop(rid):
+        if self.decoder.drop(rid):
             self.stats.aborted += 1
             self.stats.live_rows = self.decoder.live_rows
 
     def _follow(self, msg: FollowInflight) -> None:
-        switch = getattr(self.decoder, "switch", None)
-        if switch is None:  # a decoder without in-place switching: rows finish on their weights
-            return
         # the weights, resolved (and checked: a snapshot, never a live adapter) as a request's are
         carrier = self.decoder.pin(SampleRequest(msg.policy_id, [0], SamplingParams(max_tokens=1)))
-        switch(msg.group, carrier)
+        self.decoder.switch(msg.group, carrier)
         with self._lock:
             self._waiting = deque(
                 (
@@ -272,14 +271,12 @@ class SamplingCore:
     def progress(self) -> list[tuple[Tokens, TokenSink]]:
         """The tokens streamed requests decoded since the last call (after :meth:`tick`: those
         its step added), each with the sink it goes to. A request answered by the tick sends
-        nothing more: its result holds every token. Decoders without ``progress`` (vLLM) stream
-        nothing: their tokens come with the result."""
-        look = getattr(self.decoder, "progress", None)
-        if not self._streams or look is None:
+        nothing more: its result holds every token."""
+        if not self._streams:
             return []
         out: list[tuple[Tokens, TokenSink]] = []
         rids = list(self._streams)  # a snapshot: cancel (another thread) may remove one
-        found = look(rids)
+        found = self.decoder.progress(rids)
         if len(found) < len(rids):  # a request failed outside a tick's answers: forget it
             with self._lock:
                 waiting = {r for r, _ in self._waiting}
