@@ -15,7 +15,7 @@ continuous (target ≥ 2).
 
 **Overlap.** ``--train-steps`` pipelined forward_backward + optim_step of one adapter (``--train-rows``
 rows of ``--train-len`` tokens) and the same sampling requests, all submitted at once to one
-scheduler: sampling inside its ticks (serialized, the former design) or on the sampling loop's own
+scheduler: sampling inside its ticks (serialized, the former design: ``in_ticks.py``) or on the sampling loop's own
 thread (overlapped). ``P10_overlap`` = serialized wall ÷ overlapped wall (≥ 1: overlapping is not
 slower). torch ops release the GIL, so the two threads use the machine's cores at once.
 
@@ -34,6 +34,7 @@ import time
 from concurrent.futures import Future
 
 import torch
+from in_ticks import TickSampling
 from timing import add_device_args, device_of, write_json
 
 from opentinker.engine import AdamParams, Engine, Example, ForwardRequest
@@ -78,7 +79,7 @@ def run_stream(loop: SamplingLoop, reqs: list[tuple[float, SampleRequest]]) -> l
         if delay > 0:
             time.sleep(delay)
         sent = time.perf_counter()
-        fut = loop.submit(req)
+        fut = loop.submit(req).future
         fut.add_done_callback(lambda _f, i=i, sent=sent: ttr.__setitem__(i, time.perf_counter() - sent))
         futs.append(fut)
     for f in futs:
@@ -96,12 +97,16 @@ def overlap(
     loop: bool,
 ) -> float:
     """Wall seconds to finish ``--train-steps`` training steps and every sample, submitted at once."""
-    rollout = SamplingLoop(SamplingCore(backend.decoder(snapshots_only=True), backend)) if loop else None
-    sched = Scheduler(engine, backend, rollout=rollout)
+    sched = Scheduler(engine)
+    sched.rollout = (
+        SamplingLoop(SamplingCore(backend.decoder(snapshots_only=True), backend))
+        if loop
+        else TickSampling(sched, backend)
+    )
     data = train_data(engine.vocab_size, args.train_rows, args.train_len)
     try:
         t = time.perf_counter()
-        futs = [sched.submit_sample(r) for r in reqs]
+        futs = [sched.submit_sample(r).future for r in reqs]
         for _ in range(args.train_steps):
             futs.append(sched.submit_forward(aid, ForwardRequest(aid, data)))
             futs.append(sched.submit_optim(aid, AdamParams(learning_rate=1e-4)))

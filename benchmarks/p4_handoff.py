@@ -123,7 +123,7 @@ def worker_mode(args: argparse.Namespace) -> None:
         engine.optim_step(aid, AdamParams(learning_rate=1e-3))
         prompt = seq[:16].tolist()
         one = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
-        pool.submit(SampleRequest(None, prompt, one)).result()  # warm
+        pool.submit(SampleRequest(None, prompt, one)).future.result()  # warm
         handoffs, firsts = [], []
         for _ in range(args.repeats):
             snap = engine.snapshot(aid).snapshot_id
@@ -131,7 +131,7 @@ def worker_mode(args: argparse.Namespace) -> None:
             engine.release_snapshot(snap)
             snap = engine.snapshot(aid).snapshot_id
             t = time.perf_counter()
-            pool.submit(SampleRequest(snap, prompt, one)).result()  # handoff on first use + sample
+            pool.submit(SampleRequest(snap, prompt, one)).future.result()  # handoff on first use + sample
             firsts.append(time.perf_counter() - t)
             engine.release_snapshot(snap)
         reloads = [r.load_s for r in pool.ready]

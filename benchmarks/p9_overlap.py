@@ -4,9 +4,9 @@ The library's RL loop (``opentinker.rl.run_rl``, ``mode="async"``, ``max_stalene
 step's rollouts are sampled on the previous policy version while the current step trains) runs the
 addition task on the same embedded runtime shape twice:
 
-- **serialized**: ``Runtime(sample_in_ticks=True)``: sampling is served inside the training
-  scheduler's ticks, after the fused forward/backward and the optimizer steps, so a sample and a
-  training step never run at the same time (the former design);
+- **serialized**: sampling is served inside the training scheduler's ticks, after the fused
+  forward/backward and the optimizer steps, so a sample and a training step never run at the
+  same time (the former design, rebuilt outside the product in ``in_ticks.py``);
 - **overlapped**: a separate sampler: the sampling loop on its own thread (``Runtime()``, the
   default) or, with ``--workers N``, N rollout worker processes (``Runtime(rollout_workers=N)``).
 
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from in_ticks import serialize
 from timing import write_json
 
 import opentinker
@@ -72,9 +73,11 @@ def main() -> None:
     load0 = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="p9-"))
     runtimes: dict[str, Any] = {
-        "serialized": Runtime(root / "serialized", sample_in_ticks=True),
+        "serialized": Runtime(root / "serialized"),
         "overlapped": Runtime(root / "overlapped", rollout_workers=args.workers),
     }
+    stack = runtimes["serialized"].base_stack(args.model)
+    serialize(stack.scheduler, stack.sampler)
     sampler = f"{args.workers} rollout worker processes" if args.workers else "the sampling loop's thread"
     print(
         f"model {args.model}: async RL (max_staleness 1), {args.steps} steps of {args.groups} groups x "

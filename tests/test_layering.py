@@ -451,3 +451,74 @@ def test_the_length_check_catches_a_long_method_and_passes_a_short_one(tmp_path:
     assert _long_functions([tmp_path / "long.py"], tmp_path) == [
         f"long.py:2 g ({MAX_FUNCTION_LINES + 1} lines)"
     ]
+
+
+# Where the sampling and training core holds a decoder, a sampling backend or a trainer, it calls
+# their protocols (sampling/decoder.py's Decoder, sampling/backend.py's SamplingBackend,
+# engine/trainer.py's Trainer): no getattr/hasattr probing what one of them has. These are the
+# names such an object goes by there; the last name of getattr's first argument is checked.
+PROTOCOL_HOLDERS = frozenset(
+    {"decoder", "backend", "sampler", "native", "vllm", "trainer", "engine", "eng", "router", "_local"}
+)
+DUCK_FOLDERS = ("sampling", "scheduler", "workers", "cluster")
+# the Ray trainer path still calls the trainer by method name: file -> how many such calls
+CALLS_BY_NAME = {"opentinker/cluster/trainer_worker.py": 2, "opentinker/cluster/routed_trainer.py": 1}
+
+
+def _holder(node: ast.expr) -> str | None:
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def duck_typing(paths: list[Path], root: Path) -> list[str]:
+    """Each ``getattr``/``hasattr`` on a protocol holder, and each ``threading.local``."""
+    out = []
+    for p in paths:
+        rel = p.relative_to(root)
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+                if node.func.id in ("getattr", "hasattr") and _holder(node.args[0]) in PROTOCOL_HOLDERS:
+                    out.append(f"{rel}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, ...)")
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "local"
+                and _holder(node.value) == "threading"
+            ):
+                out.append(f"{rel}:{node.lineno} threading.local")
+            elif isinstance(node, ast.ImportFrom) and node.module == "threading":
+                out += [f"{rel}:{node.lineno} threading.local" for a in node.names if a.name == "local"]
+    return out
+
+
+def test_the_core_calls_protocols_and_keeps_no_thread_local_state() -> None:
+    """No probing a decoder, backend or trainer for what it has, and no thread-local side
+    channels (a sample's request id travels in its handle), in sampling/, scheduler/, workers/
+    and cluster/."""
+    paths = [p for folder in DUCK_FOLDERS for p in sorted((SRC / ROOT / folder).rglob("*.py"))]
+    found = duck_typing(paths, SRC)
+    by_name = {f: sum(1 for x in found if x.startswith(f"{f}:") and "getattr(" in x) for f in CALLS_BY_NAME}
+    assert by_name == CALLS_BY_NAME, found
+    rest = [x for x in found if not any(x.startswith(f"{f}:") and "getattr(" in x for f in CALLS_BY_NAME)]
+    assert not rest, f"duck typing or thread-local state in the core: {rest}"
+
+
+def test_the_duck_typing_check_catches_each_kind(tmp_path: Path) -> None:
+    (tmp_path / "bad.py").write_text(
+        "import threading\nfrom threading import local\n"
+        "def f(self, eng):\n"
+        "    a = getattr(self.decoder, 'drop', None)\n"
+        "    b = hasattr(self.backend, 'close')\n"
+        "    c = getattr(eng, 'save_state')\n"
+        "    d = threading.local()\n"
+    )
+    (tmp_path / "ok.py").write_text(
+        "def f(self, config, engine):\n"
+        "    return getattr(config, 'head_dim', None), getattr(engine.base.model, 'config'), getattr(self, 'x', 0)\n"
+    )
+    assert duck_typing([tmp_path / "ok.py"], tmp_path) == []
+    assert duck_typing([tmp_path / "bad.py"], tmp_path) == [
+        "bad.py:2 threading.local",
+        "bad.py:4 getattr(self.decoder, ...)",
+        "bad.py:5 hasattr(self.backend, ...)",
+        "bad.py:6 getattr(eng, ...)",
+        "bad.py:7 threading.local",
+    ]

@@ -30,6 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ from transformers import AutoTokenizer
 import opentinker
 from opentinker.client import Runtime
 from opentinker.models.registry import tiny_model_dir
+from opentinker.sampling import SampleRequest, SampleResult, SamplingBackend
+from opentinker.sampling.decoder import Pinned
+from opentinker.sampling.handles import RequestBook, SampleState
 from opentinker.server.app import embedded_app
 from opentinker.server.local import LocalServer
 from tests.conftest import TEST_MODEL, local_server, other_family_model
@@ -666,10 +670,15 @@ def _streamed_tool_call(app: Any, base_url: str, path: str) -> None:
 
 
 def test_a_stream_whose_tokens_come_with_the_result_is_one_piece_per_token(tmp_path: Path) -> None:
-    """Sampling inside the scheduler's ticks hands no tokens on while decoding: the stream's pieces
-    (one per token, with its logprob) follow the result and concatenate to the whole answer."""
-    runtime = Runtime(tmp_path / "data", sample_in_ticks=True)
+    """A sampling service that hands no tokens on while decoding (a sharded group's sampler; here
+    whole batches of the backend's ``generate``): the stream's pieces (one per token, with its
+    logprob) follow the result and concatenate to the whole answer."""
+    runtime = Runtime(tmp_path / "data")
     app = embedded_app(runtime, base_models=[TEST_MODEL])
+    stack = runtime.base_stack(TEST_MODEL)
+    assert stack.scheduler.rollout is not None
+    stack.scheduler.rollout.shutdown()
+    stack.scheduler.rollout = _WholeResults(stack.sampler)
     kw: dict[str, Any] = dict(
         model=TEST_MODEL, prompt="12 + 34 =", max_tokens=16, n=2, temperature=1.0, seed=5, logprobs=1
     )
@@ -692,6 +701,51 @@ def test_a_stream_whose_tokens_come_with_the_result_is_one_piece_per_token(tmp_p
         assert len(mine) == 16 and "".join(ch.text for ch in mine) == c.text
         assert [x for ch in mine for x in ch.logprobs.token_logprobs] == c.logprobs.token_logprobs
         assert [ch.finish_reason for ch in mine] == [None] * 15 + ["length"]
+
+
+class _WholeResults(RequestBook[Future]):
+    """A sampling service that streams nothing: each request is decoded whole by the backend's
+    ``generate`` on a thread of its own, its tokens coming only with its result."""
+
+    max_rows = 256
+
+    def __init__(self, backend: SamplingBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self._pool = ThreadPoolExecutor(1)
+
+    def _pin(self, req: SampleRequest) -> Pinned:
+        return Pinned(req, None)  # ``generate`` resolves the policy
+
+    def _enqueue(self, rid: int, pinned: Pinned, future: Future) -> Future:
+        self._pool.submit(self._run, rid, pinned.req)
+        return future
+
+    def _run(self, rid: int, req: SampleRequest) -> None:
+        [out] = self.backend.generate([req])
+        with self._lock:
+            fut = self._answered(rid)
+        if fut is not None:
+            fut.set_result(out) if isinstance(out, SampleResult) else fut.set_exception(out)
+
+    @staticmethod
+    def _future(entry: Future) -> Future:
+        return entry
+
+    def _where(self, rid: int) -> SampleState:
+        return "taken"
+
+    def _unqueue(self, rid: int) -> bool:
+        return False
+
+    def _stop(self, rid: int) -> None:
+        pass  # it runs to its end, unanswered
+
+    def follow(self, group: str, policy_id: str) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self._pool.shutdown()
 
 
 async def _embedded(app: Any, fn: Callable[[openai.AsyncOpenAI], Any]) -> Any:

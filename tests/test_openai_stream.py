@@ -31,7 +31,8 @@ from transformers import AutoTokenizer
 from opentinker.engine import Engine
 from opentinker.models.registry import tiny_model_dir
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
-from opentinker.sampling.loop import SampleCancelled, SamplingCore, SamplingLoop
+from opentinker.sampling.handles import SampleCancelled
+from opentinker.sampling.loop import SamplingCore, SamplingLoop
 from opentinker.sampling.types import Tokens, TokenSink
 from opentinker.server.openai_format import Choice, parse_tool_calls
 from opentinker.server.openai_stream import TextSoFar
@@ -184,7 +185,7 @@ def test_the_rollout_loop_streams_tokens_while_the_rows_decode(engine: Engine) -
         req = SampleRequest(
             None, prompt, SEEDED, num_samples=2, topk_sample_logprobs=2, stream=TokenSink(deliver)
         )
-        res = loop.submit(req).result(timeout=300)
+        res = loop.submit(req).future.result(timeout=300)
         assert isinstance(res, SampleResult)
         assert live_at_first == [2]  # the first tokens went out while both rows decoded
         _check_pieces(pieces, res, 2)
@@ -225,13 +226,13 @@ def test_a_rollout_worker_streams_tokens_while_the_rows_decode(pool: tuple[Runti
     req = SampleRequest(
         None, prompt, SEEDED, num_samples=2, topk_sample_logprobs=2, stream=TokenSink(deliver)
     )
-    fut.append(workers.submit(req))
+    fut.append(workers.submit(req).future)
     ready.set()
     res = fut[0].result(timeout=300)
     assert isinstance(res, SampleResult)
     assert done_at_first == [False]  # tokens came before the answer
     _check_pieces(pieces, res, 2)
-    plain = workers.submit(SampleRequest(None, prompt, SEEDED, num_samples=2)).result(timeout=300)
+    plain = workers.submit(SampleRequest(None, prompt, SEEDED, num_samples=2)).future.result(timeout=300)
     assert [s.tokens for s in plain.sequences] == [s.tokens for s in res.sequences]
 
 
@@ -239,18 +240,18 @@ def test_an_abort_reaches_the_worker_and_its_rows_leave_the_batch(pool: tuple[Ru
     _, workers = pool
     long = SamplingParams(max_tokens=1000, temperature=1.0, seed=3, stop=[])
     aborted = workers.stats.aborted
-    other = workers.submit(SampleRequest(None, [7, 8, 9, 10], long, num_samples=3))
+    other = workers.submit(SampleRequest(None, [7, 8, 9, 10], long, num_samples=3)).future
     _wait(lambda: workers.stats.live_rows == 3, "the 3 rows to decode")
     cut = workers.submit(SampleRequest(None, [11, 12, 13, 14], long, num_samples=2))
     _wait(lambda: workers.stats.live_rows == 5, "the 2 rows to join")
-    assert workers.abort(workers.last_request())
+    assert workers.abort(cut)
     with pytest.raises(SampleCancelled):
-        cut.result(timeout=10)  # failed at once
+        cut.future.result(timeout=10)  # failed at once
     _wait(lambda: workers.stats.aborted == aborted + 1, "the worker's abort")
     assert workers.stats.live_rows <= 3  # the worker's batch shrank by the aborted rows
     res = other.result(timeout=600)
     assert [len(s.tokens) for s in res.sequences] == [1000] * 3  # the request beside it, unaffected
-    assert not workers.abort(workers.last_request())  # answered (aborted) already
+    assert not workers.abort(cut)  # answered (aborted) already
 
 
 def test_token_sinks_cross_to_a_worker_as_a_bare_marker(tmp_path: Path) -> None:

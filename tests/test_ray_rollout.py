@@ -35,7 +35,7 @@ from opentinker.cluster.ray_rollout import RayTransport, RayWorker  # noqa: E402
 from opentinker.engine import Engine  # noqa: E402
 from opentinker.lora import LoRAConfig  # noqa: E402
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams  # noqa: E402
-from opentinker.sampling.loop import SampleCancelled  # noqa: E402
+from opentinker.sampling.handles import SampleCancelled  # noqa: E402
 from opentinker.sampling.types import TokenSink  # noqa: E402
 from opentinker.server.auth import create_key  # noqa: E402
 from opentinker.server.local import LocalServer, free_port  # noqa: E402
@@ -122,20 +122,20 @@ class TestPoolOnRay:
         request's rows leave its actor's running batch, the request beside it unaffected."""
         pool, pieces = served.pool, []
         req = SampleRequest(None, [5, 6, 7, 8], SEEDED, num_samples=2, stream=TokenSink(pieces.append))
-        res = pool.submit(req).result(timeout=300)
+        res = pool.submit(req).future.result(timeout=300)
         assert isinstance(res, SampleResult)
         for k, seq in enumerate(res.sequences):
             got = [t for p in pieces if p.sample == k for t in p.tokens]
             assert got == seq.tokens[: len(got)] and len(got) >= len(seq.tokens) - 1
         long = SamplingParams(max_tokens=1000, temperature=1.0, seed=3, stop=[])
         aborted, busy = pool.stats.aborted, pool.stats.live_rows
-        other = pool.submit(SampleRequest(None, [7, 8, 9, 10], long, num_samples=3))
+        other = pool.submit(SampleRequest(None, [7, 8, 9, 10], long, num_samples=3)).future
         _wait(lambda: pool.stats.live_rows == busy + 3, 180)
         cut = pool.submit(SampleRequest(None, [11, 12, 13], long, num_samples=2))
         _wait(lambda: pool.stats.live_rows == busy + 5, 180)
-        assert pool.abort(pool.last_request())
+        assert pool.abort(cut)
         with pytest.raises(SampleCancelled):
-            cut.result(timeout=10)
+            cut.future.result(timeout=10)
         _wait(lambda: pool.stats.aborted == aborted + 1, 180)
         assert pool.stats.live_rows <= busy + 3  # its batch shrank by the aborted rows
         assert [len(s.tokens) for s in other.result(timeout=900).sequences] == [1000] * 3
@@ -169,7 +169,7 @@ class TestPoolOnRay:
         long = replace(GREEDY, max_tokens=min(200, served.engine.max_context - 16))
         reqs = _requests(snaps, 6, long, num_samples=2)
         rerun = pool.stats.rerun
-        futs = [served.scheduler.submit_sample(r) for r in reqs]
+        futs = [served.scheduler.submit_sample(r).future for r in reqs]
         _wait(lambda: len(pool._slots[1].inflight) > 0)
         with pool._lock:
             draining, running = pool._slots[1].handle, [r.future for r in pool._slots[1].inflight.values()]
@@ -200,7 +200,7 @@ class TestPoolOnRay:
         long = replace(GREEDY, max_tokens=min(400, served.engine.max_context - 16))
         reqs = _requests(snaps, 8, long, num_samples=2)
         rerun, restarts, old = pool.stats.rerun, pool.stats.restarts[0], served.handle(0)
-        futs = [served.scheduler.submit_sample(r) for r in reqs]
+        futs = [served.scheduler.submit_sample(r).future for r in reqs]
         answered = [0] * len(futs)
         for i, f in enumerate(futs):
             f.add_done_callback(lambda _, i=i: answered.__setitem__(i, answered[i] + 1))
@@ -407,7 +407,7 @@ def test_plain_serve_and_the_embedded_mode_never_import_ray(tmp_path: Path) -> N
         f"for n in (0, 1):\n"
         f"    rt = Runtime({str(tmp_path)!r} + f'/rt{{n}}', rollout_workers=n)\n"
         f"    s = rt.base_stack({TEST_MODEL!r}).scheduler\n"
-        "    s.submit_sample(SampleRequest(None, [1, 2, 3], SamplingParams(max_tokens=2))).result(120)\n"
+        "    s.submit_sample(SampleRequest(None, [1, 2, 3], SamplingParams(max_tokens=2))).future.result(120)\n"
         "    rt.shutdown()\n"
         "print('ray' in sys.modules)\n"
     )

@@ -96,13 +96,13 @@ def test_the_group_samples_what_the_unsharded_sampler_samples(front, ref: Engine
     _, svc = front
     reqs = _requests()
     want = NativeBackend(ref).generate(reqs)  # the whole base, lean decode
-    futs = [svc.submit(r) for r in reqs]
+    futs = [svc.submit(r).future for r in reqs]
     got = [f.result(timeout=WAIT) for f in futs]
     for g, w in zip(got, want, strict=True):
         _same(g, w)
     # teeth: another seed draws other tokens here
     other = SampleRequest("b@v1", [9, 8, 7], SamplingParams(max_tokens=6, seed=5, stop=[]), num_samples=3)
-    assert [s.tokens for s in svc.submit(other).result(timeout=WAIT).sequences] != [
+    assert [s.tokens for s in svc.submit(other).future.result(timeout=WAIT).sequences] != [
         s.tokens
         for s in got[1].sequences  # type: ignore[union-attr]
     ]
@@ -114,12 +114,12 @@ def test_the_group_samples_what_the_unsharded_sampler_samples(front, ref: Engine
     free = SampleRequest(
         "a@v1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=1.0, stop=[]), num_samples=4
     )
-    assert [len(s.tokens) for s in svc.submit(free).result(timeout=WAIT).sequences] == [5] * 4
+    assert [len(s.tokens) for s in svc.submit(free).future.result(timeout=WAIT).sequences] == [5] * 4
     # refused on the front-end, naming the problem, before any job: an unknown snapshot, a bad token
     with pytest.raises(EngineError, match="unknown"):
-        svc.submit(SampleRequest("nope@v1", [1, 2])).result(timeout=WAIT)
+        svc.submit(SampleRequest("nope@v1", [1, 2])).future.result(timeout=WAIT)
     with pytest.raises(EngineError, match="outside the vocabulary"):
-        svc.submit(SampleRequest("a@v1", [10**6])).result(timeout=WAIT)
+        svc.submit(SampleRequest("a@v1", [10**6])).future.result(timeout=WAIT)
 
 
 def test_mixed_snapshots_in_one_job_equal_each_alone(pool: TrainerPool, front) -> None:
@@ -153,7 +153,9 @@ def test_a_snapshot_trained_on_the_group_samples_with_the_trainers_logprobs(pool
     eng.add_snapshot(info.snapshot_id, weights)
     prompt = [5, 40, 41, 42]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, stop=[])
-    res = svc.submit(SampleRequest(info.snapshot_id, prompt, params, num_samples=2)).result(timeout=WAIT)
+    res = svc.submit(SampleRequest(info.snapshot_id, prompt, params, num_samples=2)).future.result(
+        timeout=WAIT
+    )
     from opentinker.engine.types import Example
 
     for seq in res.sequences:
@@ -196,4 +198,4 @@ def test_a_member_lost_fails_sampling_naming_the_group_and_it(pool: TrainerPool,
     req = SampleRequest("a@v1", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
     for _ in range(2):  # the job that finds it gone, and every later one
         with pytest.raises(EngineError, match=r"sharded group group-0 lost trainer worker trainer-1"):
-            svc.submit(req).result(timeout=WAIT)
+            svc.submit(req).future.result(timeout=WAIT)

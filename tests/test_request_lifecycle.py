@@ -30,7 +30,9 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 from tinker.types.try_again_response import TryAgainResponse
 
 from opentinker.engine import Engine
-from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
+from opentinker.sampling import NativeBackend, SampleHandle, SampleRequest, SamplingParams
+from opentinker.sampling.loop import SamplingCore, SamplingLoop
+from opentinker.sampling.types import Tokens
 from opentinker.scheduler import Scheduler
 from opentinker.server.completions import CompletionQueues
 from opentinker.server.errors import BadRequest, TooManyPending
@@ -170,43 +172,38 @@ def test_completion_queues_report_each_request_once_with_cursors() -> None:
     asyncio.run(run())
 
 
-# ---------------------------------------------------------------------------- unit: sample tickets
-class _Observed(NativeBackend):
-    """The native sampler, noting what each batch decoded and what stood where meanwhile."""
+# ---------------------------------------------------------------------------- unit: sample request ids
+def test_sample_requests_say_held_back_and_cancel_before_admission(engine: Engine) -> None:
+    backend = NativeBackend(engine)
+    loop = SamplingLoop(SamplingCore(backend.decoder(), backend, max_rows=4))
+    sched = Scheduler(engine, loop)
+    seen: list[list[str]] = []  # what stood where while request 1 decoded
+    handles: list[SampleHandle] = []
 
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
-        self.scheduler: Scheduler | None = None
-        self.batches: list[list[int]] = []
-        self.seen: list[dict[int, str]] = []
+    def look(_piece: Tokens) -> None:
+        seen.append([sched.sample_state(h) for h in handles[:2]])
 
-    def generate(self, reqs: list[SampleRequest]) -> list[Any]:
-        assert self.scheduler is not None
-        self.batches.append([r.num_samples for r in reqs])
-        self.seen.append({t: self.scheduler.sample_state(t) for t in (1, 2, 3)})
-        return super().generate(reqs)
-
-
-def test_sample_tickets_say_held_back_and_cancel_before_a_tick(engine: Engine) -> None:
-    backend = _Observed(engine)
-    sched = Scheduler(engine, backend, max_sample_rows=4)
-    backend.scheduler = sched
     try:
         params = SamplingParams(max_tokens=4, temperature=1.0, seed=0)
-        with sched._cv:  # queue all three before any tick can take one
-            f1 = sched.submit_sample(SampleRequest(None, TOKENS, params, num_samples=4))
-            assert sched.last_sample_ticket() == 1
-            f2 = sched.submit_sample(SampleRequest(None, TOKENS, params, num_samples=2))
-            f3 = sched.submit_sample(SampleRequest(None, TOKENS, params, num_samples=1))
-            assert sched.sample_state(2) == "queued"
-            assert sched.cancel_sample(3) and not sched.cancel_sample(3)
-        assert len(f1.result(timeout=120).sequences) == 4 and len(f2.result(timeout=120).sequences) == 2
+        with loop._cv:  # queue all three before the loop can take one
+            for n in (4, 2, 1):
+                sink = look if n == 4 else None
+                handles.append(
+                    sched.submit_sample(SampleRequest(None, TOKENS, params, num_samples=n, stream=sink))
+                )
+            h1, h2, h3 = handles
+            assert [h.request_id for h in handles] == [1, 2, 3]  # in submission order
+            assert sched.sample_state(h2) == "queued"
+            assert sched.cancel_sample(h3) and not sched.cancel_sample(h3)
+        assert len(h1.future.result(timeout=120).sequences) == 4
+        assert len(h2.future.result(timeout=120).sequences) == 2
         with pytest.raises(RuntimeError, match="cancelled"):
-            f3.result(timeout=60)
-        # the first tick was full with request 1: 2 (and 3) were held back by capacity meanwhile
-        assert backend.seen[0] == {1: "taken", 2: "held_back", 3: "held_back"}
-        assert backend.batches == [[4], [2]]  # 3 was never decoded
-        assert not sched.cancel_sample(2) and sched.sample_state(2) == "taken"
+            h3.future.result(timeout=60)
+        # request 1 filled the batch: 2 was held back by capacity meanwhile
+        assert seen and seen[0] == ["taken", "held_back"]
+        assert loop.stats.admitted == 2  # 3 was never decoded
+        assert not sched.cancel_sample(h2) and sched.sample_state(h2) == "taken"
+        assert not sched.abort_sample(h2)  # answered already
     finally:
         sched.shutdown()
 

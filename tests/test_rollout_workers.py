@@ -26,7 +26,8 @@ import opentinker
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, UnknownPolicyError
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, SamplingParams
-from opentinker.sampling.loop import Done, SampleCancelled
+from opentinker.sampling.handles import SampleCancelled
+from opentinker.sampling.loop import Done
 from opentinker.server.local import LocalServer
 from opentinker.service.runtime import Runtime
 from opentinker.workers.pool import WorkerPool
@@ -69,7 +70,7 @@ class Served:
         return self.engine.snapshot(aid).snapshot_id
 
     def sample(self, reqs: list[SampleRequest], timeout: float = 180) -> list[SampleResult | BaseException]:
-        futs = [self.scheduler.submit_sample(r) for r in reqs]
+        futs = [self.scheduler.submit_sample(r).future for r in reqs]
         out: list[SampleResult | BaseException] = []
         for f in futs:
             try:
@@ -214,7 +215,9 @@ def test_a_retired_snapshot_is_refused_and_freed_on_the_workers(served: Served) 
     served.sample([SampleRequest(sid, [1, 2, 3], GREEDY)] * 4)
     held = lambda: [w for i in range(2) for w in served.pool.worker_snapshots(i) if w.startswith(sid + "#")]  # noqa: E731
     assert held()
-    pending = served.scheduler.submit_sample(SampleRequest(sid, [1, 2, 3], replace(GREEDY, max_tokens=64)))
+    pending = served.scheduler.submit_sample(
+        SampleRequest(sid, [1, 2, 3], replace(GREEDY, max_tokens=64))
+    ).future
     served.runtime.release_snapshot(TEST_MODEL, sid)
     _wait(lambda: sid not in served.engine.snapshot_ids())
     assert isinstance(pending.result(timeout=60), SampleResult)  # submitted before: finishes on it
@@ -251,7 +254,7 @@ def test_kill_9_mid_decode_reruns_its_requests_and_the_worker_comes_back(
     long = replace(GREEDY, max_tokens=min(400, served.engine.max_context - 16))
     reqs = _requests(snaps, 8, long, num_samples=2)
     rerun, restarts, pids = pool.stats.rerun, pool.stats.restarts[0], pool.worker_pids()
-    futs = [served.scheduler.submit_sample(r) for r in reqs]
+    futs = [served.scheduler.submit_sample(r).future for r in reqs]
     _wait(lambda: len(pool._slots[0].inflight) > 0)
     time.sleep(0.2)  # decoding
     assert not all(f.done() for f in futs)

@@ -23,7 +23,7 @@ from opentinker.sft.loop import SFTConfig, run_sft
 from opentinker.tasks.arithmetic import question
 from opentinker.tracking import read_metrics
 from opentinker.tracking.checkpoints import newest_checkpoint
-from opentinker.tracking.run import Run
+from opentinker.tracking.run import Run, RunConfig
 from tests.conftest import TEST_MODEL
 from tests.test_rl_core import Dataset
 
@@ -158,3 +158,24 @@ def test_the_final_save_is_skipped_when_the_cadence_saved_the_last_step(
     res = asyncio.run(make(service, renderer)(str(tmp_path / "run"), False))
     assert _index_steps(tmp_path / "run") == [2, 4]
     assert res.final_path == newest_checkpoint(tmp_path / "run" / "checkpoints.jsonl")[1][""]
+
+
+@pytest.mark.parametrize("kind", [RLConfig, SFTConfig, DPOConfig])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"lora_rank": 0}, "lora_rank must be >= 1, got 0"),
+        ({"save_every": -1}, "save_every must be >= 0, got -1"),
+        ({"learning_rate": float("nan")}, "learning_rate must be a positive number, got nan"),
+        ({"learning_rate": 0.0}, "learning_rate must be a positive number, got 0.0"),
+        ({"lr_schedule": "step"}, "lr_schedule"),
+    ],
+)
+def test_every_run_config_refuses_the_shared_fields_alike(
+    kind: type[RunConfig], bad: dict[str, Any], message: str
+) -> None:
+    """The three loops' configs share one base: its fields, and the same refusal of each bad value."""
+    assert issubclass(kind, RunConfig)
+    kind().check()  # the defaults pass
+    with pytest.raises(ValueError, match=message):
+        kind(**bad).check()

@@ -102,10 +102,10 @@ def test_a_row_does_not_depend_on_what_joins_its_batch(
     refs = [_solo(backend, r) for r in first + joiners]
     loop = _loop(NativeBackend(engine, lean_decode=lean, prefix_cache_bytes=0))
     try:
-        futs = [loop.submit(r) for r in first]
+        futs = [loop.submit(r).future for r in first]
         _wait_steps(loop, 4)
         for r in joiners:  # one at a time, a few steps apart
-            futs.append(loop.submit(r))
+            futs.append(loop.submit(r).future)
             _wait_steps(loop, loop.stats.steps + 3)
         assert not futs[0].done()  # they joined while the first batch decoded
         results = [_ok(f.result(timeout=120)) for f in futs]
@@ -138,7 +138,7 @@ def test_short_requests_resolve_before_the_long_one_finishes(engine: Engine, sna
     loop = _loop(backend)
     long_done_when: list[bool] = []
     try:
-        futs = [loop.submit(r) for r in [long, *short]]
+        futs = [loop.submit(r).future for r in [long, *short]]
         for f in futs[1:]:
             f.add_done_callback(lambda _f: long_done_when.append(futs[0].done()))
         results = [_ok(f.result(timeout=120)) for f in futs]
@@ -159,9 +159,9 @@ def test_a_request_submitted_mid_decode_starts_before_the_batch_ends(
     long, short = _long_and_short(engine, snaps[1])
     loop = _loop(NativeBackend(engine), continuous=continuous)
     try:
-        lf = loop.submit(long)
+        lf = loop.submit(long).future
         _wait_steps(loop, 5)
-        sf = loop.submit(short[0])
+        sf = loop.submit(short[0]).future
         res = _ok(sf.result(timeout=120))
         long_running = not lf.done()
         _ok(lf.result(timeout=120))
@@ -189,11 +189,11 @@ def test_pinned_snapshot_survives_retire_in_flight_and_publish_by_message(
     weights = engine.adapter_weights(a).clone()
     loop = _loop(backend)
     try:
-        fut = loop.submit(req)
-        other = loop.submit(SampleRequest(b, _prompt(engine, 5, 1), SEEDED))
+        fut = loop.submit(req).future
+        other = loop.submit(SampleRequest(b, _prompt(engine, 5, 1), SEEDED)).future
         _wait_steps(loop, 5)
         engine.release_snapshot(a)  # what the runtime does when the last client lets go
-        late = loop.submit(SampleRequest(a, _prompt(engine, 5, 2), SEEDED))
+        late = loop.submit(SampleRequest(a, _prompt(engine, 5, 2), SEEDED)).future
         with pytest.raises(UnknownPolicyError, match="unknown adapter or snapshot"):
             late.result(timeout=60)
         assert not fut.done()
@@ -201,10 +201,12 @@ def test_pinned_snapshot_survives_retire_in_flight_and_publish_by_message(
         _ok(other.result(timeout=120))
         loop.send(Publish("again@v1", weights))
         _wait_steps(loop, 0)
-        got = _ok(_retry(lambda: loop.submit(SampleRequest("again@v1", req.prompt, req.params))))
+        got = _ok(_retry(lambda: loop.submit(SampleRequest("again@v1", req.prompt, req.params)).future))
         _assert_same(got, ref)  # the same weights under a new id: the same tokens
         loop.send(Retire("again@v1"))
-        gone = _retry_until_refused(lambda: loop.submit(SampleRequest("again@v1", req.prompt, req.params)))
+        gone = _retry_until_refused(
+            lambda: loop.submit(SampleRequest("again@v1", req.prompt, req.params)).future
+        )
         assert isinstance(gone, UnknownPolicyError)
     finally:
         loop.shutdown()
@@ -240,7 +242,7 @@ def test_bad_requests_and_live_adapters_are_refused_alone(engine: Engine, snaps:
     live = engine.create_adapter(LoRAConfig(rank=2, seed=5))
     loop = _loop(NativeBackend(engine))
     try:
-        good = loop.submit(SampleRequest(snaps[0], [5, 6, 7], SEEDED))
+        good = loop.submit(SampleRequest(snaps[0], [5, 6, 7], SEEDED)).future
         bad = {
             "the prompt is empty": SampleRequest(snaps[0], [], SEEDED),
             "max_tokens must be a positive integer": SampleRequest(None, [5], SamplingParams(max_tokens=0)),
@@ -249,7 +251,7 @@ def test_bad_requests_and_live_adapters_are_refused_alone(engine: Engine, snaps:
         }
         for message, req in bad.items():
             with pytest.raises(EngineError, match=message):
-                loop.submit(req).result(timeout=60)
+                loop.submit(req).future.result(timeout=60)
         _ok(good.result(timeout=120))
     finally:
         loop.shutdown()
@@ -290,7 +292,7 @@ def test_sampling_beside_a_training_thread(engine: Engine, snaps: list[str | Non
     try:
         futs = []
         for r in reqs:
-            futs.append(loop.submit(r))
+            futs.append(loop.submit(r).future)
             time.sleep(0.002)
         results = [_ok(f.result(timeout=120)) for f in futs]
     finally:
@@ -304,27 +306,29 @@ def test_sampling_beside_a_training_thread(engine: Engine, snaps: list[str | Non
 
 def test_embedded_sdk_samples_on_the_rollout_loop(tmp_path) -> None:
     """Through the embedded SDK clients, sampling runs on the sampling loop (not in the training
-    ticks) and gives what the serialized in-tick sampler gives; ``topk_sample_logprobs`` comes
-    back per sampled token."""
-    out = {}
-    for mode, in_ticks in (("loop", False), ("ticks", True)):
-        rt = Runtime(tmp_path / mode, sample_in_ticks=in_ticks)
-        try:
-            service = opentinker.ServiceClient(runtime=rt)
-            tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0).result()
-            sampler = tc.save_weights_and_get_sampling_client()
-            res = sampler.sample(
-                types.ModelInput.from_ints([5, 6, 7, 8]),
-                num_samples=2,
-                sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3),
-                topk_sample_logprobs=3,
-            ).result()
-            assert (rt.base_stack(TEST_MODEL).scheduler.rollout is None) == in_ticks
-            out[mode] = res
-        finally:
-            rt.shutdown()
-    for got, ref in zip(out["loop"].sequences, out["ticks"].sequences, strict=True):
-        assert got.tokens == ref.tokens
-        assert_logprobs_close(got.logprobs, ref.logprobs)
-        assert got.topk_logprobs is not None and len(got.topk_logprobs) == len(got.tokens)
-        assert all(len(top or []) == 3 for top in got.topk_logprobs)
+    ticks) and gives what the backend's own one-batch ``generate`` gives; ``topk_sample_logprobs``
+    comes back per sampled token."""
+    rt = Runtime(tmp_path / "data")
+    try:
+        service = opentinker.ServiceClient(runtime=rt)
+        tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=4, seed=0).result()
+        sampler = tc.save_weights_and_get_sampling_client()
+        got = sampler.sample(
+            types.ModelInput.from_ints([5, 6, 7, 8]),
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=8, temperature=1.0, seed=3),
+            topk_sample_logprobs=3,
+        ).result()
+        stack = rt.base_stack(TEST_MODEL)
+        assert isinstance(stack.scheduler.rollout, SamplingLoop)
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+        [ref] = stack.sampler.generate(
+            [SampleRequest(sampler.policy, [5, 6, 7, 8], params, num_samples=2, topk_sample_logprobs=3)]
+        )
+    finally:
+        rt.shutdown()
+    for g, r in zip(got.sequences, _ok(ref).sequences, strict=True):
+        assert g.tokens == r.tokens
+        assert_logprobs_close(g.logprobs, r.logprobs)
+        assert g.topk_logprobs is not None and len(g.topk_logprobs) == len(g.tokens)
+        assert all(len(top or []) == 3 for top in g.topk_logprobs)

@@ -4,8 +4,8 @@ The contract (scheduler/scheduler.py): before a tick the scheduler waits until e
 had work in the previous tick has queued its next operation. So each client's next operation runs
 in the very next tick — a client in a loop has work in every tick from its first to its last, and
 never trails into a tick of its own. The tests record the tick of every operation of every client
-(calls and sample batches read the tick counter while they run; forward and optimizer results
-carry ``clock_cycle:unique``) and check exactly that; without the window (``max_gather_s=0``) a
+(calls read the tick counter while they run, a sample among them, decoded inside the tick;
+forward and optimizer results carry ``clock_cycle:unique``) and check exactly that; without the window (``max_gather_s=0``) a
 client that thinks for a few milliseconds misses the ticks run meanwhile for the others.
 """
 
@@ -27,22 +27,6 @@ from tests.conftest import make_examples
 ADAM = AdamParams(learning_rate=1e-3)
 
 
-class TickRecordingBackend(NativeBackend):
-    """The native sampler, noting which tick served each sample request (by request identity)."""
-
-    scheduler: Scheduler | None = None
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
-        self.ticks: dict[int, int] = {}
-
-    def generate(self, reqs: list[SampleRequest]) -> list[Any]:
-        assert self.scheduler is not None
-        for r in reqs:
-            self.ticks[id(r)] = self.scheduler.stats.ticks + 1  # the tick being run
-        return super().generate(reqs)
-
-
 def _client_loop(
     sched: Scheduler, model_id: str, rounds: int, think_s: tuple[float, float], seed: int
 ) -> list[tuple[str, int]]:
@@ -50,8 +34,7 @@ def _client_loop(
     Returns (operation, tick) for each of its operations, in order."""
     rng = random.Random(seed)
     vocab = sched.engine.vocab_size
-    sampler = sched.sampler
-    assert isinstance(sampler, TickRecordingBackend)
+    sampler = NativeBackend(sched.engine)
     ops: list[tuple[str, int]] = []
 
     def call(name: str, fn: Any) -> Any:
@@ -64,8 +47,7 @@ def _client_loop(
         req = SampleRequest(
             snap, [5, 6, 7], SamplingParams(max_tokens=2, temperature=1.0, seed=r), num_samples=2
         )
-        sched.submit_sample(req).result()
-        ops.append(("sample", sampler.ticks[id(req)]))
+        call("sample", lambda _eng, req=req: sampler.generate([req]))
         time.sleep(rng.uniform(*think_s))  # longer than gather_s: the old quiet window split these
         fb = sched.submit_forward(model_id, ForwardRequest(model_id, make_examples(2, vocab, seed=seed + r)))
         opt = sched.submit_optim(model_id, ADAM)
@@ -103,10 +85,7 @@ def _run_clients(sched: Scheduler, n: int, rounds: int) -> list[list[tuple[str, 
 
 
 def _scheduler(engine: Engine, max_gather_s: float) -> Scheduler:
-    sampler = TickRecordingBackend(engine)
-    sched = Scheduler(engine, sampler, max_gather_s=max_gather_s)
-    sampler.scheduler = sched
-    return sched
+    return Scheduler(engine, max_gather_s=max_gather_s)
 
 
 def test_clients_in_a_loop_have_work_in_every_tick(engine: Engine) -> None:

@@ -302,19 +302,19 @@ def test_unknown_and_retired_snapshots_fail_alone(rt: Runtime, trained) -> None:
     assert loop is not None
     gone = tc.save_weights_and_get_sampling_client()
     policy = _policy(gone)
-    ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8, stop=[])))
+    ok = loop.submit(SampleRequest(_policy(sampler), PROMPT, SamplingParams(max_tokens=8, stop=[]))).future
     rt.base_stack(TEST_MODEL).engine.release_snapshot(
         policy
     )  # what the runtime does when the last client lets go
-    retired = loop.submit(SampleRequest(policy, PROMPT, SamplingParams(max_tokens=8)))
-    unknown = loop.submit(SampleRequest("nobody@v9", PROMPT, SamplingParams(max_tokens=8)))
+    retired = loop.submit(SampleRequest(policy, PROMPT, SamplingParams(max_tokens=8))).future
+    unknown = loop.submit(SampleRequest("nobody@v9", PROMPT, SamplingParams(max_tokens=8))).future
     over = loop.submit(
         SampleRequest(
             _policy(sampler),
             list(range(3, 3 + rt.base_stack(TEST_MODEL).engine.max_context)),
             SamplingParams(max_tokens=8),
         )
-    )
+    ).future
     with pytest.raises(Exception, match=f"unknown adapter or snapshot '{policy}'"):
         retired.result(timeout=60)
     with pytest.raises(Exception, match="unknown adapter or snapshot 'nobody@v9'"):
@@ -415,3 +415,70 @@ def test_tensor_parallel_vllm_samples_what_the_native_sampler_does(tmp_path: Pat
         assert len(g.tokens) == 12
     finally:
         tp.shutdown()
+
+
+def test_the_routed_decoder_aborts_switches_and_streams_its_native_rows(rt: Runtime, trained) -> None:
+    """Under ``--rollout-backend vllm`` the sampling loop's abort, inflight switch and streaming
+    reach both sides of the routed decoder: rows on the native fallback (an SDK-default adapter,
+    which trains the unembedding) stream every step, switch to newer weights at the next step and
+    leave the batch when aborted; rows on vLLM are aborted in vLLM's engine and finish on the
+    weights they started with."""
+    from opentinker.sampling.loop import Abort, FollowInflight, Sample, SamplingCore
+    from opentinker.sampling.routed import RoutedBackend
+    from opentinker.sampling.types import Tokens, TokenSink
+
+    backend = rt.base_stack(TEST_MODEL).sampler
+    assert isinstance(backend, RoutedBackend)
+    service = opentinker.ServiceClient(runtime=rt)
+    tc = service.create_lora_training_client(base_model=TEST_MODEL, rank=8, seed=2).result()
+    _step(tc, 5)
+    clients = [tc.save_weights_and_get_sampling_client()]  # held: their snapshots live while held
+    _step(tc, 6)
+    clients.append(tc.save_weights_and_get_sampling_client())
+    old, new = (_policy(c) for c in clients)
+    plain = _policy(trained[1])  # placed on vLLM
+    assert backend.place(old, backend.lookup(old)).backend == "native"
+    assert backend.place(plain, backend.lookup(plain)).backend == "vllm"
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, stop=[])
+    far = SamplingParams(max_tokens=1000, temperature=0.0, stop=[])
+    pieces: list[Tokens] = []
+    core = SamplingCore(backend.decoder(), backend)
+    core.handle(
+        Sample(1, SampleRequest(old, PROMPT, greedy, follow=tc.model_id, stream=TokenSink(pieces.append)))
+    )
+    core.handle(Sample(2, SampleRequest(plain, PROMPT, greedy, follow=trained[0].model_id)))
+    core.handle(Sample(3, SampleRequest(old, PROMPT, far)))  # native, aborted below
+    core.handle(Sample(4, SampleRequest(plain, PROMPT, far)))  # vLLM, aborted below
+    done = []
+    ticks = 3
+    for _ in range(ticks):  # the native side: the first tick prefills (token 0) and steps (token 1)
+        done += core.tick()
+        for piece, sink in core.progress():
+            sink(piece)
+    assert not done and sorted(core.decoder.running()) == [1, 2, 3, 4]
+    assert pieces and all(p.rid == 1 for p in pieces)  # streamed while it decodes
+    core.handle(Abort(3))
+    core.handle(Abort(4))
+    assert core.stats.aborted == 2 and sorted(core.decoder.running()) == [1, 2]
+    s = ticks + 1  # native tokens so far: the next step samples token s on the new weights
+    core.handle(FollowInflight(tc.model_id, new))
+    core.handle(FollowInflight(trained[0].model_id, new))  # vLLM's row keeps its weights
+    while core.busy:
+        done += core.tick()
+    results = {d.rid: d.result for d in done}
+    assert sorted(results) == [1, 2] and all(r is not None for r in results.values())
+    [switched] = results[1].sequences  # type: ignore[union-attr]
+    streamed = [t for p in pieces for t in p.tokens]
+    assert streamed == switched.tokens[: len(streamed)] and len(streamed) >= s
+    on_old = _native(rt, old, SampleRequest(old, PROMPT, greedy)).sequences[0]
+    assert switched.tokens[:s] == on_old.tokens[:s]
+    assert_logprobs_close(switched.logprobs[:s], on_old.logprobs[:s])
+    moved = switched.tokens != on_old.tokens or any(
+        abs(a - b) > 10 * LOGPROB_ATOL
+        for a, b in zip(switched.logprobs[s:], on_old.logprobs[s:], strict=True)
+    )
+    assert moved  # the switch is visible from token s on
+    [kept] = results[2].sequences  # type: ignore[union-attr]
+    ref = _native(rt, plain, SampleRequest(plain, PROMPT, greedy, topk_sample_logprobs=2)).sequences[0]
+    gaps = [top[0][1] - top[1][1] for top in ref.topk_logprobs or []]
+    assert_greedy_equal(kept.tokens, ref.tokens, "vllm, its weights kept", gaps=gaps, gap_tol=1e-3)

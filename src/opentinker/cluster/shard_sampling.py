@@ -39,7 +39,6 @@ weights mid-decode (they finish on the weights they started with, as on rollout 
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -54,7 +53,7 @@ from opentinker.engine import Engine, EngineError
 from opentinker.lora import LoRAWeights
 from opentinker.models.loader import BaseModel
 from opentinker.sampling.decoder import Finished, Pinned
-from opentinker.sampling.loop import SampleCancelled
+from opentinker.sampling.handles import RequestBook, SampleState
 from opentinker.sampling.native import NativeBackend
 from opentinker.sampling.types import SampleRequest, SampleResult
 
@@ -230,26 +229,24 @@ class GroupSamplingStats:
     aborted: int = 0
 
 
-class GroupSampling:
+class GroupSampling(RequestBook[Future]):
     """Sampling served by a pool's sharded groups (module docstring): a
     :class:`~opentinker.sampling.loop.SamplingService` over ``pool``
     (:class:`~opentinker.cluster.trainer.TrainerPool`), one thread per group."""
+
+    what = "the group sampler"
 
     def __init__(
         self, engine: Engine, pool: Any, *, prefix_cache_bytes: int = 0, max_rows: int = 256
     ) -> None:
         self.engine, self.pool = engine, pool
         self.prefix_cache_bytes, self.max_rows = prefix_cache_bytes, max_rows
-        self._pin = (
+        super().__init__()
+        self._pin_policy = (
             NativeBackend(engine, lean_decode=False, prefix_cache_bytes=0).decoder(snapshots_only=True).pin
         )
         self.stats = GroupSamplingStats()
-        self._cv = threading.Condition()
         self._waiting: deque[tuple[int, Pinned]] = deque()
-        self._futures: dict[int, Future] = {}
-        self._ids = itertools.count(1)
-        self._local = threading.local()
-        self._stopped = False
         self._published: dict[str, set[str]] = {}  # leader -> the slots it holds
         self._leader_locks: dict[str, threading.Lock] = {}  # one job at a time per leader
         self._threads = [
@@ -259,64 +256,41 @@ class GroupSampling:
         for t in self._threads:
             t.start()
 
-    def submit(self, req: SampleRequest) -> Future:
-        fut: Future = Future()
-        try:
-            if req.images:
-                raise EngineError("images are not sampled on a sharded group (--shard-sampling group)")
-            pinned = self._pin(req)
-        except EngineError as e:
-            fut.set_exception(e)
-            return fut
-        with self._cv:
-            if self._stopped:
-                raise RuntimeError("the group sampler is shut down")
-            rid = next(self._ids)
-            self._futures[rid] = fut
-            self._waiting.append((rid, pinned))
-            self.stats.waiting = len(self._waiting)
-            self._cv.notify()
-        self._local.rid = rid
-        return fut
+    # ------------------------------------------------------------------ the request book's hooks
+    def _pin(self, req: SampleRequest) -> Pinned:
+        if req.images:
+            raise EngineError("images are not sampled on a sharded group (--shard-sampling group)")
+        return self._pin_policy(req)
 
-    def last_request(self) -> int:
-        return int(getattr(self._local, "rid", 0))
+    def _enqueue(self, rid: int, pinned: Pinned, future: Future) -> Future:
+        self._waiting.append((rid, pinned))
+        self.stats.waiting = len(self._waiting)
+        return future
 
-    def state(self, rid: int) -> str:
-        with self._cv:
-            return "queued" if any(r == rid for r, _ in self._waiting) else "taken"
+    @staticmethod
+    def _future(entry: Future) -> Future:
+        return entry
 
-    def cancel(self, rid: int) -> bool:
-        with self._cv:
-            item = next((it for it in self._waiting if it[0] == rid), None)
-            if item is None:
-                return False
-            self._waiting.remove(item)
-            fut = self._futures.pop(rid)
-        fut.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
+    def _where(self, rid: int) -> SampleState:
+        return "queued" if any(r == rid for r, _ in self._waiting) else "taken"
+
+    def _unqueue(self, rid: int) -> bool:
+        item = next((it for it in self._waiting if it[0] == rid), None)
+        if item is None:
+            return False
+        self._waiting.remove(item)
         return True
 
-    def abort(self, rid: int) -> bool:
-        """Drop ``rid``: a waiting one never runs; a running one's job runs on, its answer dropped."""
-        if self.cancel(rid):
-            return True
-        with self._cv:
-            fut = self._futures.pop(rid, None)
-            if fut is None:
-                return False
-            self.stats.aborted += 1
-        fut.set_exception(SampleCancelled(f"sample request {rid} was aborted by its caller"))
-        return True
+    def _stop(self, rid: int) -> None:
+        """A running one's job runs on; its answer is dropped."""
+        self.stats.aborted += 1
 
     def follow(self, group: str, policy_id: str) -> None:
         """Inflight requests finish on the weights they started with (module docstring)."""
 
     def shutdown(self) -> None:
         with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-            futs = list(self._futures.values())
-            self._futures.clear()
+            futs = self._close()
             self._waiting.clear()
         for fut in futs:
             if not fut.done():
@@ -414,7 +388,7 @@ class GroupSampling:
 
     def _answer(self, done: list[Finished]) -> None:
         with self._cv:
-            futs = [(self._futures.pop(rid, None), res) for rid, res in done]
+            futs = [(self._answered(rid), res) for rid, res in done]
         for fut, res in futs:
             if fut is None:  # aborted meanwhile
                 continue

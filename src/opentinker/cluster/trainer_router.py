@@ -57,8 +57,7 @@ from opentinker.cluster.trainer import (
 )
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.engine.trainer import Trainer
-from opentinker.sampling import SamplingBackend
-from opentinker.sampling.loop import SamplingService
+from opentinker.sampling.handles import SamplingService
 from opentinker.scheduler import Scheduler
 
 
@@ -78,13 +77,12 @@ class RoutedScheduler(Scheduler):
     def __init__(
         self,
         engine: Engine,
-        sampler: SamplingBackend,
         pool: TrainerPool,
         *,
         rollout: SamplingService | None = None,
         lanes: int = 32,
     ) -> None:
-        super().__init__(engine, sampler, rollout=rollout)
+        super().__init__(engine, rollout)
         self.pool = pool
         self.on_worker_lost: Callable[[WorkerSlot, list[str]], None] | None = None
         self._lanes: dict[str, _Lane] = {}

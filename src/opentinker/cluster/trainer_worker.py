@@ -43,7 +43,6 @@ from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, F
 from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
 from opentinker.lora import LoRAConfig, LoRAWeights
 from opentinker.models import load_base_model
-from opentinker.sampling import NativeBackend
 from opentinker.scheduler import Scheduler
 
 # the Engine methods a router may run on a worker for a model it placed there
@@ -81,8 +80,8 @@ class TrainerWorker(GroupSamplingMember):
         base = load_base_model(base_model, dtype=dtype, device="meta" if shard_base > 1 else device)
         self._weight_names = checkpoint_names(base.model) if shard_base > 1 else []
         self.engine = (ShardedEngine if shard_base > 1 else Engine)(base, max_rank=max_rank, device=device)
-        # sampling is the rollout workers' job; the scheduler's own sampler is never asked here
-        self.scheduler = Scheduler(self.engine, NativeBackend(self.engine, prefix_cache_bytes=0))
+        # sampling is the rollout workers' job: this scheduler serves none
+        self.scheduler = Scheduler(self.engine)
         self._groups: dict[str, Any] = {}  # data-parallel model -> (its process group, its store)
         self._kept: dict[str, dict[str, torch.Tensor] | None] = {}  # gradients before the last shard
         self._order = threading.Condition()

@@ -315,10 +315,6 @@ def downsample(points: list[tuple[float, float]], max_points: int) -> list[list[
     return out
 
 
-def page_bounds(offset: int, limit: int) -> int:
-    return _check_page(offset, limit)
-
-
 def _check_page(offset: int, limit: int) -> int:
     if offset < 0:
         raise RunsError(f"offset must be >= 0, got {offset}")

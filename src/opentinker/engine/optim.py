@@ -38,8 +38,6 @@ from opentinker.lora import LoRAWeights
 State = dict[str, torch.Tensor]
 
 
-OPTIMIZER_TYPES = ("adamw",)  # what check_optimizer_config accepts
-
 _DIMUON_REFUSAL = (
     "the Dimuon optimizer (DimuonOptimizerConfig) is not supported by this server: Tinker's public "
     "documentation names its hyperparameters but does not define its update rule (the matrix-sign "

@@ -20,10 +20,9 @@ requests meet in the scheduler and share its fused batches. A failing sampler st
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,27 +36,23 @@ from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_r
 from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
 from opentinker.tracking import RolloutLog
 from opentinker.tracking.rollouts import DEFAULT_MAX_BYTES, DEFAULT_PER_STEP
-from opentinker.tracking.run import Run, RunResult, open_run
-from opentinker.tracking.schedule import check_schedule, schedule_factor
+from opentinker.tracking.run import Run, RunConfig, RunResult, check_at_least, open_run
+from opentinker.tracking.schedule import schedule_factor
 
 LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 
 @dataclass
-class RLConfig:
-    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+class RLConfig(RunConfig):
     log_dir: str = "runs/rl"
     steps: int = 20
-    groups_per_step: int = 4
-    group_size: int = 8
-    lora_rank: int = 8
-    train_attn: bool = True
     train_mlp: bool = False
-    train_unembed: bool = False
-    learning_rate: float = 1e-4
     # "constant", or "linear" / "cosine" decay to lr_final * learning_rate over the run's horizon:
     # `steps`, or `max_train_s` of training clock when that ends the run sooner.
     lr_schedule: str = "constant"
+    plot_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "loss/per_token")
+    groups_per_step: int = 4
+    group_size: int = 8
     lr_final: float = 0.1
     substeps: int = 1  # optimizer steps per batch of rollouts (each a forward_backward + optim_step)
     # A batch with no signal (every group constant) still takes an optimizer step with zero
@@ -79,15 +74,9 @@ class RLConfig:
     mode: str = "sync"  # or "async"
     max_staleness: int = 1
     eval_every: int = 10  # 0 = never (always at the start and the end when an evaluator is given)
-    save_every: int = 0  # save_state every n steps (0 = only at the end)
     stop_when: tuple[str, float] | None = None  # e.g. ("eval/accuracy", 0.8): stop once reached
     max_train_s: float | None = None  # stop after this much wall clock, evaluations excluded
-    seed: int = 0
     episode_timeout_s: float | None = 60.0  # per env call (reset, step); sampling does not count
-    progress: bool = True
-    plot_keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "loss/per_token")
-    name: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
     # test-time training inside every training episode (rl/ttt.py); None = off
     ttt: TTTConfig | None = None
     rollouts_per_step: int = DEFAULT_PER_STEP  # episodes of each step kept in rollouts.jsonl (0 = none)
@@ -98,12 +87,8 @@ class RLConfig:
             raise ValueError(f"loss_fn must be one of {LOSSES}, got {self.loss_fn!r}")
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode must be 'sync' or 'async', got {self.mode!r}")
-        for k in ("steps", "groups_per_step", "group_size", "lora_rank", "max_tokens", "substeps"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
-        check_schedule(self.lr_schedule)
+        check_at_least(self, 1, "steps", "groups_per_step", "group_size", "max_tokens", "substeps")
+        super().check()
         if not 0 <= self.lr_final <= 1:
             raise ValueError(f"lr_final must be in [0, 1], got {self.lr_final}")
         if self.max_staleness < 0:

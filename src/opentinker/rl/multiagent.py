@@ -51,7 +51,6 @@ moves before it.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import math
@@ -431,8 +430,3 @@ def plot_agents(
     return plot_metrics(
         {a: agent_rows(rows, a) for a in agents}, list(dict.fromkeys(panels)), out, title=title
     )
-
-
-def train_multiagent(cfg: RLConfig, service: Any, task: MultiAgentTask, **kw: Any) -> MultiAgentResult:
-    """Synchronous entry point for :func:`run_multiagent`."""
-    return asyncio.run(run_multiagent(cfg, service, task, **kw))

@@ -19,7 +19,9 @@ one :class:`StepDecoder` through four moves:
 * **progress** (:meth:`StepDecoder.progress`): a request's samples so far, read between steps to
   stream their tokens.
 * **retire**: rows that stop leave the batch (and the KV cache) at once; a request whose rows have
-  all stopped is returned by the ``admit``/``step`` call that finished it.
+  all stopped is returned by the ``admit``/``step`` call that finished it. Rows leave the
+  running batch (:class:`~opentinker.sampling.batch.RunningBatch`) one way, ``keep``, whether
+  they stopped at a step or at their first token or their request was dropped.
 
 What a row computes does not depend on what shares its batch: its keys and values are its own,
 its draws come from its own generator (seeded per request and sample index), and padding is
@@ -42,6 +44,7 @@ from opentinker.engine import Engine, EngineError
 from opentinker.engine.passes import length_buckets
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
+from opentinker.sampling.batch import RunningBatch
 from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs, topk_logprobs
 from opentinker.sampling.forward import (
     Forward,
@@ -83,20 +86,44 @@ class Pinned:
 
 class Decoder(Protocol):
     """What the sampling loop drives: :class:`StepDecoder`, or another backend's step-wise decoder
-    (e.g. :class:`~opentinker.sampling.vllm_backend.VLLMDecoder`)."""
+    (:class:`~opentinker.sampling.vllm_backend.VLLMDecoder`, and
+    :class:`~opentinker.sampling.routed.RoutedDecoder` over both). Every one implements all of it;
+    where a backend cannot do a thing in place, its method says what it does instead."""
 
     steps: int
 
     @property
     def live_rows(self) -> int: ...
 
-    def running(self) -> list[int]: ...
+    def running(self) -> list[int]:
+        """The ids of the requests with rows in the running batch."""
+        ...
 
-    def pin(self, req: SampleRequest) -> Pinned: ...
+    def pin(self, req: SampleRequest) -> Pinned:
+        """Validate ``req`` and resolve its weights now (``EngineError`` naming the problem)."""
+        ...
 
-    def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]: ...
+    def admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
+        """Start ``items`` (request id, pinned request); returns those that finished or failed."""
+        ...
 
-    def step(self) -> list[Finished]: ...
+    def step(self) -> list[Finished]:
+        """One decode step of every running row; returns the requests that finished."""
+        ...
+
+    def drop(self, rid: int) -> bool:
+        """Take request ``rid``'s rows out of the running batch now (its caller is gone); True
+        if it had rows here."""
+        ...
+
+    def switch(self, group: str, pinned: Pinned) -> int:
+        """Move the running requests following ``group`` to ``pinned``'s weights from the next
+        step on; returns how many moved."""
+        ...
+
+    def progress(self, rids: Collection[int]) -> dict[int, list[Progress]]:
+        """Of requests ``rids``, those with rows here: each sample's tokens so far."""
+        ...
 
 
 @dataclass
@@ -149,18 +176,19 @@ class StepDecoder:
         self.cache_kw = cache_kw
         self.first_decode_cols = first_decode_cols
         self.snapshots_only = snapshots_only
-        self._model: Forward | None = None
-        self._plan: LoRABatch | None = None
-        self._rows: list[Row] = []
+        self._batch: RunningBatch | None = None  # the rows decoding now
         self._jobs: dict[int, _Job] = {}
         vision = engine.base.vision  # its image and vision markers are never sampled (choice.py)
         self._banned = None if vision is None else torch.tensor(sorted(vision.special_ids), dtype=torch.long)
-        self._weights: dict[PolicyRef, LoRAWeights | None] = {}
         self.steps = 0  # decode steps run
 
     @property
     def live_rows(self) -> int:
         return len(self._rows)
+
+    @property
+    def _rows(self) -> list[Row]:
+        return [] if self._batch is None else self._batch.rows
 
     def running(self) -> list[int]:
         """The ids of the requests with rows in the running batch."""
@@ -192,7 +220,8 @@ class StepDecoder:
         ones) are untouched, in the same batch.
         """
         moved = [job for job in self._jobs.values() if job.pinned.req.follow == group]
-        if not moved:
+        batch = self._batch
+        if not moved or batch is None:
             return 0
         new = pinned.slot
         for job in moved:
@@ -201,14 +230,13 @@ class StepDecoder:
                 job.cached and job.pinned.req.kv_namespace is not None
             )  # a namespace allows mixed weights
         ids = {job.rid for job in moved}
-        for row in self._rows:
+        for row in batch.rows:
             if row.req in ids:
                 row.policy = new
-        self._weights[new] = pinned.weights
-        live = {row.policy for row in self._rows}
-        self._weights = {p: w for p, w in self._weights.items() if p in live}
-        if self._model is not None:
-            self._plan = replan(self.engine, self._plan, [row.policy for row in self._rows], self._weights)
+        batch.weights[new] = pinned.weights
+        live = {row.policy for row in batch.rows}
+        batch.weights = {p: w for p, w in batch.weights.items() if p in live}
+        batch.plan = replan(self.engine, batch.plan, [row.policy for row in batch.rows], batch.weights)
         return len(moved)
 
     def progress(self, rids: Collection[int]) -> dict[int, list[Progress]]:
@@ -236,18 +264,15 @@ class StepDecoder:
         if self._jobs.pop(rid, None) is None:
             return False
         rows = self._rows
-        keep = fill_holes([j for j, row in enumerate(rows) if row.req != rid], len(rows))
-        if not keep:
-            self._reset()
-            return True
-        assert self._model is not None
-        idx = torch.tensor(keep, device=self.engine.device)
-        self._model.select(idx)
-        self._plan = self._plan.select(idx) if self._plan is not None else None
-        self._rows = [rows[j] for j in keep]
-        live = {row.policy for row in self._rows}
-        self._weights = {p: w for p, w in self._weights.items() if p in live}
+        self._keep(fill_holes([j for j, row in enumerate(rows) if row.req != rid], len(rows)))
         return True
+
+    def _keep(self, idx: list[int]) -> None:
+        """The running batch keeps rows ``idx`` (none left: it is gone)."""
+        if not idx:
+            self._reset()
+        elif self._batch is not None:
+            self._batch.keep(idx)
 
     # ------------------------------------------------------------------ admit
     @torch.no_grad()
@@ -266,51 +291,70 @@ class StepDecoder:
         return out
 
     def _admit(self, items: list[tuple[int, Pinned]]) -> list[Finished]:
-        eng, dev = self.engine, self.engine.device
+        """One prefill group, in steps: where each prompt starts (a prefix-cache hit, or a prefix
+        shared by all), the padded inputs, the forward (lean or HF, images placed), the prefill,
+        the prompts' logprobs, the fan-out to ``num_samples`` rows, every row's first token, and
+        the merge of the rows that go on into the running batch."""
         pins = [p for _, p in items]
         reqs = [p.req for p in pins]
         want_prompt = any(r.wants_prompt for r in reqs)
         cached = self.prefix_cache.max_bytes > 0 and not want_prompt
         jobs = [_Job(rid, p, cached, _policy_key(p) if cached else None) for rid, p in items]
-        weights = {p.slot: p.weights for p in pins}
         slots = [p.slot for p in pins]
         hits, shared = self._prompt_starts(reqs, slots, [j.key for j in jobs] if cached else [], want_prompt)
         skip = [shared] * len(reqs) if shared else [h.length if h is not None else 0 for h in hits]
-        lens = [len(r.prompt) - k for r, k in zip(reqs, skip, strict=True)]
-        width = max(lens)
-        ids = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
-        mask = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
-        for i, r in enumerate(reqs):
-            ids[i, width - lens[i] :] = torch.tensor(r.prompt[skip[i] :], device=dev)
-            mask[i, width - lens[i] :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(skip, device=dev)[:, None]
-        prefixes = [h.kv if h is not None else None for h in hits] if any(hits) else None
-        # each path's own entries (one backend takes one path: its cache holds one kind)
-        tensors = None if prefixes is None else [p if isinstance(p, torch.Tensor) else None for p in prefixes]
-        states = None if prefixes is None else [p if isinstance(p, RowState) else None for p in prefixes]
-        model: Forward
-        if self.lean is not None:
-            # columns the decode may feed: every row's new tokens but its last
-            most = max(_limit(r, eng.max_context) for r in reqs)
-            model = LeanForward(
-                eng, self.lean, max(skip) + width, most - 1, self.loras, tensors, self.first_decode_cols
-            )
-        else:
-            model = HFForward(eng, self.cache_kw, states)
-            if eng.base.vision is not None and any(r.images for r in reqs):  # sampling/vision.py
-                prompts, images = [r.prompt for r in reqs], [r.images for r in reqs]
-                model.vision = vision_rows(eng.base.model, eng.base.vision, prompts, images, skip)
+        inputs = _Inputs.padded(reqs, skip, self.engine.device)
+        model = self._forward(reqs, inputs, hits)
+        weights = {p.slot: p.weights for p in pins}
         prefill_plan = model.plan(slots, weights)
         prefix = None
         if shared:
-            prefix = SharedPrefix(reqs[0].prompt[:shared], make_plan(eng, [slots[0]], weights))
-        logits = model.prefill(ids, mask, pos, want_prompt, prefill_plan, prefix)
+            prefix = SharedPrefix(reqs[0].prompt[:shared], make_plan(self.engine, [slots[0]], weights))
+        logits = model.prefill(inputs.ids, inputs.mask, inputs.pos, want_prompt, prefill_plan, prefix)
         for i, r in enumerate(reqs):
             if r.wants_prompt:
-                prompt_logprobs(jobs[i].result, logits[i, width - lens[i] :], r)
+                prompt_logprobs(jobs[i].result, logits[i, inputs.width - inputs.lens[i] :], r)
             if hits[i] is not None:  # a prefix shared within this batch is not a cache hit
                 jobs[i].result.prompt_cache_hit_tokens = skip[i]
+        batch, select = self._fan_out(jobs, model, prefill_plan, weights)
+        done, keep = self._advance(batch.model, batch.rows, logits[select, -1])  # the first tokens
+        if keep:
+            batch.keep(keep)
+            if self._batch is None:
+                self._batch = batch
+            else:
+                self._batch.join(batch)
+        return done
 
+    def _forward(self, reqs: list[SampleRequest], inputs: _Inputs, hits: list[PrefixHit | None]) -> Forward:
+        """The admission's forward: the lean one (its static cache sized for the longest row) or
+        HF's, each starting from the prefix-cache entries its path keeps; images placed in HF's."""
+        eng = self.engine
+        prefixes = [h.kv if h is not None else None for h in hits] if any(hits) else None
+        if self.lean is not None:
+            tensors = (
+                None if prefixes is None else [p if isinstance(p, torch.Tensor) else None for p in prefixes]
+            )
+            # columns the decode may feed: every row's new tokens but its last
+            most = max(_limit(r, eng.max_context) for r in reqs)
+            cols = max(inputs.skip) + inputs.width
+            return LeanForward(eng, self.lean, cols, most - 1, self.loras, tensors, self.first_decode_cols)
+        states = None if prefixes is None else [p if isinstance(p, RowState) else None for p in prefixes]
+        model = HFForward(eng, self.cache_kw, states)
+        if eng.base.vision is not None and any(r.images for r in reqs):  # sampling/vision.py
+            prompts, images = [r.prompt for r in reqs], [r.images for r in reqs]
+            model.vision = vision_rows(eng.base.model, eng.base.vision, prompts, images, inputs.skip)
+        return model
+
+    def _fan_out(
+        self,
+        jobs: list[_Job],
+        model: Forward,
+        prefill_plan: LoRABatch | None,
+        weights: dict[PolicyRef, LoRAWeights | None],
+    ) -> tuple[RunningBatch, torch.Tensor]:
+        """``num_samples`` rows per request, its prefill's cache row copied to each; the jobs
+        registered. Returns the new rows' batch and, per row, its request's prefill row."""
         rows: list[Row] = []
         index: list[int] = []
         for i, job in enumerate(jobs):
@@ -319,63 +363,39 @@ class StepDecoder:
             job.left = r.num_samples
             self._jobs[job.rid] = job
             for k in range(r.num_samples):
-                rows.append(self._new_row(job.rid, slots[i], r, k))
+                rows.append(self._new_row(job.rid, job.pinned.slot, r, k))
                 index.append(i)
-        select = torch.tensor(index, device=dev)
+        select = torch.tensor(index, device=self.engine.device)
         model.select(select)
         # the prefill's stacked adapters serve the decode (rows follow their requests in order)
         plan = model.fan_out(prefill_plan, select, [row.policy for row in rows], weights)
-        done, keep = self._advance(model, rows, logits[select, -1])
-        if not keep:
-            return done
-        if len(keep) < len(rows):
-            idx = torch.tensor(keep, device=dev)
-            model.select(idx)
-            plan = plan.select(idx) if plan is not None else None
-            rows = [rows[j] for j in keep]
-        self._weights.update(weights)
-        if self._model is None:
-            self._model, self._plan, self._rows = model, plan, rows
-        else:
-            self._rows = self._rows + rows
-            room = max(_limit_row(row, eng.max_context) - len(row.tokens) for row in self._rows)
-            self._model.merge(model, room)
-            self._plan = replan(eng, self._plan, [row.policy for row in self._rows], self._weights)
-        return done
+        return RunningBatch(self.engine, model, plan, rows, dict(weights)), select
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> list[Finished]:
         """One decode step of every running row; returns the requests it finished."""
-        if self._model is None:
+        batch = self._batch
+        if batch is None:
             return []
-        model, rows, dev = self._model, self._rows, self.engine.device
+        rows, dev = batch.rows, self.engine.device
         try:
             ids = torch.tensor([[row.tokens[-1]] for row in rows], device=dev)
             # the fed token's position: the row's own (not its column in the cache)
             pos = torch.tensor([[row.prompt_len + len(row.tokens) - 1] for row in rows], device=dev)
-            logits = model.step(ids, pos, self._plan)
+            logits = batch.model.step(ids, pos, batch.plan)
             self.steps += 1
-            done, keep = self._advance(model, rows, logits)
+            done, keep = self._advance(batch.model, rows, logits)
         except Exception as e:  # fail what was running, keep serving what comes next
             failed: list[Finished] = [(rid, e) for rid in self._jobs]
             self._reset()
             return failed
-        if not keep:
-            self._reset()
-        elif len(keep) < len(rows):
-            idx = torch.tensor(keep, device=dev)
-            model.select(idx)
-            self._plan = self._plan.select(idx) if self._plan is not None else None
-            self._rows = [rows[j] for j in keep]
-            live = {row.policy for row in self._rows}
-            self._weights = {p: w for p, w in self._weights.items() if p in live}
+        self._keep(keep)
         return done
 
     def _reset(self) -> None:
-        self._model, self._plan, self._rows = None, None, []
+        self._batch = None
         self._jobs.clear()
-        self._weights.clear()
 
     def _advance(
         self, model: Forward, rows: list[Row], last: torch.Tensor
@@ -478,6 +498,31 @@ class StepDecoder:
         return None
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """An admission's prompts, left-padded to one width: the tokens after each one's ``skip``
+    (what the prefix cache or the shared prefix already holds), the mask, the positions."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pos: torch.Tensor
+    lens: list[int]  # each prompt's new tokens
+    width: int
+    skip: list[int]
+
+    @classmethod
+    def padded(cls, reqs: list[SampleRequest], skip: list[int], dev: torch.device) -> _Inputs:
+        lens = [len(r.prompt) - k for r, k in zip(reqs, skip, strict=True)]
+        width = max(lens)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long, device=dev)
+        for i, r in enumerate(reqs):
+            ids[i, width - lens[i] :] = torch.tensor(r.prompt[skip[i] :], device=dev)
+            mask[i, width - lens[i] :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0) + torch.tensor(skip, device=dev)[:, None]
+        return cls(ids, mask, pos, lens, width, skip)
+
+
 def run_to_completion(dec: Decoder, requests: list[SampleRequest]) -> list[SampleResult | EngineError]:
     """One batch on ``dec``, run to completion: every request admitted at once, then decoded until
     each row has stopped. A refused request yields its ``EngineError`` in its slot."""
@@ -502,10 +547,6 @@ def run_to_completion(dec: Decoder, requests: list[SampleRequest]) -> list[Sampl
 def _limit(r: SampleRequest, ctx: int) -> int:
     """The most tokens a row of ``r`` can sample."""
     return min(r.params.max_tokens, ctx - len(r.prompt))
-
-
-def _limit_row(row: Row, ctx: int) -> int:
-    return min(row.params.max_tokens, ctx - row.prompt_len)
 
 
 def _policy_key(p: Pinned) -> Hashable:

@@ -31,14 +31,17 @@ thread, against the engine's snapshots. The rows hold those weights until they s
 gets its samples' new tokens after every tick (:meth:`SamplingCore.progress`: what the tick's
 prefill and step added, as :class:`~opentinker.sampling.types.Tokens`), on the loop's thread, while
 its rows decode; the tokens of the step that finishes it come only with its result. A worker sends
-them to its pool as messages. Decoders without ``progress`` (vLLM) stream nothing.
+them to its pool as messages. A row decoding on vLLM (``--rollout-backend vllm``) hands its tokens
+over when it finishes (vLLM returns a request's output whole): a sample at a time there, every
+step on the native fallback beside it.
 
 **Inflight requests switch weights mid-decode.** A request with ``follow`` set (a
 ``kind="inflight"`` sampler's) is pinned like any other, but a :class:`FollowInflight` for its group moves
 it to newer weights in place: rows decoding switch at the next decode step, keeping their keys and
 values (the rule: :meth:`StepDecoder.switch`); rows waiting for admission prefill on the new ones.
-Pinned requests in the same batch are untouched. Decoders without ``switch`` (vLLM) and worker
-pools finish such rows on the weights they started with.
+Pinned requests in the same batch are untouched. Rows decoding on vLLM (it cannot change a
+running request's adapter) and on rollout workers finish on the weights they started with; the
+native fallback's rows beside them switch.
 
 **Threads and data races.** The loop thread reads: the frozen base weights (never written after
 load; the lean decoder's fused copies are built before the thread starts), snapshot weights
@@ -54,7 +57,6 @@ the machine's cores at once (benchmarks/p10_long_tail.py measures it).
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import threading
 import time
@@ -62,12 +64,13 @@ import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from opentinker.engine import EngineError
 from opentinker.lora import LoRAWeights
 from opentinker.sampling.backend import Mismatch, SamplingBackend
 from opentinker.sampling.decoder import Decoder, Pinned
+from opentinker.sampling.handles import RequestBook, SampleState
 from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams, Tokens, TokenSink
 
 log = logging.getLogger(__name__)
@@ -118,7 +121,7 @@ class FollowInflight:
 class Abort:
     """Drop request ``rid`` wherever it is (its caller is gone and was answered already): still
     waiting, or decoding, when its rows leave the running batch before the next decode step
-    (:meth:`StepDecoder.drop`; a decoder without ``drop`` lets them finish, unanswered)."""
+    (:meth:`Decoder.drop`: on vLLM, its requests aborted there)."""
 
     rid: int
 
@@ -211,18 +214,14 @@ class SamplingCore:
         self._streams.pop(rid, None)
         if self.cancel(rid):
             return
-        drop = getattr(self.decoder, "drop", None)
-        if drop is not None and drop(rid):
+        if self.decoder.drop(rid):
             self.stats.aborted += 1
             self.stats.live_rows = self.decoder.live_rows
 
     def _follow(self, msg: FollowInflight) -> None:
-        switch = getattr(self.decoder, "switch", None)
-        if switch is None:  # a decoder without in-place switching: rows finish on their weights
-            return
         # the weights, resolved (and checked: a snapshot, never a live adapter) as a request's are
         carrier = self.decoder.pin(SampleRequest(msg.policy_id, [0], SamplingParams(max_tokens=1)))
-        switch(msg.group, carrier)
+        self.decoder.switch(msg.group, carrier)
         with self._lock:
             self._waiting = deque(
                 (
@@ -272,14 +271,12 @@ class SamplingCore:
     def progress(self) -> list[tuple[Tokens, TokenSink]]:
         """The tokens streamed requests decoded since the last call (after :meth:`tick`: those
         its step added), each with the sink it goes to. A request answered by the tick sends
-        nothing more: its result holds every token. Decoders without ``progress`` (vLLM) stream
-        nothing: their tokens come with the result."""
-        look = getattr(self.decoder, "progress", None)
-        if not self._streams or look is None:
+        nothing more: its result holds every token."""
+        if not self._streams:
             return []
         out: list[tuple[Tokens, TokenSink]] = []
         rids = list(self._streams)  # a snapshot: cancel (another thread) may remove one
-        found = look(rids)
+        found = self.decoder.progress(rids)
         if len(found) < len(rids):  # a request failed outside a tick's answers: forget it
             with self._lock:
                 waiting = {r for r, _ in self._waiting}
@@ -321,33 +318,15 @@ class SamplingCore:
         return False
 
 
-class SampleCancelled(RuntimeError):
-    """A sample request was cancelled before it was admitted; it was never decoded. Whoever
-    cancels it answers its caller (the server fails the request's own future first)."""
-
-
 def _done(rid: int, res: SampleResult | Exception) -> Done:
     return Done(rid, error=res) if isinstance(res, Exception) else Done(rid, result=res)
 
 
-class SamplingService(Protocol):
-    """What the scheduler hands samples to: :class:`SamplingLoop` (a thread in this process) or a
-    pool of worker processes or actors (:mod:`opentinker.workers.pool`). ``abort`` drops a request
-    wherever it is, its rows leaving the running batch (in process or on the worker decoding it);
-    ``follow`` moves inflight requests to newer weights where it can (else they finish on the
-    weights they started with). Both stream a request's tokens to its ``stream`` sink."""
+class SamplingLoop(RequestBook[Future]):
+    """A :class:`SamplingCore` on its own thread in this process: ``submit`` returns a
+    :class:`~opentinker.sampling.handles.SampleHandle`."""
 
-    def submit(self, req: SampleRequest) -> Future: ...
-    def last_request(self) -> int: ...
-    def state(self, rid: int) -> str: ...
-    def cancel(self, rid: int) -> bool: ...
-    def abort(self, rid: int) -> bool: ...
-    def follow(self, group: str, policy_id: str) -> None: ...
-    def shutdown(self) -> None: ...
-
-
-class SamplingLoop:
-    """A :class:`SamplingCore` on its own thread in this process: ``submit`` returns a ``Future``."""
+    what = "the sampling loop"
 
     def __init__(
         self,
@@ -360,16 +339,12 @@ class SamplingLoop:
         """``gather_s``: when idle, how long the loop waits for a quiet moment before its first
         prefill, so that requests submitted together (an RL step's prompts) prefill together
         (never longer than ``max_gather_s``)."""
+        super().__init__()
         self.core = core
         self.gather_s = gather_s
         self.max_gather_s = max_gather_s
         self._inbox: deque[Inbound] = deque()
-        self._futures: dict[int, Future] = {}
-        self._ids = itertools.count(1)
         self._received = 0
-        self._local = threading.local()  # the id of this thread's last request (last_request)
-        self._cv = threading.Condition()
-        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         atexit.register(_stop_at_exit, weakref.ref(self))
@@ -378,66 +353,42 @@ class SamplingLoop:
     def stats(self) -> SamplingStats:
         return self.core.stats
 
-    def submit(self, req: SampleRequest) -> Future:
-        """Sample ``req``, pinned now to the weights its policy names (see the module docstring)."""
-        fut: Future = Future()
-        try:
-            pinned = self.core.decoder.pin(req)
-        except EngineError as e:
-            fut.set_exception(e)
-            return fut
-        with self._cv:
-            self._check_open()
-            rid = next(self._ids)
-            self._futures[rid] = fut
-            self._inbox.append(Sample(rid, req, pinned))
-            self._received += 1
-            self._cv.notify()
-        self._local.rid = rid
-        return fut
+    @property
+    def max_rows(self) -> int:
+        return self.core.max_rows
 
-    def last_request(self) -> int:
-        """The id of the last request this thread submitted (0: none)."""
-        return int(getattr(self._local, "rid", 0))
+    # ------------------------------------------------------------------ the request book's hooks
+    def _pin(self, req: SampleRequest) -> Pinned:
+        return self.core.decoder.pin(req)
 
-    def state(self, rid: int) -> str:
-        """``queued`` (not yet taken by the loop), ``held_back`` (waiting for room in the running
-        batch: the sampler is at capacity) or ``taken`` (admitted, finished, or unknown)."""
-        with self._cv:
-            if any(isinstance(m, Sample) and m.rid == rid for m in self._inbox):
-                return "queued"
+    def _enqueue(self, rid: int, pinned: Pinned, future: Future) -> Future:
+        self._inbox.append(Sample(rid, pinned.req, pinned))
+        self._received += 1
+        return future
+
+    @staticmethod
+    def _future(entry: Future) -> Future:
+        return entry
+
+    def _queued(self, rid: int) -> Sample | None:
+        return next((m for m in self._inbox if isinstance(m, Sample) and m.rid == rid), None)
+
+    def _where(self, rid: int) -> SampleState:
+        """``held_back``: waiting in the core for room in the running batch."""
+        if self._queued(rid) is not None:
+            return "queued"
         return "held_back" if self.core.is_waiting(rid) else "taken"
 
-    def cancel(self, rid: int) -> bool:
-        """Drop request ``rid`` before it is admitted: its future fails and it is never decoded
-        (True). An admitted or finished request is left alone (False)."""
-        with self._cv:
-            queued = next((m for m in self._inbox if isinstance(m, Sample) and m.rid == rid), None)
-            if queued is not None:
-                self._inbox.remove(queued)
-            elif not self.core.cancel(rid):
-                return False
-            fut = self._futures.pop(rid, None)
-        if fut is not None:
-            fut.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
+    def _unqueue(self, rid: int) -> bool:
+        queued = self._queued(rid)
+        if queued is None:
+            return self.core.cancel(rid)
+        self._inbox.remove(queued)
         return True
 
-    def abort(self, rid: int) -> bool:
-        """Drop request ``rid`` wherever it is: its future fails with :class:`SampleCancelled` at
-        once, and its rows, if it is decoding, leave the running batch before the next decode
-        step (:class:`Abort`). False if it has finished already (or is unknown)."""
-        with self._cv:
-            fut = self._futures.pop(rid, None)
-            if fut is None:
-                return False
-            queued = next((m for m in self._inbox if isinstance(m, Sample) and m.rid == rid), None)
-            if queued is not None:
-                self._inbox.remove(queued)
-            else:
-                self._inbox.append(Abort(rid))
-                self._cv.notify()
-        fut.set_exception(SampleCancelled(f"sample request {rid} was aborted by its caller"))
-        return True
+    def _stop(self, rid: int) -> None:
+        """Its rows leave the running batch before the next decode step (:class:`Abort`)."""
+        self._inbox.append(Abort(rid))
 
     def send(self, msg: Publish[LoRAWeights] | Retire | FollowInflight) -> None:
         """Queue a publish, retire or follow, run on the loop's thread in order with the requests."""
@@ -508,7 +459,7 @@ class SamplingLoop:
 
     def _resolve(self, done: list[Done]) -> None:
         with self._cv:
-            futs = [(self._futures.pop(d.rid, None), d) for d in done]
+            futs = [(self._answered(d.rid), d) for d in done]
         for fut, d in futs:
             if fut is None:
                 continue
@@ -519,10 +470,11 @@ class SamplingLoop:
 
     def _fail_pending(self) -> None:
         err = RuntimeError("the sampling loop was shut down")
-        for fut in self._futures.values():
+        with self._cv:
+            left = self._close()
+            self._inbox.clear()
+        for fut in left:
             fut.set_exception(err)
-        self._futures.clear()
-        self._inbox.clear()
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

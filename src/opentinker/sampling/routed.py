@@ -13,7 +13,10 @@ changes for a snapshot.
 
 :class:`RoutedDecoder` is the sampling loop's decoder: ``pin`` sends a request to its snapshot's
 side, ``admit`` splits a group between the two decoders, and ``step`` steps both, so both halves'
-rows finish through one loop and ``generate`` answers one mixed batch. The sampler–trainer
+rows finish through one loop and ``generate`` answers one mixed batch. ``drop``, ``switch`` and
+``progress`` reach both sides: an aborted request's rows leave either (vLLM aborts its requests),
+the native fallback's rows switch weights and stream every step, vLLM's rows finish on the weights
+they started with and stream each sample as it finishes. The sampler–trainer
 mismatch figures are vLLM's rows' (native rows sample with the trainer's own forward).
 :meth:`RoutedBackend.served_by` lists which snapshot went where and why (the console's engine page).
 """
@@ -22,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from opentinker.engine import Engine, EngineError, UnknownPolicyError
 from opentinker.lora import LoRAWeights
 from opentinker.sampling.backend import SamplingBackend
-from opentinker.sampling.decoder import Finished, Pinned, StepDecoder, run_to_completion
+from opentinker.sampling.decoder import Finished, Pinned, Progress, StepDecoder, run_to_completion
 from opentinker.sampling.native import NativeBackend
 from opentinker.sampling.types import SampleRequest, SampleResult
 from opentinker.sampling.vllm_backend import VLLMBackend, VLLMDecoder
@@ -225,6 +229,23 @@ class RoutedDecoder:
         failed = self.vllm.admit(to_vllm) if to_vllm and self.vllm is not None else []
         return failed + (self.native.admit(to_native) if to_native else [])
 
+    def drop(self, rid: int) -> bool:
+        """Its rows leave whichever side decodes them."""
+        return (self.vllm is not None and self.vllm.drop(rid)) or self.native.drop(rid)
+
+    def switch(self, group: str, pinned: Pinned) -> int:
+        """The native side's rows following ``group`` move to ``pinned``'s weights (it decodes any
+        weights, wherever they are placed for new requests); vLLM's rows finish on theirs
+        (:meth:`VLLMDecoder.switch`)."""
+        moved = self.vllm.switch(group, pinned) if self.vllm is not None else 0
+        return moved + self.native.switch(group, pinned)
+
+    def progress(self, rids: Collection[int]) -> dict[int, list[Progress]]:
+        out = self.native.progress(rids)
+        if self.vllm is not None:
+            out.update(self.vllm.progress([r for r in rids if r not in out]))
+        return out
+
     def step(self) -> list[Finished]:
         b = self.backend
         finished: list[Finished] = []
@@ -252,12 +273,10 @@ def weightless(engine: Engine) -> bool:
 
 
 def check_rollout_options(
-    rollout_workers: int, sample_in_ticks: bool, rollout_backend: str, rollout_options: dict[str, Any]
+    rollout_workers: int, rollout_backend: str, rollout_options: dict[str, Any]
 ) -> None:
     """Refuse a runtime's sampling settings that cannot work together (or a vLLM that is not
     installed), naming them, before anything starts."""
-    if rollout_workers and sample_in_ticks:
-        raise ValueError("rollout_workers and sample_in_ticks exclude each other")
     if rollout_backend not in ROLLOUT_BACKENDS:
         raise ValueError(
             f"unknown rollout backend {rollout_backend!r}; choose one of {', '.join(ROLLOUT_BACKENDS)}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from opentinker.engine import Engine, EngineError
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRAWeights, TargetGroup
 from opentinker.sampling.backend import Mismatch, SamplingBackend, check_request
-from opentinker.sampling.decoder import Finished, Pinned, run_to_completion
+from opentinker.sampling.decoder import Finished, Pinned, Progress, run_to_completion
 from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult
 from opentinker.sampling.vllm_engine import (
     DEFAULT_MAX_LORA_RANK,
@@ -268,6 +268,28 @@ class VLLMDecoder:
                 )
                 self._abort(rid)
         return failed
+
+    def drop(self, rid: int) -> bool:
+        """Abort request ``rid``'s rows in vLLM's engine now (its caller is gone); True if it had
+        rows here."""
+        had = rid in self._jobs
+        self._abort(rid)
+        return had
+
+    def switch(self, group: str, pinned: Pinned) -> int:
+        """Nothing moves: vLLM cannot change a running request's adapter, so rows here finish on
+        the weights they started with (0 moved); requests not yet admitted are re-pinned by the
+        sampling loop before they reach vLLM."""
+        return 0
+
+    def progress(self, rids: Collection[int]) -> dict[int, list[Progress]]:
+        """Of requests ``rids``, those with rows here: each finished sample whole, a decoding one
+        as nothing yet (vLLM returns a row's output when it finishes)."""
+        return {
+            rid: [([], [], None) if s is None else (s.tokens, s.logprobs, s.topk_logprobs) for s in job.seqs]
+            for rid in rids
+            if (job := self._jobs.get(rid)) is not None
+        }
 
     def _abort(self, rid: int) -> None:
         job = self._jobs.pop(rid, None)

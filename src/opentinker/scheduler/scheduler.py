@@ -8,22 +8,20 @@ A model's operations run strictly in submission order. One **tick** is:
    ONE request to a single fused ``Engine.forward_backward_many`` (one forward, one backward);
 3. every model whose next operation (after that request, or at the head) is ``optim_step`` takes
    the step — so a client that pipelines ``forward_backward`` + ``optim_step`` before waiting
-   gets both in the same tick;
-4. only when the scheduler serves sampling itself (it was given a plain ``SamplingBackend``, the
-   serialized reference): all waiting sample requests (up to ``max_sample_rows`` sequences, oldest
-   first) decode as one mixed-policy batch.
+   gets both in the same tick.
 
-**Sampling runs elsewhere.** Given a :class:`~opentinker.sampling.loop.SamplingService` (what
-the ``Runtime`` does: a :class:`~opentinker.sampling.loop.SamplingLoop` on its own thread, or a
-pool of rollout worker processes), ``submit_sample`` hands the request to it, which serves it with
-continuous batching, overlapped with the ticks: this scheduler then only decides when
-training runs. A client whose request is sampling is not waited for by the batching window.
+**Sampling runs elsewhere.** ``submit_sample`` hands the request to the scheduler's
+:class:`~opentinker.sampling.loop.SamplingService` (a
+:class:`~opentinker.sampling.loop.SamplingLoop` on its own thread, a pool of rollout worker
+processes, or a sharded group's sampler), which serves it with continuous batching, overlapped
+with the ticks: this scheduler only decides when training runs. A client whose request is
+sampling is not waited for by the batching window. A scheduler built without one (a trainer
+worker's) refuses samples.
 
 **Fairness.** Each model gets at most one forward/backward request and one optimizer step per
 tick, whatever its queue holds. A tenant with huge batches (the SDK splits them into several
 requests) therefore advances one request per tick, exactly like a tenant with tiny ones: it cannot
-starve anybody, and every waiting model is served in every tick. Sampling is served
-first-come-first-served within a per-tick row budget.
+starve anybody, and every waiting model is served in every tick.
 
 **Batching window.** Clients in a loop (sample, train, sample, ...) finish their previous operation
 at nearly the same moment, but each needs a little Python time before submitting the next. So
@@ -40,12 +38,6 @@ The tick number is reported in each result's metrics as ``clock_cycle:unique``. 
 ``TICK_LOG`` ticks are kept as :class:`TickRecord` records (wall-clock start and end, what ran in them),
 so a request's trace can show the tick that ran it and the batch it was fused into
 (:meth:`Scheduler.tick_record`).
-
-**Sample tickets.** Each sample request gets a ticket (1, 2, 3, … in submission order; the
-submitting thread reads its own with :meth:`Scheduler.last_sample_ticket`). Since sampling is FIFO,
-a ticket says where its request stands: taken by a tick, *held back* (a tick ran without it because
-its row budget was full: the sampler's capacity holds it back), or queued; and a queued one can be
-cancelled — it is dropped when its turn comes, never decoded.
 """
 
 from __future__ import annotations
@@ -61,8 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from opentinker.engine import AdamParams, Engine, ForwardRequest, Trainer
-from opentinker.sampling import SampleRequest, SamplingBackend
-from opentinker.sampling.loop import SampleCancelled, SamplingService
+from opentinker.sampling import SampleRequest
+from opentinker.sampling.handles import SampleHandle, SampleState, SamplingService
 
 OpKind = Literal["forward", "optim", "call"]
 
@@ -89,7 +81,6 @@ class TickRecord:
     fused_rows: int  # their datums together
     optim_steps: int
     calls: int
-    sample_requests: int  # sampled inside the tick (only without a sampling loop)
 
 
 @dataclass
@@ -99,7 +90,6 @@ class TickStats:
     fused_rows: int = 0  # examples (datums) in the fused forward/backward passes
     trained_tokens: int = 0  # their input tokens
     optim_steps: int = 0
-    sample_requests: int = 0
     last_tick_seconds: float = 0.0
     tick_seconds: float = 0.0  # every tick's run time, summed (with ``ticks``: a mean, /metrics)
 
@@ -108,10 +98,8 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
-        sampler: SamplingBackend,
-        *,
         rollout: SamplingService | None = None,
-        max_sample_rows: int = 256,
+        *,
         gather_s: float = 0.002,
         max_gather_s: float = 0.02,
     ) -> None:
@@ -119,18 +107,10 @@ class Scheduler:
         self.gather_s = gather_s
         self.max_gather_s = max_gather_s
         self._submissions = 0
-        self.sampler = sampler
-        self.rollout = rollout  # None: sampling runs in the ticks (serialized)
-        self.max_sample_rows = max_sample_rows
+        self.rollout = rollout  # None: no sampling here (a trainer worker's scheduler)
         self.stats = TickStats()
         self._tick_log: deque[TickRecord] = deque(maxlen=TICK_LOG)
         self._queues: dict[str, deque[_Op]] = {}
-        self._samples: deque[tuple[SampleRequest, Future]] = deque()
-        self._tickets = 0  # sample tickets handed out
-        self._taken_upto = 0  # every ticket up to this one was taken by a tick
-        self._passed_upto = 0  # ... up to this one was passed over by a full tick at least once
-        self._cancelled: set[int] = set()
-        self._local = threading.local()
         self._cv = threading.Condition()
         self._last_sources: set[str] = set()  # the clients served by the previous tick
         self._stopped = False
@@ -152,63 +132,43 @@ class Scheduler:
         trainer is :attr:`engine`; over trainer workers, the router's (``engine/trainer.py``)."""
         return self._submit(model_id, _Op("call", fn, Future()))
 
-    def submit_sample(self, req: SampleRequest) -> Future:
-        if self.rollout is not None:
-            with self._cv:
-                self._check_open()
-                # its client is sampling now: the next tick's window does not wait for it
-                self._last_sources.discard(_client(req.policy))
-            return self.rollout.submit(req)
-        fut: Future = Future()
+    def submit_sample(self, req: SampleRequest) -> SampleHandle:
+        """Hand ``req`` to the sampling service: its handle (request id and future) says where it
+        stands (:meth:`sample_state`) and cancels or aborts it."""
+        rollout = self._sampling()
         with self._cv:
             self._check_open()
-            self._tickets += 1
-            fut._opentinker_ticket = self._local.ticket = self._tickets  # type: ignore[attr-defined]
-            self._samples.append((req, fut))
-            self._submissions += 1
-            self._cv.notify()
-        return fut
+            # its client is sampling now: the next tick's window does not wait for it
+            self._last_sources.discard(_client(req.policy))
+        return rollout.submit(req)
 
-    def last_sample_ticket(self) -> int:
-        """The ticket of the last sample request this thread submitted (0: none). With a rollout
-        loop, tickets are the loop's request ids (same meaning: queued, held back, taken)."""
-        if self.rollout is not None:
-            return self.rollout.last_request()
-        return int(getattr(self._local, "ticket", 0))
+    def sample_state(self, handle: SampleHandle) -> SampleState:
+        return self._sampling().state(handle)
 
-    def sample_state(self, ticket: int) -> Literal["queued", "held_back", "taken"]:
-        if self.rollout is not None:
-            state = self.rollout.state(ticket)
-            return "queued" if state == "queued" else "held_back" if state == "held_back" else "taken"
-        with self._cv:
-            if ticket <= self._taken_upto:
-                return "taken"
-            return "held_back" if ticket <= self._passed_upto else "queued"
+    def cancel_sample(self, handle: SampleHandle) -> bool:
+        """Drop a sample request that the sampler has not taken yet (True), else False."""
+        return self._sampling().cancel(handle)
 
-    def cancel_sample(self, ticket: int) -> bool:
-        """Drop a sample request that no tick has taken yet (True), else False."""
-        if self.rollout is not None:
-            return self.rollout.cancel(ticket)
-        with self._cv:
-            if not self._taken_upto < ticket <= self._tickets or ticket in self._cancelled:
-                return False
-            self._cancelled.add(ticket)
-            return True
-
-    def abort_sample(self, ticket: int) -> bool:
+    def abort_sample(self, handle: SampleHandle) -> bool:
         """Drop a sample request wherever it is, decoding included (its rows leave the running
-        batch, in process or on the rollout worker decoding it: ``SamplingService.abort``); inside
-        ticks, as :meth:`cancel_sample` (a request already decoding runs to its end). True if
-        dropped."""
-        if self.rollout is not None:
-            return self.rollout.abort(ticket)
-        return self.cancel_sample(ticket)
+        batch, in process or on the rollout worker decoding it: ``SamplingService.abort``). True
+        if dropped."""
+        return self._sampling().abort(handle)
+
+    @property
+    def max_sample_rows(self) -> int:
+        """Sampled sequences its sampling service decodes together at most (per worker)."""
+        return self._sampling().max_rows
+
+    def _sampling(self) -> SamplingService:
+        if self.rollout is None:
+            raise RuntimeError("this scheduler serves no sampling (a trainer worker's)")
+        return self.rollout
 
     def follow(self, group: str, policy_id: str) -> None:
         """Sample requests following training model ``group`` move to ``policy_id``'s weights
-        mid-decode (:class:`~opentinker.sampling.loop.FollowInflight`), where the rollout service
-        supports it (the in-process loop). Inside ticks, a batch runs to completion on the weights
-        it started with."""
+        mid-decode (:class:`~opentinker.sampling.loop.FollowInflight`), where the sampling service
+        supports it (the in-process loop)."""
         if self.rollout is not None:
             self.rollout.follow(group, policy_id)
 
@@ -241,16 +201,16 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopped and not self._samples and not any(self._queues.values()):
+                while not self._stopped and not any(self._queues.values()):
                     self._cv.wait()
                 if self._stopped:
                     self._fail_pending(RuntimeError("the scheduler was shut down"))
                     return
                 self._gather()
-                calls, forwards, optims, samples = self._take_tick()
-            self._run_tick(calls, forwards, optims, samples)
+                calls, forwards, optims = self._take_tick()
+            self._run_tick(calls, forwards, optims)
             # drop this tick's work before waiting: finished requests must not pin their clients
-            del calls, forwards, optims, samples
+            del calls, forwards, optims
 
     def _gather(self) -> None:
         """Batching window (caller holds the lock; see the module docstring): wait for every client
@@ -283,13 +243,9 @@ class Scheduler:
             self._cv.wait(remaining)
 
     def _ready_sources(self) -> set[str]:
-        ready = {_client(m) for m, q in self._queues.items() if q}
-        ready.update(_client(r.policy) for r, _ in self._samples)
-        return ready
+        return {_client(m) for m, q in self._queues.items() if q}
 
-    def _take_tick(
-        self,
-    ) -> tuple[list[_Op], list[_Op], list[tuple[str, _Op]], list[tuple[SampleRequest, Future]]]:
+    def _take_tick(self) -> tuple[list[_Op], list[_Op], list[tuple[str, _Op]]]:
         """Pop this tick's work from the queues (caller holds the lock)."""
         calls: list[_Op] = []
         forwards: list[_Op] = []
@@ -309,32 +265,14 @@ class Scheduler:
                 optims.append((model_id, q.popleft()))
         for model_id in [m for m, q in self._queues.items() if not q]:
             del self._queues[model_id]
-        samples: list[tuple[SampleRequest, Future]] = []
-        rows = 0
-        while self._samples and (
-            not samples or rows + self._samples[0][0].num_samples <= self.max_sample_rows
-        ):
-            req, fut = self._samples.popleft()
-            ticket: int = fut._opentinker_ticket  # type: ignore[attr-defined]
-            self._taken_upto = ticket
-            if ticket in self._cancelled:
-                self._cancelled.discard(ticket)
-                fut.set_exception(SampleCancelled(f"sample request {ticket} was cancelled"))
-                continue
-            samples.append((req, fut))
-            sources.add(_client(req.policy))
-            rows += req.num_samples
-        if self._samples:  # this tick is full: what is left waits for capacity
-            self._passed_upto = self._samples[-1][1]._opentinker_ticket  # type: ignore[attr-defined]
         self._last_sources = sources
-        return calls, forwards, optims, samples
+        return calls, forwards, optims
 
     def _run_tick(
         self,
         calls: list[_Op],
         forwards: list[_Op],
         optims: list[tuple[str, _Op]],
-        samples: list[tuple[SampleRequest, Future]],
     ) -> None:
         t0, wall0 = time.perf_counter(), time.time()
         tick = self.stats.ticks + 1
@@ -361,16 +299,6 @@ class Scheduler:
                     op.future.set_exception(res)
                 else:
                     op.future.set_result({**res, "clock_cycle:unique": float(tick)})
-        if samples:
-            try:
-                outs: list[Any] = self.sampler.generate([r for r, _ in samples])
-            except Exception as e:
-                outs = [e] * len(samples)
-            for (_, fut), out in zip(samples, outs, strict=True):
-                if isinstance(out, BaseException):
-                    fut.set_exception(out)
-                else:
-                    fut.set_result(out)
         self.stats.ticks = tick
         self.stats.fused_requests += len(forwards)
         self.stats.fused_rows += sum(len(op.payload.examples) for op in forwards)
@@ -378,13 +306,10 @@ class Scheduler:
             int(ex.tokens_T.numel()) for op in forwards for ex in op.payload.examples
         )
         self.stats.optim_steps += len(optims)
-        self.stats.sample_requests += len(samples)
         self.stats.last_tick_seconds = time.perf_counter() - t0
         self.stats.tick_seconds += self.stats.last_tick_seconds
         rows = sum(len(op.payload.examples) for op in forwards)
-        record = TickRecord(
-            tick, wall0, time.time(), len(forwards), rows, len(optims), len(calls), len(samples)
-        )
+        record = TickRecord(tick, wall0, time.time(), len(forwards), rows, len(optims), len(calls))
         self._tick_log.append(record)
 
     def tick_record(self, tick: int) -> TickRecord | None:
@@ -399,10 +324,7 @@ class Scheduler:
         for q in self._queues.values():
             for op in q:
                 op.future.set_exception(err)
-        for _, fut in self._samples:
-            fut.set_exception(err)
         self._queues.clear()
-        self._samples.clear()
 
 
 def _client(key: str | None) -> str:

@@ -75,7 +75,7 @@ from opentinker.server.openai_schemas import (
 from opentinker.server.openai_stream import Feed, Live
 from opentinker.server.registry import SamplerNotLoaded
 from opentinker.server.state import Server
-from opentinker.service import EngineError, SamplingClient
+from opentinker.service import EngineError, SampleHandle, SamplingClient
 from opentinker.service.metering import meter_sample
 from opentinker.service.sampling import TokenSink
 from opentinker.service.sessions import is_sampler_id
@@ -253,36 +253,22 @@ class OpenAIRoutes:
         not None: with the prompt's logprobs (and that many top logprobs), as its
         ``prompt_logprobs`` / ``topk_prompt_logprobs``; ``sink``: the tokens also go there while
         they decode (a stream's); ``model_input``: the prompt with its images (else ``prompt``'s tokens)."""
-        ops, ticket = self.server.ops, 0
+        ops = self.server.ops
+        handle: SampleHandle | None = None  # once queued with the sampler
 
         def submit() -> Future:
-            nonlocal ticket
-            ids, want_prompt, k_prompt = (
+            nonlocal handle
+            submitted = client.submit(
                 model_input or types.ModelInput.from_ints(prompt),
-                prompt_topk is not None,
-                prompt_topk or 0,
+                n,
+                params,
+                sink=sink,
+                include_prompt_logprobs=prompt_topk is not None,
+                topk_prompt_logprobs=prompt_topk or 0,
+                topk_sample_logprobs=topk,
             )
-            if sink is not None:
-                fut = client.sample_streamed(
-                    sink,
-                    ids,
-                    n,
-                    params,
-                    include_prompt_logprobs=want_prompt,
-                    topk_prompt_logprobs=k_prompt,
-                    topk_sample_logprobs=topk,
-                ).future()
-            else:
-                fut = client.sample(
-                    ids,
-                    n,
-                    params,
-                    include_prompt_logprobs=want_prompt,
-                    topk_prompt_logprobs=k_prompt,
-                    topk_sample_logprobs=topk,
-                ).future()
-            ticket = client.last_ticket()  # this thread's request, just queued
-            return fut
+            handle = submitted.handle
+            return submitted.response.future()
 
         def counted(res: types.SampleResponse) -> types.SampleResponse:
             if ops.ledger is not None:
@@ -296,7 +282,7 @@ class OpenAIRoutes:
         assert out is not None
 
         def abort() -> bool:
-            stopped = ops.admit.cancel(tenant, out) or (ticket > 0 and client.abort(ticket))
+            stopped = ops.admit.cancel(tenant, out) or (handle is not None and client.abort(handle))
             fail(out, ClientGone(f"request {rid}: the client went away"))
             ops.futures.drop([rid], tenant)
             return stopped

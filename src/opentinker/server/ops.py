@@ -39,7 +39,7 @@ from opentinker.server.wire import (
     encode_forward_output,
     encode_sample_response,
 )
-from opentinker.service import EngineError, LoRAConfig, SamplingClient
+from opentinker.service import EngineError, LoRAConfig, SampleHandle, SamplingClient, Submitted
 from opentinker.service.checkpoints import check_ttl
 from opentinker.service.convert import check_prompt_extras, checked_length, keyed_tokens, optimizer_type
 from opentinker.service.metering import meter_sample, meter_training
@@ -475,22 +475,22 @@ class Operations:
         self.check_sample(req, prompt_len)
 
         ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
-        ticket = 0
+        handle: SampleHandle | None = None  # once queued with the sampler
 
         def submit() -> Future:
-            nonlocal ticket
-            fut = self._sample(client, req)
-            ticket = client.last_ticket()  # this thread's request, just queued
-            return fut
+            nonlocal handle
+            submitted = self._sample(client, req)
+            handle = submitted.handle
+            return submitted.response.future()
 
         def answer(rid: str, out: Future) -> dict[str, Any]:
             # held by admission first, then (once queued) by the sampler
             def state() -> tuple[QueueState, str | None]:
                 held = self.admit.state(tenant, out)
-                return held if held[0] != "active" or not ticket else _capacity_state(client, ticket)
+                return held if held[0] != "active" or not handle else _capacity_state(client, handle)
 
             def cancel() -> bool:
-                return self.admit.cancel(tenant, out) or (ticket > 0 and client.cancel(ticket))
+                return self.admit.cancel(tenant, out) or (handle is not None and client.cancel(handle))
 
             self.futures.hooks(rid, state=state, cancel=cancel)
             if sampler_id is not None:
@@ -511,12 +511,12 @@ class Operations:
                 )
         return self.execute(op)
 
-    def _sample(self, client: Any, req: S.SampleRequest) -> Future:
+    def _sample(self, client: SamplingClient, req: S.SampleRequest) -> Submitted:
         if not 1 <= req.num_samples <= self.config.max_num_samples:
             raise UserError(
                 f"num_samples must be in [1, {self.config.max_num_samples}], got {req.num_samples}"
             )
-        return client.sample(
+        return client.submit(
             req.prompt,
             req.num_samples,
             req.sampling_params,
@@ -526,7 +526,7 @@ class Operations:
             target_prompt_logprobs=_target_tensor(req),
             prompt_alt_tokens_k=req.prompt_alt_tokens_k,
             prompt_logprobs_last_n=req.prompt_logprobs_last_n,
-        ).future()
+        )
 
     @staticmethod
     def check_sample(req: S.SampleRequest, prompt_len: int) -> None:
@@ -587,8 +587,8 @@ def _target_tensor(req: S.SampleRequest) -> types.TensorData | None:
         raise BadRequest(f"target_prompt_logprobs is not a tensor: {e}") from None
 
 
-def _capacity_state(client: SamplingClient, ticket: int) -> tuple[QueueState, str | None]:
-    if client.held_back(ticket):
+def _capacity_state(client: SamplingClient, handle: SampleHandle) -> tuple[QueueState, str | None]:
+    if client.held_back(handle):
         return "paused_capacity", (
             f"the sampler is at capacity: it decodes at most {client.max_rows} sequences at a time, "
             "and requests queued earlier are decoding first"

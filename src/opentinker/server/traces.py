@@ -244,7 +244,6 @@ class SessionTraces:
                 "fused_rows": rec.fused_rows,
                 "optim_steps": rec.optim_steps,
                 "calls": rec.calls,
-                "sample_requests": rec.sample_requests,
             }
             events.append(_slice(pid, tid(f"ticks ({base})"), f"tick {rec.tick}", rec.start, rec.end, args))
         return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"session_id": session_id}}

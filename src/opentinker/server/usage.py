@@ -62,7 +62,6 @@ EVENT_TYPES: dict[str, tuple[str, ...] | None] = {
     "teams": ("team_",),
     "organizations": ("organization_",),
 }
-TOKEN_KINDS = ("training", "sampling_prefill", "sampling_sample")
 MAX_WINDOW = timedelta(days=14)  # the SDK's documented limit for one billing query
 GIGABYTE = 1e9
 HOUR = 3600.0

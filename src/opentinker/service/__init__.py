@@ -9,7 +9,7 @@ option behaves the same embedded and over HTTP.
 The front-ends import nothing below this layer (``tests/test_layering.py``): the types of the
 service's interface are exported here, so that they name them from here too: the errors its
 methods raise (``EngineError`` and its kinds), what they take and return (``LoRAConfig``,
-``SnapshotInfo``), and ``canonical_name`` (the one spelling of a base model's name that models and
+``SnapshotInfo``, a sample's ``SampleHandle`` and ``Submitted``), and ``canonical_name`` (the one spelling of a base model's name that models and
 checkpoints record).
 """
 
@@ -17,9 +17,9 @@ from opentinker.engine import EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
-from opentinker.sampling import SampleCancelled
+from opentinker.sampling import SampleCancelled, SampleHandle
 from opentinker.service.runtime import Runtime, default_runtime
-from opentinker.service.sampling import SamplingClient
+from opentinker.service.sampling import SamplingClient, Submitted
 from opentinker.service.training import TrainingClient
 
 __all__ = [
@@ -28,8 +28,10 @@ __all__ = [
     "LoRAConfig",
     "Runtime",
     "SampleCancelled",
+    "SampleHandle",
     "SamplingClient",
     "SnapshotInfo",
+    "Submitted",
     "TrainingClient",
     "UnknownPolicyError",
     "canonical_name",

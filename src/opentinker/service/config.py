@@ -7,7 +7,7 @@ read this one dataclass: a field ``trainer_cpus`` is the flag ``--trainer-cpus``
 :func:`add_runtime_args` generates the flags from the fields (their ``help`` and parser are in each
 field's metadata) and :func:`runtime_config_from_args` reads them back. One flag carries a unit in
 its name where the field carries another: ``--prefix-cache-mb`` sets ``prefix_cache_bytes``
-(MiB on the command line). Fields without a flag (``max_rank``, ``sample_in_ticks``,
+(MiB on the command line). Fields without a flag (``max_rank``,
 ``worker_startup_timeout``, ``rollout_options``) are embedded-only settings.
 """
 
@@ -82,8 +82,6 @@ class RuntimeConfig:
         type=non_negative,
         metavar="MIB",
     )
-    # sampling inside the training scheduler's ticks (the serialized reference), not on its loop
-    sample_in_ticks: bool = setting(False)
     rollout_workers: int = setting(
         0,
         "serve sampling from this many worker processes per base model, each with its own "

@@ -38,7 +38,8 @@ from opentinker.models.registry import canonical_name
 from opentinker.models.vision import Vision
 from opentinker.sampling import NativeBackend, SamplingBackend
 from opentinker.sampling.decoder import Decoder
-from opentinker.sampling.loop import SamplingCore, SamplingLoop, SamplingService
+from opentinker.sampling.handles import SamplingService
+from opentinker.sampling.loop import SamplingCore, SamplingLoop
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import Scheduler, TickRecord
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
@@ -124,9 +125,7 @@ class Runtime:
         (:class:`~opentinker.service.scaleout.ScaleOut`)."""
         cfg = self.config = runtime_config(config, settings)
         self.dtype = dtype_name(resolve_dtype(cfg.dtype, cfg.device))  # a name: it travels to workers as is
-        check_rollout_options(
-            cfg.rollout_workers, cfg.sample_in_ticks, cfg.rollout_backend, self._vllm_options()
-        )
+        check_rollout_options(cfg.rollout_workers, cfg.rollout_backend, self._vllm_options())
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         # the server passes its store's published check and its durable sessions
         self.is_public: Callable[[str], bool] = is_public or (lambda path: False)
@@ -184,13 +183,12 @@ class Runtime:
                 )
                 engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
                 sampler, decoder = self._sampler(engine)
-                # sampling on its own thread, continuous batching (None: in the scheduler's ticks)
-                loop: Callable[[], SamplingService] | None = (
-                    None
-                    if self.config.sample_in_ticks
-                    else lambda: SamplingLoop(SamplingCore(decoder(), sampler))
-                )
-                b = BaseStack(engine, sampler, self.scaleout.scheduler_for(name, engine, sampler, loop))
+
+                # sampling on its own thread, continuous batching
+                def loop() -> SamplingService:
+                    return SamplingLoop(SamplingCore(decoder(), sampler))
+
+                b = BaseStack(engine, sampler, self.scaleout.scheduler_for(name, engine, loop))
                 self._stacks[name] = b
             return b
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tinker import types
@@ -9,13 +11,23 @@ from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
 from opentinker.engine import EngineError
 from opentinker.sampling import SampleRequest, SampleResult
+from opentinker.sampling.handles import SampleHandle
 from opentinker.sampling.types import Tokens, TokenSink
 from opentinker.service.convert import check_prompt_extras, model_input_parts, sample_response
 from opentinker.service.convert import sampling_params as to_sampling_params
 from opentinker.service.futures import ReadyClient, map_future
 from opentinker.service.runtime import Runtime
 
-__all__ = ["SamplingClient", "TokenSink", "Tokens"]
+__all__ = ["SamplingClient", "Submitted", "TokenSink", "Tokens"]
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A sample request as :meth:`SamplingClient.submit` made it: its handle (request id and
+    raw future, for ``held_back`` / ``cancel`` / ``abort``) and the future of its response."""
+
+    handle: SampleHandle
+    response: AwaitableConcurrentFuture[types.SampleResponse]
 
 
 class SamplingClient(ReadyClient):
@@ -54,18 +66,17 @@ class SamplingClient(ReadyClient):
         prompt_alt_tokens_k: int = 0,
         prompt_logprobs_last_n: int | None = None,
     ) -> AwaitableConcurrentFuture[types.SampleResponse]:
-        return self._sample(
-            None,
+        return self.submit(
             prompt,
             num_samples,
             sampling_params,
-            include_prompt_logprobs,
-            topk_prompt_logprobs,
-            topk_sample_logprobs,
-            target_prompt_logprobs,
-            prompt_alt_tokens_k,
-            prompt_logprobs_last_n,
-        )
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=target_prompt_logprobs,
+            prompt_alt_tokens_k=prompt_alt_tokens_k,
+            prompt_logprobs_last_n=prompt_logprobs_last_n,
+        ).response
 
     def sample_streamed(
         self,
@@ -81,32 +92,32 @@ class SamplingClient(ReadyClient):
         """As :meth:`sample`, and the samples' tokens handed to ``sink`` while they decode (by the
         sampling loop and rollout workers; where sampling runs otherwise, they come only with the
         result). The result holds every token, streamed or not."""
-        return self._sample(
-            sink,
+        return self.submit(
             prompt,
             num_samples,
             sampling_params,
-            include_prompt_logprobs,
-            topk_prompt_logprobs,
-            topk_sample_logprobs,
-            None,
-            0,
-            None,
-        )
+            sink=sink,
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+        ).response
 
-    def _sample(
+    def submit(
         self,
-        sink: TokenSink | None,
         prompt: types.ModelInput,
         num_samples: int,
         sampling_params: types.SamplingParams,
-        include_prompt_logprobs: bool,
-        topk_prompt_logprobs: int,
-        topk_sample_logprobs: int,
-        target_prompt_logprobs: types.TensorData | None,
-        prompt_alt_tokens_k: int,
-        prompt_logprobs_last_n: int | None,
-    ) -> AwaitableConcurrentFuture[types.SampleResponse]:
+        *,
+        sink: TokenSink | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: types.TensorData | None = None,
+        prompt_alt_tokens_k: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+    ) -> Submitted:
+        """As :meth:`sample` (with ``sink``: :meth:`sample_streamed`), and the request's handle
+        beside its response: :meth:`held_back`, :meth:`cancel` and :meth:`abort` take it."""
         self._check_live()
         ids, images = model_input_parts(prompt, self._runtime.vision(self.base_model), "the prompt")
         targets = check_prompt_extras(
@@ -132,13 +143,17 @@ class SamplingClient(ReadyClient):
             stream=sink,
         )
         self._note_use()
+        handle = self._scheduler.submit_sample(req)
+        # a bound method: the queued request's future holds it, so this client (and its ephemeral
+        # snapshot) stays alive until the request has run, even for
+        # ``tc.save_weights_and_get_sampling_client().sample(...)``
+        convert = partial(self._response, target_layout=target_prompt_logprobs, last_n=prompt_logprobs_last_n)
+        return Submitted(handle, map_future(handle.future, convert))
 
-        def convert(res: SampleResult) -> types.SampleResponse:
-            return sample_response(
-                res, target_layout=target_prompt_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n
-            )
-
-        return map_future(self._submit(req), convert)
+    def _response(
+        self, res: SampleResult, *, target_layout: types.TensorData | None, last_n: int | None
+    ) -> types.SampleResponse:
+        return sample_response(res, target_layout=target_layout, prompt_logprobs_last_n=last_n)
 
     async def sample_async(self, *args: Any, **kwargs: Any) -> types.SampleResponse:
         # the SDK's deprecated form: the result itself (``await client.sample(...)`` is the new one)
@@ -154,40 +169,30 @@ class SamplingClient(ReadyClient):
             prompt_logprobs=True,
             images=images,
         )
+        handle = self._scheduler.submit_sample(req)
+        return map_future(handle.future, self._logprobs)
 
-        def logprobs(res: SampleResult) -> list[float | None]:
-            assert res.prompt_logprobs is not None
-            return res.prompt_logprobs
+    def _logprobs(self, res: SampleResult) -> list[float | None]:
+        # a bound method, for the reason :meth:`submit` gives
+        assert res.prompt_logprobs is not None
+        return res.prompt_logprobs
 
-        return map_future(self._submit(req), logprobs)
+    def held_back(self, handle: SampleHandle) -> bool:
+        """Is that request waiting for room in the sampler's running batch (it is at capacity)?"""
+        return self._scheduler.sample_state(handle) == "held_back"
 
-    def _submit(self, req: SampleRequest) -> Any:
-        fut = self._scheduler.submit_sample(req)
-        # The queued request keeps this client (and so its ephemeral snapshot) alive until it has
-        # run, even for ``tc.save_weights_and_get_sampling_client().sample(...)``.
-        fut._opentinker_client = self  # type: ignore[attr-defined]
-        return fut
+    def cancel(self, handle: SampleHandle) -> bool:
+        """Drop that request if the sampler has not taken it yet."""
+        return self._scheduler.cancel_sample(handle)
 
-    def last_ticket(self) -> int:
-        """The scheduler ticket of this thread's last sample request (see the scheduler)."""
-        return self._scheduler.last_sample_ticket()
-
-    def held_back(self, ticket: int) -> bool:
-        """Is that request waiting because full ticks of the sampler ran without it?"""
-        return self._scheduler.sample_state(ticket) == "held_back"
-
-    def cancel(self, ticket: int) -> bool:
-        """Drop that request if no tick has taken it yet."""
-        return self._scheduler.cancel_sample(ticket)
-
-    def abort(self, ticket: int) -> bool:
+    def abort(self, handle: SampleHandle) -> bool:
         """Drop that request now, even mid-decode (its rows leave the running batch), where the
-        rollout service can; else as :meth:`cancel`."""
-        return self._scheduler.abort_sample(ticket)
+        sampling service can; else as :meth:`cancel`."""
+        return self._scheduler.abort_sample(handle)
 
     @property
     def max_rows(self) -> int:
-        """Sampled sequences the sampler decodes together at most (one tick)."""
+        """Sampled sequences the sampler decodes together at most (per worker)."""
         return self._scheduler.max_sample_rows
 
     async def compute_logprobs_async(self, prompt: types.ModelInput) -> list[float | None]:

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any
 from opentinker.engine import DataParallelTrainer, Engine, EngineError, Trainer
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
-from opentinker.sampling import SamplingBackend
-from opentinker.sampling.loop import SamplingService
+from opentinker.sampling.handles import SamplingService
 from opentinker.scheduler import Scheduler
 from opentinker.workers.pool import WorkerPool
 from opentinker.workers.wire import WorkerOptions
@@ -193,8 +192,6 @@ class ScaleOut:
             if config.rollout_workers
             else "rollout_backend='vllm'"
             if config.rollout_backend == "vllm"
-            else "sample_in_ticks"
-            if config.sample_in_ticks
             else None
         )
         if other is not None:
@@ -429,22 +426,20 @@ class ScaleOut:
             next(iter(pools.values())).transport.check_capacity(extra)
         return extra
 
-    def scheduler_for(
-        self, name: str, engine: Engine, sampler: SamplingBackend, loop: Callable[[], SamplingService] | None
-    ) -> Scheduler:
+    def scheduler_for(self, name: str, engine: Engine, loop: Callable[[], SamplingService]) -> Scheduler:
         """Base model ``name``'s scheduler, training here or routed to its trainer workers (a lost
         worker's models are then put back by :meth:`worker_lost`), over its rollout service: its
         rollout workers (processes or Ray actors, snapshots sent as bytes) if it has any, else
-        ``loop()`` (None: sampling in the scheduler's ticks). Its workers of every kind are
+        ``loop()`` (a sharded group's sampler where its snapshots sample on the group). Its workers of every kind are
         checked against what the cluster has free before any starts."""
         self._check_fits()
         rollout: SamplingService | None = None
         if self.rollout_workers:
             rollout = self.rollout_pool(engine, name)
-        elif loop is not None and not self.sample_on_group:
+        elif not self.sample_on_group:
             rollout = loop()
         if not self.trainer_workers:
-            return Scheduler(engine, sampler, rollout=rollout)
+            return Scheduler(engine, rollout)
         from opentinker.cluster.trainer import TrainerPool
         from opentinker.cluster.trainer_router import RoutedScheduler
 
@@ -465,7 +460,7 @@ class ScaleOut:
             from opentinker.cluster.shard_sampling import GroupSampling
 
             rollout = GroupSampling(engine, pool, prefix_cache_bytes=self.config.prefix_cache_bytes)
-        router = RoutedScheduler(engine, sampler, pool, rollout=rollout)
+        router = RoutedScheduler(engine, pool, rollout=rollout)
         router.on_worker_lost = lambda slot, lost: self.worker_lost(router, slot.worker_id, lost)
         return router
 

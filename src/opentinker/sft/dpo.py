@@ -29,10 +29,9 @@ implicit reward gap, in nats), ``dpo/accuracy`` (pairs with chosen > rejected),
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,7 @@ from opentinker.data import supervised_datum
 from opentinker.renderers import Message, Renderer, check_messages
 from opentinker.sft.data import Batcher, read_jsonl
 from opentinker.sft.loop import lr_at
-from opentinker.tracking.run import RunResult, open_run
-from opentinker.tracking.schedule import check_schedule
+from opentinker.tracking.run import RunConfig, RunResult, check_at_least, check_positive, open_run
 
 
 @dataclass
@@ -117,40 +115,23 @@ def render_pairs(
 
 
 @dataclass
-class DPOConfig:
-    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+class DPOConfig(RunConfig):
+    """``steps`` > 0 overrides ``epochs``."""
+
     log_dir: str = "runs/dpo"
+    learning_rate: float = 1e-5
+    plot_keys: tuple[str, ...] = ("dpo/loss", "dpo/margin", "dpo/accuracy")
     data: str = ""
     beta: float = 0.1
     epochs: int = 1
-    steps: int = 0  # > 0 overrides epochs
     batch_size: int = 8  # pairs per step
-    learning_rate: float = 1e-5
-    lr_schedule: str = "linear"
-    lora_rank: int = 8
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = False
     max_length: int = 1024
-    save_every: int = 0
-    seed: int = 0
-    progress: bool = True
-    plot_keys: tuple[str, ...] = ("dpo/loss", "dpo/margin", "dpo/accuracy")
-    name: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        check_schedule(self.lr_schedule)
-        for k in ("epochs", "batch_size", "lora_rank", "max_length"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        for k in ("steps", "save_every"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
-        for k in ("learning_rate", "beta"):
-            v = getattr(self, k)
-            if not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{k} must be a positive number, got {v}")
+        super().check()
+        check_at_least(self, 1, "epochs", "batch_size", "max_length")
+        check_at_least(self, 0, "steps")
+        check_positive(self, "beta")
 
 
 DPOResult = RunResult  # the run scaffold's result, under this loop's name

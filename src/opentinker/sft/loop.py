@@ -27,60 +27,43 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tinker import types
 
 from opentinker.sft.data import Batcher, SupervisedData, trained_tokens
-from opentinker.tracking.run import RunResult, open_run
-from opentinker.tracking.schedule import check_schedule, schedule_factor
+from opentinker.tracking.run import RunConfig, RunResult, check_at_least, open_run
+from opentinker.tracking.schedule import schedule_factor
 
 Evaluator = Callable[[Any, int], Awaitable[dict[str, float]]]  # (sampling client, step) -> metrics
 Data = SupervisedData | Sequence[types.Datum]
 
 
 @dataclass
-class SFTConfig:
-    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+class SFTConfig(RunConfig):
+    """``steps`` > 0 overrides ``epochs``; ``lr_schedule`` decays to 0 at the last step."""
+
     log_dir: str = "runs/sft"
+    plot_keys: tuple[str, ...] = ("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy")
     data: str = ""  # chat JSONL for tasks that read one (``chat_sft``: "" = the bundled set)
     eval_data: str = ""
     epochs: int = 1
-    steps: int = 0  # > 0 overrides epochs
     batch_size: int = 16
-    learning_rate: float = 1e-4
-    lr_schedule: str = "linear"  # constant | linear | cosine (decay to 0 at the last step)
-    lora_rank: int = 8
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = False
     train_on: str = "all_assistant"  # or "last_assistant"
     max_length: int = 1024
     overlong: str = "raise"  # raise | truncate | skip (see opentinker.sft.data)
     eval_every: int = 10  # 0 = only at the start and the end
     eval_batch_size: int = 64
-    save_every: int = 0  # save_state every n steps (0 = only at the end)
-    seed: int = 0
-    progress: bool = True
-    plot_keys: tuple[str, ...] = ("loss/nll_per_token", "eval/nll_per_token", "eval/accuracy")
-    name: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        check_schedule(self.lr_schedule)
+        super().check()
         if self.train_on not in ("all_assistant", "last_assistant"):
             raise ValueError(f"train_on must be 'all_assistant' or 'last_assistant', got {self.train_on!r}")
         if self.overlong not in ("raise", "truncate", "skip"):
             raise ValueError(f"overlong must be 'raise', 'truncate' or 'skip', got {self.overlong!r}")
-        for k in ("epochs", "batch_size", "lora_rank", "max_length", "eval_batch_size"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        for k in ("steps", "eval_every", "save_every"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
-        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-            raise ValueError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        check_at_least(self, 1, "epochs", "batch_size", "max_length", "eval_batch_size")
+        check_at_least(self, 0, "steps", "eval_every")
 
     def total_steps(self, n_train: int) -> int:
         return self.steps or self.epochs * math.ceil(n_train / self.batch_size)

@@ -26,27 +26,65 @@ the index when this session saved none.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from opentinker.tracking.checkpoints import SINGLE, AdapterConfig, open_training_clients, save_checkpoints
+from opentinker.tracking.checkpoints import SINGLE, open_training_clients, save_checkpoints
 from opentinker.tracking.logger import RunLogger
 from opentinker.tracking.plot import plot_metrics
+from opentinker.tracking.schedule import check_schedule
 
 log = logging.getLogger(__name__)
 
 
-class RunConfig(AdapterConfig, Protocol):
-    """What the scaffold reads of a loop's config (``RLConfig``, ``SFTConfig``, ``DPOConfig``)."""
+@dataclass
+class RunConfig:
+    """What every training loop's config holds (``RLConfig``, ``SFTConfig``, ``DPOConfig`` extend
+    it, restating only the defaults they change): the adapter, the learning rate and its schedule,
+    and what the scaffold reads. :meth:`check` refuses bad values of these fields, naming them."""
 
-    log_dir: str
-    save_every: int  # 0 = only the final save
-    progress: bool
-    name: str
-    plot_keys: tuple[str, ...]
+    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    log_dir: str = "runs"
+    steps: int = 0
+    lora_rank: int = 8
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    learning_rate: float = 1e-4
+    lr_schedule: str = "linear"  # constant | linear | cosine
+    save_every: int = 0  # save_state every n steps (0 = only the final save)
+    seed: int = 0
+    progress: bool = True
+    plot_keys: tuple[str, ...] = ()
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        check_schedule(self.lr_schedule)
+        if self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+        check_positive(self, "learning_rate")
+
+
+def check_at_least(cfg: object, low: int, *names: str) -> None:
+    """Refuse fields of ``cfg`` below ``low``, naming the first."""
+    for k in names:
+        if getattr(cfg, k) < low:
+            raise ValueError(f"{k} must be >= {low}, got {getattr(cfg, k)}")
+
+
+def check_positive(cfg: object, *names: str) -> None:
+    """Refuse fields of ``cfg`` that are not positive finite numbers, naming the first."""
+    for k in names:
+        v = getattr(cfg, k)
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{k} must be a positive number, got {v}")
 
 
 class Run:

@@ -1,8 +1,9 @@
 """The rollout worker pool: sampling served by N worker processes, each with its own base model.
 
 :class:`WorkerPool` has the in-process :class:`~opentinker.sampling.loop.SamplingLoop`'s face
-(``submit`` → ``Future``, tickets, ``state``, ``cancel``, ``abort``, ``shutdown``), so the
-scheduler hands it samples the same way. One dispatcher thread owns every worker's pipe.
+(``submit`` → a :class:`~opentinker.sampling.handles.SampleHandle`; ``state``, ``cancel``,
+``abort`` of a handle; ``shutdown``; the bookkeeping is the shared
+:class:`~opentinker.sampling.handles.RequestBook`), so the scheduler hands it samples the same way. One dispatcher thread owns every worker's pipe.
 
 **Streams and aborts.** A streamed request's tokens come back from its worker as
 :class:`~opentinker.workers.wire.Tokens` messages while it decodes, and the dispatcher hands them
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import multiprocessing as mp
 import threading
@@ -65,7 +65,7 @@ from typing import Any
 from opentinker.engine import Engine
 from opentinker.lora import LoRAWeights
 from opentinker.sampling.decoder import MIN_SHARED_PREFIX, Pinned
-from opentinker.sampling.loop import SampleCancelled
+from opentinker.sampling.handles import RequestBook, SampleState
 from opentinker.sampling.types import SampleRequest, SamplingParams, TokenSink
 from opentinker.workers.lifecycle import WorkerLifecycle
 from opentinker.workers.process import WorkerDied, WorkerStartError
@@ -92,8 +92,10 @@ PREFIXES_PER_POLICY = 256  # finished sequences remembered per policy for prefix
 SWEEP_S = 0.5  # how often versions the engine no longer serves are retired from the workers
 
 
-class WorkerPool(WorkerLifecycle):
+class WorkerPool(RequestBook[Req], WorkerLifecycle):
     """Sampling served by worker processes (or actors): the module docstring."""
+
+    what = "the rollout worker pool"
 
     def __init__(
         self,
@@ -120,20 +122,16 @@ class WorkerPool(WorkerLifecycle):
         self.startup_timeout = startup_timeout
         self.options = options
         self.prefix_routing = options.prefix_cache_bytes > 0
-        self._lock = threading.RLock()
+        super().__init__()
         self._slots: list[Slot] = []
         self._inbox: deque[Req] = deque()
         self._pending: deque[Req] = deque()  # waiting for room on a worker
         self._publishing: list[tuple[str, Pinned]] = []  # handoffs ahead of use (publish)
-        self._reqs: dict[int, Req] = {}  # every unanswered request
-        self._ids = itertools.count(1)
-        self._local = threading.local()
         self._wire: dict[int, tuple[str, str | None, LoRAWeights]] = {}  # weights uid -> wire, policy, w
         self._bytes: dict[str, LoRABytes] = {}  # wire id -> its handoff payload
         self._prefixes: dict[str | None, OrderedDict[tuple[int, ...], int]] = {}
         self._rerun = self._published = self._retired = self._prefix_routed = 0
         self._last_sweep = 0.0
-        self._stopped = False
         self._scaling = threading.Lock()  # one scale at a time
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self.ready: list[Ready] = []
@@ -144,79 +142,51 @@ class WorkerPool(WorkerLifecycle):
         self._thread.start()
         atexit.register(_stop_at_exit, weakref.ref(self))
 
-    # ------------------------------------------------------------------ the loop's face
-    def submit(self, req: SampleRequest) -> Future:
-        """Sample ``req``, pinned now to the weights its policy names."""
-        fut: Future = Future()
-        try:
-            pinned = self.pin(req)
-        except Exception as e:  # an EngineError naming the problem, as in process
-            fut.set_exception(e)
-            return fut
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("the rollout worker pool is shut down")
-            rid = next(self._ids)
-            r = Req(rid, pinned, fut, self._wire_id(pinned))
-            self._reqs[rid] = r
-            self._inbox.append(r)
-        self._local.rid = rid
+    # ------------------------------------------------------------------ the request book's hooks
+    def _pin(self, req: SampleRequest) -> Pinned:
+        return self.pin(req)
+
+    def _enqueue(self, rid: int, pinned: Pinned, future: Future) -> Req:
+        r = Req(rid, pinned, future, self._wire_id(pinned))
+        self._inbox.append(r)
+        return r
+
+    @staticmethod
+    def _future(entry: Req) -> Future:
+        return entry.future
+
+    def _where(self, rid: int) -> SampleState:
+        """``queued``: not yet seen by the dispatcher; ``held_back``: no worker has room."""
+        if any(r.rid == rid for r in self._inbox):
+            return "queued"
+        return "held_back" if any(r.rid == rid for r in self._pending) else "taken"
+
+    def _unqueue(self, rid: int) -> bool:
+        for q in (self._inbox, self._pending):
+            for r in q:
+                if r.rid == rid:
+                    q.remove(r)
+                    return True
+        return False
+
+    def _stop(self, rid: int) -> None:
+        """The worker decoding it gets an :class:`~opentinker.workers.wire.Abort`: its rows leave
+        that worker's running batch before its next decode step."""
+        slot = next((s for s in self._slots if rid in s.inflight), None)
+        if slot is None:
+            return
+        del slot.inflight[rid]
+        if slot.handle is not None and slot.state in ("ready", "draining"):
+            try:
+                slot.handle.send(Abort(rid))
+            except WorkerDied as e:
+                self._died(slot, str(e))
+        self._finish_drain(slot)
+
+    def _woken(self) -> None:
         self._wake()
-        return fut
 
-    def last_request(self) -> int:
-        return int(getattr(self._local, "rid", 0))
-
-    def state(self, rid: int) -> str:
-        """``queued`` (not yet seen by the dispatcher), ``held_back`` (no worker has room) or
-        ``taken`` (sent to a worker, finished, or unknown)."""
-        with self._lock:
-            if any(r.rid == rid for r in self._inbox):
-                return "queued"
-            if any(r.rid == rid for r in self._pending):
-                return "held_back"
-        return "taken"
-
-    def cancel(self, rid: int) -> bool:
-        """Drop request ``rid`` before it is sent to a worker (True); a sent one runs on (False)."""
-        with self._lock:
-            for q in (self._inbox, self._pending):
-                for r in q:
-                    if r.rid == rid:
-                        q.remove(r)
-                        self._reqs.pop(rid, None)
-                        break
-                else:
-                    continue
-                break
-            else:
-                return False
-        r.future.set_exception(SampleCancelled(f"sample request {rid} was cancelled before it ran"))
-        return True
-
-    def abort(self, rid: int) -> bool:
-        """Drop request ``rid`` wherever it is: its future fails with ``SampleCancelled`` at once;
-        waiting here, it is never sent; on a worker, that worker gets an
-        :class:`~opentinker.workers.wire.Abort` and its rows leave its running batch before its
-        next decode step. False if it has been answered already (or is unknown)."""
-        if self.cancel(rid):
-            return True
-        with self._lock:
-            r = self._reqs.pop(rid, None)
-            if r is None:
-                return False
-            slot = next((s for s in self._slots if rid in s.inflight), None)
-            if slot is not None:
-                del slot.inflight[rid]
-                if slot.handle is not None and slot.state in ("ready", "draining"):
-                    try:
-                        slot.handle.send(Abort(rid))
-                    except WorkerDied as e:
-                        self._died(slot, str(e))
-                self._finish_drain(slot)
-        r.future.set_exception(SampleCancelled(f"sample request {rid} was aborted by its caller"))
-        return True
-
+    # ------------------------------------------------------------------ the service's face
     def follow(self, group: str, policy_id: str) -> None:
         """Nothing: a worker's rows finish on the weights they started with."""
 
@@ -224,10 +194,8 @@ class WorkerPool(WorkerLifecycle):
         with self._lock:
             if self._stopped:
                 return
-            self._stopped = True
             slots = list(self._slots)
-            left = list(self._reqs.values())
-            self._reqs.clear()
+            left = self._close()
             self._inbox.clear()
             self._pending.clear()
         self._wake()
@@ -358,7 +326,7 @@ class WorkerPool(WorkerLifecycle):
 
     def _answer(self, slot: Slot, d: Done) -> None:
         r = slot.inflight.pop(d.rid, None)
-        if r is None or self._reqs.pop(d.rid, None) is None:
+        if r is None or self._answered(d.rid) is None:
             return  # not this worker's (it was re-run elsewhere) or already answered
         slot.served += 1
         if d.error is not None:
@@ -436,7 +404,7 @@ class WorkerPool(WorkerLifecycle):
     def _sweep(self) -> None:
         """Retire, on every worker, versions the engine no longer serves and no request holds."""
         self._last_sweep = time.monotonic()
-        held = {r.wire for r in self._reqs.values()} | {w for w, _ in self._publishing}
+        held = {r.wire for r in self._open.values()} | {w for w, _ in self._publishing}
         for uid, (wire, policy, w) in list(self._wire.items()):
             if wire in held or _serves(self.engine, policy, w):
                 continue
@@ -459,7 +427,7 @@ class WorkerPool(WorkerLifecycle):
         why = "; ".join(s.error for s in self._slots if s.error) or "no worker is running"
         err = RuntimeError(f"no rollout worker can serve this request: {why}")
         for r in self._pending:
-            self._reqs.pop(r.rid, None)
+            self._answered(r.rid)
             r.future.set_exception(err)
         self._pending.clear()
 

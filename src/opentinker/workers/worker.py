@@ -25,7 +25,8 @@ import torch
 from opentinker.engine import Engine, EngineError
 from opentinker.models import load_base_model
 from opentinker.sampling import NativeBackend
-from opentinker.sampling.loop import Done, SampleCancelled, SamplingCore
+from opentinker.sampling.handles import SampleCancelled
+from opentinker.sampling.loop import Done, SamplingCore
 from opentinker.workers.wire import (
     Abort,
     Cancel,
