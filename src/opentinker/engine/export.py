@@ -7,7 +7,10 @@
   (PEFT's saved names: no adapter name in them; vLLM parses the module path out of the same keys);
 - ``target_modules`` the short module names (``q_proj``, ``down_proj``, ``lm_head``), as PEFT's
   own configs and vLLM's supported-module checks expect, unless a short name would also match a
-  module this adapter does not train (then the full module paths, which PEFT matches exactly);
+  module this adapter does not train, or, on a MoE model, is one that peft 0.21 rewrites into a
+  fused experts parameter (``gate_proj``/``up_proj``/``down_proj`` of a dense first layer or a
+  shared expert): then the full module paths, which PEFT matches exactly and leaves alone, so the
+  folder loads in ``peft`` as shipped;
 - routed experts (fused 3-D parameters, :mod:`opentinker.lora.experts`) through PEFT's
   ``target_parameters``: one ``ParamWrapper`` per targeted parameter, nested on the experts module
   in parameter order (the first innermost, under ``.base_layer``), with ``lora_A`` [r·E, in]
@@ -42,16 +45,29 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 
 
+# the module names peft 0.21 rewrites on a MoE model type whose weights transformers converts
+# (``transformers_weight_conversion._MOE_TARGET_MODULE_MAPPING``): a bare ``gate_proj`` there is
+# read as transformers 4's per-expert projection and turned into the fused ``gate_up_proj``
+# parameter at twice the rank. A dense first layer's or a shared expert's projection of that name
+# is written as its full path instead, which peft keeps as it is (no parameter has that path).
+_PEFT_MOE_RENAMED = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+
+
 def peft_target_modules(weights: LoRAWeights, groups: dict[str, TargetGroup]) -> list[str]:
-    """Short module names when each one names only trained modules, else the full paths."""
+    """Short module names where each one names only trained modules (and peft will not rewrite
+    it on a MoE model), else the full paths of the modules under that name."""
     plain = {n: g for n, g in groups.items() if not g.experts}
     trained = sorted(n for n in weights.a if n in plain)
     short = {name: name.rsplit(".", 1)[-1].partition("@")[0] for name in plain}
-    mine = {short[n] for n in trained}
-    others = {short[n] for n in plain if n not in weights.a}
-    if len(mine) == len(trained) and not mine & others:
-        return sorted(mine)
-    return [path for n in trained for path in groups[n].paths]
+    untrained = {short[n] for n in plain if n not in weights.a}
+    moe = any(g.experts for g in groups.values())
+    out: set[str] = set()
+    for name in trained:
+        if short[name] in untrained or (moe and short[name] in _PEFT_MOE_RENAMED):
+            out.update(groups[name].paths)
+        else:
+            out.add(short[name])
+    return sorted(out)
 
 
 def export_peft(
