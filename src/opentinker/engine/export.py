@@ -23,9 +23,10 @@
 
 :func:`export_merged` loads the base model fresh (fp32) and adds ``scale * B @ A`` to each
 targeted weight (transposed for GPT-2's ``Conv1D``), then saves it with ``save_pretrained``
-(safetensors) and the tokenizer. A base whose unembedding is tied to its embedding is untied first
-when the adapter trains the unembedding: the merged ``lm_head`` must not change the input
-embeddings too.
+(safetensors) and the tokenizer. A base whose unembedding is tied to its embedding stays tied: the
+unembedding's delta goes on the shared matrix, in both roles, as the engine applies it
+(docs/DESIGN.md, "Tied embeddings"); its PEFT export carries the pair on ``lm_head`` and, as
+``lora_embedding_A``/``_B``, on the input embedding, with ``ensure_weight_tying``.
 """
 
 from __future__ import annotations
@@ -71,8 +72,16 @@ def peft_target_modules(weights: LoRAWeights, groups: dict[str, TargetGroup]) ->
 
 
 def export_peft(
-    weights: LoRAWeights, groups: dict[str, TargetGroup], out_dir: str | Path, *, base_model: str
+    weights: LoRAWeights,
+    groups: dict[str, TargetGroup],
+    out_dir: str | Path,
+    *,
+    base_model: str,
+    tied_embedding: str | None = None,
 ) -> Path:
+    """``weights`` as a PEFT folder (module docstring); ``tied_embedding`` the input embedding's
+    module path when it shares its matrix with the unembedding (the unembedding's LoRA then goes on
+    it too, as PEFT's ``lora_embedding_A``/``_B``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -87,6 +96,8 @@ def export_peft(
             tensors[f"base_model.model.{path}.lora_A.weight"] = a[layer].contiguous().cpu()
             tensors[f"base_model.model.{path}.lora_B.weight"] = b[layer].contiguous().cpu()
         fan_in_fan_out |= group.fan_in_fan_out
+    embedding = _tied_embedding_tensors(weights, groups, tied_embedding)
+    tensors.update(embedding)
     target_parameters = sorted(n for n in weights.a if groups[n].experts)
     save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
     config = {
@@ -97,7 +108,10 @@ def export_peft(
         "lora_alpha": weights.config.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": peft_target_modules(weights, groups) or None,
+        "target_modules": sorted(
+            peft_target_modules(weights, groups) + ([tied_embedding] if embedding else [])
+        )
+        or None,
         "target_parameters": target_parameters or None,
         "fan_in_fan_out": fan_in_fan_out,
         "use_rslora": False,
@@ -105,11 +119,29 @@ def export_peft(
         "modules_to_save": None,
         "inference_mode": True,
     }
+    if embedding:
+        config["ensure_weight_tying"] = True
     if any(p.startswith("model.language_model.") for g in groups.values() for p in g.paths):
         # a VL model: its vision tower has projections of the same short names, never trained
         config["exclude_modules"] = rf".*\.({'|'.join(VISION_MODULES)})\..*"
     (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2))
     return out
+
+
+def _tied_embedding_tensors(
+    weights: LoRAWeights, groups: dict[str, TargetGroup], path: str | None
+) -> dict[str, torch.Tensor]:
+    """The tied unembedding's LoRA on the input embedding, in PEFT's ``Embedding`` layout: its delta
+    ``lora_embedding_B @ lora_embedding_A`` is [H, V], the transpose of the shared matrix's
+    ``B A`` ([V, r] by [r, H]), so ``lora_embedding_A`` = B^T [r, V], ``lora_embedding_B`` = A^T."""
+    unembed = [n for n in weights.a if groups[n].kind == "unembed"]
+    if path is None or not unembed:
+        return {}
+    a, b = weights.a[unembed[0]].detach()[0], weights.b[unembed[0]].detach()[0]
+    return {
+        f"base_model.model.{path}.lora_embedding_A": b.T.contiguous().cpu(),
+        f"base_model.model.{path}.lora_embedding_B": a.T.contiguous().cpu(),
+    }
 
 
 def _expert_tensors(
@@ -141,8 +173,6 @@ def _modules(group: TargetGroup) -> tuple[str, ...]:
 
 def merge_into(model: Any, weights: LoRAWeights, groups: dict[str, TargetGroup]) -> None:
     """Add the adapter's delta to ``model``'s weights in place (an HF model, not LoRA-wrapped)."""
-    if "unembed" in {groups[n].kind for n in weights.a}:
-        _untie_unembedding(model)
     with torch.no_grad():
         for name in sorted(weights.a):
             group = groups[name]
@@ -159,18 +189,6 @@ def merge_into(model: Any, weights: LoRAWeights, groups: dict[str, TargetGroup])
                 w = model.get_submodule(path).weight  # [out, in] ([in, out] for Conv1D)
                 delta = weights.scale * (b[layer].to(w) @ a[layer].to(w))  # [out, in]
                 w.add_(delta.T if group.fan_in_fan_out else delta)
-
-
-def _untie_unembedding(model: Any) -> None:
-    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if out_emb is None or in_emb is None or out_emb.weight is not in_emb.weight:
-        return
-    out_emb.weight = torch.nn.Parameter(out_emb.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    get_text_config = getattr(model.config, "get_text_config", None)
-    if callable(get_text_config):
-        text_config: Any = get_text_config()
-        text_config.tie_word_embeddings = False
 
 
 def export_merged(

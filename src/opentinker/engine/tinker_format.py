@@ -10,8 +10,8 @@ reads this layout; its converters document it (``tinker_cookbook/weights/_merge_
   B by ``lora_alpha / r``);
 - the unembedding under ``base_model.model.model.unembed_tokens`` (not ``lm_head``): the
   converters map it to ``lm_head`` when the base checkpoint has one, else (tied embeddings) onto
-  ``model.embed_tokens``, which changes the input embeddings too (this engine applies the
-  unembedding's LoRA to the output side only: see docs/SERVER.md);
+  ``model.embed_tokens``, the shared matrix in both its roles, which is how the engine applies
+  it (docs/DESIGN.md, "Tied embeddings");
 - routed experts as 3-D tensors under one key per projection of the experts module,
   ``<...>.experts.w1`` (gate), ``w3`` (up) and ``w2`` (down): A ``[E, r, in]``, B ``[E, out, r]``.
   A fused ``gate_up_proj`` is split into its gate and up rows (the halves ``[gate | up]``, or
