@@ -99,6 +99,9 @@ def export_peft(
     embedding = _tied_embedding_tensors(weights, groups, tied_embedding)
     tensors.update(embedding)
     target_parameters = sorted(n for n in weights.a if groups[n].experts)
+    modules = peft_target_modules(weights, groups)
+    if embedding and tied_embedding is not None:
+        modules.append(tied_embedding)
     save_file(tensors, str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
@@ -108,10 +111,7 @@ def export_peft(
         "lora_alpha": weights.config.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": sorted(
-            peft_target_modules(weights, groups) + ([tied_embedding] if embedding else [])
-        )
-        or None,
+        "target_modules": sorted(modules) or None,
         "target_parameters": target_parameters or None,
         "fan_in_fan_out": fan_in_fan_out,
         "use_rslora": False,
