@@ -59,6 +59,26 @@ def export_tinker(
     family (gpt-oss names attention ``attn``) decide the split and the names."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tensors = tinker_tensors(weights, groups, model)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    trained = sorted({k.removeprefix(PREFIX).rsplit(".", 3)[-3] for k in tensors})
+    config = {
+        "base_model_name_or_path": base_model,
+        "r": weights.rank,
+        "lora_alpha": weights.config.alpha,
+        "lora_dropout": 0.0,
+        "use_rslora": False,
+        "target_modules": trained,
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return out
+
+
+def tinker_tensors(
+    weights: LoRAWeights, groups: dict[str, TargetGroup], model: Any
+) -> dict[str, torch.Tensor]:
+    """``weights`` as the tensors of Tinker's ``adapter_model.safetensors``, by key (what
+    :func:`export_tinker` writes; an upload of external weights is checked against it)."""
     rename = _attention_rename(model)
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(weights.a):
@@ -74,18 +94,7 @@ def export_tinker(
                 _put(tensors, UNEMBED, a[layer], b[layer])
             else:
                 _put(tensors, rename(path), a[layer], b[layer])
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    trained = sorted({k.removeprefix(PREFIX).rsplit(".", 3)[-3] for k in tensors})
-    config = {
-        "base_model_name_or_path": base_model,
-        "r": weights.rank,
-        "lora_alpha": weights.config.alpha,
-        "lora_dropout": 0.0,
-        "use_rslora": False,
-        "target_modules": trained,
-    }
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    return out
+    return tensors
 
 
 def expert_pairs(
