@@ -192,24 +192,33 @@ NO_PEFT = {  # build_lora_adapter's folder, in peft: refused, or its keys droppe
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_cookbook_converters_on_every_family(runtime: Runtime, tmp_path: Path, family: str) -> None:
+# the dense families tied as their small checkpoints are (Llama 3.2 1B/3B, Qwen3 0.6B-4B), and
+# Gemma untied: the same converters, the other way round
+TIED = {"llama": True, "qwen3": True, "gemma3_text": False}
+
+
+@pytest.mark.parametrize(("family", "tied"), [(f, None) for f in sorted(FAMILIES)] + sorted(TIED.items()))
+def test_cookbook_converters_on_every_family(
+    runtime: Runtime, tmp_path: Path, family: str, tied: bool | None
+) -> None:
     """The SDK's default ``LoraConfig`` (attention, MLP and routed experts, unembedding) on a
-    random 2-layer model of each family; tied where the family's config ties by default
-    (gemma3_text, gpt2), untied otherwise (the tiny Llama is the tied dense case above)."""
-    base = family_model(tmp_path / family, family)
+    random 2-layer model of each family, tied where its config ties by default (gemma3_text,
+    gpt2), untied otherwise; then, for :data:`TIED`, the other way round."""
+    overrides = {} if tied is None else {"tie_word_embeddings": tied}
+    base = family_model(tmp_path / family, family, **overrides)
     tc = _trained(runtime, base)
     ext, want = _external(runtime, tc), _engine_logprobs(tc)
+    no_peft = NO_PEFT.get(family) if tied is None else ("lora_embedding_A" if tied else None)
     if family in NO_MERGE:
         with pytest.raises(WeightsMergeError, match=NO_MERGE[family]):
             _merged(base, ext, tmp_path / "merged")
     else:
         assert_logprobs_close(_logprobs(_merged(base, ext, tmp_path / "merged")), want)
-    if family not in NO_PEFT:
+    if no_peft is None:
         assert_logprobs_close(_logprobs(_peft_model(base, ext, tmp_path / "peft")), want)
-    elif "adapter serving" in NO_PEFT[family]:
-        with pytest.raises(WeightsAdapterError, match=NO_PEFT[family]):
+    elif "adapter serving" in no_peft:
+        with pytest.raises(WeightsAdapterError, match=no_peft):
             _peft_model(base, ext, tmp_path / "peft")
     else:
-        with pytest.warns(UserWarning, match=NO_PEFT[family]):
+        with pytest.warns(UserWarning, match=no_peft):
             _peft_model(base, ext, tmp_path / "peft")
