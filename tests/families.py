@@ -94,18 +94,3 @@ DENSE_FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
 }
 FAMILIES.update(DENSE_FAMILIES)
-
-
-def without_peft_v4_conversion(monkeypatch: Any, groups: dict[str, Any]) -> None:
-    """peft 0.21 rewrites, on MoE model types, every ``gate_proj``/``up_proj``/``down_proj`` target as
-    a transformers-4 per-expert target of the fused ``gate_up_proj`` (at twice the rank). On GLM-4
-    MoE and DeepSeek V3 (a dense first layer), Qwen3.5-MoE and Qwen3-Next (a shared expert) those targets are
-    plain projections, which the rewrite drops, and the experts' pairs then load at the wrong rank.
-    The exported folder is transformers-5 PEFT as it is, so it is loaded with the rewrite off."""
-    dense = [n for n, g in groups.items() if not g.experts and n.endswith(("gate_proj", "up_proj"))]
-    if dense:
-        import peft.tuners.tuners_utils as tu
-        import peft.utils.transformers_weight_conversion as conv
-
-        monkeypatch.setattr(conv, "convert_peft_config_for_transformers", lambda *a, **k: None)
-        monkeypatch.setattr(tu, "is_transformers_ge_v5", False, raising=False)

@@ -61,7 +61,7 @@ def test_merged_export_loads_in_transformers_and_equals_base_plus_adapter(traine
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
     assert AutoTokenizer.from_pretrained(str(out)).encode("hello")  # the tokenizer came along
     merged_lp = _target_logprobs(model)
     assert_logprobs_close(merged_lp, engine_lp)

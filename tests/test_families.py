@@ -22,7 +22,7 @@ from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from opentinker.sampling.decoder import run_to_completion
 from opentinker.sampling.types import SampleResult
 from tests.conftest import make_examples
-from tests.families import DENSE_FAMILIES, HYBRID_FAMILIES, family_model, without_peft_v4_conversion
+from tests.families import DENSE_FAMILIES, HYBRID_FAMILIES, family_model
 from tests.tolerances import assert_logprobs_close
 
 ADAM = AdamParams(learning_rate=2e-2)
@@ -117,7 +117,7 @@ def test_a_next_turn_from_the_prefix_cache_equals_a_fresh_prefill(trained: tuple
 
 
 def test_save_load_is_exact_and_peft_export_matches(
-    trained: tuple[Engine, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    trained: tuple[Engine, list[str]], tmp_path: Path
 ) -> None:
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
@@ -129,7 +129,6 @@ def test_save_load_is_exact_and_peft_export_matches(
     after = engine.forward_backward(ForwardRequest(loaded, data, backward=False)).outputs
     assert all(torch.equal(x["logprobs"], y["logprobs"]) for x, y in zip(before, after, strict=True))
     out = engine.export_peft(a, tmp_path / "peft")
-    without_peft_v4_conversion(monkeypatch, engine.lora.groups)
     fresh = AutoModelForCausalLM.from_pretrained(engine.base.path, dtype=torch.float32).eval()
     model = peft.PeftModel.from_pretrained(fresh, str(out)).eval()
     x = torch.stack([e.tokens_T for e in data])
@@ -155,6 +154,6 @@ def hybrid(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Engi
 
 
 def test_a_hybrid_family_saves_loads_and_exports_to_peft(
-    hybrid: tuple[Engine, list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    hybrid: tuple[Engine, list[str]], tmp_path: Path
 ) -> None:
-    test_save_load_is_exact_and_peft_export_matches(hybrid, tmp_path, monkeypatch)
+    test_save_load_is_exact_and_peft_export_matches(hybrid, tmp_path)

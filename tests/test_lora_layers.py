@@ -47,7 +47,8 @@ def _randomise(w: LoRAWeights, seed: int) -> LoRAWeights:
 def _reference_delta_model(
     model: torch.nn.Module, ml: MultiLoRA, weights: LoRAWeights | None, x: torch.Tensor
 ) -> torch.Tensor:
-    """Plain reference: one row, one adapter, hooks that add scale * x A^T B^T layer by layer."""
+    """Plain reference: one row, one adapter, hooks that add scale * x A^T B^T layer by layer (and,
+    with tied embeddings, the unembedding's delta scale * B A to the shared matrix's lookup)."""
     with ml.use(None):
         if weights is None:
             return model(x).logits
@@ -63,6 +64,13 @@ def _reference_delta_model(
                     return out + (inp[0] @ a.T @ b.T) * weights.scale
 
                 handles.append(mod.register_forward_hook(hook))
+        if ml.tied is not None and ml.tied in weights.a:  # the shared matrix W + s·B A, as embedding
+            a, b = weights.a[ml.tied][0], weights.b[ml.tied][0]
+
+            def embed(_m, inp, out, a=a, b=b):
+                return out + (b[inp[0]] @ a) * weights.scale
+
+            handles.append(model.get_input_embeddings().register_forward_hook(embed))
         try:
             return model(x).logits
         finally:

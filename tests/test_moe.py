@@ -21,7 +21,7 @@ from opentinker.lora import LoRAConfig
 from opentinker.models import BaseModel, load_base_model
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
 from tests.conftest import make_examples
-from tests.families import MOE_FAMILIES, family_model, without_peft_v4_conversion
+from tests.families import MOE_FAMILIES, family_model
 from tests.tolerances import assert_logprobs_close, assert_rel_close, assert_scalar_close
 
 ADAM = AdamParams(learning_rate=2e-2)
@@ -161,9 +161,7 @@ def test_sampled_logprobs_match_the_trainer(moe_base: BaseModel) -> None:
             assert_logprobs_close(lp, seq.logprobs)
 
 
-def test_save_load_is_exact_and_peft_export_matches(
-    moe_base: BaseModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_save_load_is_exact_and_peft_export_matches(moe_base: BaseModel, tmp_path: Path) -> None:
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
@@ -179,7 +177,6 @@ def test_save_load_is_exact_and_peft_export_matches(
         assert torch.equal(x["logprobs"], y["logprobs"])
 
     out = engine.export_peft(aid, tmp_path / "peft")
-    without_peft_v4_conversion(monkeypatch, engine.lora.groups)
     fresh = AutoModelForCausalLM.from_pretrained(engine.base.path, dtype=torch.float32).eval()
     model = peft.PeftModel.from_pretrained(fresh, str(out)).eval()
     x = torch.stack([e.tokens_T for e in data])

@@ -140,8 +140,9 @@ def sc_b(server: LocalServer) -> Iterator[tinker.ServiceClient]:
 @pytest.fixture(scope="module")
 def trained(sc_a: tinker.ServiceClient) -> tinker.TrainingClient:
     """Tenant A's model, trained a few steps (so its LoRA B matrices are not zero). Not its
-    unembedding: the tiny model ties it to the embedding, and the cookbook's converters then put
-    its LoRA on the shared matrix (``tests/test_tinker_weights.py``)."""
+    unembedding: the tiny model ties it to the embedding, and the cookbook's ``build_lora_adapter``
+    cannot write that for ``peft`` (its merge can:
+    :func:`test_cookbook_merge_on_a_tied_model_with_the_sdks_default_lora_config`)."""
     tc = sc_a.create_lora_training_client(TEST_MODEL, rank=4, seed=1, train_unembed=False).result()
     for _ in range(3):
         tc.forward_backward([DATUM], "cross_entropy").result()
@@ -328,6 +329,31 @@ def test_cookbook_weights_download_works_unmodified_on_both_path_kinds(
     assert_logprobs_close(_peft_logprobs(Path(out), _base_path(trained)), expected)
     exports = [p for p in (server.data_dir / "checkpoints").glob("*/external_weights/download")]
     assert exports == []  # the cookbook deleted its temporary export
+
+
+def test_cookbook_merge_on_a_tied_model_with_the_sdks_default_lora_config(
+    server: LocalServer, sc_a: tinker.ServiceClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SDK's default ``LoraConfig`` trains the unembedding, which the tiny model ties to its
+    embedding: the cookbook merges it into the shared matrix, and the server computes the same."""
+    weights = pytest.importorskip("tinker_cookbook.weights")
+    monkeypatch.setenv("TINKER_API_KEY", KEY_A)
+    tc = sc_a.create_lora_training_client(TEST_MODEL, rank=4, seed=2).result()
+    for _ in range(2):
+        tc.forward_backward([DATUM], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client("tied")
+    served = sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:]
+    ext = tc.save_weights_external("tied").result().path
+    out = weights.download(tinker_path=ext, output_dir=str(tmp_path / "ext"), base_url=server.base_url)
+    merged = tmp_path / "merged"
+    weights.build_hf_model(base_model=_base_path(tc), adapter_path=out, output_path=str(merged))
+    model = _load(str(merged))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    got = _model_logprobs(model)
+    np.testing.assert_allclose(got, np.array(served, dtype=np.float64), atol=1e-3)
+    base = _model_logprobs(_load(_base_path(tc)))
+    assert np.abs(got - base).max() > 1e-2  # training moved it: the comparison is not of two bases
 
 
 # ---------------------------------------------------------------------------- TTL

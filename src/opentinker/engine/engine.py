@@ -575,7 +575,13 @@ class Engine:
 
     def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The adapter (or snapshot) ``ref`` as a PEFT folder (see :mod:`opentinker.engine.export`)."""
-        return export_peft(self.adapter_weights(ref), self.lora.groups, out_dir, base_model=self.base.name)
+        return export_peft(
+            self.adapter_weights(ref),
+            self.lora.groups,
+            out_dir,
+            base_model=self.base.name,
+            tied_embedding=self.lora.tied_embedding,
+        )
 
     def export_tinker(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The adapter (or snapshot) ``ref`` in hosted Tinker's adapter layout, what

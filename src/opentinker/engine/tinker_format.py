@@ -10,8 +10,8 @@ reads this layout; its converters document it (``tinker_cookbook/weights/_merge_
   B by ``lora_alpha / r``);
 - the unembedding under ``base_model.model.model.unembed_tokens`` (not ``lm_head``): the
   converters map it to ``lm_head`` when the base checkpoint has one, else (tied embeddings) onto
-  ``model.embed_tokens``, which changes the input embeddings too (this engine applies the
-  unembedding's LoRA to the output side only: see docs/SERVER.md);
+  ``model.embed_tokens``, the shared matrix in both its roles, which is how the engine applies
+  it (docs/DESIGN.md, "Tied embeddings");
 - routed experts as 3-D tensors under one key per projection of the experts module,
   ``<...>.experts.w1`` (gate), ``w3`` (up) and ``w2`` (down): A ``[E, r, in]``, B ``[E, out, r]``.
   A fused ``gate_up_proj`` is split into its gate and up rows (the halves ``[gate | up]``, or
@@ -59,6 +59,26 @@ def export_tinker(
     family (gpt-oss names attention ``attn``) decide the split and the names."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tensors = tinker_tensors(weights, groups, model)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    trained = sorted({k.removeprefix(PREFIX).rsplit(".", 3)[-3] for k in tensors})
+    config = {
+        "base_model_name_or_path": base_model,
+        "r": weights.rank,
+        "lora_alpha": weights.config.alpha,
+        "lora_dropout": 0.0,
+        "use_rslora": False,
+        "target_modules": trained,
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return out
+
+
+def tinker_tensors(
+    weights: LoRAWeights, groups: dict[str, TargetGroup], model: Any
+) -> dict[str, torch.Tensor]:
+    """``weights`` as the tensors of Tinker's ``adapter_model.safetensors``, by key (what
+    :func:`export_tinker` writes; an upload of external weights is checked against it)."""
     rename = _attention_rename(model)
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(weights.a):
@@ -74,18 +94,7 @@ def export_tinker(
                 _put(tensors, UNEMBED, a[layer], b[layer])
             else:
                 _put(tensors, rename(path), a[layer], b[layer])
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    trained = sorted({k.removeprefix(PREFIX).rsplit(".", 3)[-3] for k in tensors})
-    config = {
-        "base_model_name_or_path": base_model,
-        "r": weights.rank,
-        "lora_alpha": weights.config.alpha,
-        "lora_dropout": 0.0,
-        "use_rslora": False,
-        "target_modules": trained,
-    }
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    return out
+    return tensors
 
 
 def expert_pairs(

@@ -73,8 +73,12 @@ class LoRABatch:
         row_index: torch.Tensor,
         groups: dict[str, TargetGroup],
         stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tied: str | None = None,
     ) -> None:
         self.entries = entries
+        # the unembedding's group when its matrix is the input embedding too (tied): its LoRA
+        # then acts in both roles (:meth:`embedding_delta`)
+        self.tied = tied
         # experts groups, (expert, entry)-major: A [L, E, K, r_max, in], B^T [L, E, K, r_max, out]
         self.a: dict[str, torch.Tensor] = {}  # group -> [K, L, r_max, in]
         self.b: dict[str, torch.Tensor] = {}  # group -> [K, L, out, r_max]
@@ -166,6 +170,23 @@ class LoRABatch:
         else:
             out = torch.bmm(_shrink(x3, a_t), b_t)
         return out.reshape(*shape[:-1], -1)
+
+    def embedding_delta(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The tied unembedding's LoRA as the input embedding sees it: row ``ids`` of the shared
+        matrix's delta ``scale·B A`` ([V, r] by [r, H]), for each row's entry; ``ids`` [B, T] or
+        [B]. None when the matrix is not shared or no entry trains it. The lookup gathers rows
+        of B, never the [V, H] delta."""
+        if self.tied is None or self.tied not in self.a:
+            return None
+        a_layers, b_layers = self.layers[self.tied]
+        a, b, scale = a_layers[0], b_layers[0], self.scale[self.tied]  # [K, r, H], [K, V, r], [K]
+        if self.single is not None:
+            e = self.single
+            return ((b[e][ids] * scale[e]) @ a[e]).to(dtype)
+        rows = self.row_index
+        ids2 = ids.reshape(rows.numel(), -1)  # [B, T]
+        picked = b[rows[:, None], ids2] * scale[rows][:, None, None]  # [B, T, r]
+        return torch.bmm(picked, a[rows]).reshape(*ids.shape, -1).to(dtype)
 
     def expert_weights(
         self, group: str, layer: int, dtype: torch.dtype
@@ -380,6 +401,8 @@ class MultiLoRA:
         # least recently used first; never stale (keyed by the weights' versions)
         self._expert_stacks: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        shared = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
         found: dict[str, list[_Site]] = {}
         for path, module in list(model.named_modules()):
             parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
@@ -408,6 +431,26 @@ class MultiLoRA:
                         _replace_module(model, site.path, MultiLoRALinear(site.module, self, group, pos))
         for path, params in experts.items():
             _replace_module(model, path, MultiLoRAExperts(model.get_submodule(path), self, params))
+        # tied embeddings: one matrix, one meaning. The unembedding's LoRA is a delta of the shared
+        # matrix, so the input embedding gets it too, as a merge into that matrix (hosted
+        # Tinker's converters, ``export_merged``) gives (docs/DESIGN.md, "Tied embeddings")
+        unembed = [n for n, g in self.groups.items() if g.kind == "unembed"]
+        self.tied: str | None = unembed[0] if shared and len(unembed) == 1 else None
+        # the input embedding's module path (for exports), when it shares the unembedding's LoRA
+        self.tied_embedding: str | None = None
+        if self.tied is not None and in_emb is not None:
+            self.tied_embedding = next(p for p, m in model.named_modules() if m is in_emb)
+            in_emb.register_forward_hook(self._embedding_hook)
+
+    def _embedding_hook(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        batch = self.batch
+        if batch is None or not args:
+            return out
+        d = batch.embedding_delta(args[0], out.dtype)
+        if d is None:
+            return out
+        scale = getattr(module, "embed_scale", None)  # Gemma's scaled embedding scales the lookup
+        return out + (d if scale is None else d * scale.to(d.dtype))
 
     def _sites(self, path: str, module: nn.Module, kind: str) -> list[_Site]:
         """The LoRA targets ``module`` offers: itself (a projection), or its fused expert parameters
@@ -462,7 +505,7 @@ class MultiLoRA:
     def make_batch(self, entries: list[LoRAWeights | None], row_index: torch.Tensor) -> LoRABatch | None:
         if all(e is None for e in entries):
             return None
-        return LoRABatch(entries, row_index, self.groups, self._expert_stacks)
+        return LoRABatch(entries, row_index, self.groups, self._expert_stacks, self.tied)
 
 
 @dataclass

@@ -406,8 +406,10 @@ class LeanModel:
             entry = rows if t == 1 else rows.repeat_interleave(t)
         return experts_forward(moe.experts, x, index, weights, entry, n_ent, pairs)
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, lora: LeanLoRA | None) -> torch.Tensor:
         h = F.embedding(ids, self.embed)
+        d = None if lora is None else lora.plan.embedding_delta(ids, h.dtype)  # a tied unembedding's
+        h = h if d is None else h + d
         return h if self.embed_scale is None else h * self.embed_scale
 
     def new_cache(self, rows: int, columns: int, max_columns: int) -> LeanCache:
@@ -434,7 +436,7 @@ class LeanModel:
         masks = {w: cache.attention_mask(c0, T, w) for w in {layer.window for layer in self.layers}}
         nq, nkv, D = self.n_heads, self.n_kv, self.head_dim
         tables = self.rope(pos)
-        h = self._embed(ids)
+        h = self._embed(ids, lora)
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln1)
             qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
@@ -485,7 +487,7 @@ class LeanModel:
         biases = {w: cache.decode_bias(nkv, w) for w in {layer.window for layer in self.layers}}
         terms = None if lora is None else lora.step_terms(len(self.layers))
         tables = {k: (c[:, 0], s[:, 0]) for k, (c, s) in self.rope(pos).items()}  # [B, 1, D]
-        h = self._embed(ids[:, 0])
+        h = self._embed(ids[:, 0], lora)
         for i, layer in enumerate(self.layers):
             x = self._rms(h, layer.ln1)
             y = F.linear(x, layer.w_qkv, layer.b_qkv)

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opentinker.server import (
     admin_routes,
+    checkpoint_search,
     cluster,
     console,
     console_api,
@@ -114,6 +115,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
 
     app.include_router(routes.router)  # the SDK's operations
     app.include_router(rest_routes.router)  # the REST checkpoint routes
+    app.include_router(checkpoint_search.router)  # SDK 0.39's search_checkpoints
     app.include_router(admin_routes.router)  # AdminClient's reads
     app.include_router(console.router)  # the pages at the SDK's console paths
     app.include_router(cluster.router)  # the operator's rollout-worker reads and scaling

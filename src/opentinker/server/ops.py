@@ -354,7 +354,7 @@ class Operations:
         name = req.path if req.path is not None else f"seq-{req.seq_id or uuid.uuid4().hex[:8]}"
 
         def saved(res: types.SaveWeightsResponse) -> dict[str, Any]:
-            self.reg.record_checkpoint(tenant, res.path, ttl_seconds=req.ttl_seconds)
+            self.reg.record_checkpoint(tenant, res.path, req.ttl_seconds, req.user_metadata)
             return {"path": res.path, "type": "save_weights"}
 
         def submit() -> Future:
@@ -369,7 +369,7 @@ class Operations:
         if req.path is not None:  # named, durable sampler weights
 
             def saved(res: types.SaveWeightsForSamplerResponse) -> dict[str, Any]:
-                self.reg.record_checkpoint(tenant, res.path, ttl_seconds=req.ttl_seconds)
+                self.reg.record_checkpoint(tenant, res.path, req.ttl_seconds, req.user_metadata)
                 return {"path": res.path, "type": "save_weights_for_sampler"}
 
             def submit() -> Future:

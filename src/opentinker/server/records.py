@@ -131,9 +131,19 @@ class Records:
         with self._lock:
             return {s.model_path for s in self.samplers.values() if s.model_path is not None}
 
-    def record_checkpoint(self, tenant: str, path: str, *, ttl_seconds: int | None = None) -> None:
+    def record_checkpoint(
+        self,
+        tenant: str,
+        path: str,
+        ttl_seconds: int | None = None,
+        user_metadata: dict[str, str] | None = None,
+    ) -> None:
+        """Index the checkpoint just saved at ``path``, with what its save attached
+        (``user_metadata``, kept in the index row's meta: ``search_checkpoints`` filters on it)."""
         rec = self.runtime.store.record(parse_tinker_path(path))
         row = CheckpointRow.from_record(rec, tenant, expiry(ttl_seconds))
+        if user_metadata:
+            row = dataclasses.replace(row, meta={**row.meta, "user_metadata": dict(user_metadata)})
         self.store.add_checkpoint(row)
 
     def add_sampler(

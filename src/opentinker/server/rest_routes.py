@@ -1,6 +1,7 @@
 """The REST checkpoint routes (the SDK's ``RestClient``) under ``/api/v1``: training runs and
 their checkpoints, deleting one, weights info, TTLs, publishing, the download URLs of external
-weights and the signed-URL file route they point at.
+weights and the signed-URL file route they point at; SDK 0.39's external weights upload (its
+start, signed PUTs and finish: :mod:`~opentinker.server.weights_upload`).
 
 The logic is :mod:`~opentinker.server.checkpoints` (listing, TTLs, publishing: tenant-filtered)
 and :mod:`~opentinker.server.downloads` (signed URLs); a deletion is recorded in the audit log.
@@ -8,6 +9,7 @@ and :mod:`~opentinker.server.downloads` (signed URLs); a deletion is recorded in
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -15,6 +17,8 @@ from fastapi.responses import FileResponse
 
 from opentinker.server import schemas as S
 from opentinker.server.deps import ServerDep, Tenant, api_key
+from opentinker.server.signing import UPLOAD_ROUTE
+from opentinker.server.weights_upload import UploadFinishRequest, UploadStartRequest
 
 API = "/api/v1"
 CKPT = f"{API}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}"
@@ -121,3 +125,34 @@ async def download(
         model_id, kind, name, file, tenant=tenant, expires=expires, sig=sig, caller=caller
     )
     return FileResponse(found, media_type="application/octet-stream", filename=file)
+
+
+# SDK 0.39's external weights upload (server/weights_upload.py)
+
+
+@router.post("/api/v1/external_weights_upload_start", tags=["checkpoints"])
+async def upload_start(
+    server: ServerDep, req: UploadStartRequest, request: Request, t: Tenant
+) -> dict[str, Any]:
+    return await asyncio.to_thread(server.uploads.start, t, str(request.base_url), req)
+
+
+@router.put(f"{UPLOAD_ROUTE}/{{upload_id}}/{{file}}", tags=["checkpoints"])
+async def upload_file(
+    server: ServerDep,
+    upload_id: str,
+    file: str,
+    request: Request,
+    tenant: str = "",
+    expires: str = "",
+    sig: str = "",
+) -> dict[str, Any]:
+    """A file of an upload, behind its signed PUT URL (no API key needed)."""
+    body = await request.body()
+    await asyncio.to_thread(server.uploads.put, upload_id, file, tenant, expires, sig, body)
+    return {}
+
+
+@router.post("/api/v1/external_weights_upload_finish", tags=["checkpoints"])
+async def upload_finish(server: ServerDep, req: UploadFinishRequest, t: Tenant) -> dict[str, Any]:
+    return await asyncio.to_thread(server.uploads.finish, t, req)

@@ -29,6 +29,7 @@ from opentinker.server.errors import Forbidden
 SECRET_FILE = "url_signing.key"
 DEFAULT_URL_TTL_S = 3600  # "the URL expires after about an hour" (the SDK's docs)
 DOWNLOAD_ROUTE = "/api/v1/downloads"
+UPLOAD_ROUTE = "/api/v1/external_weights_uploads"  # SDK 0.39's signed PUT URLs of an upload
 
 
 def load_secret(data_dir: str | Path) -> bytes:
@@ -74,19 +75,38 @@ class UrlSigner:
         )
         return f"{base_url.rstrip('/')}{DOWNLOAD_ROUTE}/{quote(where)}/{quote(file)}?{query}"
 
-    def verify(self, tenant: str, tinker_path: str, file: str, expires: str, sig: str) -> None:
+    def sign_upload(self, base_url: str, tenant: str, upload_id: str, file: str, expires: int) -> str:
+        """A PUT URL for ``file`` of upload ``upload_id`` (signed as ``upload://<id>``, so no
+        download URL works as an upload URL, nor the other way round)."""
+        query = urlencode(
+            {
+                "tenant": tenant,
+                "expires": expires,
+                "sig": self._sig(tenant, upload_path(upload_id), file, expires),
+            }
+        )
+        return f"{base_url.rstrip('/')}{UPLOAD_ROUTE}/{quote(upload_id)}/{quote(file)}?{query}"
+
+    def verify(
+        self, tenant: str, tinker_path: str, file: str, expires: str, sig: str, what: str = "download"
+    ) -> None:
         """Refuse (403, naming why) a URL whose signature does not match or that has expired."""
         try:
             when = int(expires)
         except ValueError:
-            raise Forbidden("malformed download URL: expires is not a unix time") from None
+            raise Forbidden(f"malformed {what} URL: expires is not a unix time") from None
         want = self._sig(tenant, tinker_path, file, when)
         if not hmac.compare_digest(want.encode(), sig.encode()):
             raise Forbidden(
-                "invalid download URL signature: the URL was changed or was not made by this server"
+                f"invalid {what} URL signature: the URL was changed or was not made by this server"
             )
         if time.time() >= when:
             raise Forbidden(
-                f"download URL expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(when))}; "
+                f"{what} URL expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(when))}; "
                 "ask for new URLs"
             )
+
+
+def upload_path(upload_id: str) -> str:
+    """What an upload's URLs sign in place of a tinker path."""
+    return f"upload://{upload_id}"

@@ -30,6 +30,7 @@ from opentinker.server.store import Store
 from opentinker.server.tokens import TokenSigner, load_secret
 from opentinker.server.traces import SessionTraces
 from opentinker.server.usage import Ledger
+from opentinker.server.weights_upload import WeightsUploads
 from opentinker.service import Runtime
 from opentinker.service.sessions import Sessions, session_of
 
@@ -66,6 +67,7 @@ class Server:
         self.checkpoints = CheckpointApi(self.runtime.store, self.store, self.runtime.external)
         signer = UrlSigner(config.data_dir)
         self.downloads = Downloads(self.checkpoints, self.runtime.external, signer, self.traces, self.store)
+        self.uploads = WeightsUploads(self.registry, signer, config.data_dir)  # SDK 0.39's uploads
         self.sessions = SessionApi(self.runtime.sessions, self.store, config.session_inactive_s)
         self.projects = ProjectApi(self.registry)
         reconcile(self.runtime.store, self.store, self.runtime.external)
