@@ -149,3 +149,135 @@ def test_reasoning_gym_cli_against_a_server_two_tasks(tmp_path: Path, server: Lo
         assert [x["step"] for x in read_metrics(d / r)] == [0, 1]
         index = [json.loads(x) for x in (d / r / "checkpoints.jsonl").read_text().splitlines()]
         assert index[-1]["path"].startswith("tinker://")
+
+
+# ---------------------------------------------------------------------------------- verifiers
+def _exact(completion: Any, answer: str, **_: Any) -> float:
+    """The user's reward function: the last assistant message is exactly the answer."""
+    said = [m["content"] for m in completion if m["role"] == "assistant"]
+    return 1.0 if said and said[-1].strip() == answer else 0.0
+
+
+def _short(completion: Any, **_: Any) -> float:
+    return 1.0 / (1 + len(completion[-1]["content"]))
+
+
+VF_ROWS = [
+    {"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(2, 3), (4, 4), (7, 1), (6, 2)]
+]
+
+
+def _single_turn() -> Any:
+    import verifiers as vf
+    from datasets import Dataset
+
+    rubric = vf.Rubric(funcs=[_exact, _short], weights=[1.0, 0.5])
+    return vf.SingleTurnEnv(
+        dataset=Dataset.from_list(VF_ROWS), rubric=rubric, system_prompt="Answer with a number."
+    )
+
+
+def _multi_turn() -> Any:
+    """Up to 3 tries; the environment says 'wrong' after a wrong one and stops after a right one."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    class Retry(vf.MultiTurnEnv):
+        async def env_response(self, messages: Any, state: Any, **kwargs: Any) -> Any:
+            if messages[-1]["content"].strip() == state["answer"]:
+                state["final_env_response"] = [{"role": "user", "content": "right"}]
+                return state["final_env_response"]
+            return [{"role": "user", "content": "wrong, try again"}]
+
+    return Retry(dataset=Dataset.from_list(VF_ROWS), rubric=vf.Rubric(funcs=[_exact]), max_turns=3)
+
+
+def test_verifiers_single_turn_reward_is_its_rubric(service: ServiceClient, renderer: Renderer) -> None:
+    """Sampled and hand-written replies: the reward is the rubric's weighted sum of the user's
+    reward functions of the same completion, each function logged as a metric."""
+    from opentinker.tasks.verifiers_task import environment_task
+
+    dataset, _ = environment_task(_single_turn(), renderer, _cfg())
+    policy = service.create_sampling_client(base_model=TEST_MODEL)
+    for b in dataset.batch(0):
+        g = asyncio.run(rollout_group(b, policy, types.SamplingParams(max_tokens=8, temperature=1.0), seed=2))
+        assert g.errors == 0 and len(g.trajectories) == 3
+        for t in g.trajectories:
+            text = renderer.parse_response(t.transitions[0].ac_T)[0]["content"]
+            completion = [{"role": "assistant", "content": text}]
+            want = _exact(completion, b.row["answer"]) + 0.5 * _short(completion)
+            assert t.total_reward == pytest.approx(want, abs=1e-12)
+            assert t.transitions[0].metrics["_short"] == pytest.approx(_short(completion))
+        env = asyncio.run(b.make_envs())[0]
+        ob = asyncio.run(env.initial_observation())
+        assert "Answer with a number." in renderer.decode(ob) and b.row["question"] in renderer.decode(ob)
+        res = asyncio.run(env.step(_reply_tokens(renderer, b.row["answer"])))
+        assert res.done and res.reward == pytest.approx(1.0 + 0.5 / (1 + len(b.row["answer"])))
+
+
+def test_verifiers_multi_turn_runs_its_env_response(renderer: Renderer) -> None:
+    """Its env_response answers between turns (one token sequence), its max_turns and
+    final_env_response end the episode, and its rubric scores the whole completion."""
+    from opentinker.tasks.verifiers_task import environment_task
+
+    dataset, _ = environment_task(_multi_turn(), renderer, _cfg())
+    b = dataset.batch(0)[0]
+    right = b.row["answer"]
+
+    async def episode(replies: list[str]) -> tuple[list[Any], Any]:
+        env = (await b.make_envs())[0]
+        ob = await env.initial_observation()
+        results = []
+        for r in replies:
+            action = _reply_tokens(renderer, r)
+            res = await env.step(action)
+            results.append(res)
+            if res.done:
+                break
+            assert res.next_ob_T[: len(ob) + len(action)] == ob + action  # one growing sequence
+            assert "wrong, try again" in renderer.decode(res.next_ob_T[len(ob) :])
+            ob = res.next_ob_T
+        return results, env
+
+    results, _ = asyncio.run(episode(["1", "0", "9"]))  # three wrong: max_turns ends it
+    assert [r.done for r in results] == [False, False, True] and results[-1].reward == 0.0
+    results, env = asyncio.run(episode(["1", right, "never sent"]))  # right on the second try
+    assert [r.done for r in results] == [False, True] and results[-1].reward == 1.0
+    assert env.state["stop_condition"] == "has_final_env_response"
+
+
+def test_verifiers_few_rl_steps(service: ServiceClient, renderer: Renderer, tmp_path: Path) -> None:
+    from opentinker.rl import RLConfig, run_rl
+    from opentinker.tasks.verifiers_task import environment_task
+
+    cfg = RLConfig(base_model=TEST_MODEL, log_dir=str(tmp_path / "vf"), steps=2, groups_per_step=2, group_size=3,
+                   lora_rank=4, max_tokens=6, eval_every=0, progress=False, extra={"eval_problems": 2})  # fmt: skip
+    dataset, evaluator = environment_task(_multi_turn(), renderer, cfg)
+    res = asyncio.run(run_rl(cfg, service, dataset, evaluator))
+    assert [r["step"] for r in res.metrics] == [0, 1] and "eval/reward" in res.metrics[-1]
+    assert all(r["env/errors"] == 0 and r["env/episodes"] == 6 for r in res.metrics)
+    assert res.metrics[0]["env/turns_mean"] > 1  # the tiny model is wrong: it gets its retries
+
+
+def test_verifiers_cli_loads_an_environment_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verifiers:<env_id>?arg=v`` loads the module's load_environment(arg=v), as verifiers does."""
+    (tmp_path / "tiny_sums_env.py").write_text(
+        "import verifiers as vf\nfrom datasets import Dataset\n\n"
+        "def load_environment(n: int = 3):\n"
+        "    rows = [{'question': f'{i} + 1 = ?', 'answer': str(i + 1)} for i in range(n)]\n"
+        "    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[lambda completion, answer, **_: float(answer in completion[-1]['content'])]))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    d = tmp_path / "run"
+    rc = main(["train", "rl", "--task", "verifiers:tiny-sums-env?n=4", "--steps", "2", "--log-dir", str(d),
+               "--data-dir", str(tmp_path / "ckpt"), "--group-size", "2", "--groups-per-step", "2",
+               "--max-tokens", "6", *FAST])  # fmt: skip
+    assert rc == 0
+    assert [r["step"] for r in read_metrics(d)] == [0, 1] and "eval/reward" in read_metrics(d)[-1]
+    rc = main(
+        ["train", "rl", "--task", "verifiers:no-such-env-here", "--log-dir", str(tmp_path / "x"), *FAST]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot load environment 'no-such-env-here'" in err and "Traceback" not in err

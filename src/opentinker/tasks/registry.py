@@ -131,6 +131,12 @@ ECOSYSTEM: dict[str, Library] = {
             "a reasoning-gym procedural dataset, scored by its own score_answer (single-turn)",
             {"max_tokens": 16, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
         ),
+        Library(
+            "verifiers", "rl", "opentinker.tasks.verifiers_task", "verifiers", "verifiers",
+            "verifiers:<env_id>[?<load_environment argument>=V...]",
+            "a verifiers environment (single- or multi-turn), its rubric as the reward",
+            {"max_tokens": 32, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
+        ),
     ]
 }  # fmt: skip
 
