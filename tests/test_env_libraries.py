@@ -281,3 +281,71 @@ def test_verifiers_cli_loads_an_environment_module(
     )
     err = capsys.readouterr().err
     assert rc == 2 and "cannot load environment 'no-such-env-here'" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------- skyrl-gym
+SKY = "skyrl_gym:gsm8k_multi_turn?max_turns=3&size=20"
+
+
+def test_skyrl_gym_turn_rewards_are_its_step(service: ServiceClient, renderer: Renderer) -> None:
+    """gsm8k_multi_turn: each turn's reward is skyrl-gym's own compute_score of that reply (strict,
+    its per-turn format score), its observations are the next turn, max_turns or a right answer
+    ends the episode."""
+    from skyrl_gym.envs.gsm8k.utils import compute_score
+
+    dataset, _ = get_task(SKY).build()(renderer, _cfg(eval_problems=2))
+    policy = service.create_sampling_client(base_model=TEST_MODEL)
+    b = dataset.batch(0)[0]
+    truth = b.row["reward_spec"]["ground_truth"]
+    g = asyncio.run(rollout_group(b, policy, types.SamplingParams(max_tokens=8, temperature=1.0), seed=4))
+    assert g.errors == 0 and len(g.trajectories) == 3
+    for t in g.trajectories:
+        for tr in t.transitions:
+            text = renderer.parse_response(tr.ac_T)[0]["content"]
+            assert tr.reward == compute_score(text, truth, method="strict", format_score=0.2 / 3, score=1.0)
+        assert len(t.transitions) == 3 or t.transitions[-1].reward == 1.0
+
+    async def hand(replies: list[str]) -> list[Any]:
+        env = (await b.make_envs())[0]
+        ob = await env.initial_observation()
+        assert "####" in renderer.decode(ob)  # SkyRL's answer format, asked in the prompt
+        out = []
+        for r in replies:
+            res = await env.step(_reply_tokens(renderer, r))
+            out.append(res)
+            if res.done:
+                return out
+            assert "final numeric answer" in renderer.decode(
+                res.next_ob_T
+            ) or "step-by-step" in renderer.decode(res.next_ob_T)
+        return out
+
+    got = asyncio.run(hand(["#### 0", f"so #### {truth}"]))
+    assert [r.done for r in got] == [False, True] and got[0].reward == pytest.approx(0.2 / 3)
+    assert got[1].reward == 1.0
+
+
+def test_skyrl_gym_cli_with_a_data_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rows in SkyRL's format from a JSONL file (reward_spec as a JSON string, as in its parquet)."""
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}? End with '#### N'."}],
+             "reward_spec": json.dumps({"method": "rule", "ground_truth": str(2 * i)})} for i in range(6)]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = tmp_path / "run"
+    rc = main(["train", "rl", "--task", f"skyrl_gym:gsm8k_multi_turn?data={data}&max_turns=2", "--steps", "2",
+               "--log-dir", str(d), "--data-dir", str(tmp_path / "ckpt"), "--group-size", "2",
+               "--groups-per-step", "2", "--max-tokens", "6", *FAST])  # fmt: skip
+    assert rc == 0
+    m = read_metrics(d)
+    assert [r["step"] for r in m] == [0, 1] and "eval/reward" in m[-1] and m[0]["env/errors"] == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "not messages", "reward_spec": {"ground_truth": "1"}}) + "\n" * 2)
+    for task, message in [
+        (f"skyrl_gym:gsm8k?data={bad}", "bad.jsonl, row 1: 'prompt' must be a non-empty list of messages"),
+        (f"skyrl_gym:gsm8k?data={tmp_path}/none.jsonl", "no such data file"),
+        ("skyrl_gym:text2sql", "needs its data"),
+        ("skyrl_gym:nope", "skyrl_gym has no environment 'nope'"),
+    ]:
+        rc = main(["train", "rl", "--task", task, "--log-dir", str(tmp_path / "x"), *FAST])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and "Traceback" not in err, err

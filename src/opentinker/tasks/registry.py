@@ -137,6 +137,12 @@ ECOSYSTEM: dict[str, Library] = {
             "a verifiers environment (single- or multi-turn), its rubric as the reward",
             {"max_tokens": 32, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
         ),
+        Library(
+            "skyrl_gym", "rl", "opentinker.tasks.skyrl_task", "skyrl_gym", "skyrl-gym",
+            "skyrl_gym:<env_id>[?data=<rows.jsonl|.parquet>&max_turns=N...]",
+            "a skyrl-gym text environment (multi-turn, its step's rewards); gsm8k ones generate their problems",
+            {"max_tokens": 64, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
+        ),
     ]
 }  # fmt: skip
 
