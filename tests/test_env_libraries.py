@@ -349,3 +349,53 @@ def test_skyrl_gym_cli_with_a_data_file(tmp_path: Path, capsys: pytest.CaptureFi
         rc = main(["train", "rl", "--task", task, "--log-dir", str(tmp_path / "x"), *FAST])
         err = capsys.readouterr().err
         assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------------------- textarena
+def test_textarena_game_is_textarenas(service: ServiceClient, renderer: Renderer) -> None:
+    """TicTacToe-v0 through our multi-agent coordinator: each player's prompt is textarena's own
+    observation for it, and the rewards are its close() after the same moves replayed in a fresh
+    textarena game."""
+    import textarena as ta
+
+    from opentinker.rl.multiagent import play_group
+
+    task = get_task("textarena:TicTacToe-v0").build()(renderer, _cfg(eval_games=0))
+    assert task.agents == ("player0", "player1") and task.evaluator is None
+    b = task.dataset.batch(0)[0]
+    policies = {a: service.create_sampling_client(base_model=TEST_MODEL) for a in task.agents}
+    group = asyncio.run(play_group(b, policies, types.SamplingParams(max_tokens=6, temperature=1.0), seed=5))
+    assert group.errors == 0 and len(group.games) == 3
+    for game in group.games:
+        moves = sorted(
+            (
+                (i * 2 + (a == "player1"), a, tr)
+                for a, t in game.trajectories.items()
+                for i, tr in enumerate(t.transitions)
+            ),
+            key=lambda x: x[0],
+        )  # TicTacToe alternates player0, player1
+        ref = ta.make("TicTacToe-v0")
+        ref.reset(num_players=2, seed=b.seed)
+        for _, agent, tr in moves:
+            pid, ob = ref.get_observation()
+            assert agent == f"player{pid}" and renderer.decode(tr.ob_T).count(ob.strip()[:80]) == 1
+            ref.step(renderer.parse_response(tr.ac_T)[0]["content"])
+        rewards, _ = ref.close()
+        assert game.rewards == {f"player{p}": float(r) for p, r in rewards.items()}
+
+
+def test_textarena_cli_trains_each_player(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "ttt"
+    rc = main(["train", "rl", "--task", "textarena:TicTacToe-v0", "--steps", "2", "--log-dir", str(d), "--data-dir",
+               str(tmp_path / "ckpt"), "--group-size", "2", "--groups-per-step", "2", "--max-tokens", "4",
+               "--base-model", TEST_MODEL, "--extra", "eval_games=2", "--no-progress"])  # fmt: skip
+    assert rc == 0
+    m = read_metrics(d)
+    assert [r["step"] for r in m] == [0, 1] and "eval/player0/win_rate" in m[-1]
+    assert all("player0/reward/mean" in r and "player1/reward/mean" in r and r["game/errors"] == 0 for r in m)
+    for task, message in [("textarena:TicTacToe-v9", "did you mean TicTacToe-v0"),
+                          ("textarena:TicTacToe-v0?players=5", "5 players")]:  # fmt: skip
+        rc = main(["train", "rl", "--task", task, "--log-dir", str(tmp_path / "x"), *FAST])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and "Traceback" not in err, err

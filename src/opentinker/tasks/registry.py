@@ -143,6 +143,12 @@ ECOSYSTEM: dict[str, Library] = {
             "a skyrl-gym text environment (multi-turn, its step's rewards); gsm8k ones generate their problems",
             {"max_tokens": 64, "group_size": 8, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
         ),
+        Library(
+            "textarena", "multiagent", "opentinker.tasks.textarena_task", "textarena", "textarena",
+            "textarena:<env_id>[?players=N&<game argument>=V...]",
+            "a textarena game (e.g. TicTacToe-v0), each player its own adapter",
+            {"max_tokens": 16, "group_size": 4, "groups_per_step": 4, "eval_every": 10, "learning_rate": 3e-4},
+        ),
     ]
 }  # fmt: skip
 
