@@ -399,3 +399,34 @@ def test_textarena_cli_trains_each_player(tmp_path: Path, capsys: pytest.Capture
         rc = main(["train", "rl", "--task", task, "--log-dir", str(tmp_path / "x"), *FAST])
         err = capsys.readouterr().err
         assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_each_library_against_a_server(
+    tmp_path: Path, server: LocalServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verifiers, skyrl-gym and textarena tasks over HTTP through the SDK, at once (one adapter
+    each, two for the game): folders, metrics and tinker:// checkpoints, as embedded."""
+    (tmp_path / "tiny_sums_env2.py").write_text(
+        "import verifiers as vf\nfrom datasets import Dataset\n\n"
+        "def load_environment():\n"
+        "    rows = [{'question': f'{i} + 1 = ?', 'answer': str(i + 1)} for i in range(4)]\n"
+        "    return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[lambda completion, answer, **_: float(answer in completion[-1]['content'])]))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    d = tmp_path / "remote"
+    tasks = "verifiers:tiny-sums-env2,skyrl_gym:gsm8k?size=10,textarena:TicTacToe-v0"
+    rc = main(["train", "rl", "--task", tasks, "--steps", "2", "--log-dir", str(d), "--server", server.base_url,
+               "--api-key", "tml-envlibs-key-0001", "--group-size", "2", "--groups-per-step", "1",
+               "--max-tokens", "6", "--base-model", TEST_MODEL, "--extra", "eval_problems=2",
+               "--extra", "eval_games=2", "--no-progress"])  # fmt: skip
+    assert rc == 0
+    runs = sorted(p.name for p in d.iterdir() if p.is_dir())
+    assert runs == ["skyrl_gym_gsm8k_size_10", "textarena_TicTacToe-v0", "verifiers_tiny-sums-env2"]
+    for r in runs:
+        assert [x["step"] for x in read_metrics(d / r)] == [0, 1]
+        index = [json.loads(x) for x in (d / r / "checkpoints.jsonl").read_text().splitlines()]
+        assert all(x["path"].startswith("tinker://") for x in index)
+    agents = {
+        json.loads(x).get("agent") for x in (d / runs[1] / "checkpoints.jsonl").read_text().splitlines()
+    }
+    assert agents == {"player0", "player1"}
