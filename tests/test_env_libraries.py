@@ -430,3 +430,22 @@ def test_each_library_against_a_server(
         json.loads(x).get("agent") for x in (d / runs[1] / "checkpoints.jsonl").read_text().splitlines()
     }
     assert agents == {"player0", "player1"}
+
+
+def test_skills_recipe_script(tmp_path: Path) -> None:
+    """recipes/skills/skills.py end to end on the tiny model (1 step): the accuracy matrix of the
+    base model and the four adapters on the four skills, written and printed."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "recipes/skills/skills.py"), "--base-model", TEST_MODEL, "--steps", "1",
+         "--eval-problems", "2", "--log-dir", str(tmp_path / "skills")],
+        capture_output=True, text=True, timeout=900, cwd=root,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((tmp_path / "skills" / "skills.json").read_text())
+    assert list(res["accuracy"]) == ["base", "add", "gcd", "count", "lcm"]
+    assert all(list(row) == ["add", "gcd", "count", "lcm"] for row in res["accuracy"].values())
+    assert res["steps"] == [1, 1, 1, 1] and "| base |" in out.stdout
