@@ -53,6 +53,10 @@ class OneTurn(Env):
     async def step(self, action: list[int]) -> StepResult:
         if self.fail == "step":
             raise RuntimeError("boom at step")
+        if self.fail == "hang":  # never answers: only the episode timeout ends it
+            await asyncio.Event().wait()
+        if self.fail == "malformed":  # text where the next observation's token ids belong
+            return StepResult(0.0, False, next_ob_T="the board is empty")  # type: ignore[arg-type]
         return StepResult(sum(action) % 101 / 100, True)
 
 
@@ -192,3 +196,31 @@ def test_multiagent_games_raise_on_a_dead_sampler(service: ServiceClient, render
     assert g.errors == 0 and len(g.games) == 3
     with pytest.raises(SamplerError, match="sampler worker 0 is gone"):
         asyncio.run(play_group(Games(renderer), {"A": DeadSampler()}, params, seed=0))
+
+
+def test_one_episode_in_eight_raises_one_hangs_the_run_trains_on(
+    service: ServiceClient, renderer: Renderer, tmp_path: Path
+) -> None:
+    """Of 8 episodes per step, one raises and one hangs past the episode timeout: each step trains
+    on the other 6, counts 2 errors, and writes both errors (what raised, the timeout) to
+    errors.jsonl; a malformed observation (text, not token ids) is a third kind, logged the same."""
+    fails = ["", "", "", "step", "", "hang", "", ""]
+    cfg = _cfg(tmp_path, "faults", steps=3, group_size=8, episode_timeout_s=1.0)
+    res = asyncio.run(run_rl(cfg, service, Dataset(renderer, fails)))
+    assert [r["step"] for r in res.metrics] == [0, 1, 2]
+    for row in res.metrics:
+        assert row["env/errors"] == 2 and row["env/episodes"] == 6 and row["train/datums"] == 6
+    errors = [json.loads(x) for x in (Path(cfg.log_dir) / "errors.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in errors] == [0, 0, 1, 1, 2, 2]
+    for step in range(3):
+        got = sorted(e["error"] for e in errors if e["step"] == step)
+        assert got == [
+            "OneTurn episode: RuntimeError: boom at step",
+            "OneTurn episode: TimeoutError: the environment's step took longer than 1 s",
+        ]
+
+    cfg = _cfg(tmp_path, "malformed", steps=1, group_size=4)
+    (row,) = asyncio.run(run_rl(cfg, service, Dataset(renderer, ["", "", "", "malformed"]))).metrics
+    assert row["env/errors"] == 1 and row["env/episodes"] == 3
+    (e,) = [json.loads(x) for x in (Path(cfg.log_dir) / "errors.jsonl").read_text().splitlines()]
+    assert "next observation is not a list of token ids (got str)" in e["error"]

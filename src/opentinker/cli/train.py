@@ -3,6 +3,8 @@
     opentinker train rl  --task addition --base-model opentinker/tiny --steps 30 --log-dir runs/add
     opentinker train rl  --task addition --runs 4 ...        # 4 seeds at once: one multi-LoRA run
     opentinker train rl  --task addition,guess_number ...    # several tasks at once, one adapter each
+    opentinker train rl  --task reasoning_gym:basic_arithmetic ...   # an environment library's task
+    opentinker train rl  --list-tasks                        # the tasks, and the libraries installed
     opentinker train sft --task chat_sft | --data chats.jsonl --base-model ... --steps 50 --log-dir runs/sft
 
 Settings are layered: the loop's config defaults (:class:`~opentinker.rl.RLConfig`,
@@ -73,9 +75,11 @@ class UsageError(Exception):
 
 
 # ---------------------------------------------------------------------------------------- parser
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, log_dir_required: bool = True) -> None:
     p.add_argument("--base-model", default=None, help=f"model name or local folder (default {SMOLLM2})")
-    p.add_argument("--log-dir", required=True, help="where config.json, metrics.jsonl, curves.png go")
+    p.add_argument(
+        "--log-dir", required=log_dir_required, help="where config.json, metrics.jsonl, curves.png go"
+    )
     p.add_argument("--steps", type=int, default=None, help="training steps")
     p.add_argument("--lr", type=float, default=None, help="Adam learning rate")
     p.add_argument("--rank", type=int, default=None, help="LoRA rank")
@@ -111,9 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="kind", required=True)
     rl_tasks = ", ".join(n for n, t in TASKS.items() if t.kind != "sft")
     rl = sub.add_parser("rl", help="reinforcement learning (rl and multiagent tasks)")
-    rl.add_argument("--task", required=True, help=f"a task, or several comma-separated ({rl_tasks})")
+    rl.add_argument(
+        "--task", default=None,
+        help=f"a task, or several comma-separated ({rl_tasks}, or an environment library's: see --list-tasks)",
+    )  # fmt: skip
+    rl.add_argument("--list-tasks", action="store_true", help="list the tasks and environment libraries")
     rl.add_argument("--runs", type=int, default=1, help="train K seeds at once (seed, seed+1, ...)")
-    _common(rl)
+    _common(rl, log_dir_required=False)  # not needed by --list-tasks (checked in train_rl_main)
     rl.add_argument("--loss", default=None, choices=LOSSES)
     rl.add_argument("--group-size", type=int, default=None, help="episodes per group (advantages within)")
     rl.add_argument("--groups-per-step", type=int, default=None)
@@ -261,6 +269,8 @@ class Job:
 def _rl_jobs(args: argparse.Namespace) -> list[tuple[str, TaskSpec, Any]]:
     from opentinker.rl import RLConfig
 
+    if not args.task or not args.log_dir:
+        raise UsageError("the following arguments are required: --task, --log-dir")
     names = [t.strip() for t in args.task.split(",") if t.strip()]
     if not names:
         raise UsageError("--task: no task named")
@@ -280,9 +290,9 @@ def _rl_jobs(args: argparse.Namespace) -> list[tuple[str, TaskSpec, Any]]:
             if len(specs) == 1 and args.runs == 1:
                 name = ""
             elif args.runs == 1:
-                name = spec.name
+                name = spec.slug
             else:
-                name = f"seed{seed}" if len(specs) == 1 else f"{spec.name}-seed{seed}"
+                name = f"seed{seed}" if len(specs) == 1 else f"{spec.slug}-seed{seed}"
             cfg = dataclasses.replace(
                 base, seed=seed, name=name or spec.name, extra=dict(base.extra),
                 log_dir=str(Path(args.log_dir) / name) if name else args.log_dir,
@@ -292,7 +302,10 @@ def _rl_jobs(args: argparse.Namespace) -> list[tuple[str, TaskSpec, Any]]:
 
 
 def _build_rl_job(name: str, spec: TaskSpec, cfg: Any, service: Any, renderer: Any, resume: bool) -> Job:
-    built = spec.build()(renderer, cfg)
+    try:
+        built = spec.build()(renderer, cfg)
+    except ValueError as e:  # a bad environment name or option, a library refusing its config
+        raise UsageError(str(e)) from None
     if spec.kind == "multiagent":
         from opentinker.rl.multiagent import run_multiagent
 
@@ -316,6 +329,11 @@ async def _run_all(jobs: list[Job], service: Any, resume: bool) -> list[Any]:
 
 
 def train_rl_main(args: argparse.Namespace) -> int:
+    if args.list_tasks:
+        from opentinker.tasks.registry import list_tasks
+
+        print(list_tasks())
+        return 0
     planned = _rl_jobs(args)
     base_models = {cfg.base_model for _, _, cfg in planned}
     base_model = next(iter(base_models))

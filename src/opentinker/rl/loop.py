@@ -30,7 +30,7 @@ from tinker import types
 
 from opentinker.rl.advantages import group_advantages
 from opentinker.rl.replay import SuccessReplay
-from opentinker.rl.rollout import gather_or_cancel, group_metrics, rollout_group
+from opentinker.rl.rollout import gather_or_cancel, group_metrics, rollout_group, write_failures
 from opentinker.rl.train_step import train_step
 from opentinker.rl.ttt import TTTConfig, TTTStats, TTTUpdates, fork_point, ttt_rollout_group
 from opentinker.rl.types import Evaluator, RLDataset, TrajectoryGroup
@@ -179,6 +179,7 @@ class _RLRun:
         t1 = time.monotonic()
         stale = self.version - sampled_at
         m: dict[str, Any] = {**group_metrics(groups), **self.ttt_metrics}
+        write_failures(self.log_dir, step, groups)  # each lost episode's error, beside env/errors
         if self.rollout_log is not None:
             episodes = []
             for gi, g in enumerate(groups):

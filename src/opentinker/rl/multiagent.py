@@ -65,7 +65,15 @@ from tinker import types
 from opentinker.rl.advantages import group_advantages, is_constant
 from opentinker.rl.datums import rl_datums
 from opentinker.rl.loop import RLConfig, learning_rate_at
-from opentinker.rl.rollout import SamplerError, env_call, gather_or_cancel, group_metrics, sample_tokens
+from opentinker.rl.rollout import (
+    SamplerError,
+    env_call,
+    failure,
+    gather_or_cancel,
+    group_metrics,
+    sample_tokens,
+    write_failures,
+)
 from opentinker.rl.timeline import OBSERVATION, merge_timelines
 from opentinker.rl.train_step import Learner, train_steps
 from opentinker.rl.types import (
@@ -156,8 +164,9 @@ async def play_group(
         games = list(await builder.make_games())
     except Exception as e:
         log.warning("making a group's games failed: %r", e)
-        return GameGroup([], builder.tags(), 1)
+        return GameGroup([], builder.tags(), 1, [failure("make_games", e)])
     errors = 0
+    failures: list[str] = []
 
     async def one(i: int, env: MultiAgentEnv) -> GameResult | None:
         nonlocal errors
@@ -171,11 +180,12 @@ async def play_group(
             raise
         except Exception as e:
             errors += 1
+            failures.append(failure(f"{type(env).__name__} game", e))
             log.warning("game %s failed: %r", type(env).__name__, e)
             return None
 
     results = await gather_or_cancel(*(one(i, g) for i, g in enumerate(games)))
-    return GameGroup([r for r in results if r is not None], builder.tags(), errors)
+    return GameGroup([r for r in results if r is not None], builder.tags(), errors, failures)
 
 
 def _mean(xs: list[float]) -> float:
@@ -350,6 +360,7 @@ class _AgentsLoop:
         t0 = time.monotonic()
         groups = await self.play(step)
         t1 = time.monotonic()
+        write_failures(self.cfg.log_dir, step, groups)
         m: dict[str, float] = game_metrics(groups)
         tgroups = {a: [g.trajectory_group(a) for g in groups] for a in agents}
         if self.rollout_log is not None:

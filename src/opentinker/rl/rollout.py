@@ -7,10 +7,11 @@ once).
 
 Two kinds of failure, told apart:
 
-* **The environment's**: its reset or step raises or times out, it returns a non-finite reward,
-  or its context is one the sampler refuses (longer than the model's, a token outside the
-  vocabulary). That episode fails alone: it is dropped from its group, counted
-  (``env/errors``) and logged; the run goes on.
+* **The environment's**: its reset or step raises or times out, it returns a non-finite reward
+  or an observation that is not a list of token ids, or its context is one the sampler refuses
+  (longer than the model's, a token outside the vocabulary). That episode fails alone: it is
+  dropped from its group, counted (``env/errors``) and its error kept (``failures``: a run's
+  loop writes them to ``errors.jsonl``, :func:`write_failures`); the run goes on.
 * **The sampler's** (the infrastructure): the sample request fails for any other reason (the
   sampler is shut down, its weights are gone, the server is unreachable or failed internally),
   or it returns tokens without finite logprobs. No episode can be trusted then, and training on
@@ -20,10 +21,12 @@ Two kinds of failure, told apart:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tinker import types
@@ -50,6 +53,33 @@ def refused_for_its_prompt(e: BaseException) -> bool:
     if isinstance(e, ValueError):
         return True
     return getattr(e, "status_code", None) in REQUEST_REFUSED
+
+
+def failure(where: str, e: BaseException) -> str:
+    """One line saying what failed: ``"<where>: <Error>: <message>"`` (the message cut at 300 chars)."""
+    text = " ".join(str(e).split())
+    return f"{where}: {type(e).__name__}: {text[:300]}" if text else f"{where}: {type(e).__name__}"
+
+
+def write_failures(log_dir: str | Path, step: int, groups: Sequence[Any]) -> int:
+    """Append the failures of step ``step``'s groups (:class:`TrajectoryGroup` or ``GameGroup``) to
+    ``log_dir/errors.jsonl``, one ``{"step", "tags", "error"}`` row each; how many were written."""
+    rows = [json.dumps({"step": step, "tags": list(g.tags), "error": f}) for g in groups for f in g.failures]
+    if rows:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(log_dir) / "errors.jsonl", "a") as fh:
+            fh.write("".join(r + "\n" for r in rows))
+    return len(rows)
+
+
+def token_ids(what: str, ob: Any) -> list[int]:
+    """``ob`` as a list of token ids, or ``ValueError`` saying what the environment returned instead."""
+    if isinstance(ob, str | bytes) or not isinstance(ob, Sequence):
+        raise ValueError(f"environment's {what} is not a list of token ids (got {type(ob).__name__})")
+    bad = next((x for x in ob if isinstance(x, bool) or not isinstance(x, int) or x < 0), None)
+    if bad is not None:
+        raise ValueError(f"environment's {what} holds {bad!r}, not a token id")
+    return list(ob)
 
 
 @dataclass
@@ -135,7 +165,7 @@ async def _episode(
             return traj
         if not res.next_ob_T:
             raise ValueError("environment is not done but returned an empty next observation")
-        ob_T = list(res.next_ob_T)
+        ob_T = token_ids("next observation", res.next_ob_T)
         extends = res.extends
         turn += 1
         step_seed = None if seed is None else seed + 7919 * turn
@@ -163,13 +193,14 @@ async def rollout_group(
         envs = list(await builder.make_envs())
     except Exception as e:  # a broken group is this group's failure alone
         log.warning("%s.make_envs failed: %r", type(builder).__name__, e)
-        return TrajectoryGroup([], builder.tags(), errors=1)
+        return TrajectoryGroup([], builder.tags(), errors=1, failures=[failure("make_envs", e)])
     group = _GroupRollout(
         envs, policy, params, seed, timeout_s, policy_version, policy_for_episode, on_episode_end
     )
     await group.reset()
     trajs = await group.episodes(await group.first_turns())
-    return TrajectoryGroup(group.add_group_rewards(builder, trajs), builder.tags(), group.errors)
+    trajs = group.add_group_rewards(builder, trajs)
+    return TrajectoryGroup(trajs, builder.tags(), group.errors, group.failures)
 
 
 class _GroupRollout:
@@ -185,6 +216,12 @@ class _GroupRollout:
         self.policy_for_episode, self.on_episode_end = policy_for_episode, on_episode_end
         self.obs: list[list[int] | None] = []  # each environment's opening observation (None: it failed)
         self.errors = 0
+        self.failures: list[str] = []
+
+    def fail(self, n: int, where: str, e: BaseException) -> None:
+        """Count ``n`` failed episodes and keep what they raised."""
+        self.errors += n
+        self.failures += [failure(where, e)] * n
 
     async def reset(self) -> None:
         """Every environment's opening observation, concurrently."""
@@ -192,9 +229,11 @@ class _GroupRollout:
 
     async def first_obs(self, env: Env) -> list[int] | None:
         try:
-            return list(await env_call("reset", env.initial_observation(), self.timeout_s))
+            return token_ids(
+                "observation", await env_call("reset", env.initial_observation(), self.timeout_s)
+            )
         except Exception as e:
-            self.errors += 1
+            self.fail(1, f"{type(env).__name__} reset", e)
             log.warning("environment %s failed at reset: %r", type(env).__name__, e)
             return None
 
@@ -228,7 +267,7 @@ class _GroupRollout:
         jobs = []
         for idx, got in firsts:
             if isinstance(got, BaseException):
-                self.errors += len(idx)
+                self.fail(len(idx), "first sample (the sampler refused the context)", got)
                 log.warning("the sampler refused the first turn's context: %r", got)
                 continue
             jobs += [self.episode(i, s) for i, s in zip(idx, got, strict=True)]
@@ -245,7 +284,7 @@ class _GroupRollout:
         except SamplerError:
             raise
         except Exception as e:
-            self.errors += 1
+            self.fail(1, f"{type(self.envs[i]).__name__} episode", e)
             log.warning("episode of %s failed: %r", type(self.envs[i]).__name__, e)
             return None
         finally:
@@ -263,7 +302,7 @@ class _GroupRollout:
                     raise ValueError(f"group reward {r} is not finite")
                 t.final_reward += float(r)
         except Exception as e:
-            self.errors += len(trajs)
+            self.fail(len(trajs), "group_rewards", e)
             log.warning("group rewards failed: %r", e)
             return []
         return trajs

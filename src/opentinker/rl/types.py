@@ -85,11 +85,13 @@ class Trajectory:
 
 @dataclass
 class TrajectoryGroup:
-    """The finished episodes of one group (failed ones dropped and counted in ``errors``)."""
+    """The finished episodes of one group (failed ones dropped and counted in ``errors``; what
+    each failure raised in ``failures``, one line each)."""
 
     trajectories: list[Trajectory]
     tags: list[str] = field(default_factory=list)
     errors: int = 0
+    failures: list[str] = field(default_factory=list)
 
     @property
     def rewards_G(self) -> list[float]:
@@ -311,6 +313,7 @@ class GameGroup:
     games: list[GameResult]
     tags: list[str] = field(default_factory=list)
     errors: int = 0
+    failures: list[str] = field(default_factory=list)  # what each failed game raised, one line each
 
     def trajectory_group(self, agent: str) -> TrajectoryGroup:
         """``agent``'s trajectories in this group's games (games where it never moved left out)."""
