@@ -29,13 +29,14 @@ from fastapi import APIRouter
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 from tinker.types import OwnSearchOwner, SearchOwner
 
-from opentinker.server.checkpoints import CHECKPOINT_TYPES, checkpoint_json
+from opentinker.server.checkpoints import checkpoint_json
 from opentinker.server.deps import ServerDep, Tenant
 from opentinker.server.errors import NotFound
 from opentinker.server.projects import check_project
 from opentinker.server.sessions import owner_urn
 from opentinker.server.store import CheckpointRow, Store
 from opentinker.service import canonical_name
+from opentinker.service.checkpoints import CHECKPOINT_TYPES
 from opentinker.service.sessions import session_of
 
 router = APIRouter()

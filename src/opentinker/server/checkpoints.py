@@ -117,6 +117,8 @@ def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
         row.size_bytes,
         public=row.public,
         expires_at=row.expires_at,
+        user_metadata=row.meta.get("user_metadata"),
+        base_model=row.meta.get("base_model") or None,
     )
 
 

@@ -92,8 +92,11 @@ def checkpoint_view(
     *,
     public: bool = False,
     expires_at: float | None = None,
+    user_metadata: dict[str, str] | None = None,
+    base_model: str | None = None,
 ) -> dict[str, Any]:
-    """A checkpoint as the SDK's ``Checkpoint`` reads it (JSON), embedded and over HTTP alike."""
+    """A checkpoint as the SDK's ``Checkpoint`` reads it (JSON), embedded and over HTTP alike;
+    ``user_metadata`` is what its save attached, ``base_model`` SDK 0.39's ``Checkpoint.base_model``."""
     return {
         "checkpoint_id": f"{kind}/{name}",
         "checkpoint_type": CHECKPOINT_TYPES.get(kind, "sampler"),
@@ -102,6 +105,8 @@ def checkpoint_view(
         "size_bytes": size_bytes,
         "public": public,
         "expires_at": None if expires_at is None else _iso(expires_at),
+        "user_metadata": user_metadata,
+        "base_model": base_model,
     }
 
 
