@@ -127,6 +127,8 @@ def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
         "size_bytes": row.size_bytes,
         "public": row.public,
         "expires_at": None if row.expires_at is None else _iso(row.expires_at),
+        "user_metadata": row.meta.get("user_metadata"),  # what its save attached
+        "base_model": row.meta.get("base_model") or None,  # SDK 0.39's Checkpoint.base_model
     }
 
 
