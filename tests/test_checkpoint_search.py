@@ -113,6 +113,11 @@ def test_pages_newest_first_through_the_cursor_and_only_the_callers(
     assert first.next_cursor.last_checkpoint_uuid == every[2].tinker_path
     assert {c.base_model for c in every} == {TEST_MODEL}  # Checkpoint.base_model
     assert {c.checkpoint_type for c in every} == {"training", "sampler", "external"}
+    # the 0.38 SDK's listing carries them too (its Checkpoint has user_metadata)
+    listed = tinker.RestClient(base_url=server.base_url, api_key=KEY_A).list_user_checkpoints().result()
+    by_path = {c.tinker_path: c for c in listed.checkpoints}
+    assert by_path[saved["s1"]].user_metadata == {"stage": "sft", "run": "7"}
+    assert by_path[saved["w1"]].user_metadata is None
     # B sees B's alone, whatever the owner asked for
     b = Client039(server, KEY_B)
     for owner in ({"type": "own"}, {"type": "accessible"}):

@@ -16,8 +16,8 @@ or not. The filters, all of which must hold:
 
 Pages run newest first by ``(created_at, checkpoint id)``, the id being the checkpoint's tinker
 path (unique, unlike its name); ``next_cursor`` is the last one shown, and None once nothing is
-left. Each checkpoint is the listing's JSON plus SDK 0.39's ``base_model`` and its
-``user_metadata``.
+left. Each checkpoint is the listings' JSON (``checkpoint_json``: with SDK 0.39's ``base_model``
+and the save's ``user_metadata``).
 """
 
 from __future__ import annotations
@@ -61,15 +61,6 @@ class CheckpointSearchRequest(BaseModel):
     cursor: CheckpointSearchCursor | None = None
 
 
-def search_json(row: CheckpointRow) -> dict[str, Any]:
-    """A checkpoint as SDK 0.39's ``Checkpoint``: the listing's fields, its base model, its metadata."""
-    return {
-        **checkpoint_json(row),
-        "base_model": row.meta.get("base_model") or None,
-        "user_metadata": row.meta.get("user_metadata"),
-    }
-
-
 class CheckpointSearch:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -107,7 +98,7 @@ class CheckpointSearch:
             if last is None
             else {"last_created_at": _iso(last.created).isoformat(), "last_checkpoint_uuid": last.tinker_path}
         )
-        return {"checkpoints": [search_json(r) for r in page], "next_cursor": cursor}
+        return {"checkpoints": [checkpoint_json(r) for r in page], "next_cursor": cursor}
 
     def _matches(
         self,
