@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 import pytest
 from tinker import types
@@ -24,7 +25,7 @@ from opentinker.sampling import NativeBackend, SampleRequest, SampleResult, Samp
 from opentinker.sampling.loop import Publish, Retire, SamplingCore, SamplingLoop
 from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL, make_examples
-from tests.tolerances import assert_greedy_equal, assert_logprobs_close
+from tests.tolerances import LOGPROB_ATOL, assert_greedy_equal, assert_logprobs_close
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, stop=[])
 SEEDED = SamplingParams(max_tokens=48, temperature=1.0, seed=7, stop=[])
@@ -66,6 +67,20 @@ def _assert_same(got: SampleResult, ref: SampleResult) -> None:
         assert_greedy_equal(g.tokens, r.tokens)
         assert g.stop_reason == r.stop_reason
         assert_logprobs_close(g.logprobs, r.logprobs)
+
+
+def _same_up_to_near_ties(got: SampleResult, backend: NativeBackend, req: SampleRequest) -> None:
+    """A long greedy row against its solo run: tokens identical up to the first near tie of the
+    solo run's top two logprobs (a prefill of another length runs other matmul kernels, whose
+    fp32 rounding may pick either there: tests/tolerances.py), logprobs close up to there."""
+    [want] = backend.generate([replace(req, topk_sample_logprobs=2)])
+    want = _ok(want)
+    for g, w in zip(got.sequences, want.sequences, strict=True):
+        assert w.topk_logprobs is not None
+        gaps = [top[0][1] - top[1][1] for top in w.topk_logprobs]
+        assert_greedy_equal(g.tokens, w.tokens, gaps=gaps, gap_tol=2 * LOGPROB_ATOL)
+        n = next((i for i, x in enumerate(gaps) if x < 2 * LOGPROB_ATOL), len(gaps))
+        assert_logprobs_close(g.logprobs[:n], w.logprobs[:n])
 
 
 def _wait_steps(loop: SamplingLoop, n: int, timeout: float = 60.0) -> None:
@@ -134,6 +149,7 @@ def test_short_requests_resolve_before_the_long_one_finishes(engine: Engine, sna
     """One 256-token request and fifteen 8-token ones in one batch: every short one is answered
     while the long one still decodes (at its own stop, not the batch's end)."""
     long, short = _long_and_short(engine, snaps[0])
+    short = [replace(r, params=replace(r.params, temperature=0.0)) for r in short]
     backend = NativeBackend(engine)
     loop = _loop(backend)
     long_done_when: list[bool] = []
@@ -146,8 +162,10 @@ def test_short_requests_resolve_before_the_long_one_finishes(engine: Engine, sna
         loop.shutdown()
     assert long_done_when == [False] * 15
     assert len(results[0].sequences[0].tokens) == 256
+    # every row against its solo run up to a near tie: the batch's prefill runs at other shapes
+    # (other kernels, other rounding), so a seeded draw could flip at a near tie too: greedy rows
     for got, req in zip(results, [long, *short], strict=True):
-        _assert_same(got, _solo(backend, req))
+        _same_up_to_near_ties(got, backend, req)
 
 
 @pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "to-completion"])
