@@ -19,7 +19,7 @@ from typing import Any
 from opentinker.sampling import SampleRequest, SampleResult, SamplingBackend
 from opentinker.sampling.decoder import Pinned
 from opentinker.sampling.handles import RequestBook, SampleState
-from opentinker.scheduler import Scheduler
+from opentinker.scheduler import ModelQueue, Scheduler
 
 
 class TickSampling(RequestBook[Future]):
@@ -44,7 +44,8 @@ class TickSampling(RequestBook[Future]):
         # the first to run takes every waiting request, the later ones find fewer (or none)
         with self._lock:
             policy = self._waiting[-1][1].policy if self._waiting else None
-        self.scheduler.submit_call("" if policy is None else policy.partition("@")[0], self._batch)
+        owner = "" if policy is None else policy.partition("@")[0]
+        self.scheduler.submit_call(ModelQueue(owner), self._batch)
 
     @staticmethod
     def _future(entry: Future) -> Future:

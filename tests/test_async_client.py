@@ -20,6 +20,7 @@ from tinker import types
 
 import opentinker
 from opentinker.client import Runtime
+from opentinker.scheduler import ModelQueue
 from tests.conftest import TEST_MODEL
 
 TICKS_TO_OPEN = 20  # the ticker opens the gate after this many ticks of asyncio.sleep(0.001)
@@ -43,7 +44,7 @@ async def _while_gated(
     opened_by_ticker: list[bool] = []
     # the model's next op waits on the gate (the scheduler runs a model's ops in order)
     held = runtime.base_stack(TEST_MODEL).scheduler.submit_call(
-        model_id, lambda eng: opened_by_ticker.append(gate.wait(gate_timeout_s))
+        ModelQueue(model_id), lambda eng: opened_by_ticker.append(gate.wait(gate_timeout_s))
     )
     ticks = 0
     running = True

@@ -33,6 +33,7 @@ from tinker import types
 
 import opentinker
 from opentinker.engine import EngineError
+from opentinker.scheduler import ModelQueue
 from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_dp_loss import DATA, _router
@@ -65,7 +66,7 @@ def _state(router: Any, model_id: str) -> dict[str, Any]:
     optimizer state and step (read in the model's order)."""
     dp = router.dp[model_id]
     return router.submit_call(
-        model_id,
+        ModelQueue(model_id),
         lambda eng: {
             "w0": dp.weights(0),
             "w1": dp.weights(1),

@@ -21,7 +21,7 @@ from typing import Any
 from opentinker.engine import AdamParams, Engine, ForwardRequest
 from opentinker.lora import LoRAConfig
 from opentinker.sampling import NativeBackend, SampleRequest, SamplingParams
-from opentinker.scheduler import Scheduler
+from opentinker.scheduler import ModelQueue, Scheduler
 from tests.conftest import make_examples
 
 ADAM = AdamParams(learning_rate=1e-3)
@@ -38,7 +38,9 @@ def _client_loop(
     ops: list[tuple[str, int]] = []
 
     def call(name: str, fn: Any) -> Any:
-        out, tick = sched.submit_call(model_id, lambda eng: (fn(eng), sched.stats.ticks + 1)).result()
+        out, tick = sched.submit_call(
+            ModelQueue(model_id), lambda eng: (fn(eng), sched.stats.ticks + 1)
+        ).result()
         ops.append((name, tick))
         return out
 

@@ -22,7 +22,7 @@ import torch
 
 from opentinker.cluster.dp import DataParallelModel, shortfall
 from opentinker.cluster.trainer import TrainerPool, WorkerSlot
-from opentinker.engine import AdamParams, Engine, ForwardRequest, SnapshotInfo
+from opentinker.engine import AdamParams, Engine, ForwardRequest, ForwardResult, SnapshotInfo
 from opentinker.engine.trainer import DataParallelTrainer, Trainer
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAConfig, LoRAWeights, MultiLoRA
@@ -285,19 +285,19 @@ class RoutedTrainer:
     def adapter_step(self, adapter_id: str) -> int:
         return self._remote(adapter_id, "adapter_step", adapter_id)
 
-    def optimizer_state(self, adapter_id: str) -> Any:
+    def optimizer_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
         return self._remote(adapter_id, "optimizer_state", adapter_id)
 
-    def pending_gradients(self, adapter_id: str) -> Any:
+    def pending_gradients(self, adapter_id: str) -> dict[str, torch.Tensor] | None:
         return self._remote(adapter_id, "pending_gradients", adapter_id)
 
-    def optim_step(self, adapter_id: str, params: AdamParams) -> Any:
+    def optim_step(self, adapter_id: str, params: AdamParams) -> dict[str, float]:
         dp = self._dp(adapter_id)
         if dp is not None:
             return dp.optim_step(params)
         return self._remote(adapter_id, "optim_step", adapter_id, params)
 
-    def forward_backward(self, req: ForwardRequest) -> Any:
+    def forward_backward(self, req: ForwardRequest) -> ForwardResult:
         dp = self._dp(req.policy)
         if dp is not None:
             return dp.forward_request(req)

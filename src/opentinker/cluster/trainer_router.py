@@ -58,7 +58,7 @@ from opentinker.cluster.trainer import (
 from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest
 from opentinker.engine.trainer import Trainer
 from opentinker.sampling.handles import SamplingService
-from opentinker.scheduler import Scheduler
+from opentinker.scheduler import ModelQueue, QueueKey, Scheduler
 
 
 class _Lane:
@@ -100,9 +100,10 @@ class RoutedScheduler(Scheduler):
     def submit_optim(self, model_id: str, params: AdamParams) -> Future:
         return self._enqueue(model_id, lambda fut: self._send(model_id, "optim", params, fut))
 
-    def submit_call(self, model_id: str, fn: Callable[[Trainer], Any]) -> Future:
-        if not self._routed(model_id):  # e.g. a snapshot's release, a checkpoint served as a policy
-            return super().submit_call(model_id, fn)
+    def submit_call(self, key: QueueKey, fn: Callable[[Trainer], Any]) -> Future:
+        if not isinstance(key, ModelQueue):  # a version's: a snapshot's release, a checkpoint served
+            return super().submit_call(key, fn)
+        model_id = key.model_id
 
         def run(fut: Future) -> None:
             try:
@@ -111,11 +112,6 @@ class RoutedScheduler(Scheduler):
                 fut.set_exception(self._translate(e))
 
         return self._enqueue(model_id, run)
-
-    def _routed(self, key: str) -> bool:
-        """Whether queue ``key`` is a model's (placed, or about to be: a new model's first call),
-        rather than a policy version's (``<model>@v<n>``, a checkpoint's tinker path)."""
-        return "@" not in key and not key.startswith(("tinker://", "checkpoint-weights:", "export-"))
 
     def _enqueue(self, model_id: str, start: Callable[[Future], None]) -> Future:
         self._check_open()

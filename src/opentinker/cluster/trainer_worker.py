@@ -43,7 +43,7 @@ from opentinker.engine import AdamParams, Engine, EngineError, ForwardRequest, F
 from opentinker.engine.checkpoint import read_checkpoint, read_manifest, write_checkpoint
 from opentinker.lora import LoRAConfig, LoRAWeights
 from opentinker.models import load_base_model
-from opentinker.scheduler import Scheduler
+from opentinker.scheduler import ModelQueue, Scheduler
 
 # the Engine methods a router may run on a worker for a model it placed there
 ENGINE_CALLS = frozenset(
@@ -137,7 +137,7 @@ class TrainerWorker(GroupSamplingMember):
     def _submit_call(self, model_id: str, fn: Callable[[Engine], Any]) -> Future:
         """``fn`` in the model's order on the scheduler's thread, given this worker's own engine
         whole (what only an ``Engine`` has: lineage, pending gradients), not the ``Trainer`` seam."""
-        return self.scheduler.submit_call(model_id, lambda _: fn(self.engine))
+        return self.scheduler.submit_call(ModelQueue(model_id), lambda _: fn(self.engine))
 
     # ------------------------------------------------------------------ routed ops, in order
     def submit(

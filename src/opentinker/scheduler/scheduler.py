@@ -59,6 +59,33 @@ from opentinker.sampling.handles import SampleHandle, SampleState, SamplingServi
 OpKind = Literal["forward", "optim", "call"]
 
 
+@dataclass(frozen=True)
+class ModelQueue:
+    """The queue of training model ``model_id``: its operations in submission order (over trainer
+    workers, run on the worker holding it)."""
+
+    model_id: str
+
+    def __str__(self) -> str:
+        return self.model_id
+
+
+@dataclass(frozen=True)
+class VersionQueue:
+    """The queue of policy version ``policy_id`` (a snapshot, a checkpoint's weights loaded for
+    sampling or export): calls on the front-end's engine, which holds every version. ``owner``:
+    the training model it comes from, the client the batching window counts it for ("": none)."""
+
+    policy_id: str
+    owner: str = ""
+
+    def __str__(self) -> str:
+        return self.policy_id
+
+
+QueueKey = ModelQueue | VersionQueue
+
+
 @dataclass
 class _Op:
     kind: OpKind
@@ -110,7 +137,7 @@ class Scheduler:
         self.rollout = rollout  # None: no sampling here (a trainer worker's scheduler)
         self.stats = TickStats()
         self._tick_log: deque[TickRecord] = deque(maxlen=TICK_LOG)
-        self._queues: dict[str, deque[_Op]] = {}
+        self._queues: dict[QueueKey, deque[_Op]] = {}
         self._cv = threading.Condition()
         self._last_sources: set[str] = set()  # the clients served by the previous tick
         self._stopped = False
@@ -122,15 +149,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ submission
     def submit_forward(self, model_id: str, req: ForwardRequest) -> Future:
-        return self._submit(model_id, _Op("forward", req, Future()))
+        return self._submit(ModelQueue(model_id), _Op("forward", req, Future()))
 
     def submit_optim(self, model_id: str, params: AdamParams) -> Future:
-        return self._submit(model_id, _Op("optim", params, Future()))
+        return self._submit(ModelQueue(model_id), _Op("optim", params, Future()))
 
-    def submit_call(self, model_id: str, fn: Callable[[Trainer], Any]) -> Future:
+    def submit_call(self, key: QueueKey, fn: Callable[[Trainer], Any]) -> Future:
         """Run ``fn(trainer)`` in this model's order (saves, loads, snapshots, deletes): here the
         trainer is :attr:`engine`; over trainer workers, the router's (``engine/trainer.py``)."""
-        return self._submit(model_id, _Op("call", fn, Future()))
+        return self._submit(key, _Op("call", fn, Future()))
 
     def submit_sample(self, req: SampleRequest) -> SampleHandle:
         """Hand ``req`` to the sampling service: its handle (request id and future) says where it
@@ -139,7 +166,7 @@ class Scheduler:
         with self._cv:
             self._check_open()
             # its client is sampling now: the next tick's window does not wait for it
-            self._last_sources.discard(_client(req.policy))
+            self._last_sources.discard(_sampling_client(req.policy))
         return rollout.submit(req)
 
     def sample_state(self, handle: SampleHandle) -> SampleState:
@@ -173,14 +200,15 @@ class Scheduler:
             self.rollout.follow(group, policy_id)
 
     def queue_depths(self) -> dict[str, int]:
-        """Operations waiting per model (those of the tick now running are no longer counted)."""
+        """Operations waiting per queue, by its model or version id (those of the tick now running
+        are no longer counted)."""
         with self._cv:
-            return {m: len(q) for m, q in self._queues.items() if q}
+            return {str(k): len(q) for k, q in self._queues.items() if q}
 
-    def _submit(self, model_id: str, op: _Op) -> Future:
+    def _submit(self, key: QueueKey, op: _Op) -> Future:
         with self._cv:
             self._check_open()
-            self._queues.setdefault(model_id, deque()).append(op)
+            self._queues.setdefault(key, deque()).append(op)
             self._submissions += 1
             self._cv.notify()
         return op.future
@@ -243,7 +271,7 @@ class Scheduler:
             self._cv.wait(remaining)
 
     def _ready_sources(self) -> set[str]:
-        return {_client(m) for m, q in self._queues.items() if q}
+        return {c for k, q in self._queues.items() if q and (c := _client(k))}
 
     def _take_tick(self) -> tuple[list[_Op], list[_Op], list[tuple[str, _Op]]]:
         """Pop this tick's work from the queues (caller holds the lock)."""
@@ -251,10 +279,11 @@ class Scheduler:
         forwards: list[_Op] = []
         optims: list[tuple[str, _Op]] = []
         sources: set[str] = set()
-        for model_id, q in self._queues.items():
+        for key, q in self._queues.items():
             if not q:
                 continue
-            sources.add(_client(model_id))
+            if client := _client(key):  # a version owned by no model is nobody's client
+                sources.add(client)
             head = q[0]
             if head.kind == "call":
                 calls.append(q.popleft())
@@ -262,9 +291,9 @@ class Scheduler:
             if head.kind == "forward":
                 forwards.append(q.popleft())
             if q and q[0].kind == "optim":
-                optims.append((model_id, q.popleft()))
-        for model_id in [m for m, q in self._queues.items() if not q]:
-            del self._queues[model_id]
+                optims.append((str(key), q.popleft()))
+        for key in [k for k, q in self._queues.items() if not q]:
+            del self._queues[key]
         self._last_sources = sources
         return calls, forwards, optims
 
@@ -327,10 +356,15 @@ class Scheduler:
         self._queues.clear()
 
 
-def _client(key: str | None) -> str:
-    """The client behind a queue key or a sampled policy: a snapshot ``<model>@v<n>`` counts for
-    its model; the bare base model for nobody in particular."""
-    return "" if key is None else key.partition("@")[0]
+def _client(key: QueueKey) -> str:
+    """The client behind a queue: its model, or the model its version comes from."""
+    return key.model_id if isinstance(key, ModelQueue) else key.owner
+
+
+def _sampling_client(policy: str | None) -> str:
+    """The client behind a sampled policy: a snapshot ``<model>@v<n>`` counts for its model; the
+    bare base model for nobody in particular."""
+    return "" if policy is None else policy.partition("@")[0]
 
 
 def _stop_at_exit(ref: weakref.ref) -> None:

@@ -41,7 +41,7 @@ from opentinker.sampling.decoder import Decoder
 from opentinker.sampling.handles import SamplingService
 from opentinker.sampling.loop import SamplingCore, SamplingLoop
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
-from opentinker.scheduler import Scheduler, TickRecord
+from opentinker.scheduler import ModelQueue, Scheduler, TickRecord, VersionQueue
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
 from opentinker.service.config import RuntimeConfig, default_data_dir, runtime_config
 from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
@@ -272,7 +272,7 @@ class Runtime:
             )
             return self._register(rec, on_created)
 
-        return backend.scheduler.submit_call(model_id, make)
+        return backend.scheduler.submit_call(ModelQueue(model_id), make)
 
     def create_model_from_checkpoint(
         self,
@@ -315,7 +315,7 @@ class Runtime:
             )  # fmt: skip
             return self._register(rec, on_created)
 
-        return backend.scheduler.submit_call(model_id, make)
+        return backend.scheduler.submit_call(ModelQueue(model_id), make)
 
     def asked_data_parallel(self, user_metadata: Mapping[str, Any] | None) -> int | None:
         """The data-parallel degree a new model's ``user_metadata`` asks for (its
@@ -344,7 +344,7 @@ class Runtime:
                 eng.fork_adapter(source, into=model_id, parent=str(folder))
             rec.parent = ref.tinker_path
 
-        return self.base_stack(rec.base_model).scheduler.submit_call(model_id, load)
+        return self.base_stack(rec.base_model).scheduler.submit_call(ModelQueue(model_id), load)
 
     def delete_model(
         self, model_id: str, tenant: str | None = None, *, why: str | None = None
@@ -354,7 +354,7 @@ class Runtime:
         rec = self.model(model_id, tenant)
         rec.deleted, rec.gone = True, why
         return self.base_stack(rec.base_model).scheduler.submit_call(
-            model_id, lambda eng: eng.delete_adapter(model_id)
+            ModelQueue(model_id), lambda eng: eng.delete_adapter(model_id)
         )
 
     def _weights_source(self, eng: Trainer, ref: CheckpointRef) -> str:
@@ -406,17 +406,18 @@ class Runtime:
         """An immutable, sampleable copy of the model's weights, taken in the model's order."""
         rec = self.model(model_id)
         return self.base_stack(rec.base_model).scheduler.submit_call(
-            model_id, lambda eng: eng.snapshot(model_id)
+            ModelQueue(model_id), lambda eng: eng.snapshot(model_id)
         )
 
     def release_snapshot(self, base_model: str, snapshot_id: str, *, queue: str | None = None) -> None:
-        """Free a snapshot's weights, queued after the requests already on ``queue`` (default: its
-        own). Nothing to do once the runtime is shut down."""
+        """Free a snapshot's weights, queued after the requests already on model ``queue``'s
+        queue (default: the snapshot's own). Nothing to do once the runtime is shut down."""
         backend = self._stacks.get(canonical_name(base_model))
         if backend is None:
             return
         with contextlib.suppress(RuntimeError):  # a shut-down scheduler has nothing left to free
-            backend.scheduler.submit_call(queue or snapshot_id, lambda eng: eng.release_snapshot(snapshot_id))
+            key = ModelQueue(queue) if queue else VersionQueue(snapshot_id)
+            backend.scheduler.submit_call(key, lambda eng: eng.release_snapshot(snapshot_id))
 
     def follow_inflight(self, base_model: str, model_id: str, snapshot_id: str) -> None:
         """``model_id``'s inflight sample requests move to snapshot ``snapshot_id`` mid-decode."""
@@ -454,7 +455,7 @@ class Runtime:
                 eng.load_snapshot(folder, policy)
             return PolicyVersion(eng.base.name, policy)
 
-        return backend.scheduler.submit_call(ref.model_id, load)
+        return backend.scheduler.submit_call(ModelQueue(ref.model_id), load)
 
     def export_checkpoint_peft(self, path: str, tenant: str, out_dir: str | Path) -> Future[Path]:
         """Write ``tenant``'s checkpoint at ``path`` (weights or sampler_weights) to ``out_dir`` as a
@@ -471,7 +472,7 @@ class Runtime:
             finally:
                 eng.release_snapshot(snapshot_id)
 
-        return backend.scheduler.submit_call(ref.model_id, export)
+        return backend.scheduler.submit_call(ModelQueue(ref.model_id), export)
 
     def save_external(
         self, model_id: str, name: str, *, recipients: list[str] | None = None
@@ -499,7 +500,7 @@ class Runtime:
                 model_id, name, lambda folder: eng.export_tinker(model_id, folder), meta, parsed
             )
 
-        return self.base_stack(rec.base_model).scheduler.submit_call(model_id, export)
+        return self.base_stack(rec.base_model).scheduler.submit_call(ModelQueue(model_id), export)
 
     # ------------------------------------------------------------------ tenancy of checkpoints
     def checkpoint(self, path: str, tenant: str) -> tuple[CheckpointRef, dict[str, Any]]:

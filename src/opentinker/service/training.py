@@ -18,6 +18,7 @@ from opentinker.engine import AdamParams, EngineError, ForwardRequest, ForwardRe
 from opentinker.engine.checkpoint import CheckpointError
 from opentinker.engine.custom_loss import CustomLoss as CustomLossGraph
 from opentinker.engine.optim import check_step_params
+from opentinker.scheduler import ModelQueue
 from opentinker.service.checkpoints import CheckpointRef, check_name
 from opentinker.service.convert import datum_to_example, forward_output
 from opentinker.service.futures import ClientFuture, ReadyClient, client_future, map_future
@@ -52,7 +53,7 @@ class TrainingClient(ReadyClient):
     def _call(self, fn: Callable[[Trainer], Any]) -> Any:
         """Queue ``fn`` in this model's order; returns the concurrent future."""
         self._record()
-        return self._scheduler.submit_call(self.model_id, fn)
+        return self._scheduler.submit_call(ModelQueue(self.model_id), fn)
 
     # ---------------------------------------------------------------- compute
     def forward(
