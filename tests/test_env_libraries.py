@@ -449,3 +449,57 @@ def test_skills_recipe_script(tmp_path: Path) -> None:
     assert list(res["accuracy"]) == ["base", "add", "gcd", "count", "lcm"]
     assert all(list(row) == ["add", "gcd", "count", "lcm"] for row in res["accuracy"].values())
     assert res["steps"] == [1, 1, 1, 1] and "| base |" in out.stdout
+
+
+def test_a_library_env_that_blocks_or_raises_loses_its_episode_only(
+    service: ServiceClient, renderer: Renderer, tmp_path: Path
+) -> None:
+    """A skyrl-gym environment (registered in its own registry) whose step blocks its thread on one
+    row and raises on another: those two episodes of 8 fail (the timeout cuts the blocked call,
+    which runs in a worker thread), are logged in errors.jsonl, and the step trains on the rest."""
+    import threading
+
+    import skyrl_gym
+    from skyrl_gym.envs.base_text_env import BaseTextEnv
+
+    from opentinker.rl import RLConfig, run_rl
+
+    release = threading.Event()
+
+    class Faulty(BaseTextEnv):
+        def __init__(self, env_config: Any = None, extras: dict[str, Any] | None = None) -> None:
+            super().__init__()
+            self.kind = (extras or {})["extra_info"]["kind"]
+
+        def step(self, action: str) -> Any:
+            if self.kind == "block":
+                release.wait(60)  # a blocking call that never yields to the event loop
+            if self.kind == "raise":
+                raise ConnectionError("the sandbox went away")
+            return {"observations": [], "reward": float(len(action) % 3), "done": True, "metadata": {}}
+
+    skyrl_gym.register(id="opentinker_test_faulty", entry_point=Faulty)
+    kinds = ["ok", "ok", "raise", "ok", "block", "ok", "ok", "ok"]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"say {i}"}], "extra_info": {"kind": k}}
+        for i, k in enumerate(kinds)
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows * 2))  # the first 8 are held out
+    cfg = RLConfig(base_model=TEST_MODEL, log_dir=str(tmp_path / "run"), steps=1, groups_per_step=8, group_size=1,
+                   lora_rank=4, max_tokens=4, eval_every=0, progress=False, episode_timeout_s=1.0,
+                   drop_constant_groups=False, extra={"eval_problems": 8})  # fmt: skip
+    try:
+        dataset, _ = get_task(f"skyrl_gym:opentinker_test_faulty?data={data}").build()(renderer, cfg)
+        (row,) = asyncio.run(run_rl(cfg, service, dataset)).metrics
+    finally:
+        release.set()
+        skyrl_gym.envs.registration.registry.pop("opentinker_test_faulty", None)
+    assert row["env/errors"] == 2 and row["env/episodes"] == 6 and row["train/datums"] == 6
+    errors = sorted(
+        json.loads(x)["error"] for x in (tmp_path / "run" / "errors.jsonl").read_text().splitlines()
+    )
+    assert errors == [
+        "SkyRLEnv episode: ConnectionError: the sandbox went away",
+        "SkyRLEnv episode: TimeoutError: the environment's step took longer than 1 s",
+    ]

@@ -21,9 +21,11 @@ Two kinds of failure, told apart:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +138,30 @@ async def env_call(what: str, aw: Any, timeout_s: float | None) -> Any:
         return await asyncio.wait_for(aw, timeout_s)
     except TimeoutError:
         raise TimeoutError(f"the environment's {what} took longer than {timeout_s:g} s") from None
+
+
+async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` (an environment library's blocking call) in a daemon thread of its
+    own, awaited: the event loop goes on meanwhile, so :func:`env_call`'s timeout can cut a call
+    that hangs. A cut call's thread is abandoned; being a daemon, it never holds up the process's
+    exit (``asyncio.to_thread``'s executor threads are joined when ``asyncio.run`` ends)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():  # not cancelled (the episode timed out) meanwhile
+            (done.set_result if ok else done.set_exception)(value)
+
+    def run() -> None:
+        try:
+            out = (True, fn(*args, **kwargs))
+        except BaseException as e:  # handed to the awaiting episode
+            out = (False, e)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *out)
+
+    threading.Thread(target=run, name=f"env-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await done
 
 
 async def _episode(

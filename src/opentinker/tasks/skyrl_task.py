@@ -29,6 +29,7 @@ import skyrl_gym
 from tinker import types
 
 from opentinker.renderers import Message, Renderer
+from opentinker.rl.rollout import blocking
 from opentinker.rl.types import Env, EnvGroupBuilder, MessageEnv, Reply, RLDataset
 
 INSTRUCTION = "Let's think step by step and output the final answer after '####'."
@@ -93,7 +94,7 @@ class SkyRLEnv(MessageEnv):
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
     async def respond(self, reply: Message, ended: bool) -> Reply:
-        out = await asyncio.to_thread(self.env.step, reply["content"])
+        out = await blocking(self.env.step, reply["content"])
         meta = out.get("metadata") or {}
         metrics = {
             k: float(v) for k, v in meta.items() if isinstance(v, int | float) and not isinstance(v, bool)

@@ -29,6 +29,7 @@ from tinker import types
 
 from opentinker.renderers import Message, Renderer
 from opentinker.rl.multiagent import play_game
+from opentinker.rl.rollout import blocking
 from opentinker.rl.types import GameGroupBuilder, MultiAgentDataset, MultiAgentEnv, MultiAgentTask
 
 EVAL_SEED = 20_261_207
@@ -52,7 +53,7 @@ class TextArenaGame(MultiAgentEnv):
     async def reset(self) -> None:
         await super().reset()
         self.env = ta.make(self.env_id, **self.arguments)
-        await asyncio.to_thread(self.env.reset, num_players=self.players, seed=self.seed)
+        await blocking(self.env.reset, num_players=self.players, seed=self.seed)
         self.turn, self.result, self.invalid = self._observe(), {}, 0
 
     def _observe(self) -> tuple[int, str]:
@@ -69,7 +70,7 @@ class TextArenaGame(MultiAgentEnv):
         return [{"role": "user", "content": self.turn[1]}]
 
     async def act(self, agent: str, reply: Message, ended: bool) -> dict[str, float]:
-        done, _ = await asyncio.to_thread(self.env.step, reply["content"])
+        done, _ = await blocking(self.env.step, reply["content"])
         if not done:
             self.turn = self._observe()
             return {}
