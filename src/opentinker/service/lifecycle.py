@@ -126,7 +126,9 @@ class Lifecycle:
     # ------------------------------------------------------------------ inactive sessions
     def evict_idle(self, inactive_s: float) -> list[str]:
         """Start evicting the live models of every session quiet for ``inactive_s``; returns them
-        (the module docstring's rule). A session never seen is never evicted."""
+        (the module docstring's rule). A session never seen is never evicted. The refusal while a
+        save runs is :meth:`model`'s, which the server resolves every request through; embedded,
+        no sweeper runs, and a program that calls this itself calls it between its requests."""
         now = time.monotonic()
         started = []
         for model_id, rec in sorted(self.runtime.models.items()):
