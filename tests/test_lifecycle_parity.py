@@ -85,6 +85,7 @@ def _program(service: Any, runtime: Runtime) -> dict[str, Any]:
     seen["first_follows_newest"] = _sample(first) == _sample(newest)
     seen["newest_sample"] = _sample(newest)
 
+    assert lifecycle_of(runtime).evict_idle(3600.0) == []  # an active session keeps its models
     assert lifecycle_of(runtime).evict_idle(0.0) == [tc.model_id]
     rest = service.create_rest_client()
 

@@ -54,7 +54,6 @@ class Lifecycle:
         self.runtime = runtime
         self.inflight = inflight_of(runtime)
         self._lock = threading.Lock()
-        self._seen: dict[str, float] = {}  # session id -> monotonic time of its last heartbeat/request
         self._held: dict[str, list[Held]] = {}
         self._listeners: list[Departure] = []
         self.on_saved: Saved | None = None  # the server indexes an eviction's checkpoint
@@ -69,8 +68,8 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ sessions
     def seen(self, session_id: str) -> None:
-        """The session is active: a heartbeat or a request of one of its models just came."""
-        self._seen[session_id] = time.monotonic()
+        """The session is active: a heartbeat or a request of one of its models just came (the
+        embedded training clients say so on each call)."""
         self.runtime.sessions.seen(session_id)
 
     def hold(self, session_id: str, base_model: str, snapshot_id: str, queue: str) -> None:
@@ -127,11 +126,13 @@ class Lifecycle:
     # ------------------------------------------------------------------ inactive sessions
     def evict_idle(self, inactive_s: float) -> list[str]:
         """Start evicting the live models of every session quiet for ``inactive_s``; returns them
-        (the module docstring's rule). A session never seen is never evicted."""
+        (the module docstring's rule). A session never seen is never evicted. The refusal while a
+        save runs is :meth:`model`'s, which the server resolves every request through; embedded,
+        no sweeper runs, and a program that calls this itself calls it between its requests."""
         now = time.monotonic()
         started = []
         for model_id, rec in sorted(self.runtime.models.items()):
-            seen = self._seen.get(session_of(model_id))
+            seen = self.runtime.sessions.active_at.get(session_of(model_id))
             if rec.deleted or seen is None or now - seen <= inactive_s:
                 continue
             if model_id in self.evicting or now - self._evict_failed.get(model_id, -inactive_s) < inactive_s:

@@ -170,6 +170,7 @@ class Sessions:
     def __init__(self, store: SessionStore) -> None:
         self.store = store
         self._touched: dict[str, float] = {}  # session id -> monotonic time of its last write
+        self.active_at: dict[str, float] = {}  # session id -> monotonic time of its last activity
 
     def create(self, tenant: str, meta: Mapping[str, Any] | None = None) -> SessionRecord:
         """A new session of ``tenant`` holding ``meta`` (the SDK's ``user_metadata``,
@@ -204,7 +205,7 @@ class Sessions:
     def seen(self, session_id: str) -> None:
         """A heartbeat or a request of the session came: its last-seen time, written at most every
         :data:`TOUCH_EVERY_S` seconds."""
-        now = time.monotonic()
+        now = self.active_at[session_id] = time.monotonic()
         if now - self._touched.get(session_id, 0.0) > TOUCH_EVERY_S:
             self._touched[session_id] = now
             self.store.touch_session(session_id)

@@ -25,6 +25,7 @@ from opentinker.service.futures import ClientFuture, ReadyClient, client_future,
 from opentinker.service.inflight import inflight_of
 from opentinker.service.runtime import ModelRecord, Runtime
 from opentinker.service.sampling import SamplingClient
+from opentinker.service.sessions import session_of
 
 CustomLoss = Callable[[list[types.Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
@@ -39,7 +40,9 @@ class TrainingClient(ReadyClient):
 
     # ---------------------------------------------------------------- helpers
     def _record(self) -> ModelRecord:
-        return self._runtime.model(self.model_id)
+        rec = self._runtime.model(self.model_id)
+        self._runtime.sessions.seen(session_of(self.model_id))  # its session is active
+        return rec
 
     def _request(
         self, data: Sequence[types.Datum], loss_fn: str, config: Any, backward: bool, custom_loss: Any = None
