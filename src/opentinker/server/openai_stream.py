@@ -56,6 +56,10 @@ from opentinker.service.sampling import Tokens, TokenSink
 log = logging.getLogger(__name__)
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete."""
+
+
 class Feed:
     """Tokens from the rollout thread to this event loop's stream (make it on that loop)."""
 
