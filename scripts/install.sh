@@ -27,4 +27,5 @@ command -v chromium >/dev/null 2>&1 || { echo "install.sh: chromium is missing (
 # every extra the tests import, importable (a skip for a missing one fails under scripts/check.sh)
 .venv/bin/python -c 'import peft, playwright.sync_api, ray, tensorboard, tinker, tinker_cookbook.weights, vllm, wandb'
 .venv/bin/python -c 'import tinker_cookbook.recipes.math_rl.train, lm_eval, inspect_ai'  # test_cookbook's, test_evals'
+.venv/bin/python -c 'import agents, langchain_openai'  # test_openai_agents'
 

@@ -84,6 +84,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("constrained")
+    torch.manual_seed(0)  # the random model's weights: the same model every run
     qwen = other_family_model(tmp / "qwen2", "qwen2")
     app = embedded_app(Runtime(tmp / "data"), base_models=[qwen, TEST_MODEL], chat_template=HERMES)
     app.state.server.auth.tenant(KEY)

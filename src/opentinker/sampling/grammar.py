@@ -90,9 +90,9 @@ def compiled(grammar: Grammar, vocab: int) -> Any:
             json.dumps(_call_schema(json.loads(grammar.spec))), any_whitespace=False
         )
         grammar_ = xgr.Grammar.concat(
-            xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+            xgr.Grammar.from_ebnf('root ::= "<tool_call>" "\\n"?'),  # Qwen writes newlines; some don't
             body,
-            xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
+            xgr.Grammar.from_ebnf('root ::= "\\n"? "</tool_call>"'),
         )
         return compiler.compile_grammar(grammar_)
     except (RuntimeError, ValueError) as e:

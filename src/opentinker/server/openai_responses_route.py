@@ -201,11 +201,9 @@ def chat_request(raw: Any, history: list[dict[str, Any]]) -> tuple[ChatRequest, 
         "response_format": fmt,
         "stream": bool(raw.get("stream")),
     }
-    for ours, theirs in (
-        ("max_tokens", "max_output_tokens"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-    ):
+    pairs = [("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")]
+    pairs += [("seed", "seed")]  # not OpenAI's here (chat's, and vLLM's): reproducible samples
+    for ours, theirs in pairs:
         if raw.get(theirs) is not None:
             chat[ours] = raw[theirs]
     try:
