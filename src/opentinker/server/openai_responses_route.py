@@ -202,7 +202,7 @@ def chat_request(raw: Any, history: list[dict[str, Any]]) -> tuple[ChatRequest, 
         "stream": bool(raw.get("stream")),
     }
     pairs = [("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")]
-    pairs += [("seed", "seed")]  # not OpenAI's here (chat's, and vLLM's): reproducible samples
+    pairs += [("seed", "seed"), ("ignore_eos", "ignore_eos")]  # chat's and vLLM's, not OpenAI's here
     for ours, theirs in pairs:
         if raw.get(theirs) is not None:
             chat[ours] = raw[theirs]

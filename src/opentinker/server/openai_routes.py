@@ -1,5 +1,7 @@
 """OpenAI-compatible routes on ``opentinker serve``: ``POST /v1/chat/completions``,
-``POST /v1/completions`` and ``GET /v1/models`` (SERVER.md, "OpenAI-compatible API").
+``POST /v1/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}`` (SERVER.md,
+"OpenAI-compatible API"; the Responses API, run by :meth:`OpenAIRoutes.chat_run`, is
+:mod:`openai_responses_route`; ``tool_choice`` and ``response_format``, :mod:`openai_constraints`).
 
 **Models.** ``model`` names what to sample: a checkpoint path (``tinker://<run>/sampler_weights/
 <name>`` or a training checkpoint, ``tinker://<run>/weights/<name>``), a sampler id of the Tinker
