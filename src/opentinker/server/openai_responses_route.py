@@ -478,7 +478,10 @@ async def create(routes: OpenAIRoutes, request: Request) -> Response:
                 break
             chunk = json.loads(data)
             if "error" in chunk:
-                yield ev.event("error", **chunk["error"])
+                err = chunk["error"]  # OpenAI's error event: its code, message and param
+                yield ev.event(
+                    "error", code=err.get("code"), message=err.get("message"), param=err.get("param")
+                )
                 return
             for e in ev.chunk(chunk):
                 yield e
