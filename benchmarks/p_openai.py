@@ -15,8 +15,18 @@ Both go through the same sampling loop (the 16 adapters decode in one mixed batc
 what the OpenAI layer (JSON parsing, model resolution, the response objects) costs per token next
 to the Tinker route's protobuf and its long-polled futures. The rounds alternate (openai, tinker,
 tinker, openai, …) after a warm-up round each, and the medians of tokens/s are quoted. The two
-sides' tokens are checked equal (same prompts, seeds and samplers). The last line printed is
+sides' tokens are checked equal (same prompts, seeds and samplers). It prints
 ``Popenai <openai tokens/s ÷ tinker tokens/s>``.
+
+In the same rounds (issue 43), chat-rendered prompts two more ways each:
+
+- **responses**: the Responses API (``responses.create``, the prompt as its ``input``, EOS ignored)
+  ÷ **tinker-chat**, the Tinker route on the same chat-rendered tokens: ``Presponses`` (target
+  ≥ 0.95); its sampled token count is checked (``usage.output_tokens``);
+- **structured**: chat completions with a ``json_schema`` ``response_format`` (an array of strings,
+  which the model fills up to ``--new-tokens``: constrained decoding on every step) ÷ **free**,
+  the same request without it: ``Pstructured`` (report), each side's tokens/s counted from its
+  answers' ``usage``.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/p_openai.py --repeats 5
 """
@@ -38,6 +48,11 @@ from tinker import types
 from opentinker.server.local import LocalServer
 
 KEY = "tml-popenai-benchmark"
+LIST_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+    "required": ["items"],
+}
 
 
 def train_adapters(service: Any, model: str, n: int, rank: int) -> tuple[list[str], Any]:
@@ -120,27 +135,79 @@ def main(argv: list[str] | None = None) -> int:
             res = samplers[i].sample(types.ModelInput.from_ints(prompts[i]), 1, params).result()
             return list(res.sequences[0].tokens)
 
+        ask = [f"Question {i}: tell me about the number {i * 7}." for i in range(args.adapters)]
+        chat_ids = [  # as the server renders a chat prompt (openai_format.ChatFormat.render)
+            tok.encode(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )
+            for q in ask
+        ]
+
+        def via_responses(i: int, r: int) -> list[int]:
+            got = oa.responses.create(
+                model=paths[i],
+                input=ask[i],
+                max_output_tokens=m,
+                temperature=1.0,
+                extra_body={"seed": r, "ignore_eos": True},
+            )
+            assert got.usage is not None and got.usage.output_tokens == m, got.usage
+            return [0] * got.usage.output_tokens
+
+        def via_tinker_chat(i: int, r: int) -> list[int]:
+            params = types.SamplingParams(max_tokens=m, temperature=1.0, seed=r, stop=[])
+            res = samplers[i].sample(types.ModelInput.from_ints(list(chat_ids[i])), 1, params).result()
+            return list(res.sequences[0].tokens)
+
+        def via_chat(schema: bool) -> Callable[[int, int], list[int]]:
+            fmt = {"type": "json_schema", "json_schema": {"name": "list", "schema": LIST_SCHEMA}}
+
+            def one(i: int, r: int) -> list[int]:
+                extra: dict[str, Any] = {"seed": r, "ignore_eos": True}
+                if schema:
+                    extra["response_format"] = fmt
+                got = oa.chat.completions.create(
+                    model=paths[i],
+                    messages=[{"role": "user", "content": ask[i]}],
+                    max_tokens=m,
+                    temperature=1.0,
+                    extra_body=extra,
+                )
+                assert got.usage is not None
+                return [0] * got.usage.completion_tokens
+
+            return one
+
         with ThreadPoolExecutor(args.adapters) as pool:
             sides = {
                 "openai": rounds(args.adapters, args.requests, via_openai, pool),
                 "tinker": rounds(args.adapters, args.requests, via_tinker, pool),
+                "responses": rounds(args.adapters, args.requests, via_responses, pool),
+                "tinker-chat": rounds(args.adapters, args.requests, via_tinker_chat, pool),
+                "structured": rounds(args.adapters, args.requests, via_chat(True), pool),
+                "free": rounds(args.adapters, args.requests, via_chat(False), pool),
             }
             times = interleaved(dict(sides), args.repeats, args.warmup)
     got = {name: run.tokens for name, run in sides.items()}  # type: ignore[attr-defined]
     same = got["openai"][-1] == got["tinker"][-1]
-    tokens = args.adapters * args.requests * m
+    counted = {name: statistics.mean(sum(len(t) for t in one) for one in runs) for name, runs in got.items()}
     print(
         f"model {args.model}, {args.adapters} clients on {args.adapters} samplers, {args.requests} requests "
         f"each x {m} new tokens per round, {args.repeats} repeats; same tokens both ways: {same}"
     )
-    print(f"{'route':<8} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9}")
+    print(f"{'route':<12} {'median s':>9} {'min s':>7} {'max s':>7} {'tokens/s':>9}")
     rates = {}
     for name, ts in times.items():
-        rates[name] = statistics.median(tokens / t for t in ts)
+        rates[name] = statistics.median(counted[name] / t for t in ts)
         med = statistics.median(ts)
-        print(f"{name:<8} {med:>9.2f} {min(ts):>7.2f} {max(ts):>7.2f} {rates[name]:>9.0f}")
+        print(f"{name:<12} {med:>9.2f} {min(ts):>7.2f} {max(ts):>7.2f} {rates[name]:>9.0f}")
     best = min(times["tinker"]) / min(times["openai"])
     print(f"best-of ratio {best:.3f} (less sensitive to a busy machine)")
+    print(f"Presponses {rates['responses'] / rates['tinker-chat']:.3f}")
+    print(f"Pstructured {rates['structured'] / rates['free']:.3f} (tokens/s with a schema ÷ without)")
     print(f"Popenai {rates['openai'] / rates['tinker']:.3f}")
     return 0
 

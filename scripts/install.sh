@@ -28,3 +28,4 @@ command -v chromium >/dev/null 2>&1 || { echo "install.sh: chromium is missing (
 .venv/bin/python -c 'import peft, playwright.sync_api, ray, tensorboard, tinker, tinker_cookbook.weights, vllm, wandb'
 .venv/bin/python -c 'import tinker_cookbook.recipes.math_rl.train, lm_eval, inspect_ai'  # test_cookbook's, test_evals'
 .venv/bin/python -c 'import reasoning_gym, verifiers, skyrl_gym, textarena'  # test_env_libraries'
+.venv/bin/python -c 'import agents, langchain_openai'  # test_openai_agents'

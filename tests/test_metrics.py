@@ -129,8 +129,9 @@ def test_counters_move_with_the_sdk_traffic(world: dict[str, Any]) -> None:
 
 def test_openai_route_traffic_is_counted_as_sampling(world: dict[str, Any]) -> None:
     """Requests of the OpenAI-compatible routes are counted as the Tinker sample route's are (the
-    usage ledger's kinds, hence billing): by exactly the ``usage`` they answered with (a prompt
-    prefilled once for its ``n`` samples)."""
+    usage ledger's kinds, hence billing, and the prompt cache hits): by exactly the ``usage`` they
+    answered with (a prompt prefilled once for its ``n`` samples; an echo with ``max_tokens`` 0
+    samples none; a second turn's reused prefix as its ``cached_tokens``)."""
     srv, key = world["srv"], world["ops"]
     before = parse(scrape(srv, key).text)
     oa = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=USER, max_retries=0)
@@ -142,16 +143,33 @@ def test_openai_route_traffic_is_counted_as_sampling(world: dict[str, Any]) -> N
     comp = oa.completions.create(
         model=TEST_MODEL, prompt=["one two", "three"], n=2, max_tokens=REPLY, seed=1, extra_body=extra
     )
-    assert chat.usage is not None and comp.usage is not None
+    turn2 = [*messages, {"role": "assistant", "content": chat.choices[0].message.content}]
+    again = oa.chat.completions.create(
+        model=TEST_MODEL,
+        messages=[*turn2, {"role": "user", "content": "More"}],
+        max_tokens=REPLY,
+        temperature=0,
+    )  # type: ignore[arg-type]  # the first turn's prefix comes from the prefix cache
+    echo = oa.completions.create(
+        model=TEST_MODEL, prompt="one two three", max_tokens=0, echo=True, logprobs=0
+    )
+    answers = [chat, comp, again, echo]
+    assert all(a.usage is not None for a in answers)
+    use = [a.usage for a in answers if a.usage is not None]
     sent = {
-        "prompts": chat.usage.prompt_tokens + comp.usage.prompt_tokens,
-        "sampled": chat.usage.completion_tokens + comp.usage.completion_tokens,
+        "prompts": sum(u.prompt_tokens for u in use),
+        "sampled": sum(u.completion_tokens for u in use),
+        "hits": sum(u.prompt_tokens_details.cached_tokens or 0 for u in use if u.prompt_tokens_details),
     }
-    assert sent["sampled"] == REPLY * 5
+    assert echo.usage is not None and echo.usage.completion_tokens == 0  # echo, max_tokens 0: none sampled
+    assert sent["sampled"] == REPLY * 5 + again.usage.completion_tokens  # type: ignore[union-attr]
+    assert sent["hits"] > 0
     after = _scrape_after(srv, key, before, sent)
     tokens, me = "opentinker_tokens_total", {"tenant": USER_TENANT}
     for kind, want in (("sampling_prefill", sent["prompts"]), ("sampling_sample", sent["sampled"])):
         assert total(after, tokens, kind=kind, **me) - total(before, tokens, kind=kind, **me) == want
+    hits = "opentinker_prompt_cache_hit_tokens_total"
+    assert total(after, hits, **me) - total(before, hits, **me) == sent["hits"]
 
 
 def _scrape_after(srv: LocalServer, key: str, before: Samples, sent: dict[str, Any]) -> Samples:

@@ -15,7 +15,7 @@ sync, async and streaming, against ``opentinker serve`` on the tiny model.
   ``other_family_model``) whose LoRA is trained to answer with a ``<tool_call>``, served by the
   embedded ASGI app with a minimal Hermes-style template written here (:data:`HERMES`): no
   tokenizer in the environment ships a Qwen template. Streamed (over real HTTP), the call comes as
-  OpenAI streams it, its arguments while the row decodes, and adds up to the whole answer's.
+  OpenAI streams it, once its block closes while the row decodes, and adds up to the whole answer's.
 """
 
 from __future__ import annotations
@@ -640,9 +640,9 @@ def _served(app: Any) -> Iterator[str]:
 
 
 def _streamed_tool_call(app: Any, base_url: str, path: str) -> None:
-    """A streamed tool call as OpenAI streams it: its id, type and name first, then ``arguments``
-    deltas, the first while the row still decodes (``ignore_eos``: it goes on past its answer);
-    accumulated, the call equals the whole (non-streamed) answer's."""
+    """A streamed tool call as OpenAI streams it: its id, type and name first, then its
+    ``arguments``, once its block has closed and while the row still decodes (``ignore_eos``: it
+    goes on past its answer); accumulated, the call equals the whole (non-streamed) answer's."""
     oa = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     kw: dict[str, Any] = dict(model=path, messages=messages, tools=TOOLS, temperature=0, max_tokens=300)
@@ -665,7 +665,7 @@ def _streamed_tool_call(app: Any, base_url: str, path: str) -> None:
     assert (first.function.name, first.function.arguments) == ("get_weather", "")
     assert {d.index for d in deltas} == {0} and all(d.id is None for d in deltas[1:])
     args = [d.function.arguments or "" for d in deltas[1:] if d.function]
-    assert len([a for a in args if a]) > 1 and "".join(args) == want.function.arguments
+    assert len([a for a in args if a]) == 1 and "".join(args) == want.function.arguments  # once closed
     assert finish == whole.finish_reason == "tool_calls" and content == (whole.message.content or "")
 
 

@@ -5,8 +5,9 @@
   fed one token at a time never sends a broken character, never sends text from a stop string
   on, and what it sent plus the rest is exactly the whole decode (the non-streamed text).
 - Hermes tool calls streamed (``server/openai_tools.py``): fed a character at a time, the content
-  before ``<tool_call>``, then the call's id/type/name, then arguments deltas that concatenate to
-  the whole answer's ``arguments`` (odd spacing, nested values, escapes, a late name, a string).
+  before ``<tool_call>``, then, once the block closes, the call's id/type/name and its arguments
+  as the whole answer writes them (odd spacing, nested values, escapes, a late name, a string);
+  a block cut off or not a call is never sent as one, as the whole answer never has it.
 - A re-run request's tokens (sent again from the first) are skipped where already taken.
 - The sampling loop (in process) and a rollout worker process hand a streamed request's tokens to
   its ``TokenSink`` while it decodes: the first piece arrives while its rows are still in the
@@ -122,10 +123,10 @@ def test_a_re_run_from_the_start_goes_on_where_the_stream_stopped() -> None:
         '{"name": "s", "arguments": "{\\"raw\\": 1}"}',
     ],
 )
-def test_tool_call_deltas_arrive_as_the_json_does_and_add_up_to_the_whole_answer(block: str) -> None:
-    """A Hermes answer fed one character at a time: content before the block, then the call's
-    id/type/name, then arguments deltas that concatenate to the whole answer's ``arguments``
-    (``parse_tool_calls``: the parsed value written by ``json.dumps``)."""
+def test_a_tool_call_is_sent_once_its_block_closes_and_adds_up_to_the_whole_answer(block: str) -> None:
+    """A Hermes answer fed one character at a time: content before the block, then, once the
+    block has closed and parsed (never before: it could still be cut off), the call's
+    id/type/name and its ``arguments`` as the whole answer writes them."""
     text = f"Let me check. <tool_call>\n{block}\n</tool_call>"
     whole = Choice([], [], None, text, "stop")
     parse_tool_calls(whole)
@@ -145,11 +146,29 @@ def test_tool_call_deltas_arrive_as_the_json_does_and_add_up_to_the_whole_answer
         "",
     )
     assert first.id and all(d.id is None and d.function.name is None for _, d in deltas[1:])
-    args = [d.function.arguments for _, d in deltas[1:]]
-    assert "".join(args) == want.function.arguments
-    if not block.endswith('"}'):  # arguments not a JSON string: they come piece by piece
-        assert len(args) > 3
-    assert max(i for i, _ in deltas) < text.index("</tool_call>") + 1
+    assert "".join(d.function.arguments for _, d in deltas[1:]) == want.function.arguments
+    assert {i for i, _ in deltas} == {len(text)}  # all at the block's last character
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut off
+        'Sure. <tool_call>\n{"name": "get_we</tool_call>',  # not JSON
+        'Sure. <tool_call>["get_weather"]</tool_call> and <tool_call>{"name": "f"}</tool_call>',
+    ],
+)
+def test_a_cut_off_or_unparsable_block_is_never_sent_as_a_call(text: str) -> None:
+    """Streamed a character at a time, the calls sent are exactly the whole answer's: none for a
+    block cut off or not a call, and a later good block after a bad one."""
+    whole = Choice([], [], None, text, "length")
+    parse_tool_calls(whole)
+    sent, deltas = ToolText(), []
+    for i in range(len(text) + 1):
+        deltas += sent.update(text[:i])[1]
+    names = [d.function.name for d in deltas if d.function is not None and d.function.name]
+    assert names == [c.function.name for c in whole.tool_calls or []]
+    assert "Sure." in whole.text and sent.content == "Sure."
 
 
 def _loop(engine: Engine) -> SamplingLoop:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opentinker.sampling.grammar import Matcher, masked, penalized
 from opentinker.sampling.types import SampleRequest, SampleResult, SamplingParams, StopReason
 
 UNIFORM_CHUNK = 64  # uniforms drawn at once from a row's generator
@@ -39,6 +40,7 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     topk_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     reason: StopReason | None = None
+    matcher: Matcher | None = None  # its grammar's state (sampling/grammar.py), made on first use
     _uniforms: list[float] = field(default_factory=list)
 
     def uniform(self) -> float:
@@ -47,6 +49,28 @@ class Row:
         if not self._uniforms:
             self._uniforms = torch.rand(UNIFORM_CHUNK, generator=self.gen, dtype=torch.float64).tolist()[::-1]
         return self._uniforms.pop()
+
+
+def shaped(logits_SV: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """``logits_SV`` with each shaped row's penalties, bias and grammar mask applied (its
+    choice, logprob and top logprobs are then under that distribution: sampling/grammar.py);
+    the very tensor when no row is shaped, so unshaped batches are bitwise unchanged."""
+    if not any(row.params.shaped for row in rows):
+        return logits_SV
+    out, matchers = logits_SV.clone(), []
+    for j, row in enumerate(rows):
+        p = row.params
+        if p.presence_penalty or p.frequency_penalty:
+            out[j] = penalized(out[j], row.tokens, p.presence_penalty, p.frequency_penalty)
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=out.device)
+            out[j, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=out.dtype, device=out.device)
+        if p.grammar is not None:
+            if row.matcher is None:
+                row.matcher = Matcher(p.grammar, out.shape[-1])
+            row.matcher.feed(row.tokens)
+            matchers.append((j, row.matcher))
+    return masked(out, matchers) if matchers else out
 
 
 def choose_tokens(

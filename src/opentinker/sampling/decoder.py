@@ -45,7 +45,7 @@ from opentinker.engine.passes import length_buckets
 from opentinker.engine.types import PolicyRef
 from opentinker.lora import LoRABatch, LoRAWeights
 from opentinker.sampling.batch import RunningBatch
-from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs, topk_logprobs
+from opentinker.sampling.choice import Row, choose_tokens, prompt_logprobs, shaped, topk_logprobs
 from opentinker.sampling.forward import (
     Forward,
     HFForward,
@@ -405,6 +405,7 @@ class StepDecoder:
         finished and the indices of the rows that go on, in the order that moves the fewest rows
         of the cache (:func:`~opentinker.sampling.kv_cache.fill_holes`)."""
         ctx = self.engine.max_context
+        last = shaped(last, rows)  # penalties, logit bias, grammars (unshaped rows untouched)
         topk = topk_logprobs(last, rows) if any(row.topk for row in rows) else None
         if self._banned is not None and self._banned.device != last.device:
             self._banned = self._banned.to(last.device)

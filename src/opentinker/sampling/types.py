@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from opentinker.engine.types import PolicyRef
 from opentinker.models.vision import Image
+from opentinker.sampling.grammar import Grammar
 
 StopReason = Literal["stop", "length"]
 
@@ -29,6 +30,18 @@ class SamplingParams:
     seed: int | None = None  # same seed and request -> same tokens
     # None = stop at EOS; a non-empty list = its entries and EOS; [] = no stop at all, EOS included
     stop: list[str] | list[int] | None = None
+    # OpenAI's shaping (the OpenAI-compatible routes'; sampling/grammar.py): each token sampled c
+    # times so far loses c * frequency_penalty + presence_penalty; ``logit_bias`` (token, bias)
+    # is added to the logits; ``grammar`` restricts the tokens to what it allows
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Grammar | None = None
+
+    @property
+    def shaped(self) -> bool:
+        """Are this row's logits shaped before the choice (penalties, bias, a grammar)?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.grammar)
 
 
 @dataclass(frozen=True)

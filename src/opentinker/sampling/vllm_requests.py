@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from opentinker.engine.types import EngineError
 from opentinker.sampling.decoder import Pinned
-from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, StopReason
+from opentinker.sampling.types import SampledSequence, SampleRequest, SampleResult, SamplingParams, StopReason
 from opentinker.sampling.vllm_lora import VLLMLora
 
 
@@ -61,6 +62,10 @@ def sampling_params(
                 stop_ids.add(int(s))
     seed = None if p.seed is None else (int(p.seed) * 1_000_003 + sample) % (1 << 63)
     return vllm.SamplingParams(
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=dict(p.logit_bias) or None,
+        structured_outputs=_structured(vllm, p),
         n=1,
         max_tokens=min(p.max_tokens, max_context - len(req.prompt)),
         temperature=float(p.temperature),
@@ -101,3 +106,17 @@ def result_of(job: Job) -> SampleResult:
         topk_prompt_logprobs=job.topk_prompt_logprobs,
         prompt_cache_hit_tokens=job.cached_tokens or 0,
     )
+
+
+def _structured(vllm: Any, p: SamplingParams) -> Any:
+    """vLLM's own structured outputs for a grammar (a forced tool call is not one of them)."""
+    g = p.grammar
+    if g is None:
+        return None
+    if g.kind == "tool_call":
+        raise EngineError(
+            "a forced tool call (tool_choice 'required' or a named function) is not served with "
+            "--rollout-backend vllm; use tool_choice 'auto', or the native backend"
+        )
+    so = vllm.sampling_params.StructuredOutputsParams
+    return so(json_object=True) if g.kind == "json_object" else so(json=g.spec)

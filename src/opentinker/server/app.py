@@ -36,6 +36,7 @@ from opentinker.server import (
     console,
     console_api,
     metrics_route,
+    openai_responses_route,
     openai_routes,
     rest_routes,
     routes,
@@ -43,6 +44,7 @@ from opentinker.server import (
 from opentinker.server.config import ServerConfig
 from opentinker.server.errors import ApiError, error_message, image_format_refusal
 from opentinker.server.limits import BODY_KEY, BodyLimit
+from opentinker.server.openai_schemas import route_error
 from opentinker.server.refusals import note_refused
 from opentinker.server.state import Server
 from opentinker.service import EngineError, Runtime
@@ -111,6 +113,9 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         await refused(request, exc.status_code)  # e.g. 404: a route this server does not serve
+        if request.url.path.startswith("/v1/"):  # OpenAI's clients read only OpenAI's error shape
+            err = route_error(request.method, request.url.path, exc.status_code)
+            return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
         return await http_exception_handler(request, exc)
 
     app.include_router(routes.router)  # the SDK's operations
@@ -123,6 +128,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     app.include_router(console_api.router)  # the console's read-only JSON routes
     app.include_router(metrics_route.router)  # GET /metrics, Prometheus' text format, operators only
     app.include_router(openai_routes.router)  # /v1/chat/completions, /v1/completions, /v1/models
+    app.include_router(openai_responses_route.router)  # /v1/responses
     return app
 
 

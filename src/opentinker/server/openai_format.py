@@ -21,8 +21,6 @@ every sampled token (what the server's usage ledger counts).
 
 from __future__ import annotations
 
-import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +35,7 @@ from openai.types.completion_choice import Logprobs
 from openai.types.completion_usage import PromptTokensDetails
 
 from opentinker.server.openai_schemas import OpenAIError
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+from opentinker.server.openai_tools import blocks
 
 
 class ChatFormat:
@@ -139,28 +136,24 @@ def decode(tok: Any, seq: Any, stops: list[str] | None) -> Choice:
 
 
 def parse_tool_calls(choice: Choice) -> None:
-    """Move Hermes ``<tool_call>`` blocks of ``choice.text`` into ``choice.tool_calls``."""
+    """Move Hermes ``<tool_call>`` blocks of ``choice.text`` into ``choice.tool_calls`` (the rule
+    of :func:`~opentinker.server.openai_tools.call_of`, which streams follow too)."""
     calls: list[ChatCompletionMessageFunctionToolCall] = []
-
-    def take(m: re.Match[str]) -> str:
-        try:
-            call = json.loads(m.group(1))
-        except ValueError:
-            return m.group(0)  # not JSON: left in the text, never guessed at
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return m.group(0)
-        args = call.get("arguments", call.get("parameters", {}))
-        fn = Function(name=call["name"], arguments=args if isinstance(args, str) else json.dumps(args))
+    rest, at = [], 0
+    for start, end, call in blocks(choice.text):
+        if call is None:
+            continue  # not a call: left in the text, never guessed at
+        rest.append(choice.text[at:start])
+        at = end
+        fn = Function(name=call[0], arguments=call[1])
         calls.append(
             ChatCompletionMessageFunctionToolCall(
                 id=f"call_{uuid.uuid4().hex[:24]}", function=fn, type="function"
             )
         )
-        return ""
-
-    rest = _TOOL_CALL.sub(take, choice.text)
     if calls:
-        choice.text, choice.tool_calls, choice.finish_reason = rest.strip(), calls, "tool_calls"
+        rest.append(choice.text[at:])
+        choice.text, choice.tool_calls, choice.finish_reason = "".join(rest).strip(), calls, "tool_calls"
 
 
 def pieces(tok: Any, tokens: list[int], text: str) -> list[str]:

@@ -1,5 +1,7 @@
 """OpenAI-compatible routes on ``opentinker serve``: ``POST /v1/chat/completions``,
-``POST /v1/completions`` and ``GET /v1/models`` (SERVER.md, "OpenAI-compatible API").
+``POST /v1/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}`` (SERVER.md,
+"OpenAI-compatible API"; the Responses API, run by :meth:`OpenAIRoutes.chat_run`, is
+:mod:`openai_responses_route`; ``tool_choice`` and ``response_format``, :mod:`openai_constraints`).
 
 **Models.** ``model`` names what to sample: a checkpoint path (``tinker://<run>/sampler_weights/
 <name>`` or a training checkpoint, ``tinker://<run>/weights/<name>``), a sampler id of the Tinker
@@ -52,6 +54,7 @@ from opentinker.server import openai_responses as R
 from opentinker.server.deps import ServerDep
 from opentinker.server.errors import ApiError, NotFound, error_message
 from opentinker.server.futures import fail
+from opentinker.server.openai_constraints import answer_grammar, tool_choice
 from opentinker.server.openai_format import (
     ChatFormat,
     Choice,
@@ -64,18 +67,21 @@ from opentinker.server.openai_format import (
 from opentinker.server.openai_images import image_prompt, inline_images
 from opentinker.server.openai_schemas import (
     MAX_N,
-    MAX_PROMPTS,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
+    check_echo,
     check_messages,
     check_tools,
     parse,
+    prompt_text,
+    prompts_of,
 )
-from opentinker.server.openai_stream import Feed, Live
+from opentinker.server.openai_stream import ClientGone, Feed, Live
 from opentinker.server.registry import SamplerNotLoaded
 from opentinker.server.state import Server
 from opentinker.service import EngineError, SampleHandle, SamplingClient
+from opentinker.service.convert import Grammar, ShapedSamplingParams
 from opentinker.service.metering import meter_sample
 from opentinker.service.sampling import TokenSink
 from opentinker.service.sessions import is_sampler_id
@@ -93,8 +99,17 @@ class Started:
     prompt: list[int]
 
 
-class ClientGone(Exception):
-    """The client disconnected before its answer was complete."""
+@dataclass
+class ChatRun:
+    """A chat request handed to the rollout service: what turns its results into its answer."""
+
+    req: ChatRequest
+    started: list[Started]
+    answer: Callable[[list[types.SampleResponse]], R.Answer]
+    tok: Any
+    feed: Feed | None  # a stream's
+    hermes: bool  # tool calls parsed in the Hermes format
+    top: int | None  # top logprobs per token (None: no logprobs)
 
 
 class OpenAIRoutes:
@@ -208,20 +223,29 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ sampling
     def params(
-        self, req: Any, limit: int | None, prompt: list[int], base: str, what: str
+        self,
+        req: Any,
+        limit: int | None,
+        prompt: list[int],
+        base: str,
+        what: str,
+        grammar: Grammar | None = None,
     ) -> types.SamplingParams:
-        """The request's sampling parameters, checked against the limits and the context."""
+        """The request's sampling parameters, checked against the limits and the context (with
+        OpenAI's penalties, logit bias and ``grammar``: sampling/grammar.py)."""
         most = min(MAX_N, self.server.config.max_num_samples)
         if req.n > most:
             raise OpenAIError(f"n must be at most {most}, got {req.n}", param="n")
-        ctx = self.reg.base_info(base).max_context
+        info = self.reg.base_info(base)
+        ctx = info.max_context
         room = ctx - len(prompt)
         if not prompt:
             raise OpenAIError(f"the {what} is empty", param=what)
         if room < 1 or (limit is not None and limit > room):
-            asked = f"{len(prompt)} prompt tokens" + (f" + max_tokens {limit}" if limit is not None else "")
-            raise OpenAIError(
-                f"this model's context is {ctx} tokens; the request asks for {asked}",
+            raise OpenAIError(  # OpenAI's and vLLM's wording, which clients match on (litellm)
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{len(prompt) + (limit or 0)} tokens ({len(prompt)} in the {what}, {limit or 0} in the "
+                f"completion). Please reduce the length of the {what} or completion.",
                 param="max_tokens" if room >= 1 else what,
                 code="context_length_exceeded",
             )
@@ -229,12 +253,16 @@ class OpenAIRoutes:
         seed = req.seed
         if seed is None and req.stream:  # a re-run (its worker lost) samples the same tokens
             seed = secrets.randbits(62)
-        return types.SamplingParams(
+        return ShapedSamplingParams(
             max_tokens=limit or room,
             temperature=req.temperature,
             top_p=req.top_p,
             seed=seed,
             stop=stops if stops else ([] if req.ignore_eos else None),
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=req.bias(info.vocab_size),
+            grammar=grammar,
         )
 
     def start(
@@ -248,11 +276,15 @@ class OpenAIRoutes:
         prompt_topk: int | None = None,
         sink: TokenSink | None = None,
         model_input: types.ModelInput | None = None,
+        metered: bool = True,
     ) -> Started:
         """Sample through the Tinker ``asample`` path (see the module docstring); ``prompt_topk``
         not None: with the prompt's logprobs (and that many top logprobs), as its
         ``prompt_logprobs`` / ``topk_prompt_logprobs``; ``sink``: the tokens also go there while
-        they decode (a stream's); ``model_input``: the prompt with its images (else ``prompt``'s tokens)."""
+        they decode (a stream's); ``model_input``: the prompt with its images (else ``prompt``'s
+        tokens); ``metered`` False: its sampled tokens are not counted (``echo`` with ``max_tokens``
+        0 samples one token and returns none). Its prompt cache hits go to ``/metrics``, as the
+        Tinker route's do."""
         ops = self.server.ops
         handle: SampleHandle | None = None  # once queued with the sampler
 
@@ -273,7 +305,13 @@ class OpenAIRoutes:
         def counted(res: types.SampleResponse) -> types.SampleResponse:
             if ops.ledger is not None:
                 meter_sample(
-                    ops.ledger, tenant, res, len(prompt), session_id="", base_model=str(client.base_model)
+                    ops.ledger,
+                    tenant,
+                    res,
+                    len(prompt),
+                    session_id="",
+                    base_model=str(client.base_model),
+                    sampled=metered,
                 )
             return res
 
@@ -316,58 +354,73 @@ class OpenAIRoutes:
         try:
             tenant = self.tenant(request)
             req: ChatRequest = parse(ChatRequest, await self.body(request))
-            messages = check_messages(req.messages)
-            tools = check_tools(req.tools) if req.tools else None
-            client = await self.resolve(tenant, req.model)
-            fmt = self.format(client.base_model)
-            vision = self.reg.runtime.vision(client.base_model)  # image parts: openai_images.py
-            messages, images = inline_images(messages, fmt.tok, vision, client.base_model)
-            prompt, model_input = image_prompt(
-                fmt.render(messages, tools, req.chat_template_kwargs), images, vision
-            )
-            params = self.params(req, req.limit(), prompt, client.base_model, "messages")
-            k = (req.top_logprobs or 0) if req.logprobs else 0
-            feed = Feed() if req.stream else None
-            started = [
-                self.start(
-                    tenant, client, prompt, req.n, params, k,
-                    sink=feed and feed.sink(0), model_input=model_input,
-                )
-            ]  # fmt: skip
+            run = await self.chat_run(tenant, req)
         except Exception as e:
             return self.error(e)
+        if req.stream:
+            return self._stream(self.chat_events(request, run))
+        return await self._whole(request, run.started, run.answer, lambda a: R.chat_body(run.tok, a))
+
+    async def chat_run(self, tenant: str, req: ChatRequest) -> ChatRun:
+        """A chat request checked, rendered and handed to the rollout service (also the
+        Responses API's, :mod:`openai_responses_route`)."""
+        messages = check_messages(req.messages)
+        tools = check_tools(req.tools) if req.tools else None
+        choice = tool_choice(req.tool_choice, tools)
+        if choice.mode == "none":  # no call can come: the tools are not offered
+            tools = None
+        client = await self.resolve(tenant, req.model)
+        fmt = self.format(client.base_model)
+        vision = self.reg.runtime.vision(client.base_model)  # image parts: openai_images.py
+        messages, images = inline_images(messages, fmt.tok, vision, client.base_model)
+        prompt, model_input = image_prompt(
+            fmt.render(messages, tools, req.chat_template_kwargs), images, vision
+        )
+        vocab, hermes = self.reg.base_info(client.base_model).vocab_size, fmt.tool_format == "hermes"
+        grammar = answer_grammar(choice, tools, req.response_format, str(fmt.tok.name_or_path), vocab, hermes)
+        params = self.params(req, req.limit(), prompt, client.base_model, "messages", grammar)
+        k = (req.top_logprobs or 0) if req.logprobs else 0
+        feed = Feed() if req.stream else None
+        started = [
+            self.start(
+                tenant, client, prompt, req.n, params, k, sink=feed and feed.sink(0), model_input=model_input
+            )
+        ]
         notes = []
         if tools and fmt.tool_format is None:
             notes.append(
                 f"tool calls were not parsed: the chat template of {client.base_model!r} renders tools "
                 "in a format this server does not know (it parses Qwen/Hermes <tool_call> JSON)"
             )
+        hermes = bool(tools and fmt.tool_format == "hermes")  # calls parsed (and streamed as they close)
+        top = (req.top_logprobs or 0) if req.logprobs else None
 
         def answer(results: list[types.SampleResponse]) -> R.Answer:
             choices = [decode(fmt.tok, s, req.stops()) for s in results[0].sequences]
-            if tools and fmt.tool_format == "hermes":
+            if hermes:
                 for c in choices:
                     parse_tool_calls(c)
-            top = (req.top_logprobs or 0) if req.logprobs else None
             return self._answer(
                 "chatcmpl", req.model, started, results, choices, top, req.return_tokens_as_token_ids, notes
             )
 
-        if req.stream:
-            top = (req.top_logprobs or 0) if req.logprobs else None
-            hermes = bool(tools and fmt.tool_format == "hermes")  # calls streamed as they decode
-            assert feed is not None
-            return self._stream(request, started, answer, fmt.tok, req, feed, top, chat=True, tools=hermes)
-        return await self._whole(request, started, answer, lambda a: R.chat_body(fmt.tok, a))
+        return ChatRun(req, started, answer, fmt.tok, feed, hermes, top)
+
+    def chat_events(self, request: Request, run: ChatRun) -> AsyncIterator[str]:
+        """A chat run's stream: its Server-Sent Events (:meth:`events`)."""
+        assert run.feed is not None
+        return self.events(
+            request, run.started, run.answer, run.tok, run.req, run.feed, run.top, chat=True, tools=run.hermes
+        )
 
     async def completions(self, request: Request) -> Response:
         try:
             tenant = self.tenant(request)
             req: CompletionRequest = parse(CompletionRequest, await self.body(request))
-            _check_echo(req)
+            check_echo(req)
             client = await self.resolve(tenant, req.model)
             tok = self.format(client.base_model).tok
-            prompts = _prompts(tok, req.prompt, self.reg.base_info(client.base_model).vocab_size)
+            prompts = prompts_of(tok, req.prompt, self.reg.base_info(client.base_model).vocab_size)
             limit = 1 if req.max_tokens == 0 else req.max_tokens  # 0: sample one, return none
             echo_k = (req.logprobs or 0) if req.echo else None
             feed = Feed() if req.stream else None
@@ -376,8 +429,11 @@ class OpenAIRoutes:
                 params = self.params(req, limit, prompt, client.base_model, "prompt")
                 sink = feed and feed.sink(i)
                 started.append(
-                    self.start(tenant, client, prompt, req.n, params, req.logprobs or 0, echo_k, sink)
-                )
+                    self.start(
+                        tenant, client, prompt, req.n, params, req.logprobs or 0, echo_k, sink,
+                        metered=req.max_tokens != 0,
+                    )
+                )  # fmt: skip
         except Exception as e:
             if "started" in locals():
                 for s in started:
@@ -390,7 +446,7 @@ class OpenAIRoutes:
                 for seq in res.sequences:
                     c = decode(tok, seq, req.stops())
                     if req.echo:
-                        text = _prompt_text(tok, req.prompt, i, started[i].prompt)
+                        text = prompt_text(tok, req.prompt, i, started[i].prompt)
                         c = echoed(c, started[i].prompt, text, res, sampled=req.max_tokens != 0)
                     choices.append(c)
             return self._answer(
@@ -399,7 +455,9 @@ class OpenAIRoutes:
 
         if req.stream:
             assert feed is not None
-            return self._stream(request, started, answer, tok, req, feed, req.logprobs, chat=False)
+            return self._stream(
+                self.events(request, started, answer, tok, req, feed, req.logprobs, chat=False)
+            )
         return await self._whole(request, started, answer, lambda a: R.completion_body(tok, a))
 
     @staticmethod
@@ -432,7 +490,13 @@ class OpenAIRoutes:
         except Exception as e:
             return self.error(e)
 
-    def _stream(
+    @staticmethod
+    def _stream(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def events(
         self,
         request: Request,
         started: list[Started],
@@ -444,7 +508,7 @@ class OpenAIRoutes:
         *,
         chat: bool,
         tools: bool = False,
-    ) -> StreamingResponse:
+    ) -> AsyncIterator[str]:
         """The answer as Server-Sent Events: token by token while the samples decode, as ``feed``
         brings their tokens (:mod:`openai_stream`); those it did not bring, once they are done."""
         stub = R.Answer(
@@ -452,74 +516,29 @@ class OpenAIRoutes:
         )
         stub.logprobs, stub.as_ids = logprobs, bool(req.return_tokens_as_token_ids)
         live = Live(tok, req, stub, req.n, chat=chat, tools=tools)
-
-        async def events() -> AsyncIterator[str]:
-            if chat:
-                yield R.chat_first(stub.id, req.model, stub.created, req.n)
-            results = asyncio.ensure_future(self.wait(request, started))
-            try:
-                async for event in live.follow(feed, results):
-                    yield event
-                a = answer(await results)
-            except ClientGone:
-                return
-            except Exception as e:
-                yield R.sse(self.as_error(e).body())
-                return
-            finally:
-                results.cancel()  # the stream closed early: its samples are aborted (wait)
-            a.id, a.created = stub.id, stub.created
-            for event in live.finish(a, req.include_usage()):
+        if chat:
+            yield R.chat_first(stub.id, req.model, stub.created, req.n)
+        results = asyncio.ensure_future(self.wait(request, started))
+        try:
+            async for event in live.follow(feed, results):
                 yield event
-
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+            a = answer(await results)
+        except ClientGone:
+            return
+        except Exception as e:
+            yield R.sse(self.as_error(e).body())
+            return
+        finally:
+            results.cancel()  # the stream closed early: its samples are aborted (wait)
+        a.id, a.created = stub.id, stub.created
+        for event in live.finish(a, req.include_usage()):
+            yield event
 
 
 async def _disconnected(request: Request) -> None:
     """Return when the client disconnects (the ASGI ``http.disconnect`` message)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _check_echo(req: CompletionRequest) -> None:
-    """``echo`` (whole answers only) and ``max_tokens`` 0 (only with ``echo``); no ``suffix``."""
-    if req.suffix:
-        raise OpenAIError("suffix is not supported", param="suffix")
-    if req.echo and req.stream:
-        raise OpenAIError("echo is not supported with stream", param="echo")
-    if req.max_tokens == 0 and not req.echo:
-        raise OpenAIError("max_tokens 0 needs echo (scoring the prompt)", param="max_tokens")
-
-
-def _prompt_text(tok: Any, prompt: Any, i: int, ids: list[int]) -> str:
-    """The ``i``-th prompt as sent (a text prompt) or decoded (token ids), for ``echo``."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and i < len(prompt) and isinstance(prompt[i], str):
-        return prompt[i]
-    return tok.decode(ids)
-
-
-def _prompts(tok: Any, prompt: str | list[str] | list[int] | list[list[int]], vocab: int) -> list[list[int]]:
-    """A completions request's prompts as token ids (text with the tokenizer's special tokens)."""
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif prompt and all(isinstance(x, int) for x in prompt):
-        items = [prompt]
-    else:
-        items = list(prompt)
-    if not items or len(items) > MAX_PROMPTS:
-        raise OpenAIError(f"prompt must hold 1 to {MAX_PROMPTS} prompts", param="prompt")
-    out = [list(tok.encode(p)) if isinstance(p, str) else list(p) for p in items]
-    for i, ids in enumerate(out):
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(
-                f"prompt[{i}] holds token {bad}, outside the vocabulary (0..{vocab - 1})", param="prompt"
-            )
-    return out
 
 
 async def _routes(request: Request, server: ServerDep) -> OpenAIRoutes:
@@ -549,5 +568,18 @@ async def completions(routes: Routes, request: Request) -> Response:
 async def models(routes: Routes, request: Request) -> Response:
     try:
         return JSONResponse(routes.models(routes.tenant(request)))
+    except Exception as e:
+        return routes.error(e)
+
+
+@router.get("/v1/models/{model:path}", tags=["openai"])
+async def model(routes: Routes, request: Request, model: str) -> Response:
+    try:
+        tenant = routes.tenant(request)
+        found = next((m for m in routes.models(tenant)["data"] if m["id"] == model), None)
+        if found is None:
+            await routes.resolve(tenant, model)  # a sampler id: served, if it resolves (else its 404)
+            found = Model(id=model, created=0, object="model", owned_by=tenant).model_dump(mode="json")
+        return JSONResponse(found)
     except Exception as e:
         return routes.error(e)

@@ -8,7 +8,10 @@ Tinker routes do, since clients send options this server does not read (``user``
 
 Limits: ``n`` at most :data:`MAX_N` (128, OpenAI's own bound; and at most the server's
 ``max_num_samples``), ``top_logprobs`` at most 20 (OpenAI's), ``logprobs`` of ``/v1/completions``
-at most 5 (OpenAI's), at most 16 ``stop`` strings, at most 64 prompts in one completions request.
+at most 5 (OpenAI's), at most 4 ``stop`` strings (OpenAI's), at most 64 prompts in one completions
+request; ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] and ``logit_bias`` values in
+[-100, 100] (OpenAI's). A parameter this server does not serve (:data:`UNSERVED`), sent with a
+value other than its default, is a 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
@@ -21,9 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
-MAX_STOP = 16
+MAX_STOP = 4
 MAX_PROMPTS = 64
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_BIAS = 100.0
+# what OpenAI's routes take that this server does not serve (each with the value that means "off")
+UNSERVED: dict[str, dict[str, Any]] = {
+    "chat": {
+        "audio": None,
+        "prediction": None,
+        "web_search_options": None,
+        "functions": None,
+        "function_call": None,
+        "reasoning_effort": None,
+    },
+    "completions": {"best_of": None},
+}
 
 
 class OpenAIError(Exception):
@@ -69,6 +85,29 @@ class _Sampling(_Body):
     # report each logprob's token as ``token_id:<id>`` (exact, whatever the tokenizer's text)
     ignore_eos: bool = False
     return_tokens_as_token_ids: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids; got {key!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100]; got {bias!r} for {key!r}")
+        return v
+
+    def bias(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token, bias) pairs (a 400 for a token outside the vocabulary)."""
+        out = tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
+        bad = next((t for t, _ in out if t >= vocab), None)
+        if bad is not None:
+            raise OpenAIError(
+                f"logit_bias names token {bad}, outside the vocabulary (0..{vocab - 1})", param="logit_bias"
+            )
+        return out
 
     @field_validator("stop")
     @classmethod
@@ -93,6 +132,15 @@ class ChatRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the template
+    response_format: Any = None
+    modalities: list[str] | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError("only the text modality is served")
+        return v
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -111,6 +159,9 @@ def parse(model: type[_Sampling], raw: Any) -> Any:
     """``raw`` (the decoded JSON body) as ``model``, or a 400 naming the first bad field."""
     if not isinstance(raw, dict):
         raise OpenAIError("the request body must be a JSON object")
+    for name, off in UNSERVED.get("chat" if model is ChatRequest else "completions", {}).items():
+        if raw.get(name, off) != off and not (name == "best_of" and raw[name] in (1, raw.get("n", 1))):
+            raise OpenAIError(f"{name} is not served by this server", param=name)
     try:
         return model.model_validate(raw)
     except ValidationError as e:
@@ -150,6 +201,8 @@ def check_messages(messages: list[Any]) -> list[dict[str, Any]]:
         msg["content"] = _content(m.get("content"), f"{where}.content", optional=role == "assistant")
         if role == "assistant" and m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            if msg["content"] is None:  # templates concatenate content: null is no text
+                msg["content"] = ""
         elif msg["content"] is None:
             raise OpenAIError(f"{where}.content is missing", param=f"{where}.content")
         if role == "tool":
@@ -264,3 +317,54 @@ def schema_problem(schema: Any) -> str | None:
         at = "/".join(str(p) for p in e.path)
         return f"{e.message}" + (f" (at {at})" if at else "")
     return None
+
+
+def check_echo(req: CompletionRequest) -> None:
+    """``echo`` (whole answers only) and ``max_tokens`` 0 (only with ``echo``); no ``suffix``."""
+    if req.suffix:
+        raise OpenAIError("suffix is not supported", param="suffix")
+    if req.echo and req.stream:
+        raise OpenAIError("echo is not supported with stream", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise OpenAIError("max_tokens 0 needs echo (scoring the prompt)", param="max_tokens")
+
+
+def prompt_text(tok: Any, prompt: Any, i: int, ids: list[int]) -> str:
+    """The ``i``-th prompt as sent (a text prompt) or decoded (token ids), for ``echo``."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and i < len(prompt) and isinstance(prompt[i], str):
+        return prompt[i]
+    return tok.decode(ids)
+
+
+def prompts_of(
+    tok: Any, prompt: str | list[str] | list[int] | list[list[int]], vocab: int
+) -> list[list[int]]:
+    """A completions request's prompts as token ids (text with the tokenizer's special tokens)."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items or len(items) > MAX_PROMPTS:
+        raise OpenAIError(f"prompt must hold 1 to {MAX_PROMPTS} prompts", param="prompt")
+    out = [list(tok.encode(p)) if isinstance(p, str) else list(p) for p in items]
+    for i, ids in enumerate(out):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(
+                f"prompt[{i}] holds token {bad}, outside the vocabulary (0..{vocab - 1})", param="prompt"
+            )
+    return out
+
+
+def route_error(method: str, path: str, status: int) -> OpenAIError:
+    """A 404 / 405 under ``/v1`` (no route, or not that method) in OpenAI's shape: its clients
+    read no other."""
+    if status == 405:
+        return OpenAIError(f"{method} is not allowed on {path}", status=405)
+    if status == 404:
+        return OpenAIError(f"{method} {path} is not served here", status=404, type="not_found_error")
+    return OpenAIError(f"the request failed with HTTP {status}", status=status)

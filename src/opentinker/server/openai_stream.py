@@ -25,7 +25,8 @@ the usage (``stream_options.include_usage``, counted from the result: exact). To
 received but has not sent text for yet have their logprobs in the next chunk of that choice.
 
 **Tool calls.** A chat stream with tools in the Hermes format sends its content and its tool
-calls as OpenAI does, the calls' ``arguments`` as their JSON arrives (:mod:`openai_tools`).
+calls as OpenAI does, each call once its block has closed and parsed (:mod:`openai_tools`), so a
+call cut off at ``max_tokens`` or not JSON is never sent: the stream equals the whole answer.
 
 Where tokens do not come while decoding (the vLLM backend, sampling inside the scheduler's ticks),
 a choice's pieces, one per token, follow one another once the samples are done (a tool stream's
@@ -54,6 +55,10 @@ from opentinker.server.openai_tools import SentCall, ToolText
 from opentinker.service.sampling import Tokens, TokenSink
 
 log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was complete."""
 
 
 class Feed:

@@ -17,6 +17,8 @@ from opentinker.engine import EngineError, Example, ForwardResult
 from opentinker.engine.optim import check_optimizer_config
 from opentinker.models.vision import Image, ImageError, Vision
 from opentinker.sampling import SampleResult, SamplingParams
+from opentinker.sampling.grammar import Grammar
+from opentinker.sampling.grammar import check as check_grammar  # noqa: F401 (re-exported: the OpenAI routes' 400s)
 from opentinker.sampling.vision import cache_tokens
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -110,6 +112,16 @@ def forward_output(res: ForwardResult) -> types.ForwardBackwardOutput:
     )
 
 
+class ShapedSamplingParams(types.SamplingParams):
+    """The SDK's ``SamplingParams`` with OpenAI's shaping (the OpenAI-compatible routes'; see
+    ``sampling/grammar.py``): penalties, a logit bias, a grammar."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Grammar | None = None
+
+
 def sampling_params(p: types.SamplingParams) -> SamplingParams:
     stop = p.stop
     if isinstance(stop, str):
@@ -123,6 +135,18 @@ def sampling_params(p: types.SamplingParams) -> SamplingParams:
         top_p=float(p.top_p),
         seed=p.seed,
         stop=stop,  # type: ignore[arg-type]
+        **_shaping(p),
+    )
+
+
+def _shaping(p: types.SamplingParams) -> dict[str, Any]:
+    if not isinstance(p, ShapedSamplingParams):
+        return {}
+    return dict(
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=tuple(p.logit_bias),
+        grammar=p.grammar,
     )
 
 

@@ -23,10 +23,19 @@ class Meter(Protocol):
 
 
 def meter_sample(
-    meter: Meter, tenant: str, res: Any, prompt_len: int, *, session_id: str, base_model: str
+    meter: Meter,
+    tenant: str,
+    res: Any,
+    prompt_len: int,
+    *,
+    session_id: str,
+    base_model: str,
+    sampled: bool = True,
 ) -> None:
-    """Count one finished sample (a ``SampleResponse``) of a ``prompt_len``-token prompt."""
-    generated = sum(len(s.tokens) for s in res.sequences)
+    """Count one finished sample (a ``SampleResponse``) of a ``prompt_len``-token prompt;
+    ``sampled`` False: its generated tokens are not counted (none is returned: the OpenAI routes'
+    ``echo`` with ``max_tokens`` 0 samples one token and answers none)."""
+    generated = sum(len(s.tokens) for s in res.sequences) if sampled else 0
     meter.count(tenant, PREFILL, prompt_len, session_id=session_id, base_model=base_model)
     meter.count(tenant, SAMPLED, generated, session_id=session_id, base_model=base_model)
     hits = int(getattr(res, "prompt_cache_hit_tokens", 0) or 0)
