@@ -23,10 +23,11 @@ checked for NaN/inf per adapter before they are added, so a bad request cannot p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ from opentinker.engine.custom_loss import reduce_metrics
 from opentinker.engine.export import export_merged, export_peft
 from opentinker.engine.images import check_images
 from opentinker.engine.losses import LOSSES, resolve_config
+from opentinker.engine.model_state import CODECS, AdapterRecord, AdapterState
 from opentinker.engine.optim import AdapterOptimizer, finite_each, step_many
+from opentinker.engine.paging import MemoryBudget, PagedTable, PageFiles, PagingFull, Tier
 from opentinker.engine.passes import fused_logprobs
 from opentinker.engine.tinker_format import export_tinker
 from opentinker.engine.types import (
@@ -60,16 +63,20 @@ from opentinker.lora import LoRABatch, LoRAConfig, LoRAWeights, MultiLoRA, init_
 from opentinker.models import BaseModel, load_base_model
 
 
-@dataclass
-class _Adapter:
-    adapter_id: str
-    weights: LoRAWeights
-    optimizer: AdapterOptimizer
-    grads: torch.Tensor | None = None  # accumulated since the last step, flat (optimizer's order)
-    step: int = 0  # optimizer steps taken
-    versions: int = 0  # snapshots taken
-    parent: str | None = None  # checkpoint this adapter was loaded from
-    meta: dict[str, Any] = field(default_factory=dict)
+def _paged(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an engine method inside a scope of its paged table: the models it uses stay resident
+    while it runs, and the budget is fitted when it (or the tick around it) ends."""
+
+    @functools.wraps(method)
+    def run(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        with self.pages.scope():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 class Engine:
@@ -84,7 +91,12 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = torch.float32,  # the base's, when loaded here
         share_prefixes: bool = True,
+        budget: MemoryBudget | None = None,
+        pages: Tier | Callable[[], Tier] | str | Path | None = None,
     ) -> None:
+        """``budget``: the bytes of models' and snapshots' state kept in memory (shared with other
+        engines; default no limit), the rest paged out to ``pages`` (a :class:`Tier`, or a folder for
+        page files; see ``engine/paging.py``)."""
         self.share_prefixes = share_prefixes  # compute prefixes shared by rows once (engine/prefix.py)
         self.base = (
             base_model
@@ -98,8 +110,11 @@ class Engine:
         self.max_rank = max_rank
         self.max_batch_tokens = max_batch_tokens
         self.lora = MultiLoRA.attach(self.base.model)
-        self._adapters: dict[str, _Adapter] = {}
-        self._snapshots: dict[str, tuple[LoRAWeights, SnapshotInfo]] = {}
+        self.budget = budget or MemoryBudget(None)
+        tier = PageFiles(pages) if isinstance(pages, (str, Path)) else pages
+        self.pages = PagedTable(self.budget, tier, CODECS, self.device)  # every model's state
+        self._adapters: dict[str, AdapterRecord] = {}  # always resident; their state pages
+        self._snapshots: dict[str, SnapshotInfo] = {}  # their weights page (entry = snapshot id)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ adapters
@@ -111,6 +126,7 @@ class Engine:
     def max_context(self) -> int:
         return self.base.max_context
 
+    @_paged
     def create_adapter(self, config: LoRAConfig, adapter_id: str | None = None) -> str:
         self._check_config(config)
         if adapter_id is None:
@@ -119,9 +135,38 @@ class Engine:
                 adapter_id = f"adapter-{next(self._ids)}"
         elif adapter_id in self._adapters or "@" in adapter_id:
             raise EngineError(f"adapter id {adapter_id!r} is taken or contains '@'")
+        self._check_room(config)
         weights = init_lora_weights(config, self.lora.groups, device=self.device)
-        self._adapters[adapter_id] = _Adapter(adapter_id, weights, AdapterOptimizer(weights))
+        self._adapters[adapter_id] = AdapterRecord(adapter_id, config, self.pages)
+        self.pages.add(adapter_id, "adapter", AdapterState(weights, AdapterOptimizer(weights)))
         return adapter_id
+
+    def state_bytes(self, config: LoRAConfig) -> int:
+        """The most memory one adapter of ``config`` holds: weights, gradients and two moments."""
+        r = config.rank
+        n = sum(
+            math.prod(g.a_shape(r)) + math.prod(g.b_shape(r))
+            for g in self.lora.groups.values()
+            if config.trains(g.kind)
+        )
+        return 4 * n * torch.empty(0, dtype=torch.float32).element_size()
+
+    def _check_room(self, config: LoRAConfig) -> None:
+        """Refuse an adapter whose state alone exceeds the memory budget, or any new one while
+        paged state cannot be written (:class:`PagingFull`)."""
+        limit, need = self.budget.limit, self.state_bytes(config)
+        if limit is not None and need > limit:
+            raise EngineError(
+                f"a model of rank {config.rank} holds {_mib(need)} of state (weights, gradients and "
+                f"AdamW moments), more than the whole memory budget of {_mib(limit)}; use a lower "
+                "rank or a larger budget (--memory-budget)"
+            )
+        if self.pages.full is not None:
+            raise PagingFull(
+                f"no new model can be made now: the disk under the page files is full "
+                f"({self.pages.full}), so no model's state can be paged out; free disk space or "
+                "delete models, and retry"
+            )
 
     def _check_config(self, config: LoRAConfig) -> None:
         if not isinstance(config.rank, int) or not 1 <= config.rank <= self.max_rank:
@@ -142,6 +187,7 @@ class Engine:
                 f"this model has no layers of the kinds the config trains (has {sorted(kinds)})"
             )
 
+    @_paged
     def fork_adapter(
         self,
         source: str,
@@ -157,16 +203,16 @@ class Engine:
         step = self._adapters[source].step if source in self._adapters else self.snapshot_info(source).step
         if into is not None:
             target = self._adapter(into)
-            if not target.weights.config.same_layout(src.config):
+            if not target.config.same_layout(src.config):
                 raise EngineError(
-                    f"{source!r} has LoRA config {src.config}, adapter {into!r} has {target.weights.config}"
+                    f"{source!r} has LoRA config {src.config}, adapter {into!r} has {target.config}"
                 )
             aid = into
         else:
             aid = self.create_adapter(src.config, adapter_id)
         weights = src.clone(requires_grad=True)
         a = self._adapters[aid]
-        a.weights, a.optimizer, a.grads = weights, AdapterOptimizer(weights), None
+        a.replace(weights, AdapterOptimizer(weights))
         a.parent, a.step = parent or source, step
         return aid
 
@@ -174,6 +220,7 @@ class Engine:
         """Forget an adapter (its snapshots stay until released: pinned samplers keep working)."""
         self._adapter(adapter_id)
         del self._adapters[adapter_id]
+        self.pages.remove(adapter_id)
 
     def adapter_ids(self) -> list[str]:
         return list(self._adapters)
@@ -182,7 +229,7 @@ class Engine:
         return adapter_id in self._adapters
 
     def adapter_config(self, adapter_id: str) -> LoRAConfig:
-        return self._adapter(adapter_id).weights.config
+        return self._adapter(adapter_id).config
 
     def adapter_step(self, adapter_id: str) -> int:
         return self._adapter(adapter_id).step
@@ -194,6 +241,7 @@ class Engine:
             raise UnknownPolicyError("the base model has no LoRA weights")
         return w
 
+    @_paged
     def optimizer_state(self, adapter_id: str) -> dict[str, torch.Tensor]:
         return self._adapter(adapter_id).optimizer.state_tensors()
 
@@ -208,7 +256,7 @@ class Engine:
         a = self._adapter(adapter_id)
         a.versions, a.parent = int(versions), parent
 
-    def _adapter(self, adapter_id: str) -> _Adapter:
+    def _adapter(self, adapter_id: str) -> AdapterRecord:
         a = self._adapters.get(adapter_id)
         if a is None:
             raise UnknownPolicyError(f"unknown adapter {adapter_id!r}")
@@ -219,8 +267,10 @@ class Engine:
             return None
         if (a := self._adapters.get(ref)) is not None:
             return a.weights
-        if (s := self._snapshots.get(ref)) is not None:
-            return s[0]
+        if ref in self._snapshots:
+            w = self.pages.get(ref)
+            self.pages.fit(keep=[ref])  # snapshots only: safe from the sampler's thread too
+            return w
         raise UnknownPolicyError(f"unknown adapter or snapshot {ref!r}")
 
     # ------------------------------------------------------------------ compute
@@ -248,6 +298,7 @@ class Engine:
             raise res
         return res
 
+    @_paged
     def forward_backward_many(self, reqs: list[ForwardRequest]) -> list[ForwardResult | EngineError]:
         """Run all requests in one fused forward (and one backward); a refused one fails alone."""
         results: list[ForwardResult | EngineError | None] = [None] * len(reqs)
@@ -399,6 +450,7 @@ class Engine:
             raise res
         return res
 
+    @_paged
     def optim_step_many(self, items: list[tuple[str, AdamParams]]) -> list[dict[str, float] | EngineError]:
         """Several adapters' ``optim_step`` at once (a tick's): each result, weights and moments
         bitwise what its own ``optim_step`` gives (``engine/optim.py`` ``step_many``); a refused
@@ -425,12 +477,14 @@ class Engine:
             out[i] = res
         return [r if r is not None else EngineError("optimizer step was not run") for r in out]
 
+    @_paged
     def pending_gradients(self, adapter_id: str) -> dict[str, torch.Tensor] | None:
         """Gradients accumulated since the adapter's last ``optim_step`` (None if none), by weight
         name. Read-only."""
         a = self._adapter(adapter_id)
         return None if a.grads is None else a.optimizer.views(a.grads)
 
+    @_paged
     def set_pending_gradients(self, adapter_id: str, grads: dict[str, torch.Tensor]) -> None:
         """Replace the adapter's accumulated gradients by ``grads`` (copied): how data-parallel
         replicas put in the sum of every replica's gradients before their optimizer steps. Every
@@ -451,29 +505,33 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ snapshots
+    @_paged
     def snapshot(self, adapter_id: str) -> SnapshotInfo:
         """Copy the adapter's current weights into an immutable, sampleable policy version."""
         a = self._adapter(adapter_id)
         a.versions += 1
         weights = a.weights.clone(requires_grad=False)
         info = SnapshotInfo(f"{adapter_id}@v{a.versions}", adapter_id, a.versions, a.step, weights.nbytes())
-        self._snapshots[info.snapshot_id] = (weights, info)
+        self._snapshots[info.snapshot_id] = info
+        self.pages.add(info.snapshot_id, "snapshot", weights)
         return info
 
     def snapshot_info(self, snapshot_id: str) -> SnapshotInfo:
         s = self._snapshots.get(snapshot_id)
         if s is None:
             raise UnknownPolicyError(f"unknown snapshot {snapshot_id!r}")
-        return s[1]
+        return s
 
     def release_snapshot(self, snapshot_id: str) -> None:
         if self._snapshots.pop(snapshot_id, None) is None:
             raise UnknownPolicyError(f"unknown snapshot {snapshot_id!r}")
+        self.pages.remove(snapshot_id)
 
     def snapshot_ids(self) -> list[str]:
         return list(self._snapshots)
 
     # ------------------------------------------------------------------ checkpoints
+    @_paged
     def save_state(
         self,
         ref: PolicyRef,
@@ -512,6 +570,7 @@ class Engine:
             check_config=self._check_config,
         )  # fmt: skip
 
+    @_paged
     def load_state(
         self,
         path: str | Path,
@@ -532,19 +591,21 @@ class Engine:
             new_opt.load_state_tensors(opt_tensors)
         if into is not None:
             target = self._adapter(into)
-            if not target.weights.config.same_layout(config):
+            if not target.config.same_layout(config):
                 raise CheckpointError(
-                    f"checkpoint {path} has LoRA config {config}, adapter {into!r} has {target.weights.config}"
+                    f"checkpoint {path} has LoRA config {config}, adapter {into!r} has {target.config}"
                 )
-            target.weights, target.optimizer = loaded, new_opt
-            target.grads, target.parent = None, str(path)
+            target.replace(loaded, new_opt)
+            target.parent = str(path)
             target.step = int(meta.get("step", 0))
             return into
         aid = self.create_adapter(config, adapter_id)
         a = self._adapters[aid]
-        a.weights, a.optimizer, a.parent, a.step = loaded, new_opt, str(path), int(meta.get("step", 0))
+        a.replace(loaded, new_opt)
+        a.parent, a.step = str(path), int(meta.get("step", 0))
         return aid
 
+    @_paged
     def load_snapshot(self, path: str | Path, snapshot_id: str) -> SnapshotInfo:
         """Serve a saved checkpoint's weights as an immutable snapshot (named sampler weights)."""
         loaded, meta, _ = self._read_weights(path)
@@ -552,6 +613,7 @@ class Engine:
             snapshot_id, loaded, adapter_id=str(meta.get("source") or ""), step=int(meta.get("step", 0))
         )
 
+    @_paged
     def add_snapshot(
         self, snapshot_id: str, weights: LoRAWeights, *, adapter_id: str = "", step: int = 0
     ) -> SnapshotInfo:
@@ -566,13 +628,15 @@ class Engine:
                 raise EngineError(f"snapshot weights for {name!r} do not fit this base model")
         frozen = weights.clone(requires_grad=False)
         info = SnapshotInfo(snapshot_id, adapter_id, 0, step, frozen.nbytes())
-        self._snapshots[snapshot_id] = (frozen, info)
+        self._snapshots[snapshot_id] = info
+        self.pages.add(snapshot_id, "snapshot", frozen)
         return info
 
     def check_policy(self, ref: PolicyRef) -> None:
         """Raise ``UnknownPolicyError`` unless ``ref`` is None, a live adapter or a snapshot."""
         self._resolve(ref)
 
+    @_paged
     def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The adapter (or snapshot) ``ref`` as a PEFT folder (see :mod:`opentinker.engine.export`)."""
         return export_peft(
@@ -583,12 +647,14 @@ class Engine:
             tied_embedding=self.lora.tied_embedding,
         )
 
+    @_paged
     def export_tinker(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The adapter (or snapshot) ``ref`` in hosted Tinker's adapter layout, what
         ``save_weights_external`` writes (see :mod:`opentinker.engine.tinker_format`)."""
         weights, groups = self.adapter_weights(ref), self.lora.groups
         return export_tinker(weights, groups, out_dir, base_model=self.base.name, model=self.base.model)
 
+    @_paged
     def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
         """The base model with ``ref``'s delta merged in, as a full HF model folder."""
         return export_merged(self.adapter_weights(ref), self.lora.groups, self.base.path, out_dir)

@@ -174,6 +174,26 @@ class LoRAWeights:
         assert self.flat is not None
         return self.flat
 
+    @classmethod
+    def from_flat(
+        cls,
+        config: LoRAConfig,
+        flat: torch.Tensor,
+        layout: list[tuple[str, str, torch.Size]],
+        *,
+        requires_grad: bool,
+        uid: int | None = None,
+    ) -> LoRAWeights:
+        """Weights whose tensors are views of ``flat`` laid out as :meth:`layout` says (how paged
+        state comes back: ``uid`` given for immutable weights, whose caches stay valid)."""
+        out = cls(config) if uid is None else cls(config, uid=uid)
+        out._view(flat, layout, requires_grad)
+        return out
+
+    def layout(self) -> list[tuple[str, str, torch.Size]]:
+        """Each tensor's side ("a" / "b"), group and shape, in :attr:`flat`'s order."""
+        return self._layout()
+
     def _layout(self) -> list[tuple[str, str, torch.Size]]:
         return [("a", g, t.shape) for g, t in self.a.items()] + [("b", g, t.shape) for g, t in self.b.items()]
 

@@ -1,0 +1,122 @@
+"""What an engine holds per model, split into what always stays in memory and what pages.
+
+A model's **record** (:class:`AdapterRecord`: its id, LoRA config, step count, lineage) is small
+and always resident. Its **state** (:class:`AdapterState`: weights, AdamW moments, accumulated
+gradients) is what a :class:`~opentinker.engine.paging.PagedTable` may page out; the record
+reaches it through the table, so code that reads ``record.weights`` pages it in when it is out.
+A snapshot's frozen :class:`~opentinker.lora.LoRAWeights` page the same way (:class:`SnapshotCodec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opentinker.engine.optim import AdapterOptimizer
+from opentinker.engine.paging import Buffers, PagedTable
+from opentinker.lora import LoRAConfig, LoRAWeights
+
+
+@dataclass
+class AdapterState:
+    weights: LoRAWeights  # flattened: every tensor a view of ``weights.flat``
+    optimizer: AdapterOptimizer
+    grads: torch.Tensor | None = None  # accumulated since the last step, flat (optimizer's order)
+
+
+@dataclass
+class AdapterRecord:
+    adapter_id: str
+    config: LoRAConfig
+    table: PagedTable = field(repr=False)
+    step: int = 0  # optimizer steps taken
+    versions: int = 0  # snapshots taken
+    parent: str | None = None  # checkpoint this adapter was loaded from
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def state(self) -> AdapterState:
+        return self.table.get(self.adapter_id)
+
+    def replace(self, weights: LoRAWeights, optimizer: AdapterOptimizer) -> None:
+        """New weights and optimizer (no gradients): the old state is not paged in to be dropped."""
+        self.table.add(self.adapter_id, "adapter", AdapterState(weights, optimizer))
+
+    @property
+    def weights(self) -> LoRAWeights:
+        return self.state.weights
+
+    @property
+    def optimizer(self) -> AdapterOptimizer:
+        return self.state.optimizer
+
+    @property
+    def grads(self) -> torch.Tensor | None:
+        return self.state.grads
+
+    @grads.setter
+    def grads(self, value: torch.Tensor | None) -> None:
+        self.state.grads = value
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _flat(w: LoRAWeights) -> torch.Tensor:
+    assert w.flat is not None, "a trainable adapter's weights are flattened"
+    return w.flat
+
+
+class AdapterCodec:
+    """An :class:`AdapterState` as flat buffers: weights, moments and step (once it has stepped)
+    and gradients (when it has some), each one contiguous buffer, bytes as they are."""
+
+    def pack(self, obj: AdapterState) -> tuple[Buffers, dict[str, Any]]:
+        out: Buffers = {"weights": _flat(obj.weights).detach()}
+        out.update({k: v for k, v in obj.optimizer.state.items()})
+        if obj.grads is not None:
+            out["grads"] = obj.grads
+        return out, {"config": obj.weights.config, "layout": obj.weights.layout()}
+
+    def unpack(self, buffers: Buffers, meta: dict[str, Any]) -> AdapterState:
+        weights = LoRAWeights.from_flat(meta["config"], buffers["weights"], meta["layout"], requires_grad=True)
+        opt = AdapterOptimizer(weights)
+        if "exp_avg" in buffers:
+            opt.state = {k: buffers[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+        return AdapterState(weights, opt, buffers.get("grads"))
+
+    def nbytes(self, obj: AdapterState) -> int:
+        moments = sum(_nbytes(v) for v in obj.optimizer.state.values())
+        return _nbytes(obj.weights.flat) + moments + _nbytes(obj.grads)
+
+
+class SnapshotCodec:
+    """A snapshot's frozen weights: one buffer when flattened (a live adapter's copy), else one per
+    tensor; their uid comes back with them (the weights are the same, so caches keyed by it hold)."""
+
+    def pack(self, obj: LoRAWeights) -> tuple[Buffers, dict[str, Any]]:
+        meta: dict[str, Any] = {"config": obj.config, "uid": obj.uid}
+        if obj.flat is not None:
+            return {"flat": obj.flat.detach()}, {**meta, "layout": obj.layout()}
+        tensors = obj.state_dict()
+        return {k: v.detach() for k, v in tensors.items()}, {**meta, "order": list(tensors)}
+
+    def unpack(self, buffers: Buffers, meta: dict[str, Any]) -> LoRAWeights:
+        if "layout" in meta:
+            return LoRAWeights.from_flat(
+                meta["config"], buffers["flat"], meta["layout"], requires_grad=False, uid=meta["uid"]
+            )
+        out = LoRAWeights(meta["config"], uid=meta["uid"])
+        for key in meta["order"]:  # the tensors in their first order (the file's is sorted)
+            group, _, kind = key.rpartition(".")
+            (out.a if kind == "lora_A" else out.b)[group] = buffers[key]
+        return out
+
+    def nbytes(self, obj: LoRAWeights) -> int:
+        return obj.nbytes()
+
+
+CODECS = {"adapter": AdapterCodec(), "snapshot": SnapshotCodec()}
