@@ -142,18 +142,18 @@ class Engine:
         return adapter_id
 
     def state_bytes(self, config: LoRAConfig) -> int:
-        """The most memory one adapter of ``config`` holds: weights, gradients and two moments."""
+        """The most memory one adapter of ``config`` holds: weights, gradients, two moments, step."""
         r = config.rank
         n = sum(
             math.prod(g.a_shape(r)) + math.prod(g.b_shape(r))
             for g in self.lora.groups.values()
             if config.trains(g.kind)
         )
-        return 4 * n * torch.empty(0, dtype=torch.float32).element_size()
+        return 4 * n * 4 + 4  # fp32 each, and the optimizer's step count
 
     def _check_room(self, config: LoRAConfig) -> None:
-        """Refuse an adapter whose state alone exceeds the memory budget, or any new one while
-        paged state cannot be written (:class:`PagingFull`)."""
+        """Refuse an adapter whose state alone exceeds the memory budget, or one that needs room
+        while paged state cannot be written (:class:`PagingFull`)."""
         limit, need = self.budget.limit, self.state_bytes(config)
         if limit is not None and need > limit:
             raise EngineError(
@@ -161,7 +161,9 @@ class Engine:
                 f"AdamW moments), more than the whole memory budget of {_mib(limit)}; use a lower "
                 "rank or a larger budget (--memory-budget)"
             )
-        if self.pages.full is not None:
+        if self.pages.full is not None and self.budget.over(need):
+            self.pages.fit(kinds=None, room=need)  # a page-out may succeed again
+        if self.pages.full is not None and self.budget.over(need):
             raise PagingFull(
                 f"no new model can be made now: the disk under the page files is full "
                 f"({self.pages.full}), so no model's state can be paged out; free disk space or "

@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import json
 import os
+import struct
 import threading
 import time
 import weakref
@@ -53,8 +54,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from opentinker.engine.types import EngineError
 
@@ -97,11 +96,20 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
+}  # fmt: skip
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+
+
 class PageFiles:
-    """Page files in one folder: a safetensors file per paged-out entry, each buffer's CRC32 in its
-    metadata, written to a temporary name and renamed (a reader never sees half a file). Page
-    files are not checkpoints: they live as long as their process (not fsynced; the owner removes
-    the folders of processes that are gone, :func:`clear_stale_pages`)."""
+    """Page files in one folder: one file per paged-out entry in the safetensors layout (a JSON
+    header, then each buffer's bytes; each buffer's CRC32 in the header's metadata), written
+    buffer by buffer from the tensors' own memory and read back into fresh tensors with one copy
+    each; written to a temporary name and renamed, so a reader never sees half a file. Page files
+    are not checkpoints: they live as long as their process (not fsynced; the folders of processes
+    that are gone are removed, :func:`clear_stale_pages`)."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
@@ -109,23 +117,33 @@ class PageFiles:
         self._names = itertools.count()
 
     def put(self, key: str, buffers: Buffers) -> Page:
-        host = {k: v.detach().to("cpu").contiguous() for k, v in buffers.items()}
+        host = {k: v.detach().to("cpu").contiguous().reshape(-1) for k, v in buffers.items()}
         sums = {k: _crc(v) for k, v in host.items()}
+        header: dict[str, Any] = {"__metadata__": {"entry": key, "crc32": json.dumps(sums)}}
+        at = 0
+        for k, v in buffers.items():
+            n = v.numel() * v.element_size()
+            header[k] = {"dtype": _DTYPES[v.dtype], "shape": list(v.shape), "data_offsets": [at, at + n]}
+            at += n
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
         path = self.folder / f"{next(self._names)}.pages"
         tmp = path.with_suffix(".tmp")
         try:
-            save_file(host, str(tmp), metadata={"entry": key, "crc32": json.dumps(sums)})
+            with open(tmp, "wb") as f:
+                f.write(struct.pack("<Q", len(head)) + head)
+                for v in host.values():
+                    f.write(v.view(torch.uint8).numpy().data)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return Page(str(path), sum(v.numel() * v.element_size() for v in host.values()), sums)
+        return Page(str(path), at, sums)
 
     def get(self, key: str, page: Page, device: torch.device) -> Buffers:
         what = f"the paged-out state of {key!r}"
         try:
-            with safe_open(page.path, framework="pt") as f:
-                out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+            out = _read_pages(page.path)
         except FileNotFoundError:
             raise PageError(f"{what} is missing (its page file was removed)") from None
         except Exception as e:
@@ -139,6 +157,22 @@ class PageFiles:
 
     def drop(self, page: Page) -> None:
         Path(page.path).unlink(missing_ok=True)
+
+
+def _read_pages(path: str) -> Buffers:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        out: Buffers = {}
+        for k, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            t = torch.empty(spec["shape"], dtype=_BY_NAME[spec["dtype"]])
+            view = t.reshape(-1).view(torch.uint8).numpy()
+            start, end = spec["data_offsets"]
+            if end - start != view.nbytes or f.readinto(memoryview(view)) != view.nbytes:
+                raise ValueError(f"buffer {k!r} is cut short")
+            out[k] = t
+        return out
 
 
 def clear_stale_pages(root: str | Path) -> int:
@@ -196,8 +230,8 @@ class MemoryBudget:
         with self._lock:
             self.resident += n
 
-    def over(self) -> bool:
-        return self.limit is not None and self.resident > self.limit
+    def over(self, room: int = 0) -> bool:
+        return self.limit is not None and self.resident + room > self.limit
 
 
 class Codec(Protocol):
@@ -414,11 +448,13 @@ class PagedTable:
                 self._count(n - e.nbytes, 0)
                 e.nbytes = n
 
-    def fit(self, kinds: tuple[str, ...] | None = ("snapshot",), keep: Iterable[str] = ()) -> int:
+    def fit(
+        self, kinds: tuple[str, ...] | None = ("snapshot",), keep: Iterable[str] = (), room: int = 0
+    ) -> int:
         """Page out least recently used entries (of ``kinds``; None: all, which only the owner's
-        thread may ask) until the budget holds; returns how many paged out. Entries of open scopes,
-        wanted ones and ``keep`` stay."""
-        if not self.budget.over():
+        thread may ask) until the budget holds, with ``room`` bytes to spare; returns how many
+        paged out. Entries of open scopes, wanted ones and ``keep`` stay."""
+        if not self.budget.over(room):
             return 0
         with self._lock:
             skip = set(keep) | self.wanted
@@ -426,7 +462,7 @@ class PagedTable:
                 skip |= s
             n = 0
             for key in list(self._resident):
-                if not self.budget.over():
+                if not self.budget.over(room):
                     break
                 e = self._entries[key]
                 if key in skip or e.loading is not None or (kinds is not None and e.kind not in kinds):
