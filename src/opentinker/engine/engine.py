@@ -23,9 +23,7 @@ checked for NaN/inf per adapter before they are added, so a bad request cannot p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,14 +39,21 @@ from opentinker.engine.checkpoint import (
     write_checkpoint,
 )
 from opentinker.engine.custom_loss import reduce_metrics
-from opentinker.engine.export import export_merged, export_peft
+from opentinker.engine.exports import EngineExports
 from opentinker.engine.images import check_images
 from opentinker.engine.losses import LOSSES, resolve_config
-from opentinker.engine.model_state import CODECS, AdapterRecord, AdapterState
+from opentinker.engine.model_state import (
+    CODECS,
+    AdapterRecord,
+    AdapterState,
+    _paged,
+    check_config,
+    check_room,
+    state_bytes,
+)
 from opentinker.engine.optim import AdapterOptimizer, finite_each, step_many
-from opentinker.engine.paging import MemoryBudget, PagedTable, PageFiles, PagingFull, Tier
+from opentinker.engine.paging import MemoryBudget, PagedTable, PageFiles, Tier
 from opentinker.engine.passes import fused_logprobs
-from opentinker.engine.tinker_format import export_tinker
 from opentinker.engine.types import (
     AdamParams,
     EngineError,
@@ -63,23 +68,7 @@ from opentinker.lora import LoRABatch, LoRAConfig, LoRAWeights, MultiLoRA, init_
 from opentinker.models import BaseModel, load_base_model
 
 
-def _paged(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run an engine method inside a scope of its paged table: the models it uses stay resident
-    while it runs, and the budget is fitted when it (or the tick around it) ends."""
-
-    @functools.wraps(method)
-    def run(self: Engine, *args: Any, **kwargs: Any) -> Any:
-        with self.pages.scope():
-            return method(self, *args, **kwargs)
-
-    return run
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-class Engine:
+class Engine(EngineExports):
     data_parallel: None = None  # a Trainer: every model trains in this process (engine/trainer.py)
 
     def __init__(
@@ -143,51 +132,13 @@ class Engine:
 
     def state_bytes(self, config: LoRAConfig) -> int:
         """The most memory one adapter of ``config`` holds: weights, gradients, two moments, step."""
-        r = config.rank
-        n = sum(
-            math.prod(g.a_shape(r)) + math.prod(g.b_shape(r))
-            for g in self.lora.groups.values()
-            if config.trains(g.kind)
-        )
-        return 4 * n * 4 + 4  # fp32 each, and the optimizer's step count
+        return state_bytes(config, self.lora.groups)
 
     def _check_room(self, config: LoRAConfig) -> None:
-        """Refuse an adapter whose state alone exceeds the memory budget, or one that needs room
-        while paged state cannot be written (:class:`PagingFull`)."""
-        limit, need = self.budget.limit, self.state_bytes(config)
-        if limit is not None and need > limit:
-            raise EngineError(
-                f"a model of rank {config.rank} holds {_mib(need)} of state (weights, gradients and "
-                f"AdamW moments), more than the whole memory budget of {_mib(limit)}; use a lower "
-                "rank or a larger budget (--memory-budget)"
-            )
-        if self.pages.full is not None and self.budget.over(need):
-            self.pages.fit(kinds=None, room=need)  # a page-out may succeed again
-        if self.pages.full is not None and self.budget.over(need):
-            raise PagingFull(
-                f"no new model can be made now: the disk under the page files is full "
-                f"({self.pages.full}), so no model's state can be paged out; free disk space or "
-                "delete models, and retry"
-            )
+        check_room(self.pages, self.state_bytes(config), config.rank)
 
     def _check_config(self, config: LoRAConfig) -> None:
-        if not isinstance(config.rank, int) or not 1 <= config.rank <= self.max_rank:
-            raise EngineError(f"LoRA rank must be an integer in [1, {self.max_rank}], got {config.rank!r}")
-        if not (config.alpha > 0 and config.alpha < float("inf")):
-            raise EngineError(f"LoRA alpha must be positive and finite, got {config.alpha!r}")
-        if not (config.train_attn or config.train_mlp or config.train_unembed):
-            raise EngineError("an adapter must train at least one of attention, MLP or unembedding")
-        if config.train_mlp and self.lora.unknown_experts:
-            raise EngineError(
-                f"this model's experts have a layout the LoRA layers do not know: "
-                f"{'; '.join(self.lora.unknown_experts[:2])}. Create the adapter with train_mlp=False "
-                "(attention and unembedding are still trained)"
-            )
-        kinds = {g.kind for g in self.lora.groups.values()}
-        if not any(config.trains(k) for k in kinds):
-            raise EngineError(
-                f"this model has no layers of the kinds the config trains (has {sorted(kinds)})"
-            )
+        check_config(config, self.lora, self.max_rank)
 
     @_paged
     def fork_adapter(
@@ -637,26 +588,3 @@ class Engine:
     def check_policy(self, ref: PolicyRef) -> None:
         """Raise ``UnknownPolicyError`` unless ``ref`` is None, a live adapter or a snapshot."""
         self._resolve(ref)
-
-    @_paged
-    def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
-        """The adapter (or snapshot) ``ref`` as a PEFT folder (see :mod:`opentinker.engine.export`)."""
-        return export_peft(
-            self.adapter_weights(ref),
-            self.lora.groups,
-            out_dir,
-            base_model=self.base.name,
-            tied_embedding=self.lora.tied_embedding,
-        )
-
-    @_paged
-    def export_tinker(self, ref: PolicyRef, out_dir: str | Path) -> Path:
-        """The adapter (or snapshot) ``ref`` in hosted Tinker's adapter layout, what
-        ``save_weights_external`` writes (see :mod:`opentinker.engine.tinker_format`)."""
-        weights, groups = self.adapter_weights(ref), self.lora.groups
-        return export_tinker(weights, groups, out_dir, base_model=self.base.name, model=self.base.model)
-
-    @_paged
-    def export_merged(self, ref: PolicyRef, out_dir: str | Path) -> Path:
-        """The base model with ``ref``'s delta merged in, as a full HF model folder."""
-        return export_merged(self.adapter_weights(ref), self.lora.groups, self.base.path, out_dir)

@@ -9,14 +9,19 @@ A snapshot's frozen :class:`~opentinker.lora.LoRAWeights` page the same way (:cl
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from opentinker.engine.optim import AdapterOptimizer
-from opentinker.engine.paging import Buffers, PagedTable
-from opentinker.lora import LoRAConfig, LoRAWeights
+from opentinker.engine.paging import Buffers, PagedTable, PagingFull
+from opentinker.engine.types import EngineError
+from opentinker.lora import LoRAConfig, LoRAWeights, MultiLoRA
+from opentinker.lora.adapter import TargetGroup
 
 
 @dataclass
@@ -82,7 +87,9 @@ class AdapterCodec:
         return out, {"config": obj.weights.config, "layout": obj.weights.layout()}
 
     def unpack(self, buffers: Buffers, meta: dict[str, Any]) -> AdapterState:
-        weights = LoRAWeights.from_flat(meta["config"], buffers["weights"], meta["layout"], requires_grad=True)
+        weights = LoRAWeights.from_flat(
+            meta["config"], buffers["weights"], meta["layout"], requires_grad=True
+        )
         opt = AdapterOptimizer(weights)
         if "exp_avg" in buffers:
             opt.state = {k: buffers[k] for k in ("step", "exp_avg", "exp_avg_sq")}
@@ -120,3 +127,66 @@ class SnapshotCodec:
 
 
 CODECS = {"adapter": AdapterCodec(), "snapshot": SnapshotCodec()}
+
+
+def _paged(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an engine method inside a scope of its paged table (``self.pages``): the models it uses
+    stay resident while it runs, and the budget is fitted when it (or the tick around it) ends."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.pages.scope():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def state_bytes(config: LoRAConfig, groups: dict[str, TargetGroup]) -> int:
+    """The most memory one adapter of ``config`` holds: weights, gradients, two moments, step."""
+    r = config.rank
+    n = sum(
+        math.prod(g.a_shape(r)) + math.prod(g.b_shape(r)) for g in groups.values() if config.trains(g.kind)
+    )
+    return 4 * n * 4 + 4  # fp32 each, and the optimizer's step count
+
+
+def check_room(pages: PagedTable, need: int, rank: int) -> None:
+    """Refuse an adapter whose state alone (``need`` bytes) exceeds the memory budget, or one that
+    needs room while paged state cannot be written (:class:`PagingFull`)."""
+    budget = pages.budget
+    if budget.limit is not None and need > budget.limit:
+        raise EngineError(
+            f"a model of rank {rank} holds {_mib(need)} of state (weights, gradients and AdamW "
+            f"moments), more than the whole memory budget of {_mib(budget.limit)}; use a lower "
+            "rank or a larger budget (--memory-budget)"
+        )
+    if pages.full is not None and budget.over(need):
+        pages.fit(kinds=None, room=need)  # a page-out may succeed again
+    if pages.full is not None and budget.over(need):
+        raise PagingFull(
+            f"no new model can be made now: the disk under the page files is full ({pages.full}), "
+            "so no model's state can be paged out; free disk space or delete models, and retry"
+        )
+
+
+def check_config(config: LoRAConfig, lora: MultiLoRA, max_rank: int) -> None:
+    """Refuse a LoRA config this engine cannot train, naming why."""
+    if not isinstance(config.rank, int) or not 1 <= config.rank <= max_rank:
+        raise EngineError(f"LoRA rank must be an integer in [1, {max_rank}], got {config.rank!r}")
+    if not (config.alpha > 0 and config.alpha < float("inf")):
+        raise EngineError(f"LoRA alpha must be positive and finite, got {config.alpha!r}")
+    if not (config.train_attn or config.train_mlp or config.train_unembed):
+        raise EngineError("an adapter must train at least one of attention, MLP or unembedding")
+    if config.train_mlp and lora.unknown_experts:
+        raise EngineError(
+            f"this model's experts have a layout the LoRA layers do not know: "
+            f"{'; '.join(lora.unknown_experts[:2])}. Create the adapter with train_mlp=False "
+            "(attention and unembedding are still trained)"
+        )
+    kinds = {g.kind for g in lora.groups.values()}
+    if not any(config.trains(k) for k in kinds):
+        raise EngineError(f"this model has no layers of the kinds the config trains (has {sorted(kinds)})")

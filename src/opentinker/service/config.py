@@ -22,6 +22,7 @@ from typing import Any
 
 from opentinker.models.paths import cache_dir
 from opentinker.sampling.native import DEFAULT_PREFIX_CACHE_BYTES
+from opentinker.service.memory import memory_budget_arg
 
 
 def non_negative(text: str) -> int:
@@ -81,6 +82,15 @@ class RuntimeConfig:
         scale=1 << 20,
         type=non_negative,
         metavar="MIB",
+    )
+    memory_budget: int | str = setting(
+        "auto",
+        "bytes of models' state (weights, gradients, optimizer moments, snapshots) kept in "
+        "memory; the rest is paged out to page files under the data dir and back on use: a size "
+        "such as 64MiB or 2GiB, auto (40%% of the memory this process may use, its cgroup's "
+        "limit included; logged at start-up) or off (no limit: every model stays in memory)",
+        type=memory_budget_arg,
+        metavar="SIZE",
     )
     rollout_workers: int = setting(
         0,
@@ -221,10 +231,29 @@ def runtime_config(config: RuntimeConfig | None, settings: dict[str, Any]) -> Ru
     return dataclasses.replace(config or RuntimeConfig(), **settings)
 
 
-__all__ = ["RuntimeConfig", "add_runtime_args", "runtime_config", "runtime_config_from_args"]
+__all__ = ["RuntimeConfig", "add_runtime_args", "runtime_config", "runtime_config_from_args", "vllm_options"]
 
 
 def default_data_dir() -> Path:
     """Where a runtime keeps its data unless told: ``$OPENTINKER_HOME``, else the cache's ``data``."""
     env = os.environ.get("OPENTINKER_HOME")
     return Path(env) if env else cache_dir() / "data"
+
+
+def vllm_options(config: RuntimeConfig) -> dict[str, Any]:
+    """The keywords of the vLLM backend: ``vllm_max_lora_rank`` and ``rollout_options``."""
+    if "max_lora_rank" in config.rollout_options:
+        raise ValueError("set vllm_max_lora_rank, not rollout_options['max_lora_rank']")
+    if "tensor_parallel" in config.rollout_options:
+        raise ValueError("set rollout_tensor_parallel, not rollout_options['tensor_parallel']")
+    tp = config.rollout_tensor_parallel
+    if config.rollout_backend != "vllm":
+        if tp != 1:
+            raise ValueError(
+                f"rollout_tensor_parallel {tp} needs rollout_backend 'vllm' (vLLM's tensor "
+                "parallelism); to split the native sampler over devices, shard it over the "
+                "training group (--shard-sampling group)"
+            )
+        return dict(config.rollout_options)
+    rank = config.vllm_max_lora_rank
+    return {"max_lora_rank": rank, "tensor_parallel": tp, **config.rollout_options}

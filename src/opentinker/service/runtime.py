@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 from opentinker.engine import Engine, EngineError, SnapshotInfo, Trainer, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError, read_manifest
 from opentinker.engine.optim import check_optimizer_config
+from opentinker.engine.paging import PageFiles, page_folder
 from opentinker.lora import LoRAConfig
 from opentinker.models import BUILTIN_MODELS, load_base_model
 from opentinker.models.dtype import dtype_name, resolve_dtype
@@ -43,8 +44,9 @@ from opentinker.sampling.loop import SamplingCore, SamplingLoop
 from opentinker.sampling.routed import RoutedBackend, check_rollout_options
 from opentinker.scheduler import ModelQueue, Scheduler, TickRecord, VersionQueue
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
-from opentinker.service.config import RuntimeConfig, default_data_dir, runtime_config
+from opentinker.service.config import RuntimeConfig, default_data_dir, runtime_config, vllm_options
 from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
+from opentinker.service.memory import memory_budget
 from opentinker.service.scaleout import ScaleOut, data_parallel_of
 from opentinker.service.sessions import MemorySessionStore, Sessions, model_id_in
 
@@ -125,7 +127,7 @@ class Runtime:
         (:class:`~opentinker.service.scaleout.ScaleOut`)."""
         cfg = self.config = runtime_config(config, settings)
         self.dtype = dtype_name(resolve_dtype(cfg.dtype, cfg.device))  # a name: it travels to workers as is
-        check_rollout_options(cfg.rollout_workers, cfg.rollout_backend, self._vllm_options())
+        check_rollout_options(cfg.rollout_workers, cfg.rollout_backend, vllm_options(self.config))
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         # the server passes its store's published check and its durable sessions
         self.is_public: Callable[[str], bool] = is_public or (lambda path: False)
@@ -146,30 +148,13 @@ class Runtime:
             stacks=self._loaded,
         )
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.budget = memory_budget(cfg.memory_budget, self.data_dir / "pages")
         self.store = CheckpointStore(self.data_dir)
         self.external = ExternalStore(self.data_dir)
 
     def _loaded(self) -> dict[str, BaseStack]:
         with self._lock:
             return dict(self._stacks)
-
-    def _vllm_options(self) -> dict[str, Any]:
-        """The keywords of the vLLM backend: ``vllm_max_lora_rank`` and ``rollout_options``."""
-        if "max_lora_rank" in self.config.rollout_options:
-            raise ValueError("set vllm_max_lora_rank, not rollout_options['max_lora_rank']")
-        if "tensor_parallel" in self.config.rollout_options:
-            raise ValueError("set rollout_tensor_parallel, not rollout_options['tensor_parallel']")
-        tp = self.config.rollout_tensor_parallel
-        if self.config.rollout_backend != "vllm":
-            if tp != 1:
-                raise ValueError(
-                    f"rollout_tensor_parallel {tp} needs rollout_backend 'vllm' (vLLM's tensor "
-                    "parallelism); to split the native sampler over devices, shard it over the "
-                    "training group (--shard-sampling group)"
-                )
-            return dict(self.config.rollout_options)
-        rank = self.config.vllm_max_lora_rank
-        return {"max_lora_rank": rank, "tensor_parallel": tp, **self.config.rollout_options}
 
     def base_stack(self, base_model: str) -> BaseStack:
         """The engine, sampler and scheduler of ``base_model``, loaded on first use. The clients
@@ -181,7 +166,11 @@ class Runtime:
                 base = self.scaleout.front_base(name) or load_base_model(
                     name, dtype=self.dtype, device=self.config.device
                 )
-                engine = Engine(base, max_rank=self.config.max_rank, device=self.config.device)
+                pages = self.data_dir / "pages"
+                engine = Engine(
+                    base, max_rank=self.config.max_rank, device=self.config.device, budget=self.budget,
+                    pages=lambda: PageFiles(page_folder(pages)),
+                )  # fmt: skip
                 sampler, decoder = self._sampler(engine)
 
                 # sampling on its own thread, continuous batching
@@ -196,7 +185,7 @@ class Runtime:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
         cache = self.config.prefix_cache_bytes  # per base model's sampler
         if self.config.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
-            rb = RoutedBackend.for_engine(engine, prefix_cache_bytes=cache, **self._vllm_options())
+            rb = RoutedBackend.for_engine(engine, prefix_cache_bytes=cache, **vllm_options(self.config))
             return rb, rb.decoder
         nb = NativeBackend(engine, prefix_cache_bytes=cache)
         return nb, lambda: nb.decoder(snapshots_only=True)
@@ -583,6 +572,7 @@ class Runtime:
                 close = getattr(b.sampler, "close", None)
                 if callable(close):
                     close()
+                b.engine.pages.close()  # page files are not checkpoints: they go with the runtime
             self._stacks.clear()
         self.scaleout.shutdown()
 
