@@ -22,6 +22,7 @@ checked for NaN/inf per adapter before they are added, so a bad request cannot p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
@@ -105,6 +106,19 @@ class Engine(EngineExports):
         self._adapters: dict[str, AdapterRecord] = {}  # always resident; their state pages
         self._snapshots: dict[str, SnapshotInfo] = {}  # their weights page (entry = snapshot id)
         self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ paging
+    def paged_tick(self, models: list[str], upcoming: list[str]) -> contextlib.AbstractContextManager[None]:
+        """One tick's scope: ``models`` (and whatever it uses) stay resident until it ends, then the
+        budget is fitted; ``upcoming`` (the next tick's) are paged in meanwhile, in the background,
+        and are not paged out at its end."""
+        if self.budget.limit is not None:
+            self.pages.prefetch(upcoming)
+        return self.pages.scope(models)
+
+    def model_bytes(self, adapter_id: str) -> int:
+        """The bytes of ``adapter_id``'s state as last measured (0 if unknown)."""
+        return self.pages.nbytes(adapter_id)
 
     # ------------------------------------------------------------------ adapters
     @property

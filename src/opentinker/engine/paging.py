@@ -338,6 +338,10 @@ class PagedTable:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
+    def nbytes(self, key: str) -> int:
+        e = self._entries.get(key)
+        return 0 if e is None else e.nbytes
+
     def is_resident(self, key: str) -> bool:
         return key in self._resident
 

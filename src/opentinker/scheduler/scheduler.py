@@ -119,6 +119,7 @@ class TickStats:
     optim_steps: int = 0
     last_tick_seconds: float = 0.0
     tick_seconds: float = 0.0  # every tick's run time, summed (with ``ticks``: a mean, /metrics)
+    waited_ticks: int = 0  # ticks that waited for a model's page-in
 
 
 class Scheduler:
@@ -140,6 +141,7 @@ class Scheduler:
         self._queues: dict[QueueKey, deque[_Op]] = {}
         self._cv = threading.Condition()
         self._last_sources: set[str] = set()  # the clients served by the previous tick
+        self._cut: QueueKey | None = None  # where a tick full for the memory budget stopped
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="opentinker-scheduler", daemon=True)
         self._thread.start()
@@ -236,7 +238,12 @@ class Scheduler:
                     return
                 self._gather()
                 calls, forwards, optims = self._take_tick()
-            self._run_tick(calls, forwards, optims)
+                upcoming = self._upcoming()
+            models = [str(m) for m, _ in optims] + [op.payload.policy for op in forwards]
+            waited = self.engine.pages.stats.waited
+            with self.engine.paged_tick([m for m in models if m], upcoming):
+                self._run_tick(calls, forwards, optims)
+            self.stats.waited_ticks += self.engine.pages.stats.waited > waited
             # drop this tick's work before waiting: finished requests must not pin their clients
             del calls, forwards, optims
 
@@ -279,9 +286,16 @@ class Scheduler:
         forwards: list[_Op] = []
         optims: list[tuple[str, _Op]] = []
         sources: set[str] = set()
-        for key, q in self._queues.items():
+        room = self._room()
+        for key, q in self._rotated(consume=True):
             if not q:
                 continue
+            if room is not None and isinstance(key, ModelQueue) and q[0].kind != "call":
+                need = self.engine.model_bytes(key.model_id)
+                if need > room and (forwards or optims):
+                    self._cut = key  # this tick is full: the next one starts here
+                    break
+                room -= need
             if client := _client(key):  # a version owned by no model is nobody's client
                 sources.add(client)
             head = q[0]
@@ -296,6 +310,38 @@ class Scheduler:
             del self._queues[key]
         self._last_sources = sources
         return calls, forwards, optims
+
+    def _room(self) -> int | None:
+        """The bytes of model state a tick may use: half the memory budget, so that the next
+        tick's models page in beside it (None: no budget)."""
+        limit = self.engine.budget.limit
+        return None if limit is None else limit // 2
+
+    def _upcoming(self) -> list[str]:
+        """The models the next tick will train, as the queues stand (for their page-ins to start
+        now); none without a budget (nothing pages)."""
+        room, out = self._room(), []
+        if room is None:
+            return out
+        for key, q in self._rotated():
+            if q and isinstance(key, ModelQueue) and q[0].kind != "call":
+                need = self.engine.model_bytes(key.model_id)
+                if need > room and out:
+                    break
+                room -= need
+                out.append(key.model_id)
+        return out
+
+    def _rotated(self, consume: bool = False) -> list[tuple[QueueKey, deque[_Op]]]:
+        """The queues, from the one the last tick that was full for the budget left out."""
+        items = list(self._queues.items())
+        cut = self._cut
+        if consume:
+            self._cut = None
+        if cut is not None and cut in self._queues:
+            at = next(i for i, (k, _) in enumerate(items) if k == cut)
+            items = items[at:] + items[:at]
+        return items
 
     def _run_tick(
         self,
