@@ -93,7 +93,12 @@ class Tier(Protocol):
 
 
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return zlib.crc32(_bytes(t))
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's memory as bytes (no copy when contiguous)."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 _DTYPES = {
@@ -133,7 +138,7 @@ class PageFiles:
             with open(tmp, "wb") as f:
                 f.write(struct.pack("<Q", len(head)) + head)
                 for v in host.values():
-                    f.write(v.view(torch.uint8).numpy().data)
+                    f.write(_bytes(v))
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -167,9 +172,9 @@ def _read_pages(path: str) -> Buffers:
         out: Buffers = {}
         for k, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             t = torch.empty(spec["shape"], dtype=_BY_NAME[spec["dtype"]])
-            view = t.reshape(-1).view(torch.uint8).numpy()
+            view = _bytes(t)
             start, end = spec["data_offsets"]
-            if end - start != view.nbytes or f.readinto(memoryview(view)) != view.nbytes:
+            if end - start != view.nbytes or f.readinto(view) != view.nbytes:
                 raise ValueError(f"buffer {k!r} is cut short")
             out[k] = t
         return out
