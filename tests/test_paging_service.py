@@ -68,7 +68,9 @@ def _train_and_sample(rt: Runtime) -> tuple[list[float], list[list[int]]]:
     return losses, tokens
 
 
-def test_a_paged_runtime_trains_and_samples_bitwise_as_a_resident_one(runtimes: tuple[Runtime, Runtime]) -> None:
+def test_a_paged_runtime_trains_and_samples_bitwise_as_a_resident_one(
+    runtimes: tuple[Runtime, Runtime],
+) -> None:
     resident, paged = runtimes
     want = _train_and_sample(resident)
     got = _train_and_sample(paged)
@@ -80,7 +82,9 @@ def test_a_paged_runtime_trains_and_samples_bitwise_as_a_resident_one(runtimes: 
     assert resident.base_stack(TEST_MODEL).engine.pages.counts()["page_outs"] == 0
 
 
-def test_the_scheduler_pages_in_queued_models_while_a_tick_computes(runtimes: tuple[Runtime, Runtime]) -> None:
+def test_the_scheduler_pages_in_queued_models_while_a_tick_computes(
+    runtimes: tuple[Runtime, Runtime],
+) -> None:
     _, paged = runtimes
     service = opentinker.ServiceClient(runtime=paged)
     clients = [service.create_lora_training_client(TEST_MODEL, rank=RANK, seed=i) for i in range(MODELS)]
@@ -103,5 +107,8 @@ def test_the_scheduler_pages_in_queued_models_while_a_tick_computes(runtimes: tu
     assert ran >= 3 * MODELS // 2, ran
     assert paged_in >= 2 * MODELS and pages.stats.prefetched > 0
     # the first tick's models could not be known before it; later ones were paged in ahead
-    assert scheduler.stats.waited_ticks - waited <= max(2, ran // 4), (scheduler.stats.waited_ticks - waited, ran)
+    assert scheduler.stats.waited_ticks - waited <= max(2, ran // 4), (
+        scheduler.stats.waited_ticks - waited,
+        ran,
+    )
     assert paged.budget.resident <= paged.budget.limit  # type: ignore[operator]

@@ -151,6 +151,12 @@ class Engine(EngineExports):
     def _check_room(self, config: LoRAConfig) -> None:
         check_room(self.pages, self.state_bytes(config), config.rank)
 
+    def check_room(self, config: LoRAConfig) -> None:
+        """Raise what ``create_adapter(config)`` would for memory, from any thread, changing
+        nothing: a model larger than the budget (:class:`EngineError`), or no room while paged
+        state cannot be written (:class:`~opentinker.engine.paging.PagingFull`)."""
+        check_room(self.pages, self.state_bytes(config), config.rank, fit=False)
+
     def _check_config(self, config: LoRAConfig) -> None:
         check_config(config, self.lora, self.max_rank)
 

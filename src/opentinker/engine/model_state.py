@@ -154,9 +154,10 @@ def state_bytes(config: LoRAConfig, groups: dict[str, TargetGroup]) -> int:
     return 4 * n * 4 + 4  # fp32 each, and the optimizer's step count
 
 
-def check_room(pages: PagedTable, need: int, rank: int) -> None:
+def check_room(pages: PagedTable, need: int, rank: int, *, fit: bool = True) -> None:
     """Refuse an adapter whose state alone (``need`` bytes) exceeds the memory budget, or one that
-    needs room while paged state cannot be written (:class:`PagingFull`)."""
+    needs room while paged state cannot be written (:class:`PagingFull`); ``fit``: try the
+    page-outs again first (the owner's thread only)."""
     budget = pages.budget
     if budget.limit is not None and need > budget.limit:
         raise EngineError(
@@ -164,7 +165,7 @@ def check_room(pages: PagedTable, need: int, rank: int) -> None:
             f"moments), more than the whole memory budget of {_mib(budget.limit)}; use a lower "
             "rank or a larger budget (--memory-budget)"
         )
-    if pages.full is not None and budget.over(need):
+    if fit and pages.full is not None and budget.over(need):
         pages.fit(kinds=None, room=need)  # a page-out may succeed again
     if pages.full is not None and budget.over(need):
         raise PagingFull(

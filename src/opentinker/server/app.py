@@ -47,7 +47,7 @@ from opentinker.server.limits import BODY_KEY, BodyLimit
 from opentinker.server.openai_schemas import route_error
 from opentinker.server.refusals import note_refused
 from opentinker.server.state import Server
-from opentinker.service import EngineError, Runtime
+from opentinker.service import EngineError, PagingFull, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,12 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
         await refused(request, exc.status)
         headers = getattr(exc, "headers", None)  # e.g. WWW-Authenticate on a refused token
         return JSONResponse({"detail": server.redact(exc.message)}, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(PagingFull)
+    async def _paging_full(request: Request, exc: PagingFull) -> JSONResponse:
+        await refused(request, 507)  # Insufficient Storage: the disk under the page files is full
+        headers = {"Retry-After": str(exc.retry_after)}
+        return JSONResponse({"detail": server.redact(error_message(exc))}, status_code=507, headers=headers)
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:

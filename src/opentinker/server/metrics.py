@@ -32,6 +32,13 @@ Metric names (``<base>`` = ``base_model`` label):
 - ``opentinker_live_models{tenant,base_model}``, ``opentinker_live_snapshots{tenant,base_model}``,
   ``opentinker_live_samplers{tenant}``, ``opentinker_checkpoints{tenant,kind}``,
   ``opentinker_checkpoint_bytes{tenant,kind}``
+- paging (``engine/paging.py``): ``opentinker_memory_budget_bytes``; per base model
+  ``opentinker_resident_models``, ``opentinker_resident_model_bytes``,
+  ``opentinker_paged_out_models``, ``opentinker_paged_out_model_bytes`` (models and snapshots),
+  ``opentinker_page_ins_total``, ``opentinker_page_outs_total``, ``opentinker_page_in_bytes_total``,
+  ``opentinker_page_out_bytes_total``, ``opentinker_page_in_waits_total``,
+  ``opentinker_page_in_wait_seconds_total``, ``opentinker_page_out_failures_total``,
+  ``opentinker_ticks_waited_for_page_in_total``
 - workers: ``opentinker_rollout_workers{base_model,transport,state}``,
   ``opentinker_rollout_worker_restarts_total``, ``opentinker_rollout_requests_rerun_total``,
   ``opentinker_trainer_workers{base_model,state}`` (``alive``, ``lost``)
@@ -108,6 +115,7 @@ class StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield self._requests()
         yield from self._engines()
+        yield from self._paging()
         yield from self._tenants()
         yield from self._workers()
         yield from self._checkpoints()
@@ -157,6 +165,35 @@ class StateCollector(Collector):
             if e["prefix_cache"] is not None:  # vLLM keeps its own
                 cache.add_metric(base, e["prefix_cache"]["bytes"])
         yield from (queued, ticks, secs, rows, last, optim, running, waiting, steps, cache)
+
+    def _paging(self) -> Iterator[Metric]:
+        lb = ["base_model"]
+        budget = _gauge(
+            "memory_budget_bytes", "Bytes of models' state that may be resident (0: no limit)", []
+        )
+        budget.add_metric([], float(self.server.runtime.budget.limit or 0))
+        gauges = {
+            "resident": _gauge("resident_models", "Models and snapshots whose state is in memory", lb),
+            "resident_bytes": _gauge("resident_model_bytes", "Bytes of that state", lb),
+            "paged_out": _gauge("paged_out_models", "Models and snapshots paged out to page files", lb),
+            "paged_out_bytes": _gauge("paged_out_model_bytes", "Bytes of their state in page files", lb),
+        }
+        counters = {
+            "page_ins": _counter("page_ins", "State paged in from page files", lb),
+            "page_outs": _counter("page_outs", "State paged out to page files", lb),
+            "bytes_in": _counter("page_in_bytes", "Bytes paged in", lb),
+            "bytes_out": _counter("page_out_bytes", "Bytes written to page files", lb),
+            "waited": _counter("page_in_waits", "Uses that waited for a page-in", lb),
+            "wait_s": _counter("page_in_wait_seconds", "Seconds requests waited for page-ins", lb),
+            "failed_outs": _counter("page_out_failures", "Page-outs that could not be written", lb),
+        }
+        waited = _counter("ticks_waited_for_page_in", "Ticks that waited for a model's page-in", lb)
+        for e in self.server.runtime.engine_stats(trainers=False):
+            base, p = [self._label(e["base_model"])], e["paging"]
+            for k, m in [*gauges.items(), *counters.items()]:
+                m.add_metric(base, p[k])
+            waited.add_metric(base, e["ticks"]["waited_ticks"])
+        yield from (budget, *gauges.values(), *counters.values(), waited)
 
     def _tenants(self) -> Iterator[Metric]:
         runtime, store = self.server.runtime, self.server.store

@@ -172,17 +172,18 @@ class Operations:
         sess = self.reg.session(tenant, req.session_id)
         digest = digest_json("create_model", req.model_dump(mode="json"))
         self._data_parallel(req.user_metadata)  # a degree it cannot serve: 400 at once, nothing made
+        lora = req.lora_config or S.LoraConfig(rank=32)
+        config = LoRAConfig(
+            rank=lora.rank,
+            seed=lora.seed,
+            train_attn=lora.train_attn,
+            train_mlp=lora.train_mlp,
+            train_unembed=lora.train_unembed,
+        )
+        base = self.reg.base_model(req.base_model)
+        self.reg.life.check_room(base, config)  # over the budget: 400; no room: 507, nothing made
 
         def submit() -> Future:
-            lora = req.lora_config or S.LoraConfig(rank=32)
-            config = LoRAConfig(
-                rank=lora.rank,
-                seed=lora.seed,
-                train_attn=lora.train_attn,
-                train_mlp=lora.train_mlp,
-                train_unembed=lora.train_unembed,
-            )
-            base = self.reg.base_model(req.base_model)
             return self.reg.new_model(
                 sess,
                 req.model_seq_id,

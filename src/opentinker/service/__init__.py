@@ -15,6 +15,7 @@ checkpoints record).
 
 from opentinker.engine import EngineError, SnapshotInfo, UnknownPolicyError
 from opentinker.engine.checkpoint import CheckpointError
+from opentinker.engine.paging import PageError, PagingFull
 from opentinker.lora import LoRAConfig
 from opentinker.models.registry import canonical_name
 from opentinker.sampling import SampleCancelled, SampleHandle
@@ -26,6 +27,8 @@ __all__ = [
     "CheckpointError",
     "EngineError",
     "LoRAConfig",
+    "PageError",
+    "PagingFull",
     "Runtime",
     "SampleCancelled",
     "SampleHandle",

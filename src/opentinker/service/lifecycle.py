@@ -23,7 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from opentinker.engine import EngineError, UnknownPolicyError
+from opentinker.engine import Engine, EngineError, Trainer, UnknownPolicyError
+from opentinker.lora import LoRAConfig
+from opentinker.scheduler import ModelQueue
 from opentinker.service.inflight import PerRuntime, inflight_of
 from opentinker.service.runtime import ModelRecord, Runtime
 from opentinker.service.sessions import session_of
@@ -60,6 +62,7 @@ class Lifecycle:
         self.evicting: set[str] = set()  # models whose state is being saved before eviction
         self.evicted: dict[str, str] = {}  # model id -> the checkpoint its state was saved to
         self._evict_failed: dict[str, float] = {}  # model id -> when its last eviction save failed
+        self._quiet: set[str] = set()  # models paged out for their session's quiet spell
 
     def listen(self, departure: Departure) -> None:
         """Call ``departure(model_id, why, retired_samplers)`` when a model leaves memory, before
@@ -123,12 +126,36 @@ class Lifecycle:
             )
         return rec
 
+    # ------------------------------------------------------------------ memory
+    def pages_models(self) -> bool:
+        """Whether models' state pages under a memory budget (models trained in this process)."""
+        return self.runtime.budget.limit is not None and self.runtime.config.trainer_workers == 0
+
+    def page_out(self, model_id: str) -> Future[None]:
+        """Page ``model_id``'s state out now, in its order (a quiet session's models go first)."""
+        rec = self.runtime.model(model_id)
+
+        def out(eng: Trainer) -> None:
+            if isinstance(eng, Engine):
+                eng.pages.page_out([model_id])
+
+        return self.runtime.base_stack(rec.base_model).scheduler.submit_call(ModelQueue(model_id), out)
+
+    def check_room(self, base_model: str, config: LoRAConfig) -> None:
+        """Refuse, changing nothing, a model the memory budget cannot hold (``Engine.check_room``)."""
+        self.runtime.base_stack(base_model).engine.check_room(config)
+
     # ------------------------------------------------------------------ inactive sessions
     def evict_idle(self, inactive_s: float) -> list[str]:
         """Start evicting the live models of every session quiet for ``inactive_s``; returns them
         (the module docstring's rule). A session never seen is never evicted. The refusal while a
         save runs is :meth:`model`'s, which the server resolves every request through; embedded,
-        no sweeper runs, and a program that calls this itself calls it between its requests."""
+        no sweeper runs, and a program that calls this itself calls it between its requests.
+
+        Under a memory budget (models trained in this process) nothing is evicted: a quiet
+        session's models are paged out first instead, and stay servable (:meth:`_page_out_idle`)."""
+        if self.pages_models():
+            return self._page_out_idle(inactive_s)
         now = time.monotonic()
         started = []
         for model_id, rec in sorted(self.runtime.models.items()):
@@ -140,6 +167,22 @@ class Lifecycle:
             self._evict(rec)
             started.append(model_id)
         return started
+
+    def _page_out_idle(self, inactive_s: float) -> list[str]:
+        """Page out the models of every session quiet for ``inactive_s`` (once per quiet spell),
+        each in its model's order; returns them. A later request pages a model back in."""
+        now = time.monotonic()
+        out = []
+        for model_id, rec in list(self.runtime.models.items()):
+            seen = self.runtime.sessions.active_at.get(session_of(model_id))
+            if rec.deleted or seen is None or now - seen <= inactive_s:
+                self._quiet.discard(model_id)
+                continue
+            if model_id not in self._quiet:
+                self._quiet.add(model_id)
+                self.page_out(model_id)
+                out.append(model_id)
+        return out
 
     def _evict(self, rec: ModelRecord) -> None:
         model_id = rec.model_id

@@ -540,6 +540,7 @@ class Runtime:
                         "bytes": cache.nbytes,
                     },
                     "models": sum(1 for r in self.models.values() if r.base_model == name and not r.deleted),
+                    "paging": {**b.engine.pages.counts(), "budget": self.budget.limit},
                 }
             )
             if isinstance(b.sampler, RoutedBackend):  # vLLM with its native fallback
