@@ -224,7 +224,7 @@ def test_an_inflight_request_over_http_switches_when_new_weights_are_saved(
 # ---------------------------------------------------------------------------- cleanup
 @pytest.fixture
 def app_runtime(tmp_path) -> Iterator[tuple[TestClient, Runtime]]:
-    runtime = Runtime(tmp_path / "data")
+    runtime = Runtime(tmp_path / "data", memory_budget="off")  # eviction: without a budget
     config = ServerConfig(tmp_path / "data", base_models=(TEST_MODEL,), dev=True, poll_timeout_s=5.0)
     try:
         with TestClient(

@@ -34,6 +34,7 @@ import opentinker
 from opentinker.server.app import create_app
 from opentinker.server.config import ServerConfig
 from opentinker.service import Runtime
+from opentinker.service.config import RuntimeConfig
 from opentinker.service.lifecycle import lifecycle_of
 from tests.conftest import TEST_MODEL
 
@@ -128,14 +129,17 @@ def _served(app: Any) -> Iterator[str]:
 
 
 def test_one_program_gives_the_same_results_embedded_and_over_http(tmp_path: Path) -> None:
-    runtime = Runtime(tmp_path / "embedded")
+    runtime = Runtime(tmp_path / "embedded", memory_budget="off")  # eviction: without a budget
     try:
         embedded = _program(opentinker.ServiceClient(runtime=runtime), runtime)
     finally:
         runtime.shutdown()
 
     # the server's own sweeper would evict after an hour; the program starts the eviction itself
-    config = ServerConfig(tmp_path / "server", base_models=(TEST_MODEL,), dev=True, session_inactive_s=3600.0)
+    config = ServerConfig(
+        tmp_path / "server", base_models=(TEST_MODEL,), dev=True, session_inactive_s=3600.0,
+        runtime=RuntimeConfig(memory_budget="off"),
+    )  # fmt: skip
     app = create_app(config)
     with _served(app) as base_url:
         over_http = _program(tinker.ServiceClient(base_url=base_url, api_key=KEY), app.state.server.runtime)

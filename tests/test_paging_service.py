@@ -12,6 +12,8 @@ import pytest
 from tinker import types
 
 import opentinker
+from opentinker.scheduler import ModelQueue
+from opentinker.service.lifecycle import lifecycle_of
 from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 
@@ -112,3 +114,22 @@ def test_the_scheduler_pages_in_queued_models_while_a_tick_computes(
         ran,
     )
     assert paged.budget.resident <= paged.budget.limit  # type: ignore[operator]
+
+
+def test_a_quiet_sessions_models_page_out_first_and_stay_servable(runtimes: tuple[Runtime, Runtime]) -> None:
+    results = []
+    for rt in runtimes:
+        tc = opentinker.ServiceClient(runtime=rt).create_lora_training_client(TEST_MODEL, rank=RANK, seed=0)
+        tc.forward_backward([_datum(1)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        engine = rt.base_stack(TEST_MODEL).engine
+        life = lifecycle_of(rt)
+        if rt.budget.limit is not None:
+            assert life.evict_idle(0.0) == [tc.model_id]  # the session is quiet: paged out
+            rt.base_stack(TEST_MODEL).scheduler.submit_call(
+                __import__("opentinker.scheduler", fromlist=["ModelQueue"]).ModelQueue(tc.model_id),
+                lambda e: None,
+            ).result()
+            assert not engine.pages.is_resident(tc.model_id) and not life.evicted
+        results.append(tc.forward_backward([_datum(2)], "cross_entropy").result().metrics["loss:sum"])
+    assert results[0] == results[1]  # served on, bitwise as if it had stayed resident

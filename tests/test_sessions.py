@@ -336,7 +336,15 @@ _CLIENT = (
 
 @pytest.fixture
 def quiet_server(tmp_path: Path) -> Iterator[LocalServer]:
-    args = ["--dev", "--base-model", TEST_MODEL, "--session-inactive-after", str(INACTIVE_S)]
+    args = [
+        "--dev",
+        "--base-model",
+        TEST_MODEL,
+        "--session-inactive-after",
+        str(INACTIVE_S),
+        "--memory-budget",
+        "off",
+    ]
     with LocalServer(args, data_dir=tmp_path / "data") as srv:
         yield srv
 
