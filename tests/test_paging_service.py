@@ -126,10 +126,8 @@ def test_a_quiet_sessions_models_page_out_first_and_stay_servable(runtimes: tupl
         life = lifecycle_of(rt)
         if rt.budget.limit is not None:
             assert life.evict_idle(0.0) == [tc.model_id]  # the session is quiet: paged out
-            rt.base_stack(TEST_MODEL).scheduler.submit_call(
-                __import__("opentinker.scheduler", fromlist=["ModelQueue"]).ModelQueue(tc.model_id),
-                lambda e: None,
-            ).result()
+            queue = ModelQueue(tc.model_id)  # the page-out ran in the model's order, before this
+            rt.base_stack(TEST_MODEL).scheduler.submit_call(queue, lambda e: None).result()
             assert not engine.pages.is_resident(tc.model_id) and not life.evicted
         results.append(tc.forward_backward([_datum(2)], "cross_entropy").result().metrics["loss:sum"])
     assert results[0] == results[1]  # served on, bitwise as if it had stayed resident
