@@ -34,6 +34,12 @@ set is empty and the window is ``gather_s`` of quiet instead, to catch clients s
 A client is its training model: a sample request counts for the model its snapshot was taken from
 (``<model>@v<n>``).
 
+**Paging.** Under a memory budget (``engine/paging.py``) a tick is one scope of the engine's paged
+table: its models stay resident while it runs, and the budget is fitted when it ends. A tick takes
+models up to half the budget (the rest wait for the next tick, which starts where this one
+stopped), and the models the next tick will take are paged in on a background thread while this
+one computes (``TickStats.waited_ticks`` counts the ticks that still waited for a page-in).
+
 The tick number is reported in each result's metrics as ``clock_cycle:unique``. The last
 ``TICK_LOG`` ticks are kept as :class:`TickRecord` records (wall-clock start and end, what ran in them),
 so a request's trace can show the tick that ran it and the batch it was fused into

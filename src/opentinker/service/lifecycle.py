@@ -2,8 +2,8 @@
 
 :class:`Lifecycle` is what the embedded ``ServiceClient`` and the HTTP server both call to end
 what they made: a session's finish frees its live models and the snapshots its samplers hold; a
-model leaves memory by an explicit delete (``/unload_model``), its session's finish, or
-**eviction**: a session that goes quiet (no heartbeat and no request for ``inactive_s``) has its
+model leaves memory by an explicit delete (``/unload_model``), its session's finish, or, with no
+memory budget (``memory_budget="off"``, or models on trainer workers), **eviction**: a session that goes quiet (no heartbeat and no request for ``inactive_s``) has its
 models' state (weights and optimizer) saved first, to ``tinker://<model>/weights/evicted-<unix
 time>``, in the model's order, and only once that save has succeeded is its adapter freed. Until
 then the model's requests are refused, so nothing it does after the save is lost; a failed save
@@ -11,6 +11,10 @@ leaves it loaded, tried again ``inactive_s`` later. A model that left memory is 
 (the runtime's ``model`` raises its reason), and its inflight target (:mod:`.inflight`) goes with
 it. What only a front-end keeps (the server's ordering of held requests, its id maps, its durable
 index of checkpoints) hears of each departure through :meth:`Lifecycle.listen`.
+
+Under a memory budget nothing is evicted: a quiet session's models are paged out first and stay
+servable (``engine/paging.py``); a model the budget cannot hold is refused at create
+(:meth:`Lifecycle.check_room`).
 """
 
 from __future__ import annotations
