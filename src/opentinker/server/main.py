@@ -114,8 +114,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
         "--session-inactive-after",
         type=_seconds(0, strict=True),
         default=600.0,
-        help="seconds without heartbeat or request after which a session is inactive and its "
-        "models are saved and evicted from memory",
+        help="seconds without heartbeat or request after which a session is inactive: its "
+        "models page out first (under --memory-budget; with 'off', they are saved and evicted)",
     )
     p.add_argument(
         "--checkpoint-sweep",
