@@ -130,7 +130,7 @@ def test_a_strided_input_is_not_multiplied_by_a_weight_copied_per_row() -> None:
         y = model.lm_head(h)
     ops = {e.key for e in prof.key_averages()}
     assert "aten::bmm" not in ops and "aten::expand" not in ops, sorted(ops)
-    assert torch.allclose(y, h @ model.lm_head.weight.T)
+    assert_rel_close(y, h @ model.lm_head.weight.T)  # another kernel: rounding apart (tolerances.py)
 
 
 def test_seed_reproduces_adapter_and_ranks_are_exact() -> None:

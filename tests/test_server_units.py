@@ -345,7 +345,7 @@ def test_every_runtime_setting_has_one_name_from_flag_to_runtime(tmp_path: Any) 
 
     flags = {a.dest: a.option_strings for a in build_parser()._actions}
     flagged = [f.name for f in dataclasses.fields(RuntimeConfig) if f.metadata.get("help")]
-    assert len(flagged) == 18
+    assert len(flagged) == 19
     for name in flagged:
         want = "--prefix-cache-mb" if name == "prefix_cache_bytes" else "--" + name.replace("_", "-")
         assert flags[name] == [want], name

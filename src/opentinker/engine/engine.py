@@ -84,9 +84,8 @@ class Engine(EngineExports):
         budget: MemoryBudget | None = None,
         pages: Tier | Callable[[], Tier] | str | Path | None = None,
     ) -> None:
-        """``budget``: the bytes of models' and snapshots' state kept in memory (shared with other
-        engines; default no limit), the rest paged out to ``pages`` (a :class:`Tier`, or a folder for
-        page files; see ``engine/paging.py``)."""
+        """``budget``: bytes of models' state kept in memory (shared; default no limit), the rest
+        paged to ``pages`` (a :class:`Tier` or a folder of page files: ``engine/paging.py``)."""
         self.share_prefixes = share_prefixes  # compute prefixes shared by rows once (engine/prefix.py)
         self.base = (
             base_model
@@ -109,16 +108,11 @@ class Engine(EngineExports):
 
     # ------------------------------------------------------------------ paging
     def paged_tick(self, models: list[str], upcoming: list[str]) -> contextlib.AbstractContextManager[None]:
-        """One tick's scope: ``models`` (and whatever it uses) stay resident until it ends, then the
-        budget is fitted; ``upcoming`` (the next tick's) are paged in meanwhile, in the background,
-        and are not paged out at its end."""
+        """One tick's scope: ``models`` (and what it uses) stay resident until it ends, when the budget
+        is fitted; ``upcoming`` (the next tick's) page in meanwhile, in the background, and stay."""
         if self.budget.limit is not None:
             self.pages.prefetch(upcoming)
         return self.pages.scope(models)
-
-    def model_bytes(self, adapter_id: str) -> int:
-        """The bytes of ``adapter_id``'s state as last measured (0 if unknown)."""
-        return self.pages.nbytes(adapter_id)
 
     # ------------------------------------------------------------------ adapters
     @property
@@ -138,7 +132,7 @@ class Engine(EngineExports):
                 adapter_id = f"adapter-{next(self._ids)}"
         elif adapter_id in self._adapters or "@" in adapter_id:
             raise EngineError(f"adapter id {adapter_id!r} is taken or contains '@'")
-        self._check_room(config)
+        check_room(self.pages, self.state_bytes(config), config.rank)
         weights = init_lora_weights(config, self.lora.groups, device=self.device)
         self._adapters[adapter_id] = AdapterRecord(adapter_id, config, self.pages)
         self.pages.add(adapter_id, "adapter", AdapterState(weights, AdapterOptimizer(weights)))
@@ -148,13 +142,9 @@ class Engine(EngineExports):
         """The most memory one adapter of ``config`` holds: weights, gradients, two moments, step."""
         return state_bytes(config, self.lora.groups)
 
-    def _check_room(self, config: LoRAConfig) -> None:
-        check_room(self.pages, self.state_bytes(config), config.rank)
-
     def check_room(self, config: LoRAConfig) -> None:
-        """Raise what ``create_adapter(config)`` would for memory, from any thread, changing
-        nothing: a model larger than the budget (:class:`EngineError`), or no room while paged
-        state cannot be written (:class:`~opentinker.engine.paging.PagingFull`)."""
+        """Raise what ``create_adapter(config)`` would for memory (larger than the budget; no room while
+        page files cannot be written: ``PagingFull``), from any thread, changing nothing."""
         check_room(self.pages, self.state_bytes(config), config.rank, fit=False)
 
     def _check_config(self, config: LoRAConfig) -> None:

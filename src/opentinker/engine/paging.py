@@ -28,9 +28,10 @@ The tier is the only thing that knows where paged state lies. On a GPU the same 
 the device as the resident tier and a pinned-host :class:`Tier` below (whose own overflow would be
 another table over page files); on a CPU, as here, resident is RAM and the tier is disk.
 
-Thread rule: entries of kind ``"adapter"`` change in place (training), so only their owner's
-thread (the scheduler's) may page them out; entries of kind ``"snapshot"`` are immutable and may
-be paged out from any thread (the sampler's). A snapshot paged out while a running sample still
+Thread rule: entries of kind ``"adapter"`` change in place (training), so they page out only at
+the end of a scope (an engine operation, or the scheduler's tick), and never while any thread's
+open scope has used them: every method that changes an adapter runs inside one. Entries of kind
+``"snapshot"`` are immutable and may be paged out from any thread (the sampler's). A snapshot paged out while a running sample still
 holds it stays alive through that reference and comes back from it (no read, no copy) if it is
 used again before the sample ends.
 """
@@ -300,8 +301,8 @@ class PagedTable:
         self.resident_bytes = 0
         self.paged_bytes = 0
         self._lock = threading.RLock()
-        self._scopes: list[set[str]] = []  # keys used inside each open scope (outermost first)
-        self._scope_thread: int | None = None
+        # per thread: the keys used inside each of its open scopes (outermost first)
+        self._scopes: dict[int, list[set[str]]] = {}
         self.wanted: frozenset[str] = frozenset()
         self._prefetcher: ThreadPoolExecutor | None = None
 
@@ -417,8 +418,8 @@ class PagedTable:
         self.budget.add(resident)
 
     def _touch(self, key: str) -> None:
-        if self._scopes and self._scope_thread == threading.get_ident():
-            self._scopes[-1].add(key)
+        if (mine := self._scopes.get(threading.get_ident())) is not None:
+            mine[-1].add(key)
 
     def _drop_page(self, page: Page) -> None:
         with contextlib.suppress(Exception):
@@ -427,25 +428,23 @@ class PagedTable:
     # ------------------------------------------------------------------ scopes and eviction
     @contextlib.contextmanager
     def scope(self, keys: Iterable[str] = ()) -> Iterator[None]:
-        """An operation of the owner's thread: ``keys`` and every entry it uses stay resident until
-        it ends; then entries it changed are re-measured and, over budget, the least recently used
-        page out. Scopes nest (an inner one's entries are kept until the outermost ends)."""
+        """An operation: ``keys`` and every entry it uses stay resident until it ends (whatever
+        another thread pages out meanwhile); then entries it changed are re-measured and, over
+        budget, the least recently used page out. Scopes nest per thread (an inner one's entries
+        are kept until that thread's outermost one ends)."""
+        me = threading.get_ident()
         with self._lock:
-            outer = not self._scopes
-            if outer:
-                self._scope_thread = threading.get_ident()
-            elif self._scope_thread != threading.get_ident():
-                raise RuntimeError("a paged table's scopes belong to one thread at a time")
-            self._scopes.append(set(keys))
+            self._scopes.setdefault(me, []).append(set(keys))
         try:
             yield
         finally:
             with self._lock:
-                used = self._scopes.pop()
-                if self._scopes:
-                    self._scopes[-1] |= used
+                mine = self._scopes[me]
+                used = mine.pop()
+                if mine:
+                    mine[-1] |= used
                 else:
-                    self._scope_thread = None
+                    del self._scopes[me]
                     self._remeasure(used)
                     self.fit(kinds=None)
 
@@ -460,15 +459,16 @@ class PagedTable:
     def fit(
         self, kinds: tuple[str, ...] | None = ("snapshot",), keep: Iterable[str] = (), room: int = 0
     ) -> int:
-        """Page out least recently used entries (of ``kinds``; None: all, which only the owner's
+        """Page out least recently used entries (of ``kinds``; None: all, which only a scope's
         thread may ask) until the budget holds, with ``room`` bytes to spare; returns how many
         paged out. Entries of open scopes, wanted ones and ``keep`` stay."""
         if not self.budget.over(room):
             return 0
         with self._lock:
             skip = set(keep) | self.wanted
-            for s in self._scopes:
-                skip |= s
+            for stack in self._scopes.values():
+                for used in stack:
+                    skip |= used
             n = 0
             for key in list(self._resident):
                 if not self.budget.over(room):
@@ -481,9 +481,9 @@ class PagedTable:
 
     def page_out(self, keys: Iterable[str]) -> int:
         """Page out ``keys`` now (those resident and not in use), budget or not: how a quiet
-        session's models go first. Owner's thread only, as :meth:`fit` with all kinds."""
+        session's models go first. Entries in an open scope stay."""
         with self._lock:
-            skip = self.wanted.union(*self._scopes) if self._scopes else self.wanted
+            skip = set(self.wanted).union(*(u for stack in self._scopes.values() for u in stack))
             n = 0
             for key in keys:
                 e = self._entries.get(key)

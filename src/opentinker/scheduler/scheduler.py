@@ -297,7 +297,7 @@ class Scheduler:
             if not q:
                 continue
             if room is not None and isinstance(key, ModelQueue) and q[0].kind != "call":
-                need = self.engine.model_bytes(key.model_id)
+                need = self.engine.pages.nbytes(key.model_id)
                 if need > room and (forwards or optims):
                     self._cut = key  # this tick is full: the next one starts here
                     break
@@ -331,7 +331,7 @@ class Scheduler:
             return out
         for key, q in self._rotated():
             if q and isinstance(key, ModelQueue) and q[0].kind != "call":
-                need = self.engine.model_bytes(key.model_id)
+                need = self.engine.pages.nbytes(key.model_id)
                 if need > room and out:
                     break
                 room -= need

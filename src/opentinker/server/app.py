@@ -52,6 +52,13 @@ from opentinker.service import EngineError, PagingFull, Runtime
 log = logging.getLogger(__name__)
 
 
+def _engine_status(exc: EngineError) -> tuple[int, dict[str, str] | None]:
+    """400, or 507 Insufficient Storage with Retry-After while page files cannot be written."""
+    if isinstance(exc, PagingFull):
+        return 507, {"Retry-After": str(exc.retry_after)}
+    return 400, None
+
+
 def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
     server = Server(config, runtime)
 
@@ -97,16 +104,11 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None) -> FastAPI:
         headers = getattr(exc, "headers", None)  # e.g. WWW-Authenticate on a refused token
         return JSONResponse({"detail": server.redact(exc.message)}, status_code=exc.status, headers=headers)
 
-    @app.exception_handler(PagingFull)
-    async def _paging_full(request: Request, exc: PagingFull) -> JSONResponse:
-        await refused(request, 507)  # Insufficient Storage: the disk under the page files is full
-        headers = {"Retry-After": str(exc.retry_after)}
-        return JSONResponse({"detail": server.redact(error_message(exc))}, status_code=507, headers=headers)
-
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        await refused(request, 400)
-        return JSONResponse({"detail": server.redact(error_message(exc))}, status_code=400)
+        status, headers = _engine_status(exc)
+        await refused(request, status)
+        return JSONResponse({"detail": server.redact(error_message(exc))}, status, headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
