@@ -180,10 +180,10 @@ class Operations:
             train_mlp=lora.train_mlp,
             train_unembed=lora.train_unembed,
         )
-        base = self.reg.base_model(req.base_model)
-        self.reg.life.check_room(base, config)  # over the budget: 400; no room: 507, nothing made
+        self.reg.life.check_room(req.base_model, config)  # over the budget: 400; no room: 507
 
         def submit() -> Future:
+            base = self.reg.base_model(req.base_model)
             return self.reg.new_model(
                 sess,
                 req.model_seq_id,

@@ -29,6 +29,7 @@ from typing import Any
 
 from opentinker.engine import Engine, EngineError, Trainer, UnknownPolicyError
 from opentinker.lora import LoRAConfig
+from opentinker.models.registry import canonical_name
 from opentinker.scheduler import ModelQueue
 from opentinker.service.inflight import PerRuntime, inflight_of
 from opentinker.service.runtime import ModelRecord, Runtime
@@ -146,8 +147,10 @@ class Lifecycle:
         return self.runtime.base_stack(rec.base_model).scheduler.submit_call(ModelQueue(model_id), out)
 
     def check_room(self, base_model: str, config: LoRAConfig) -> None:
-        """Refuse, changing nothing, a model the memory budget cannot hold (``Engine.check_room``)."""
-        self.runtime.base_stack(base_model).engine.check_room(config)
+        """Refuse, changing nothing, a model the memory budget cannot hold (``Engine.check_room``);
+        a base model not loaded yet is left to the creation (which loads it, or names why not)."""
+        if canonical_name(base_model) in self.runtime.loaded_base_models():
+            self.runtime.base_stack(base_model).engine.check_room(config)
 
     # ------------------------------------------------------------------ inactive sessions
     def evict_idle(self, inactive_s: float) -> list[str]:
