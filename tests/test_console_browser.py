@@ -195,6 +195,10 @@ def test_the_engine_page_updates_live(browser: Any, world: tuple[LocalServer, di
         timeout=WAIT_MS,
     )  # no reload: the page polls
     assert page.inner_text("section.engine [data-stat='ticks/s'] b") != ""
+    # the memory budget (auto) and what is resident and paged out, read from the engine
+    assert int(page.inner_text("section.engine [data-stat='memory budget MiB'] b")) > 0
+    assert int(page.inner_text("section.engine [data-stat='resident models'] b")) >= 1
+    assert page.inner_text("section.engine [data-stat='paged-out models'] b") == "0"
     _shot(page, "server-engine")
     page.close()
 

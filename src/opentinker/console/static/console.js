@@ -254,7 +254,7 @@ async function enginePage() {
       const ticksPerS = rate((x) => x.ticks.ticks);
       const dTicks = p ? t.ticks - p.ticks.ticks : 0;
       const rowsPerTick = p && dTicks > 0 ? (t.fused_rows - p.ticks.fused_rows) / dTicks : (t.ticks ? t.fused_rows / t.ticks : 0);
-      const pc = e.prefix_cache;
+      const pc = e.prefix_cache, pg = e.paging || {};
       const stats = [
         ["ticks/s", ticksPerS], ["fused rows / tick", rowsPerTick],
         ["training tokens/s", rate((x) => x.ticks.trained_tokens)],
@@ -263,6 +263,11 @@ async function enginePage() {
         ["sampling batch (rows)", r.live_rows ?? null], ["waiting samples", r.waiting ?? null],
         ["prefix-cache hit rate", pc && pc.lookups ? pc.hits / pc.lookups : null],
         ["ticks", t.ticks], ["models", e.models],
+        ["resident models", pg.resident ?? null], ["paged-out models", pg.paged_out ?? null],
+        ["resident state MiB", pg.resident_bytes === undefined ? null : Math.round(pg.resident_bytes / 2 ** 20)],
+        ["memory budget MiB", pg.budget ? Math.round(pg.budget / 2 ** 20) : null],
+        ["page-ins/s", rate((x) => (x.paging || {}).page_ins || 0)], ["page-outs/s", rate((x) => (x.paging || {}).page_outs || 0)],
+        ["page-in wait (s/s)", rate((x) => (x.paging || {}).wait_s || 0)], ["ticks that waited for a page-in", t.waited_ticks ?? null],
       ];
       const h = (history[e.base_model] = history[e.base_model] || { x: [], y: [] });
       if (ticksPerS !== null) { h.x.push(e.time); h.y.push(ticksPerS); if (h.x.length > 300) { h.x.shift(); h.y.shift(); } }
