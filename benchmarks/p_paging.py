@@ -6,6 +6,8 @@
 - **Ppage-hot**: ``--active`` models train in lockstep (each pipelines forward-backward + optimizer
   step, every tick fuses them all) with ``--registered`` models registered (nearly all paged out)
   ÷ the same with only the active models registered, all resident. Target >= 0.95.
+- **Psample-many**: ``--samplers`` sampling clients on as many distinct snapshots, one request
+  each, all at once, under a budget that holds 64 snapshots ÷ all resident; tokens/s.
 - **Ppage-cold**: a round-robin over ``--cold-factor`` x the budget's worth of models, so that every
   tick pages models in (prefetched while the previous tick computes) ÷ the same models all resident
   (no budget). Target >= 0.8 where a tick's compute outlasts its page-ins. Also the page-in rate
@@ -14,6 +16,7 @@
     python benchmarks/p_paging.py --which cap --models 10000 --budget 64MiB
     python benchmarks/p_paging.py --which hot --registered 4096
     python benchmarks/p_paging.py --which cold --model HuggingFaceTB/SmolLM2-135M-Instruct
+    python benchmarks/p_paging.py --which sample --samplers 1000
 
 Runs alternate arms (paged, resident, resident, paged, ...) and quote medians.
 """
@@ -169,9 +172,59 @@ def cold(args: argparse.Namespace) -> None:
     print(f"Ppage-cold {statistics.median(ratios):.3f}")
 
 
+def _snapshots(rt: Runtime, model: str, n: int, rank: int, per_model: int = 10) -> list[Any]:
+    """``n`` sampling clients on ``n`` distinct snapshots: ``n / per_model`` models, each trained
+    one step between its snapshots."""
+    samplers = []
+    for tc in _clients(rt, model, -(-n // per_model), rank):
+        for k in range(per_model):
+            if len(samplers) < n:
+                tc.forward_backward([_datum(len(samplers))], "cross_entropy").result()
+                tc.optim_step(ADAM).result()
+                samplers.append(tc.save_weights_and_get_sampling_client(f"s{k}"))
+    return samplers
+
+
+def _sample_all(samplers: list[Any], tokens: int) -> float:
+    """Tokens/s for one request per sampler, all submitted at once."""
+    params = types.SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, stop=[])
+    t0 = time.perf_counter()
+    futs = [
+        sc.sample(types.ModelInput.from_ints([5, 9, 17 + i % 50]), 1, params) for i, sc in enumerate(samplers)
+    ]
+    n = sum(len(f.result().sequences[0].tokens) for f in futs)
+    return n / (time.perf_counter() - t0)
+
+
+def sample(args: argparse.Namespace) -> None:
+    ratios = []
+    with tempfile.TemporaryDirectory() as d:
+        probe = Runtime(Path(d) / "probe", memory_budget="off")
+        per_model = probe.base_stack(args.model).engine.state_bytes(LoRAConfig(rank=args.rank))
+        probe.shutdown()
+        budget = 64 * (per_model // 4) + 2 * per_model  # 64 snapshots' weights, and the trained model's state
+        paged = Runtime(Path(d) / "paged", memory_budget=budget)
+        resident = Runtime(Path(d) / "resident", memory_budget="off")
+        p_s, r_s = (
+            _snapshots(paged, args.model, args.samplers, args.rank),
+            _snapshots(resident, args.model, args.samplers, args.rank),
+        )
+        for _ in range(args.repeats):
+            tp, tr = _sample_all(p_s, args.new_tokens), _sample_all(r_s, args.new_tokens)
+            ratios.append(tp / tr)
+            print(f"paged {tp:.0f} tokens/s, resident {tr:.0f} tokens/s", flush=True)
+        pages = paged.base_stack(args.model).engine.pages.counts()
+        paged.shutdown()
+        resident.shutdown()
+    print(f"{args.samplers} samplers on distinct snapshots, budget {budget / 2**20:.1f} MiB (64 snapshots); "
+          f"page-ins {pages['page_ins']:.0f}, page-outs {pages['page_outs']:.0f}")  # fmt: skip
+    print(f"ratios {[round(r, 3) for r in ratios]}")
+    print(f"Psample-many {statistics.median(ratios):.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--which", choices=("cap", "hot", "cold"), required=True)
+    p.add_argument("--which", choices=("cap", "hot", "cold", "sample"), required=True)
     p.add_argument("--model", default="opentinker/tiny")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--models", type=int, default=10000)
@@ -181,8 +234,10 @@ def main() -> None:
     p.add_argument("--registered", type=int, default=4096)
     p.add_argument("--cold-factor", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--samplers", type=int, default=1000)
+    p.add_argument("--new-tokens", type=int, default=16)
     args = p.parse_args()
-    {"cap": cap, "hot": hot, "cold": cold}[args.which](args)
+    {"cap": cap, "hot": hot, "cold": cold, "sample": sample}[args.which](args)
 
 
 if __name__ == "__main__":
