@@ -131,3 +131,11 @@ def test_a_quiet_sessions_models_page_out_first_and_stay_servable(runtimes: tupl
             assert not engine.pages.is_resident(tc.model_id) and not life.evicted
         results.append(tc.forward_backward([_datum(2)], "cross_entropy").result().metrics["loss:sum"])
     assert results[0] == results[1]  # served on, bitwise as if it had stayed resident
+
+
+def test_vllms_host_tier_is_sized_from_the_budget() -> None:
+    from opentinker.service.memory import vllm_cpu_loras
+
+    assert vllm_cpu_loras(None, 10 << 20, 16) is None  # no budget: vLLM's own default
+    assert vllm_cpu_loras(4 << 30, 10 << 20, 16) == (1 << 30) // (10 << 20)  # a quarter of it
+    assert vllm_cpu_loras(64 << 20, 10 << 20, 16) == 16  # never fewer than on the device

@@ -73,6 +73,7 @@ def start_engine(
     max_loras: int,
     max_lora_rank: int,
     max_num_seqs: int,
+    max_cpu_loras: int | None = None,
     lora: bool = True,
     max_logprobs: int,
     dtype: str,
@@ -94,7 +95,8 @@ def start_engine(
         "enable_lora": True,
         "max_loras": max_loras,
         "max_lora_rank": max_lora_rank,
-        "max_cpu_loras": max(2 * max_loras, 32),
+        # vLLM's second tier, adapters kept on the host: sized from the memory budget when given
+        "max_cpu_loras": max(max_cpu_loras or max(2 * max_loras, 32), max_loras),
     }
     args = vllm.EngineArgs(
         model=model_path,

@@ -111,3 +111,15 @@ def memory_budget(setting: int | str, pages: Path) -> MemoryBudget:
     if (stale := clear_stale_pages(pages)) > 0:
         log.info("removed the page files of %d process(es) that are gone", stale)
     return budget
+
+
+VLLM_SHARE = 0.25  # of the budget, for vLLM's host copies of adapters (its max_cpu_loras)
+
+
+def vllm_cpu_loras(budget: int | None, lora_bytes: int, max_loras: int) -> int | None:
+    """How many adapters vLLM keeps on the host (``max_cpu_loras``) under a memory budget: a
+    quarter of it over one adapter's bytes at vLLM's ``max_lora_rank``, never fewer than
+    ``max_loras`` (those on the device); None without a budget (vLLM's default)."""
+    if budget is None:
+        return None
+    return max(max_loras, int(VLLM_SHARE * budget) // max(1, lora_bytes))

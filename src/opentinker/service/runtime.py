@@ -46,7 +46,7 @@ from opentinker.scheduler import ModelQueue, Scheduler, TickRecord, VersionQueue
 from opentinker.service.checkpoints import CheckpointRef, CheckpointStore, parse_tinker_path
 from opentinker.service.config import RuntimeConfig, default_data_dir, runtime_config, vllm_options
 from opentinker.service.external import ExternalRecord, ExternalStore, parse_recipients
-from opentinker.service.memory import memory_budget
+from opentinker.service.memory import memory_budget, vllm_cpu_loras
 from opentinker.service.scaleout import ScaleOut, data_parallel_of
 from opentinker.service.sessions import MemorySessionStore, Sessions, model_id_in
 
@@ -185,7 +185,11 @@ class Runtime:
         """The rollout backend over ``engine`` and how to make its loop's decoder."""
         cache = self.config.prefix_cache_bytes  # per base model's sampler
         if self.config.rollout_backend == "vllm":  # vLLM, and the native backend where vLLM cannot serve
-            rb = RoutedBackend.for_engine(engine, prefix_cache_bytes=cache, **vllm_options(self.config))
+            opts = vllm_options(self.config)
+            lora_bytes = engine.state_bytes(LoRAConfig(rank=opts["max_lora_rank"])) // 4  # weights only
+            cpu = vllm_cpu_loras(self.budget.limit, lora_bytes, int(opts.get("max_loras", 16)))
+            opts.setdefault("max_cpu_loras", cpu)
+            rb = RoutedBackend.for_engine(engine, prefix_cache_bytes=cache, **opts)
             return rb, rb.decoder
         nb = NativeBackend(engine, prefix_cache_bytes=cache)
         return nb, lambda: nb.decoder(snapshots_only=True)
