@@ -123,7 +123,11 @@ def main() -> None:
         print(
             f"first model's loss {first[1]:.3f}, after its step and {args.models - 1} other models {again:.3f}"
         )
-        print(f"server alive: {server.poll() is None}; OOM kills in the cgroup: {group.oom_kills()}")
+        hwm = next(
+            ln for ln in Path(f"/proc/{server.pid}/status").read_text().splitlines() if ln.startswith("VmHWM")
+        )
+        print(f"server alive: {server.poll() is None}; OOM kills in the cgroup: {group.oom_kills()}; "
+              f"server peak RSS {int(hwm.split()[1]) / 2**20:.2f} GiB (the cgroup's peak counts page cache too)")  # fmt: skip
         print(f"cgroup peak {group.peak() / 2**30:.2f} GiB of a {int(args.limit) / 2**30:.2f} GiB limit, "
               f"{args.models} models in {time.perf_counter() - t0:.0f} s")  # fmt: skip
     finally:
