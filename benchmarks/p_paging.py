@@ -152,14 +152,19 @@ def cold(args: argparse.Namespace) -> None:
         _steps(p_clients, 1)
         _steps(r_clients, 1)
         pages = paged.base_stack(args.model).engine.pages
-        ins0, bytes0, wait0 = pages.stats.page_ins, pages.stats.bytes_in, pages.stats.wait_s
-        t_paged = 0.0
-        for _ in range(args.repeats):
-            tp = _steps(p_clients, args.steps)
-            tr = _steps(r_clients, args.steps)
-            t_paged += tp
+        ins0, bytes0, wait0, load0 = (
+            pages.stats.page_ins,
+            pages.stats.bytes_in,
+            pages.stats.wait_s,
+            pages.stats.load_s,
+        )
+        for k in range(args.repeats):  # alternating which arm runs first
+            if k % 2:
+                tr, tp = _steps(r_clients, args.steps), _steps(p_clients, args.steps)
+            else:
+                tp, tr = _steps(p_clients, args.steps), _steps(r_clients, args.steps)
             ratios.append(tr / tp)
-        rate = (pages.stats.bytes_in - bytes0) / t_paged
+        rate = (pages.stats.bytes_in - bytes0) / max(1e-9, pages.stats.load_s - load0)  # while paging in
         disk = _disk_read_bandwidth(Path(d), int(per_model * n))
         sched = paged.base_stack(args.model).scheduler.stats
         print(f"{n} models, {args.cold_factor}x a budget of {budget / 2**20:.1f} MiB; "

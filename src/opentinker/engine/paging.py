@@ -273,6 +273,7 @@ class PagingStats:
     prefetched: int = 0  # page-ins started ahead of use
     waited: int = 0  # uses that had to wait for a page-in
     wait_s: float = 0.0  # how long they waited, in all
+    load_s: float = 0.0  # time spent paging in (reading, checking, rebuilding), waited for or not
     failed_outs: int = 0  # page-outs that could not be written
 
     def as_dict(self) -> dict[str, float]:
@@ -402,6 +403,7 @@ class PagedTable:
                     e.page = None
             self.stats.page_ins += 1
             self.stats.bytes_in += e.nbytes
+            self.stats.load_s += time.perf_counter() - t0
             if not ahead:
                 self.stats.waited += 1
                 self.stats.wait_s += time.perf_counter() - t0
