@@ -33,7 +33,7 @@ from opentinker.service.runtime import Runtime
 from tests.conftest import TEST_MODEL
 from tests.test_ray_dp_serve import BAD_DEGREES
 from tests.test_ray_trainer import WAIT, _client, _datum, _train, wait_restored
-from tests.tolerances import assert_scalar_close
+from tests.tolerances import TRAJECTORY_REL, assert_scalar_close
 
 ray = pytest.importorskip("ray")
 
@@ -85,7 +85,10 @@ def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path
         again = service.create_training_client_from_state_with_optimizer(path)
         rec = rt.models[again.model_id]
         assert rec.data_parallel == 2 and rec.note is None and router.dp[again.model_id].degree == 2
-        assert_scalar_close(_train(again, DATA, 1)[0], _train(tc, DATA, 1)[0], rel=1e-5)
+        # one step apart from the saved replica's weights: tc's other replica stepped on its own
+        # all-reduced gradients, whose near-zero coordinates AdamW turns into full steps whose
+        # sign is rounding's (tests/tolerances.py, TRAJECTORY_REL); 1.8e-4 seen on one CPU kind
+        assert_scalar_close(_train(again, DATA, 1)[0], _train(tc, DATA, 1)[0], rel=TRAJECTORY_REL)
 
         # one replica's worker dies; the first op is an optimizer step (its all-reduce cannot finish)
         tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT)
