@@ -85,10 +85,7 @@ def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path
         again = service.create_training_client_from_state_with_optimizer(path)
         rec = rt.models[again.model_id]
         assert rec.data_parallel == 2 and rec.note is None and router.dp[again.model_id].degree == 2
-        # a step after a data-parallel step: within TRAJECTORY_REL (tests/tolerances.py: AdamW
-        # turns near-zero gradient coordinates into full steps whose sign is rounding's); 1.8e-4
-        # was seen on one CPU kind, where 1e-5 had held on another
-        assert_scalar_close(_train(again, DATA, 1)[0], _train(tc, DATA, 1)[0], rel=TRAJECTORY_REL)
+        assert_scalar_close(_train(again, DATA, 1)[0], _train(tc, DATA, 1)[0], rel=1e-5)
 
         # one replica's worker dies; the first op is an optimizer step (its all-reduce cannot finish)
         tc.forward_backward(DATA, "cross_entropy").result(timeout=WAIT)
@@ -126,9 +123,12 @@ def test_a_checkpoint_keeps_its_degree_and_a_lost_replica_fails_clearly(tmp_path
         got2 = _train(again2, DATA, 2)
     finally:
         rt.shutdown()
-    for g, g2, w in zip(got, got2, _plain_resume(tmp_path, path, 2), strict=True):
+    for step, (g, g2, w) in enumerate(zip(got, got2, _plain_resume(tmp_path, path, 2), strict=True)):
         assert_scalar_close(g, w, rel=1e-5)
-        assert_scalar_close(g2, w, rel=1e-5)
+        # data-parallel against one process: the same at the checkpoint's weights; a step on, within
+        # TRAJECTORY_REL (tests/tolerances.py: AdamW turns near-zero gradient coordinates into full
+        # steps whose sign is rounding's): 1.8e-4 was seen on one CPU kind, where 1e-5 had held
+        assert_scalar_close(g2, w, rel=1e-5 if step == 0 else TRAJECTORY_REL)
 
 
 def test_auto_restore_brings_a_data_parallel_model_back_on_one_worker(tmp_path: Path) -> None:
