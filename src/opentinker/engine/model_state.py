@@ -46,7 +46,9 @@ class AdapterRecord:
         return self.table.get(self.adapter_id)
 
     def replace(self, weights: LoRAWeights, optimizer: AdapterOptimizer) -> None:
-        """New weights and optimizer (no gradients): the old state is not paged in to be dropped."""
+        """New weights and optimizer (no gradients), and the weights' config (of the same layout:
+        its alpha may differ); the old state is not paged in to be dropped."""
+        self.config = weights.config
         self.table.add(self.adapter_id, "adapter", AdapterState(weights, optimizer))
 
     @property
