@@ -55,6 +55,15 @@ def _rss_kib(field: str = "VmRSS") -> int:
     raise RuntimeError(field)
 
 
+def _state_bytes(folder: Path, model: str, rank: int) -> int:
+    """One model's most state (weights, gradients, moments), from a runtime that is then closed."""
+    probe = Runtime(folder, memory_budget="off")
+    try:
+        return probe.base_stack(model).engine.state_bytes(LoRAConfig(rank=rank))
+    finally:
+        probe.shutdown()
+
+
 def _clients(rt: Runtime, model: str, n: int, rank: int) -> list[Any]:
     service = opentinker.ServiceClient(runtime=rt)
     return [service.create_lora_training_client(model, rank=rank, seed=i) for i in range(n)]
@@ -102,9 +111,7 @@ def cap(args: argparse.Namespace) -> None:
 def hot(args: argparse.Namespace) -> None:
     ratios = []
     with tempfile.TemporaryDirectory() as d:
-        probe = Runtime(Path(d) / "probe", memory_budget="off")
-        per_model = probe.base_stack(args.model).engine.state_bytes(LoRAConfig(rank=args.rank))
-        probe.shutdown()
+        per_model = _state_bytes(Path(d) / "probe", args.model, args.rank)
         budget = 2 * args.active * per_model + per_model  # a tick may use half: all active ones
         paged = Runtime(Path(d) / "paged", memory_budget=budget)
         resident = Runtime(Path(d) / "resident", memory_budget="off")
@@ -138,9 +145,7 @@ def _disk_read_bandwidth(folder: Path, nbytes: int) -> float:
 def cold(args: argparse.Namespace) -> None:
     ratios = []
     with tempfile.TemporaryDirectory() as d:
-        probe = Runtime(Path(d) / "probe", memory_budget="off")
-        per_model = probe.base_stack(args.model).engine.state_bytes(LoRAConfig(rank=args.rank))
-        probe.shutdown()
+        per_model = _state_bytes(Path(d) / "probe", args.model, args.rank)
         budget = 2 * args.active * per_model + per_model
         n = int(args.cold_factor * budget / per_model)
         paged = Runtime(Path(d) / "paged", memory_budget=budget)
@@ -204,9 +209,7 @@ def _sample_all(samplers: list[Any], tokens: int) -> float:
 def sample(args: argparse.Namespace) -> None:
     ratios = []
     with tempfile.TemporaryDirectory() as d:
-        probe = Runtime(Path(d) / "probe", memory_budget="off")
-        per_model = probe.base_stack(args.model).engine.state_bytes(LoRAConfig(rank=args.rank))
-        probe.shutdown()
+        per_model = _state_bytes(Path(d) / "probe", args.model, args.rank)
         budget = 64 * (per_model // 4) + 2 * per_model  # 64 snapshots' weights, and the trained model's state
         paged = Runtime(Path(d) / "paged", memory_budget=budget)
         resident = Runtime(Path(d) / "resident", memory_budget="off")

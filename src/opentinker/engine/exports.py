@@ -20,8 +20,9 @@ class EngineExports:
     base: BaseModel
     lora: MultiLoRA
 
-    def adapter_weights(self, ref: PolicyRef) -> LoRAWeights:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the Engine's own (this mixin holds no state of its own)
+
+        def adapter_weights(self, ref: PolicyRef) -> LoRAWeights: ...
 
     @_paged
     def export_peft(self, ref: PolicyRef, out_dir: str | Path) -> Path:
